@@ -1,0 +1,94 @@
+# kvcal build. `make deps` installs Debian packages, `make` builds the
+# `kvcal` binary and `libkvcal.a`, `make test` runs every Criterion suite.
+CC ?= cc
+MULTIARCH := $(shell $(CC) -print-multiarch 2>/dev/null)
+ifeq ($(MULTIARCH),)
+MULTIARCH := x86_64-linux-gnu
+endif
+# OpenBLAS built for OpenMP, so BLAS and kvcal's own loops share one pool.
+BLAS_INC := /usr/include/$(MULTIARCH)/openblas-openmp
+BLAS_LIB := /usr/lib/$(MULTIARCH)/openblas-openmp
+
+PREFIX ?= /usr/local
+BUILD  := build
+OPT    ?= -O2
+CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
+          -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -I$(BLAS_INC) -MMD -MP
+LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -ljansson -lz -lm -fopenmp
+
+DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
+                libcriterion-dev libjansson-dev zlib1g-dev
+
+LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
+CMD_SRC  := $(wildcard cmd/*.c)
+TEST_SRC := $(wildcard tests/test_*.c)
+BENCH_SRC := $(wildcard tests/bench/*.c)
+
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+CMD_OBJ  := $(CMD_SRC:%.c=$(BUILD)/obj/%.o)
+TEST_BIN := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
+
+KVCAL_SHARED ?= ../shared
+export KVCAL_SHARED
+
+.PHONY: all deps test bench clean install
+all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/include/kvcal.h
+
+deps:
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y $(DEB_PACKAGES)
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/libkvcal.a: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/include/kvcal.h: lib/kvcal.h
+	@mkdir -p $(dir $@)
+	cp $< $@
+
+$(BUILD)/kvcal: $(CMD_OBJ) $(BUILD)/libkvcal.a
+	$(CC) $(CMD_OBJ) $(BUILD)/libkvcal.a $(LDLIBS) -o $@
+
+$(BUILD)/obj/tests/%.o: tests/%.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(BUILD)/obj/tests/testutil.o $(BUILD)/libkvcal.a
+	@mkdir -p $(dir $@)
+	$(CC) $^ $(LDLIBS) -lcriterion -o $@
+
+$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvcal.a
+	@mkdir -p $(dir $@)
+	$(CC) $^ $(LDLIBS) -o $@
+
+# Every suite runs even if an earlier one fails; the summary line counts suites.
+test: all $(TEST_BIN)
+	@pass=0; fail=0; failed=""; \
+	for t in $(TEST_BIN); do \
+	  echo "== $$t"; \
+	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2; then pass=$$((pass+1)); \
+	  else fail=$$((fail+1)); failed="$$failed $$t"; fi; \
+	done; \
+	echo "test suites: $$pass passed, $$fail failed"; \
+	if [ $$fail -ne 0 ]; then echo "failing suites:$$failed"; exit 1; fi
+
+bench: all $(BENCH_BIN)
+	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include
+	install -m 755 $(BUILD)/kvcal $(DESTDIR)$(PREFIX)/bin/kvcal
+	install -m 644 $(BUILD)/libkvcal.a $(DESTDIR)$(PREFIX)/lib/libkvcal.a
+	install -m 644 lib/kvcal.h $(DESTDIR)$(PREFIX)/include/kvcal.h
+
+clean:
+	rm -rf $(BUILD) kvcal
+
+.SECONDARY:
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

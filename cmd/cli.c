@@ -1,0 +1,242 @@
+#include "cli.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+int cli_verbose = 0;
+
+double cli_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+double cli_peak_rss_mib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (double)ru.ru_maxrss / 1024.0; /* ru_maxrss is KiB on Linux */
+}
+
+static void print_help(const struct cli_cmd *cmd) {
+    printf("usage: kvcal %s %s\n\n%s\n", cmd->name, cmd->usage, cmd->summary);
+    if (cmd->n_opts) printf("\noptions:\n");
+    for (int i = 0; i < cmd->n_opts; i++) {
+        const struct cli_opt *o = &cmd->opts[i];
+        char left[64];
+        int n = 0;
+        if (o->short_name)
+            n = snprintf(left, sizeof left, "-%c, --%s", o->short_name, o->name);
+        else
+            n = snprintf(left, sizeof left, "    --%s", o->name);
+        if (o->type != OPT_FLAG && (size_t)n < sizeof left)
+            snprintf(left + n, sizeof left - (size_t)n, " %s", o->metavar ? o->metavar : "X");
+        printf("  %-26s %s\n", left, o->help);
+    }
+    printf("  %-26s %s\n", "-h, --help", "show this help and exit");
+    if (cmd->details) printf("\n%s", cmd->details);
+}
+
+int cli_usage_error(const struct cli_cmd *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kvcal %s: ", cmd->name);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\nusage: kvcal %s %s (see 'kvcal %s --help')\n", cmd->name, cmd->usage,
+            cmd->name);
+    return EXIT_USAGE;
+}
+
+static int set_value(const struct cli_cmd *cmd, const struct cli_opt *o, const char *v) {
+    char *end;
+    switch (o->type) {
+    case OPT_STR: *(const char **)o->dst = v; return 0;
+    case OPT_INT: {
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end)
+            return cli_usage_error(cmd, "option '--%s' needs an integer, got '%s'", o->name, v);
+        *(int64_t *)o->dst = x;
+        return 0;
+    }
+    case OPT_DOUBLE: {
+        errno = 0;
+        double x = strtod(v, &end);
+        if (errno || end == v || *end)
+            return cli_usage_error(cmd, "option '--%s' needs a number, got '%s'", o->name, v);
+        *(double *)o->dst = x;
+        return 0;
+    }
+    case OPT_FLAG: break;
+    }
+    return 0;
+}
+
+int cli_parse(const struct cli_cmd *cmd, int argc, char **argv, const char **pos, int *n_pos) {
+    *n_pos = 0;
+    int only_pos = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (only_pos || a[0] != '-' || a[1] == 0) {
+            if (*n_pos >= cmd->max_positional)
+                return cli_usage_error(cmd, "unexpected argument '%s'", a);
+            pos[(*n_pos)++] = a;
+            continue;
+        }
+        if (!strcmp(a, "--")) {
+            only_pos = 1;
+            continue;
+        }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            print_help(cmd);
+            return EXIT_OK;
+        }
+        if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
+            cli_verbose = 1;
+            continue;
+        }
+        const struct cli_opt *o = NULL;
+        const char *inline_val = NULL;
+        if (a[1] == '-') {
+            const char *nm = a + 2, *eq = strchr(nm, '=');
+            size_t len = eq ? (size_t)(eq - nm) : strlen(nm);
+            for (int k = 0; k < cmd->n_opts; k++)
+                if (strlen(cmd->opts[k].name) == len && !strncmp(cmd->opts[k].name, nm, len))
+                    o = &cmd->opts[k];
+            if (eq) inline_val = eq + 1;
+        } else if (a[2] == 0) {
+            for (int k = 0; k < cmd->n_opts; k++)
+                if (cmd->opts[k].short_name == a[1]) o = &cmd->opts[k];
+        }
+        if (!o) return cli_usage_error(cmd, "unknown option '%s'", a);
+        if (o->type == OPT_FLAG) {
+            if (inline_val) return cli_usage_error(cmd, "option '--%s' takes no value", o->name);
+            *(int *)o->dst = 1;
+            continue;
+        }
+        const char *v = inline_val;
+        if (!v) {
+            if (i + 1 >= argc) return cli_usage_error(cmd, "option '%s' needs a value", a);
+            v = argv[++i];
+        }
+        int rc = set_value(cmd, o, v);
+        if (rc) return rc;
+    }
+    return -1;
+}
+
+int cli_report(const struct kv_err *err) {
+    char buf[2400];
+    kv_err_format(err, buf, sizeof buf, cli_verbose);
+    fprintf(stderr, "kvcal: %s\n", buf);
+    return EXIT_ERR;
+}
+
+void cli_progress_start(struct cli_progress *p, const char *what, int quiet) {
+    p->what = what;
+    p->t0 = cli_now();
+    p->tty = isatty(2);
+    p->quiet = quiet;
+    p->last_decile = 0;
+}
+
+static void fmt_eta(double s, char *buf, size_t cap) {
+    long t = (long)(s + 0.5);
+    if (t >= 3600)
+        snprintf(buf, cap, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+    else
+        snprintf(buf, cap, "%ld:%02ld", t / 60, t % 60);
+}
+
+int cli_progress_cb(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
+    struct cli_progress *p = ctx;
+    if (p->quiet || total <= 0) return 0;
+    double el = cli_now() - p->t0, rate = el > 0 ? (double)tokens_done / el : 0;
+    double eta = done > 0 ? el * (double)(total - done) / (double)done : 0;
+    char e[32];
+    fmt_eta(eta, e, sizeof e);
+    if (p->tty) {
+        int w = 30, fill = (int)(w * done / total);
+        char bar[64];
+        for (int i = 0; i < w; i++) bar[i] = i < fill ? '#' : '.';
+        bar[w] = 0;
+        fprintf(stderr, "\r[%s] %lld/%lld %s  %.0f tok/s  eta %s ", bar, (long long)done,
+                (long long)total, p->what, rate, e);
+        fflush(stderr);
+    } else {
+        int dec = (int)(10 * done / total);
+        if (dec > p->last_decile) {
+            p->last_decile = dec;
+            fprintf(stderr, "progress: %lld/%lld %s, %.0f tok/s, eta %s\n", (long long)done,
+                    (long long)total, p->what, rate, e);
+        }
+    }
+    return 0;
+}
+
+void cli_progress_end(struct cli_progress *p) {
+    if (!p->quiet && p->tty) fprintf(stderr, "\r%*s\r", 78, "");
+}
+
+int cli_load_model(const char *path, const char *tok_path, struct kv_model **m) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (kv_model_open(path, tok_path, m, &err)) return cli_report(&err);
+    return 0;
+}
+
+int cli_load_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
+                    int32_t **ids, int64_t *n, size_t *n_bytes) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    *n_bytes = 0;
+    if (tokens_path) {
+        if (kv_tokens_read(tokens_path, ids, n, (int32_t)kv_model_config(m)->vocab_size, &err))
+            return cli_report(&err);
+        return 0;
+    }
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    if (!tok) {
+        fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE "
+                        "(llama2.c tokenizer.bin, tokenizer.json or .gguf) or --tokens FILE\n");
+        return EXIT_ERR;
+    }
+    char *text;
+    size_t len;
+    if (kv_text_read(text_path, &text, &len, &err)) return cli_report(&err);
+    int rc = kv_tok_encode(tok, text, len, 1, ids, n, &err);
+    free(text);
+    if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text_path);
+        return cli_report(&err);
+    }
+    *n_bytes = len;
+    return 0;
+}
+
+void cli_human_count(double v, char *buf, size_t cap) {
+    if (v >= 1e9)
+        snprintf(buf, cap, "%.2fB", v / 1e9);
+    else if (v >= 1e6)
+        snprintf(buf, cap, "%.2fM", v / 1e6);
+    else if (v >= 1e3)
+        snprintf(buf, cap, "%.1fK", v / 1e3);
+    else
+        snprintf(buf, cap, "%.0f", v);
+}
+
+void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
+    snprintf(buf, cap,
+             "llama, dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld, ffn %lld, "
+             "vocab %lld, rope %s theta %g, %s head",
+             (long long)c->dim, (long long)c->n_layers, (long long)c->n_heads,
+             (long long)c->n_kv_heads, (long long)c->head_dim, (long long)c->hidden_dim,
+             (long long)c->vocab_size,
+             c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
+             (double)c->rope_theta, c->tied_embeddings ? "tied" : "untied");
+}

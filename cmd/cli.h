@@ -1,0 +1,80 @@
+/* Shared CLI plumbing: option tables, messages, progress, resources.
+ * Only cmd/ prints or exits. */
+#ifndef KV_CLI_H
+#define KV_CLI_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvcal.h"
+
+enum { EXIT_OK = 0, EXIT_ERR = 1, EXIT_USAGE = 2, EXIT_TOLERANCE = 3 };
+
+enum cli_opt_type { OPT_FLAG, OPT_STR, OPT_INT, OPT_DOUBLE };
+
+/* One option, declared once: drives both parsing and --help. */
+struct cli_opt {
+    const char *name;  /* long name without "--" */
+    char short_name;   /* 0 if none */
+    enum cli_opt_type type;
+    void *dst;         /* int* (flag), const char** (str), int64_t* (int), double* */
+    const char *metavar;
+    const char *help;
+};
+
+struct cli_cmd {
+    const char *name;
+    const char *usage;    /* "--model M --text T [options]" */
+    const char *summary;  /* one line */
+    const char *details;  /* paragraphs after the options, with examples */
+    const struct cli_opt *opts;
+    int n_opts;
+    int max_positional;   /* positional arguments accepted */
+};
+
+/* Parse argv (argv[0] is the subcommand name). Positional arguments are
+ * stored in pos[0..*n_pos). Returns -1 to continue, or an exit code (0 after
+ * --help, EXIT_USAGE after a usage error already printed). */
+int cli_parse(const struct cli_cmd *cmd, int argc, char **argv, const char **pos, int *n_pos);
+
+/* Print "kvcal CMD: message" plus a hint to stderr; returns EXIT_USAGE. */
+int cli_usage_error(const struct cli_cmd *cmd, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Print a library error ("kvcal: path: offset N: msg") and return EXIT_ERR. */
+int cli_report(const struct kv_err *err);
+
+/* Global -v: add detection sites to error messages. */
+extern int cli_verbose;
+
+/* Progress on stderr: a redrawn bar on a TTY, otherwise a plain line at
+ * each 10% step. quiet suppresses it. */
+struct cli_progress {
+    const char *what;  /* "windows" */
+    double t0;
+    int tty, quiet, last_decile;
+};
+void cli_progress_start(struct cli_progress *p, const char *what, int quiet);
+/* Callback shape matching kv_progress_fn. */
+int cli_progress_cb(void *ctx, int64_t done, int64_t total, int64_t tokens_done);
+void cli_progress_end(struct cli_progress *p);
+
+double cli_now(void);
+/* Peak resident set size of this process in MiB. */
+double cli_peak_rss_mib(void);
+
+/* Load a model, honouring --tokenizer; prints errors. Returns 0 or EXIT_ERR. */
+int cli_load_model(const char *path, const char *tok_path, struct kv_model **m);
+
+/* Token ids for evaluation: from --tokens (raw ids) or --text (read .txt/.gz,
+ * encode with BOS). *n_bytes receives the text size (0 for --tokens). */
+int cli_load_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
+                    int32_t **ids, int64_t *n, size_t *n_bytes);
+
+/* "dim 64, 5 layers, 8 heads (4 kv), head_dim 8, ffn 172, vocab 512" */
+void cli_describe_config(const struct kv_config *c, char *buf, size_t cap);
+
+/* Human count: 260.1K, 15.2M. */
+void cli_human_count(double v, char *buf, size_t cap);
+
+#endif

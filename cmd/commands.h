@@ -1,0 +1,9 @@
+/* Subcommand entry points: argv[0] is the subcommand name. */
+#ifndef KV_COMMANDS_H
+#define KV_COMMANDS_H
+
+int cmd_verify(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+
+#endif

@@ -1,0 +1,79 @@
+/* kvcal: the command table and dispatch. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *summary;
+} commands[] = {
+    {"verify", cmd_verify, "perplexity of a model on held-out text (windows protocol)"},
+    {"generate", cmd_generate, "greedy decoding from a prompt, for eyeballing a model"},
+    {"inspect", cmd_inspect, "config, tokenizer and tensor table of a model file or directory"},
+};
+#define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
+
+static void list_commands(FILE *f) {
+    fprintf(f, "usage: kvcal <command> [options]\n\n"
+               "kvcal shrinks the KV cache of pretrained transformer LLMs without retraining.\n\n"
+               "commands:\n");
+    for (int i = 0; i < N_COMMANDS; i++)
+        fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "\n'kvcal <command> --help' describes a command's options.\n"
+               "models: an HF Llama directory, a GGUF file (F32/F16) or a llama2.c .bin.\n");
+}
+
+static int edit_distance(const char *a, const char *b) {
+    int la = (int)strlen(a), lb = (int)strlen(b);
+    if (la > 31 || lb > 31) return 99;
+    int d[32][32];
+    for (int i = 0; i <= la; i++) d[i][0] = i;
+    for (int j = 0; j <= lb; j++) d[0][j] = j;
+    for (int i = 1; i <= la; i++)
+        for (int j = 1; j <= lb; j++) {
+            int c = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+            if (d[i - 1][j] + 1 < c) c = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < c) c = d[i][j - 1] + 1;
+            d[i][j] = c;
+        }
+    return d[la][lb];
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        list_commands(stdout);
+        return EXIT_OK;
+    }
+    const char *name = argv[1];
+    if (!strcmp(name, "-h") || !strcmp(name, "--help") || !strcmp(name, "help")) {
+        if (argc > 2 && strcmp(name, "help") == 0) {
+            for (int i = 0; i < N_COMMANDS; i++)
+                if (!strcmp(argv[2], commands[i].name)) {
+                    char *av[] = {argv[2], "--help", NULL};
+                    return commands[i].fn(2, av);
+                }
+        }
+        list_commands(stdout);
+        return EXIT_OK;
+    }
+    if (!strcmp(name, "--version") || !strcmp(name, "version")) {
+        printf("kvcal %s\n", KVCAL_VERSION);
+        return EXIT_OK;
+    }
+    for (int i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(name, commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+    int best = -1, bd = 99;
+    for (int i = 0; i < N_COMMANDS; i++) {
+        int dd = edit_distance(name, commands[i].name);
+        if (dd < bd) bd = dd, best = i;
+    }
+    if (best >= 0 && bd <= 3)
+        fprintf(stderr, "kvcal: unknown command '%s'; did you mean '%s'?\n", name,
+                commands[best].name);
+    else
+        fprintf(stderr, "kvcal: unknown command '%s'; run 'kvcal help' for the list\n", name);
+    return EXIT_USAGE;
+}

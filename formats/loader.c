@@ -1,0 +1,80 @@
+/* Format detection: one entry point from a path to a struct kv_model. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "hfdir.h"
+#include "llama2c.h"
+#include "mapfile.h"
+#include "model.h"
+#include "tokenizer.h"
+
+static int ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+/* 1 if the file starts with the GGUF magic. */
+static int is_gguf(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    char mg[4] = {0};
+    size_t n = fread(mg, 1, 4, f);
+    fclose(f);
+    return n == 4 && memcmp(mg, "GGUF", 4) == 0;
+}
+
+int kv_tokenizer_open(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
+    int kind = kv_path_kind(path);
+    if (kind < 0) return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "no such file");
+    if (kind == 1) {
+        char *p = kv_path_join(path, "tokenizer.json");
+        if (!p) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        int rc = kv_hf_load_tokenizer(p, out, err);
+        free(p);
+        return rc;
+    }
+    if (ends_with(path, ".json")) return kv_hf_load_tokenizer(path, out, err);
+    if (is_gguf(path)) return kv_gguf_load_tokenizer(path, out, err);
+    return kv_l2c_load_tokenizer(path, -1, out, err);
+}
+
+int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model **out,
+                  struct kv_err *err) {
+    int kind = kv_path_kind(path);
+    if (kind < 0) return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "no such file or directory");
+    struct kv_model *m = NULL;
+    int rc;
+    if (kind == 1)
+        rc = kv_hf_load(path, &m, err);
+    else if (is_gguf(path))
+        rc = kv_gguf_load(path, &m, err);
+    else if (ends_with(path, ".safetensors") || ends_with(path, "config.json"))
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "pass the model directory (with config.json), not one of its files");
+    else
+        rc = kv_l2c_load(path, &m, err);
+    if (rc) return rc;
+    if (tokenizer_path) {
+        struct kv_tokenizer *tok;
+        rc = kv_tokenizer_open(tokenizer_path, &tok, err);
+        if (rc) {
+            kv_model_free(m);
+            return rc;
+        }
+        if (kv_tok_n_vocab(tok) > m->cfg.vocab_size) {
+            int nv = kv_tok_n_vocab(tok);
+            long long mv = (long long)m->cfg.vocab_size;
+            kv_tok_free(tok);
+            kv_model_free(m);
+            return kv_fail(err, KV_EINVAL, tokenizer_path, KV_NO_OFFSET,
+                           "tokenizer has %d pieces but the model '%s' has a vocabulary of %lld",
+                           nv, path, mv);
+        }
+        kv_tok_free(m->tok);
+        m->tok = tok;
+    }
+    *out = m;
+    return KV_OK;
+}

@@ -1,0 +1,26 @@
+/* Read-only file mappings. Parsers take bytes; *_open functions map a file
+ * and hand the bytes to the parser. */
+#ifndef KV_MAPFILE_H
+#define KV_MAPFILE_H
+
+#include "kvcal.h"
+
+struct kv_map {
+    const uint8_t *data; /* NULL for an empty file */
+    uint64_t len;
+};
+
+/* Map path read-only. Errors: KV_EIO naming path and strerror. */
+int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err);
+void kv_map_close(struct kv_map *m);
+/* Heap copy of a kv_map suitable for kv_model_on_free(kv_map_free_cb, ...). */
+int kv_map_open_heap(const char *path, struct kv_map **out, struct kv_err *err);
+void kv_map_free_cb(void *map);
+
+/* 1 if path is a directory, 0 if not, -1 if it does not exist. */
+int kv_path_kind(const char *path);
+
+/* Join dir and name into a malloc'd string. */
+char *kv_path_join(const char *dir, const char *name);
+
+#endif

@@ -1,0 +1,377 @@
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "limits.h"
+#include "tokenizer.h"
+
+static const struct {
+    const char *name;
+    size_t size;
+} dtype_info[KV_DTYPE_COUNT] = {
+    [KV_DTYPE_F32] = {"F32", 4}, [KV_DTYPE_F16] = {"F16", 2},   [KV_DTYPE_BF16] = {"BF16", 2},
+    [KV_DTYPE_F64] = {"F64", 8}, [KV_DTYPE_I8] = {"I8", 1},     [KV_DTYPE_I16] = {"I16", 2},
+    [KV_DTYPE_I32] = {"I32", 4}, [KV_DTYPE_I64] = {"I64", 8},   [KV_DTYPE_U8] = {"U8", 1},
+    [KV_DTYPE_BOOL] = {"BOOL", 1},
+};
+
+const char *kv_dtype_name(enum kv_dtype t) {
+    return (unsigned)t < KV_DTYPE_COUNT ? dtype_info[t].name : "?";
+}
+size_t kv_dtype_size(enum kv_dtype t) {
+    return (unsigned)t < KV_DTYPE_COUNT ? dtype_info[t].size : 0;
+}
+
+int64_t kv_tensor_numel(const struct kv_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+static const char *const wkind_names[KV_W_COUNT] = {
+    [KV_W_TOK_EMB] = "token embedding", [KV_W_OUT_NORM] = "output norm",
+    [KV_W_LM_HEAD] = "output head",     [KV_W_ATTN_NORM] = "attention norm",
+    [KV_W_Q] = "q projection",          [KV_W_K] = "k projection",
+    [KV_W_V] = "v projection",          [KV_W_O] = "output projection",
+    [KV_W_BQ] = "q bias",               [KV_W_BK] = "k bias",
+    [KV_W_BV] = "v bias",               [KV_W_FFN_NORM] = "ffn norm",
+    [KV_W_GATE] = "ffn gate",           [KV_W_DOWN] = "ffn down",
+    [KV_W_UP] = "ffn up",
+};
+
+const char *kv_wkind_name(enum kv_wkind kind) {
+    return (unsigned)kind < KV_W_COUNT ? wkind_names[kind] : "?";
+}
+
+const char *kv_format_name(enum kv_format f) {
+    switch (f) {
+    case KV_FORMAT_HF: return "hf-safetensors";
+    case KV_FORMAT_GGUF: return "gguf";
+    case KV_FORMAT_LLAMA2C: return "llama2c";
+    case KV_FORMAT_SYNTHETIC: return "synthetic";
+    }
+    return "?";
+}
+
+int kv_model_expected_shape(const struct kv_config *c, enum kv_wkind kind, int64_t s[2]) {
+    int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    switch (kind) {
+    case KV_W_TOK_EMB:
+    case KV_W_LM_HEAD: s[0] = c->vocab_size; s[1] = c->dim; return 2;
+    case KV_W_OUT_NORM:
+    case KV_W_ATTN_NORM:
+    case KV_W_FFN_NORM: s[0] = c->dim; return 1;
+    case KV_W_Q: s[0] = qd; s[1] = c->dim; return 2;
+    case KV_W_K:
+    case KV_W_V: s[0] = kd; s[1] = c->dim; return 2;
+    case KV_W_O: s[0] = c->dim; s[1] = qd; return 2;
+    case KV_W_BQ: s[0] = qd; return 1;
+    case KV_W_BK:
+    case KV_W_BV: s[0] = kd; return 1;
+    case KV_W_GATE:
+    case KV_W_UP: s[0] = c->hidden_dim; s[1] = c->dim; return 2;
+    case KV_W_DOWN: s[0] = c->dim; s[1] = c->hidden_dim; return 2;
+    case KV_W_COUNT: break;
+    }
+    KV_ASSERT(0);
+    return 0;
+}
+
+static int check_cfg(const struct kv_config *c, const char *path, struct kv_err *err) {
+    struct {
+        const char *name;
+        int64_t v, max;
+    } dims[] = {
+        {"dim", c->dim, KV_MAX_DIM},          {"hidden_dim", c->hidden_dim, KV_MAX_DIM},
+        {"n_layers", c->n_layers, KV_MAX_LAYERS}, {"n_heads", c->n_heads, KV_MAX_DIM},
+        {"n_kv_heads", c->n_kv_heads, KV_MAX_DIM}, {"head_dim", c->head_dim, KV_MAX_DIM},
+        {"vocab_size", c->vocab_size, KV_MAX_VOCAB},
+    };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i].v <= 0 || dims[i].v > dims[i].max)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "%s is %lld, expected 1..%lld", dims[i].name, (long long)dims[i].v,
+                           (long long)dims[i].max);
+    if (c->n_heads % c->n_kv_heads)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "n_heads %lld is not a multiple of n_kv_heads %lld",
+                       (long long)c->n_heads, (long long)c->n_kv_heads);
+    if (c->head_dim % 2)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "head_dim %lld is odd, rope needs pairs",
+                       (long long)c->head_dim);
+    if (c->n_heads * c->head_dim > KV_MAX_DIM)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "n_heads*head_dim exceeds %d",
+                       KV_MAX_DIM);
+    if (!(c->norm_eps > 0) || !isfinite(c->norm_eps))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "norm epsilon %g must be positive",
+                       (double)c->norm_eps);
+    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "rope theta %g must be positive",
+                       (double)c->rope_theta);
+    return KV_OK;
+}
+
+int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char *path,
+                    struct kv_model **out, struct kv_err *err) {
+    int rc = check_cfg(cfg, path, err);
+    if (rc) return rc;
+    struct kv_model *m = calloc(1, sizeof *m);
+    if (!m) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    m->cfg = *cfg;
+    m->format = fmt;
+    m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers);
+    if (!m->layers) {
+        free(m);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    *out = m;
+    return KV_OK;
+}
+
+static int grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return 0;
+    int64_t nc = *cap ? *cap * 2 : 16;
+    while (nc < need) nc *= 2;
+    void *p = realloc(*arr, (size_t)nc * elem);
+    if (!p) return -1;
+    *arr = p;
+    *cap = nc;
+    return 0;
+}
+
+int kv_model_on_free(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err) {
+    if (grow((void **)&m->cleanups, &m->cap_cleanups, m->n_cleanups + 1, sizeof *m->cleanups))
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    m->cleanups[m->n_cleanups++] = (struct kv_cleanup){fn, ctx};
+    return KV_OK;
+}
+
+int kv_model_add_tensors(struct kv_model *m, const struct kv_tensor *t, int64_t n,
+                         struct kv_err *err) {
+    if (grow((void **)&m->tensors, &m->cap_tensors, m->n_tensors + n, sizeof *m->tensors))
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    memcpy(m->tensors + m->n_tensors, t, (size_t)n * sizeof *t);
+    m->n_tensors += n;
+    return KV_OK;
+}
+
+static float *own_floats(struct kv_model *m, int64_t n) {
+    if (grow((void **)&m->owned, &m->cap_owned, m->n_owned + 1, sizeof *m->owned)) return NULL;
+    float *p = malloc((size_t)n * sizeof *p);
+    if (p) m->owned[m->n_owned++] = p;
+    return p;
+}
+
+float kv_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400));
+            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+float kv_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n) {
+    const uint8_t *p = in;
+    switch (src) {
+    case KV_DTYPE_F32: memcpy(out, in, (size_t)n * 4); break; /* little-endian host */
+    case KV_DTYPE_F16:
+        for (int64_t i = 0; i < n; i++) out[i] = kv_f16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
+        break;
+    case KV_DTYPE_BF16:
+        for (int64_t i = 0; i < n; i++) out[i] = kv_bf16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
+        break;
+    default: KV_ASSERT(0 && "unsupported conversion");
+    }
+}
+
+static void fmt_shape(char *buf, size_t cap, const int64_t *s, int nd) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < nd && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)s[i]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+static const float **slot(struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+    switch (kind) {
+    case KV_W_TOK_EMB: return &m->tok_emb;
+    case KV_W_OUT_NORM: return &m->out_norm;
+    case KV_W_LM_HEAD: return &m->lm_head;
+    default: return &m->layers[layer].w[kind];
+    }
+}
+
+int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
+                  const struct kv_tensor *t, const char *path, struct kv_err *err) {
+    KV_ASSERT((unsigned)kind < KV_W_COUNT);
+    KV_ASSERT(kind < KV_W_FIRST_LAYER || (layer >= 0 && layer < m->cfg.n_layers));
+    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
+        return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
+                       "tensor '%s' has dtype %s; kvcal loads only F32, F16 and BF16", t->name,
+                       kv_dtype_name(t->dtype));
+    int64_t want[2];
+    int nd = kv_model_expected_shape(&m->cfg, kind, want);
+    int ok = t->ndim == nd;
+    for (int i = 0; ok && i < nd; i++) ok = t->shape[i] == want[i];
+    if (!ok) {
+        char got[96], exp[64];
+        fmt_shape(got, sizeof got, t->shape, t->ndim);
+        fmt_shape(exp, sizeof exp, want, nd);
+        return kv_fail(err, KV_EFORMAT, path, t->offset,
+                       "tensor '%s' has shape %s but the config implies %s for the %s", t->name,
+                       got, exp, kv_wkind_name(kind));
+    }
+    int64_t n = kv_tensor_numel(t);
+    const float **dst = slot(m, kind, layer);
+    if (t->dtype == KV_DTYPE_F32 && ((uintptr_t)t->data % _Alignof(float)) == 0) {
+        *dst = t->data; /* view into the mapping */
+    } else {
+        float *p = own_floats(m, n);
+        if (!p) return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory converting '%s'", t->name);
+        kv_convert_to_f32(t->dtype, t->data, p, n);
+        *dst = p;
+    }
+    return KV_OK;
+}
+
+int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err) {
+    if (m->cfg.tied_embeddings && !m->lm_head) m->lm_head = m->tok_emb;
+    if (!m->tok_emb && m->lm_head && m->cfg.tied_embeddings) m->tok_emb = m->lm_head;
+    const struct {
+        const float *p;
+        enum kv_wkind k;
+    } glob[] = {{m->tok_emb, KV_W_TOK_EMB}, {m->out_norm, KV_W_OUT_NORM}, {m->lm_head, KV_W_LM_HEAD}};
+    for (size_t i = 0; i < 3; i++)
+        if (!glob[i].p)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing tensor for the %s",
+                           kv_wkind_name(glob[i].k));
+    for (int64_t l = 0; l < m->cfg.n_layers; l++)
+        for (int k = KV_W_FIRST_LAYER; k < KV_W_COUNT; k++) {
+            int optional = k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV;
+            if (!m->layers[l].w[k] && !optional)
+                return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                               "missing tensor for the %s of layer %lld", kv_wkind_name(k),
+                               (long long)l);
+        }
+    int any_bias = 0;
+    for (int64_t l = 0; l < m->cfg.n_layers; l++)
+        any_bias |= m->layers[l].w[KV_W_BQ] || m->layers[l].w[KV_W_BK] || m->layers[l].w[KV_W_BV];
+    m->cfg.has_qkv_bias = any_bias;
+    if (m->tok && kv_tok_n_vocab(m->tok) > m->cfg.vocab_size)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "tokenizer has %d pieces but the model's vocabulary is %lld",
+                       kv_tok_n_vocab(m->tok), (long long)m->cfg.vocab_size);
+    return KV_OK;
+}
+
+void kv_model_free(struct kv_model *m) {
+    if (!m) return;
+    kv_tok_free(m->tok);
+    for (int64_t i = m->n_cleanups - 1; i >= 0; i--) m->cleanups[i].fn(m->cleanups[i].ctx);
+    for (int64_t i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    free(m->cleanups);
+    free(m->tensors);
+    free(m->layers);
+    free(m);
+}
+
+const struct kv_config *kv_model_config(const struct kv_model *m) { return &m->cfg; }
+enum kv_format kv_model_format(const struct kv_model *m) { return m->format; }
+const struct kv_tokenizer *kv_model_tokenizer(const struct kv_model *m) { return m->tok; }
+int64_t kv_model_n_tensors(const struct kv_model *m) { return m->n_tensors; }
+const struct kv_tensor *kv_model_tensor(const struct kv_model *m, int64_t i) {
+    return i >= 0 && i < m->n_tensors ? &m->tensors[i] : NULL;
+}
+
+int64_t kv_model_n_params(const struct kv_model *m) {
+    const struct kv_config *c = &m->cfg;
+    int64_t s[2], n = 0;
+    for (int k = KV_W_FIRST_LAYER; k < KV_W_COUNT; k++) {
+        if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !m->layers[0].w[k]) continue;
+        int nd = kv_model_expected_shape(c, k, s);
+        n += nd == 2 ? s[0] * s[1] : s[0];
+    }
+    n *= c->n_layers;
+    n += c->vocab_size * c->dim + c->dim;
+    if (!c->tied_embeddings) n += c->vocab_size * c->dim;
+    return n;
+}
+
+/* splitmix64: a seeded, platform-independent stream for synthetic weights. */
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void fill_normal(float *p, int64_t n, float stdev, uint64_t *s) {
+    for (int64_t i = 0; i < n; i += 2) { /* Box-Muller */
+        double u1 = ((splitmix(s) >> 11) + 1.0) * 0x1.0p-53, u2 = (splitmix(s) >> 11) * 0x1.0p-53;
+        double r = sqrt(-2.0 * log(u1));
+        p[i] = (float)(stdev * r * cos(2 * M_PI * u2));
+        if (i + 1 < n) p[i + 1] = (float)(stdev * r * sin(2 * M_PI * u2));
+    }
+}
+
+int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_model **out,
+                         struct kv_err *err) {
+    struct kv_model *m;
+    int rc = kv_model_create(cfg, KV_FORMAT_SYNTHETIC, "synthetic", &m, err);
+    if (rc) return rc;
+    uint64_t s = seed;
+    int64_t shp[2];
+    for (int k = 0; k < KV_W_COUNT; k++) {
+        int64_t nl = k < KV_W_FIRST_LAYER ? 1 : cfg->n_layers;
+        if (k == KV_W_LM_HEAD && cfg->tied_embeddings) continue;
+        if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !cfg->has_qkv_bias) continue;
+        int nd = kv_model_expected_shape(cfg, k, shp);
+        int64_t n = nd == 2 ? shp[0] * shp[1] : shp[0];
+        for (int64_t l = 0; l < nl; l++) {
+            float *p = own_floats(m, n);
+            if (!p) {
+                kv_model_free(m);
+                return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
+            }
+            int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM;
+            if (is_norm)
+                for (int64_t i = 0; i < n; i++) p[i] = 1.0f;
+            else
+                fill_normal(p, n, 0.02f, &s);
+            *slot(m, k, l) = p;
+        }
+    }
+    rc = kv_model_finish(m, "synthetic", err);
+    if (rc) {
+        kv_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return KV_OK;
+}

@@ -1,0 +1,91 @@
+/* In-memory model description shared by every loader (internal).
+ *
+ * Loaders (formats/) parse a config into struct kv_config, call
+ * kv_model_create, append their tensor table with kv_model_add_tensors, bind
+ * each weight with kv_model_bind (which checks its shape against the config
+ * and converts it to f32, as a view when the stored bytes already are aligned
+ * little-endian f32), and finish with kv_model_finish.
+ *
+ * Every linear weight is [out, in] row-major (HF layout), so y = x Wᵀ. */
+#ifndef KV_MODEL_H
+#define KV_MODEL_H
+
+#include "kvcal.h"
+
+enum kv_wkind {
+    KV_W_TOK_EMB = 0, /* [vocab, d] */
+    KV_W_OUT_NORM,    /* [d] */
+    KV_W_LM_HEAD,     /* [vocab, d]; absent when tied */
+    /* per layer: */
+    KV_W_ATTN_NORM,   /* [d] */
+    KV_W_Q,           /* [h*d_h, d] */
+    KV_W_K,           /* [g*d_h, d] */
+    KV_W_V,           /* [g*d_h, d] */
+    KV_W_O,           /* [d, h*d_h] */
+    KV_W_BQ,          /* [h*d_h] optional */
+    KV_W_BK,          /* [g*d_h] optional */
+    KV_W_BV,          /* [g*d_h] optional */
+    KV_W_FFN_NORM,    /* [d] */
+    KV_W_GATE,        /* w1: [hidden, d] */
+    KV_W_DOWN,        /* w2: [d, hidden] */
+    KV_W_UP,          /* w3: [hidden, d] */
+    KV_W_COUNT
+};
+#define KV_W_FIRST_LAYER KV_W_ATTN_NORM
+
+struct kv_layer {
+    const float *w[KV_W_COUNT]; /* indexed by per-layer enum kv_wkind */
+};
+
+struct kv_cleanup {
+    void (*fn)(void *);
+    void *ctx;
+};
+
+struct kv_model {
+    struct kv_config cfg;
+    enum kv_format format;
+    const float *tok_emb, *out_norm, *lm_head; /* lm_head == tok_emb when tied */
+    struct kv_layer *layers;                   /* [n_layers] */
+    struct kv_tokenizer *tok;                  /* owned, may be NULL */
+    struct kv_tensor *tensors;                 /* source tensor table */
+    int64_t n_tensors, cap_tensors;
+    void **owned;                              /* malloc'd blocks (converted weights) */
+    int64_t n_owned, cap_owned;
+    struct kv_cleanup *cleanups;               /* e.g. munmap of source files */
+    int64_t n_cleanups, cap_cleanups;
+};
+
+/* Validate cfg (positive dims, h % g == 0, even head_dim, limits) and
+ * allocate an empty model. path names the source in messages. */
+int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char *path,
+                    struct kv_model **out, struct kv_err *err);
+
+/* Register fn(ctx) to run at kv_model_free (in reverse order). */
+int kv_model_on_free(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err);
+
+/* Append tensors to the table shown by `kvcal inspect` (copied). */
+int kv_model_add_tensors(struct kv_model *m, const struct kv_tensor *t, int64_t n,
+                         struct kv_err *err);
+
+/* Bind tensor t as weight `kind` of `layer` (ignored for global kinds).
+ * Checks dtype (F32/F16/BF16) and shape against the config; on mismatch the
+ * message names path, the tensor and found vs expected shape. */
+int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
+                  const struct kv_tensor *t, const char *path, struct kv_err *err);
+
+/* Check every required weight is bound (naming the first missing one), tie
+ * the head to the embedding when cfg.tied_embeddings, and take ownership of
+ * tok (may be NULL). */
+int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err);
+
+/* Expected row-major shape of a weight kind; returns ndim. */
+int kv_model_expected_shape(const struct kv_config *cfg, enum kv_wkind kind, int64_t shape[2]);
+const char *kv_wkind_name(enum kv_wkind kind);
+
+/* Convert n elements of dtype src to f32 (little-endian source bytes). */
+void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n);
+float kv_f16_to_f32(uint16_t h);
+float kv_bf16_to_f32(uint16_t h);
+
+#endif

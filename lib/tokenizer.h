@@ -1,0 +1,73 @@
+/* SentencePiece-style BPE tokenizer with byte fallback (internal builder API).
+ *
+ * Two merge modes share one engine (a priority queue over adjacent pairs):
+ *   KV_TOK_SCORE: merge the adjacent pair whose concatenation is a vocabulary
+ *                 piece with the highest score (llama2.c tokenizer.bin, GGUF
+ *                 "llama" vocab). Ties go to the leftmost pair.
+ *   KV_TOK_RANK:  merge the adjacent pair with the lowest rank in an explicit
+ *                 merge list (HF tokenizer.json "BPE"). Ties go leftmost.
+ *
+ * Normalisation: optionally prepend a dummy prefix, and replace every ' ' in
+ * the input with space_piece (" " for llama2.c files whose pieces store
+ * spaces, "\xe2\x96\x81" (U+2581) for GGUF / HF files). Decoding maps
+ * space_piece back to ' '.
+ *
+ * Initial symbols are UTF-8 characters. A character that is not a NORMAL or
+ * USER piece becomes its byte tokens "<0xXX>" when the vocabulary has them
+ * (byte fallback), else the unknown id. Byte, control, unknown and unused
+ * pieces are never produced by merging. Literal tokens (HF added tokens) are
+ * matched verbatim in the raw text before normalisation and split it.
+ *
+ * Loaders build one with kv_tok_init, kv_tok_set_piece for every id,
+ * kv_tok_add_merge (rank mode), kv_tok_set_special, kv_tok_set_normalizer,
+ * kv_tok_add_literal, then kv_tok_finish. */
+#ifndef KV_TOKENIZER_H
+#define KV_TOKENIZER_H
+
+#include "kvcal.h"
+
+enum kv_tok_mode { KV_TOK_SCORE = 0, KV_TOK_RANK = 1 };
+
+/* Same numbering as GGUF tokenizer.ggml.token_type. */
+enum kv_tok_type {
+    KV_TOKT_NORMAL = 1,
+    KV_TOKT_UNKNOWN = 2,
+    KV_TOKT_CONTROL = 3,
+    KV_TOKT_USER = 4,
+    KV_TOKT_UNUSED = 5,
+    KV_TOKT_BYTE = 6,
+};
+
+int kv_tok_init(enum kv_tok_mode mode, int32_t n_vocab, struct kv_tokenizer **out,
+                struct kv_err *err);
+
+/* Set piece `id` (bytes copied). Types outside 1..6 are treated as NORMAL. */
+int kv_tok_set_piece(struct kv_tokenizer *tok, int32_t id, const char *piece, size_t len,
+                     float score, int type, struct kv_err *err);
+
+/* Rank mode: merging pieces a and b (both must exist, as must a+b) has this
+ * rank; lower merges first. path names the source file in messages. */
+int kv_tok_add_merge(struct kv_tokenizer *tok, const char *a, size_t alen, const char *b,
+                     size_t blen, int32_t rank, const char *path, struct kv_err *err);
+
+/* Ids may be -1 when absent. unk defaults to 0. */
+void kv_tok_set_special(struct kv_tokenizer *tok, int32_t bos, int32_t eos, int32_t unk);
+
+/* space_piece: bytes substituted for ' ' (copied); add_dummy_prefix: prepend
+ * one space_piece to non-empty text. Defaults: " ", 1. */
+int kv_tok_set_normalizer(struct kv_tokenizer *tok, const char *space_piece,
+                          int add_dummy_prefix, struct kv_err *err);
+
+/* Token id is matched verbatim in raw text (HF added/special tokens). */
+int kv_tok_add_literal(struct kv_tokenizer *tok, int32_t id, struct kv_err *err);
+
+/* Build lookup tables; every id must have been set. Errors name path. */
+int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err);
+
+/* Raw piece bytes of id (not NUL-terminated). */
+const char *kv_tok_piece(const struct kv_tokenizer *tok, int32_t id, size_t *len);
+float kv_tok_score(const struct kv_tokenizer *tok, int32_t id);
+int kv_tok_type(const struct kv_tokenizer *tok, int32_t id);
+enum kv_tok_mode kv_tok_mode(const struct kv_tokenizer *tok);
+
+#endif

@@ -1,0 +1,112 @@
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+const char *kvt_shared(const char *rel) {
+    static __thread char buf[4096];
+    const char *root = getenv("KVCAL_SHARED");
+    if (!root || !*root) root = "../shared";
+    snprintf(buf, sizeof buf, "%s/%s", root, rel);
+    struct stat st;
+    if (stat(buf, &st) != 0) return NULL;
+    return buf;
+}
+
+char *kvt_write_temp(const void *buf, size_t len, const char *suffix) {
+    char tmpl[256];
+    snprintf(tmpl, sizeof tmpl, "/tmp/kvcal-test-XXXXXX%s", suffix ? suffix : "");
+    int fd = mkstemps(tmpl, suffix ? (int)strlen(suffix) : 0);
+    cr_assert(fd >= 0, "mkstemps failed");
+    size_t off = 0;
+    while (off < len) {
+        ssize_t w = write(fd, (const char *)buf + off, len - off);
+        cr_assert(w > 0, "write failed");
+        off += (size_t)w;
+    }
+    close(fd);
+    return strdup(tmpl);
+}
+
+char *kvt_temp_dir(void) {
+    char tmpl[] = "/tmp/kvcal-test-dir-XXXXXX";
+    cr_assert(mkdtemp(tmpl) != NULL, "mkdtemp failed");
+    return strdup(tmpl);
+}
+
+char *kvt_read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0;
+    char *s = malloc(cap);
+    for (;;) {
+        if (n + 4096 + 1 > cap) s = realloc(s, cap *= 2);
+        size_t r = fread(s + n, 1, 4096, f);
+        n += r;
+        if (r == 0) break;
+    }
+    fclose(f);
+    s[n] = 0;
+    if (len) *len = n;
+    return s;
+}
+
+int kvt_run_cli(const char *args, char **out, char **err) {
+    const char *bin = getenv("KVCAL_BIN");
+    if (!bin || !*bin) bin = "build/kvcal";
+    char *dir = kvt_temp_dir();
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "%s %s >%s/out 2>%s/err </dev/null", bin, args, dir, dir);
+    int st = system(cmd);
+    char p[512];
+    snprintf(p, sizeof p, "%s/out", dir);
+    char *o = kvt_read_file(p, NULL);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/err", dir);
+    char *e = kvt_read_file(p, NULL);
+    unlink(p);
+    rmdir(dir);
+    free(dir);
+    if (out) *out = o; else free(o);
+    if (err) *err = e; else free(e);
+    if (st == -1) return -1;
+    if (WIFEXITED(st)) return WEXITSTATUS(st);
+    if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+    return -1;
+}
+
+#define CLOSE_BODY(T)                                                                      \
+    int64_t worst = -1;                                                                    \
+    double worst_excess = 0;                                                               \
+    for (int64_t i = 0; i < n; i++) {                                                      \
+        double a = got[i], r = ref[i];                                                     \
+        double tol = atol + rtol * fabs(r);                                                \
+        double diff = fabs(a - r);                                                         \
+        if (!(diff <= tol)) {                                                              \
+            double excess = isnan(diff) ? INFINITY : diff - tol;                           \
+            if (worst < 0 || excess > worst_excess) {                                      \
+                worst = i;                                                                 \
+                worst_excess = excess;                                                     \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    if (worst >= 0)                                                                        \
+        cr_assert_fail("%s: worst element %lld: got %.9g ref %.9g |diff| %.3g > tol %.3g "  \
+                       "(atol %.3g rtol %.3g)",                                            \
+                       what, (long long)worst, (double)got[worst], (double)ref[worst],     \
+                       fabs((double)got[worst] - (double)ref[worst]),                      \
+                       atol + rtol * fabs((double)ref[worst]), atol, rtol);
+
+void kvt_assert_close_f32(const float *got, const float *ref, int64_t n, double atol,
+                          double rtol, const char *what) {
+    CLOSE_BODY(float)
+}
+void kvt_assert_close_f64(const double *got, const double *ref, int64_t n, double atol,
+                          double rtol, const char *what) {
+    CLOSE_BODY(double)
+}

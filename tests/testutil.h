@@ -1,0 +1,42 @@
+/* Helpers shared by the Criterion suites. */
+#ifndef KV_TESTUTIL_H
+#define KV_TESTUTIL_H
+
+#include <criterion/criterion.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcal.h"
+
+/* Path under the shared test-data folder ($KVCAL_SHARED, default ../shared),
+ * or NULL when it does not exist. Returned string is static per call site
+ * use: copy it if you need two at once. */
+const char *kvt_shared(const char *rel);
+
+/* Skip the current test with a message when a shared file is missing. */
+#define KVT_NEED_SHARED(var, rel)                                                          \
+    const char *var = kvt_shared(rel);                                                     \
+    do {                                                                                   \
+        if (!var) cr_skip_test("shared test data '%s' is absent; skipping", rel);           \
+    } while (0)
+
+/* Write bytes to a fresh temporary file; returns its malloc'd path. */
+char *kvt_write_temp(const void *buf, size_t len, const char *suffix);
+/* Make a fresh temporary directory; returns its malloc'd path. */
+char *kvt_temp_dir(void);
+/* Read a whole file (malloc'd, NUL-terminated); NULL on failure. */
+char *kvt_read_file(const char *path, size_t *len);
+
+/* Run the kvcal binary ($KVCAL_BIN, default build/kvcal) with a shell-quoted
+ * argument string; captures stdout and stderr (malloc'd) and returns the exit
+ * code (or 128+signal). */
+int kvt_run_cli(const char *args, char **out, char **err);
+
+/* Compare arrays with |a-b| <= atol + rtol*|ref|; on failure reports the worst
+ * element (index, values, tolerance) through cr_assert. */
+void kvt_assert_close_f32(const float *got, const float *ref, int64_t n, double atol,
+                          double rtol, const char *what);
+void kvt_assert_close_f64(const double *got, const double *ref, int64_t n, double atol,
+                          double rtol, const char *what);
+
+#endif
