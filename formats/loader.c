@@ -15,8 +15,10 @@ static int ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
-/* 1 if the file starts with the GGUF magic. */
+/* 1 if the file is named .gguf or starts with the GGUF magic (a .gguf with a
+ * bad magic must reach the GGUF parser to be told so). */
 static int is_gguf(const char *path) {
+    if (ends_with(path, ".gguf")) return 1;
     FILE *f = fopen(path, "rb");
     if (!f) return 0;
     char mg[4] = {0};

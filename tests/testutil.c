@@ -39,6 +39,13 @@ char *kvt_temp_dir(void) {
     return strdup(tmpl);
 }
 
+char *kvt_path(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
 char *kvt_read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;

@@ -1,0 +1,155 @@
+/* Naive float64 Llama forward written from the model definition, shared by
+ * the forward and perplexity suites as their independent oracle (no BLAS, no
+ * code shared with lib/forward.c). Header-only: static functions. */
+#ifndef KV_NAIVE_LLAMA_H
+#define KV_NAIVE_LLAMA_H
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "model.h"
+
+/* Reference logits [n, vocab] of tokens at positions 0..n-1. */
+static inline double *naive_forward(const struct kv_model *m, const int32_t *tok, int64_t n) {
+    const struct kv_config *c = &m->cfg;
+    int64_t d = c->dim, h = c->n_heads, g = c->n_kv_heads, dh = c->head_dim, hid = c->hidden_dim;
+    int64_t V = c->vocab_size;
+    double *x = calloc((size_t)(n * d), sizeof(double));
+    double *xn = calloc((size_t)(n * d), sizeof(double));
+    double *q = calloc((size_t)(n * h * dh), sizeof(double));
+    double *k = calloc((size_t)(n * g * dh), sizeof(double));
+    double *v = calloc((size_t)(n * g * dh), sizeof(double));
+    double *o = calloc((size_t)(n * h * dh), sizeof(double));
+    double *a = calloc((size_t)hid, sizeof(double));
+    double *logits = calloc((size_t)(n * V), sizeof(double));
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t j = 0; j < d; j++) x[t * d + j] = m->tok_emb[tok[t] * d + j];
+#define NORM(w)                                                                             \
+    for (int64_t t = 0; t < n; t++) {                                                        \
+        double ss = 0;                                                                       \
+        for (int64_t j = 0; j < d; j++) ss += x[t * d + j] * x[t * d + j];                   \
+        double r = 1.0 / sqrt(ss / d + c->norm_eps);                                         \
+        for (int64_t j = 0; j < d; j++) xn[t * d + j] = x[t * d + j] * r * (w)[j];           \
+    }
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const float *const *w = m->layers[l].w;
+        NORM(w[KV_W_ATTN_NORM]);
+        /* projections: out[t][r] = sum_j W[r][j] xn[t][j] + b[r] */
+        struct {
+            double *out;
+            const float *W, *b;
+            int64_t rows;
+        } pr[3] = {{q, w[KV_W_Q], w[KV_W_BQ], h * dh},
+                   {k, w[KV_W_K], w[KV_W_BK], g * dh},
+                   {v, w[KV_W_V], w[KV_W_BV], g * dh}};
+        for (int p = 0; p < 3; p++)
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t r = 0; r < pr[p].rows; r++) {
+                    double s = pr[p].b ? pr[p].b[r] : 0;
+                    for (int64_t j = 0; j < d; j++) s += pr[p].W[r * d + j] * xn[t * d + j];
+                    pr[p].out[t * pr[p].rows + r] = s;
+                }
+        /* rope: rotate pair (a, b) of each head by t * theta^(-2i/dh) */
+        for (int p = 0; p < 2; p++) {
+            double *buf = p ? k : q;
+            int64_t nh = p ? g : h;
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t hh = 0; hh < nh; hh++)
+                    for (int64_t i = 0; i < dh / 2; i++) {
+                        int64_t ia = c->rope_layout == KV_ROPE_HALF ? i : 2 * i;
+                        int64_t ib = c->rope_layout == KV_ROPE_HALF ? i + dh / 2 : 2 * i + 1;
+                        double ang = t * pow(c->rope_theta, -2.0 * i / dh);
+                        double *e = buf + (t * nh + hh) * dh;
+                        double re = e[ia], im = e[ib];
+                        e[ia] = re * cos(ang) - im * sin(ang);
+                        e[ib] = re * sin(ang) + im * cos(ang);
+                    }
+        }
+        /* causal softmax attention, query head hh reads kv head hh / (h/g) */
+        for (int64_t hh = 0; hh < h; hh++) {
+            int64_t kvh = hh / (h / g);
+            for (int64_t t = 0; t < n; t++) {
+                double *sc = calloc((size_t)(t + 1), sizeof(double)), mx = -INFINITY, z = 0;
+                for (int64_t s = 0; s <= t; s++) {
+                    double dot = 0;
+                    for (int64_t i = 0; i < dh; i++)
+                        dot += q[(t * h + hh) * dh + i] * k[(s * g + kvh) * dh + i];
+                    sc[s] = dot / sqrt((double)dh);
+                    if (sc[s] > mx) mx = sc[s];
+                }
+                for (int64_t s = 0; s <= t; s++) z += sc[s] = exp(sc[s] - mx);
+                for (int64_t i = 0; i < dh; i++) {
+                    double acc = 0;
+                    for (int64_t s = 0; s <= t; s++) acc += sc[s] / z * v[(s * g + kvh) * dh + i];
+                    o[(t * h + hh) * dh + i] = acc;
+                }
+                free(sc);
+            }
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t r = 0; r < d; r++) {
+                double s = 0;
+                for (int64_t j = 0; j < h * dh; j++) s += w[KV_W_O][r * h * dh + j] * o[t * h * dh + j];
+                x[t * d + r] += s;
+            }
+        NORM(w[KV_W_FFN_NORM]);
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t r = 0; r < hid; r++) {
+                double gt = 0, up = 0;
+                for (int64_t j = 0; j < d; j++) {
+                    gt += w[KV_W_GATE][r * d + j] * xn[t * d + j];
+                    up += w[KV_W_UP][r * d + j] * xn[t * d + j];
+                }
+                a[r] = gt / (1 + exp(-gt)) * up;
+            }
+            for (int64_t r = 0; r < d; r++) {
+                double s = 0;
+                for (int64_t j = 0; j < hid; j++) s += w[KV_W_DOWN][r * hid + j] * a[j];
+                x[t * d + r] += s;
+            }
+        }
+    }
+    NORM(m->out_norm);
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < V; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < d; j++) s += m->lm_head[r * d + j] * xn[t * d + j];
+            logits[t * V + r] = s;
+        }
+    free(x), free(xn), free(q), free(k), free(v), free(o), free(a);
+    return logits;
+}
+
+static inline struct kv_config tiny_cfg(enum kv_rope_layout layout, int bias, int tied) {
+    struct kv_config c = {0};
+    c.dim = 48;
+    c.hidden_dim = 80;
+    c.n_layers = 2;
+    c.n_heads = 6;
+    c.n_kv_heads = 2;
+    c.head_dim = 8;
+    c.vocab_size = 97;
+    c.max_seq_len = 64;
+    c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f;
+    c.rope_layout = layout;
+    c.has_qkv_bias = bias;
+    c.tied_embeddings = tied;
+    c.bos_id = 1;
+    c.eos_id = 2;
+    return c;
+}
+
+/* Random weights are N(0, 0.02); scale them up so attention is not uniform
+ * and errors in RoPE or masking show in the logits. */
+static inline void sharpen(struct kv_model *m) {
+    const struct kv_config *c = &m->cfg;
+    int64_t qd = c->n_heads * c->head_dim * c->dim, kd = c->n_kv_heads * c->head_dim * c->dim;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        float *wq = (float *)m->layers[l].w[KV_W_Q], *wk = (float *)m->layers[l].w[KV_W_K];
+        for (int64_t i = 0; i < qd; i++) wq[i] *= 20;
+        for (int64_t i = 0; i < kd; i++) wk[i] *= 20;
+    }
+}
+
+#endif

@@ -1,0 +1,327 @@
+/* The kvcal binary: exit codes and the exact messages users see.
+ * Corrupt fixtures are built here from the shared models (mutated copies)
+ * or from scratch. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "testutil.h"
+
+/* Run kvcal; assert exit code and exact stderr. */
+static void expect_cli(const char *args, int code, const char *want_err) {
+    char *out, *err;
+    int rc = kvt_run_cli(args, &out, &err);
+    cr_assert_eq(rc, code, "kvcal %s: exit %d, want %d; stderr:\n%s", args, rc, code, err);
+    if (want_err) cr_assert_str_eq(err, want_err, "kvcal %s", args);
+    free(out), free(err);
+}
+
+static char *read_shared(const char *rel, size_t *len) {
+    const char *p = kvt_shared(rel);
+    if (!p) cr_skip_test("shared file '%s' is absent; skipping", rel);
+    char *b = kvt_read_file(p, len);
+    cr_assert_not_null(b);
+    return b;
+}
+
+static void put_le64(char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (char)(v >> (8 * i));
+}
+
+/* Position just after the tensor-info name `name` in a GGUF buffer. */
+static size_t after_name(const char *buf, size_t len, const char *name) {
+    const char *hit = memmem(buf, len, name, strlen(name));
+    cr_assert_not_null(hit, "'%s' not found", name);
+    return (size_t)(hit - buf) + strlen(name);
+}
+
+/* Fixture path with a stable name so messages can be pinned. */
+static char *fixture(const char *dir, const char *name, const void *data, size_t len) {
+    char *p = kvt_path(dir, name);
+    FILE *f = fopen(p, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(data, 1, len, f), len);
+    fclose(f);
+    return p;
+}
+
+static void expect_load_error(const char *path, const char *msg) {
+    char args[4096], want[8192];
+    snprintf(args, sizeof args, "inspect '%s'", path);
+    snprintf(want, sizeof want, "kvcal: %s\n", msg);
+    expect_cli(args, 1, want);
+}
+
+/* ------------------------------------------------------------- usage */
+
+Test(cli, no_arguments_lists_commands_and_succeeds) {
+    char *out;
+    cr_assert_eq(kvt_run_cli("", &out, NULL), 0);
+    cr_assert(strstr(out, "usage: kvcal <command>") && strstr(out, "verify") &&
+              strstr(out, "generate") && strstr(out, "inspect"), "%s", out);
+    free(out);
+    cr_assert_eq(kvt_run_cli("help", &out, NULL), 0);
+    free(out);
+}
+
+Test(cli, unknown_command_names_the_nearest) {
+    expect_cli("verfy", 2, "kvcal: unknown command 'verfy'; did you mean 'verify'?\n");
+    expect_cli("frobnicate", 2, "kvcal: unknown command 'frobnicate'; run 'kvcal help' for the list\n");
+}
+
+Test(cli, help_goes_to_stdout_with_exit_0) {
+    char *out, *err;
+    cr_assert_eq(kvt_run_cli("verify --help", &out, &err), 0);
+    cr_assert(strncmp(out, "usage: kvcal verify --model PATH --text FILE [options]\n", 55) == 0, "%s", out);
+    cr_assert(strstr(out, "--seq-len N") && strstr(out, "protocol (windows)"), "%s", out);
+    cr_assert_str_eq(err, "");
+    free(out), free(err);
+    cr_assert_eq(kvt_run_cli("help generate", &out, NULL), 0);
+    cr_assert(strstr(out, "usage: kvcal generate"), "%s", out);
+    free(out);
+}
+
+Test(cli, usage_errors_exit_2_with_one_message_and_the_usage) {
+    expect_cli("verify --text x.txt", 2,
+               "kvcal verify: missing --model\n"
+               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+    expect_cli("verify --model m --text t --seq-len abc", 2,
+               "kvcal verify: option '--seq-len' needs an integer, got 'abc'\n"
+               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+    expect_cli("verify --model m --text t --seq-len 1", 2,
+               "kvcal verify: --seq-len must be at least 2, got 1\n"
+               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+    expect_cli("verify --model m --text t --tokens u", 2,
+               "kvcal verify: give exactly one of --text or --tokens\n"
+               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+    expect_cli("inspect --bogus", 2,
+               "kvcal inspect: unknown option '--bogus'\n"
+               "usage: kvcal inspect PATH [--json] (see 'kvcal inspect --help')\n");
+    expect_cli("generate --model", 2,
+               "kvcal generate: option '--model' needs a value\n"
+               "usage: kvcal generate --model PATH [--prompt TEXT] [-n N] (see 'kvcal generate --help')\n");
+}
+
+Test(cli, missing_files_exit_1) {
+    expect_cli("inspect /nonexistent/model.gguf", 1,
+               "kvcal: /nonexistent/model.gguf: no such file or directory\n");
+}
+
+/* ------------------------------------------------------------- corrupt GGUF */
+
+Test(cli, corrupt_gguf_files_are_refused_with_file_and_offset) {
+    size_t len;
+    char *g = read_shared("models/stories260K/stories260K.gguf", &len);
+    char *dir = kvt_temp_dir(), msg[4096];
+
+    char *bad = malloc(len);
+    memcpy(bad, g, len);
+    memcpy(bad, "XGUF", 4);
+    char *p = fixture(dir, "badmagic.gguf", bad, len);
+    snprintf(msg, sizeof msg, "%s: offset 0: bad magic 'XGUF', expected 'GGUF'", p);
+    expect_load_error(p, msg);
+    free(p);
+
+    memcpy(bad, g, len);
+    bad[4] = 1;
+    p = fixture(dir, "v1.gguf", bad, len);
+    snprintf(msg, sizeof msg, "%s: offset 4: unsupported gguf version 1, expected 2 or 3", p);
+    expect_load_error(p, msg);
+    free(p);
+
+    p = fixture(dir, "trunc.gguf", g, 5000);
+    snprintf(msg, sizeof msg,
+             "%s: offset 4996: truncated: need 8 bytes for element 370 of key "
+             "'tokenizer.ggml.tokens', have 4", p);
+    expect_load_error(p, msg);
+    free(p);
+
+    memcpy(bad, g, len);
+    size_t at = after_name(g, len, "token_embd.weight") + 4 + 16 + 4; /* n_dims, ne[2], type */
+    put_le64(bad + at, 4);
+    p = fixture(dir, "misaligned.gguf", bad, len);
+    snprintf(msg, sizeof msg,
+             "%s: offset %zu: tensor 'token_embd.weight' offset 4 is not a multiple of the "
+             "alignment 32", p, at);
+    expect_load_error(p, msg);
+    free(p);
+
+    memcpy(bad, g, len);
+    at = after_name(g, len, "blk.4.ffn_norm.weight") + 4 + 8 + 4; /* 1-d tensor */
+    put_le64(bad + at, (uint64_t)1 << 30);
+    p = fixture(dir, "range.gguf", bad, len);
+    snprintf(msg, sizeof msg,
+             "%s: offset %zu: tensor 'blk.4.ffn_norm.weight' at data offset 1073741824 needs 256 "
+             "bytes but the data section holds 1171200", p, at);
+    expect_load_error(p, msg);
+    free(p);
+    free(bad), free(g), free(dir);
+}
+
+/* ------------------------------------------------------------- llama2.c */
+
+Test(cli, llama2c_file_whose_size_does_not_match_its_header) {
+    size_t len;
+    char *b = read_shared("models/stories260K/stories260K.bin", &len);
+    char *dir = kvt_temp_dir(), msg[4096];
+    char *p = fixture(dir, "short.bin", b, len - 4);
+    snprintf(msg, sizeof msg,
+             "%s: file is 1056536 bytes but header (dim 64, hidden 172, layers 5, heads 8, kv "
+             "heads 4, vocab 512, seq 512) implies 1056540", p);
+    expect_load_error(p, msg);
+    free(p), free(b), free(dir);
+}
+
+/* ------------------------------------------------------------- safetensors */
+
+/* An HF directory with the tinystories-656K config and the given
+ * model.safetensors bytes (and optionally a replaced config). */
+static char *hf_dir(const char *name, const void *st, size_t st_len, const char *cfg) {
+    size_t cl;
+    char *real_cfg = read_shared("models/tinystories-656K/config.json", &cl);
+    char *root = kvt_temp_dir();
+    char *dir = kvt_path(root, name);
+    cr_assert_eq(mkdir(dir, 0755), 0);
+    free(fixture(dir, "config.json", cfg ? cfg : real_cfg, cfg ? strlen(cfg) : cl));
+    free(fixture(dir, "model.safetensors", st, st_len));
+    free(real_cfg), free(root);
+    return dir;
+}
+
+/* safetensors bytes: 8-byte header length, the JSON header, zeroed data. */
+static char *st_bytes(const char *header, size_t data_len, size_t *len) {
+    size_t hl = strlen(header);
+    *len = 8 + hl + data_len;
+    char *b = calloc(1, *len);
+    put_le64(b, hl);
+    memcpy(b + 8, header, hl);
+    return b;
+}
+
+static char *replace(const char *s, const char *from, const char *to) {
+    const char *hit = strstr(s, from);
+    cr_assert_not_null(hit, "'%s' not in config", from);
+    size_t a = (size_t)(hit - s), fl = strlen(from), tl = strlen(to), sl = strlen(s);
+    char *r = malloc(sl - fl + tl + 1);
+    memcpy(r, s, a);
+    memcpy(r + a, to, tl);
+    memcpy(r + a + tl, hit + fl, sl - a - fl + 1);
+    return r;
+}
+
+static void expect_hf_error(const char *dir, const char *file, const char *rest) {
+    char msg[4096];
+    snprintf(msg, sizeof msg, "%s/%s: %s", dir, file, rest);
+    expect_load_error(dir, msg);
+}
+
+Test(cli, corrupt_safetensors_are_refused_with_file_and_offset) {
+    size_t len;
+    char *st = read_shared("models/tinystories-656K/model.safetensors", &len);
+    char *d = hf_dir("truncated", st, 100000, NULL);
+    expect_hf_error(d, "model.safetensors",
+                    "offset 2168: truncated: tensor 'lm_head.weight' data_offsets end 1048576 "
+                    "exceeds the 97832 data bytes in the file");
+    free(d);
+
+    char *big = malloc(len);
+    memcpy(big, st, len);
+    put_le64(big, 10000000);
+    d = hf_dir("hdrlen", big, len, NULL);
+    expect_hf_error(d, "model.safetensors", "offset 0: header length 10000000 exceeds file size 2626168");
+    free(d), free(big);
+
+    size_t bl;
+    char *b = st_bytes("{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                       "\"b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 24, &bl);
+    d = hf_dir("overlap", b, bl, NULL);
+    expect_hf_error(d, "model.safetensors",
+                    "offset 125: tensor 'b': data_offsets [8, 24] overlap tensor 'a', which ends at 16");
+    free(d), free(b);
+
+    b = st_bytes("{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                 "\"b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[20,36]}}", 36, &bl);
+    d = hf_dir("gap", b, bl, NULL);
+    expect_hf_error(d, "model.safetensors",
+                    "offset 138: tensor 'b': data_offsets begin 20 leaves a gap of 4 bytes after "
+                    "tensor 'a', which ends at 16");
+    free(d), free(b);
+
+    b = st_bytes("{\"a\":{\"dtype\":\"F8_E4M3\",\"shape\":[4],\"data_offsets\":[0,4]}}", 4, &bl);
+    d = hf_dir("dtype", b, bl, NULL);
+    expect_hf_error(d, "model.safetensors",
+                    "offset 8: tensor 'a': unknown dtype 'F8_E4M3', expected one of F64 F32 F16 "
+                    "BF16 I64 I32 I16 I8 U8 BOOL");
+    free(d), free(b);
+
+    b = st_bytes("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                 "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, &bl);
+    d = hf_dir("dupkey", b, bl, NULL);
+    expect_hf_error(d, "model.safetensors", "offset 65: invalid json: duplicate object key near '\"a\"'");
+    free(d), free(b), free(st);
+}
+
+Test(cli, invalid_config_json_is_refused) {
+    size_t len, cl;
+    char *st = read_shared("models/tinystories-656K/model.safetensors", &len);
+    char *cfg = read_shared("models/tinystories-656K/config.json", &cl);
+    char *c1 = replace(cfg, "\"hidden_size\": 128,", "\"hidden_size\": 128,,");
+    char *d = hf_dir("badjson", st, len, c1);
+    expect_hf_error(d, "config.json", "offset 194: invalid json: string or '}' expected near ','");
+    free(d), free(c1);
+    c1 = replace(cfg, "\"hidden_size\": 128,", "\"hidden_size\": 128, \"hidden_size\": 64,");
+    d = hf_dir("dupcfg", st, len, c1);
+    expect_hf_error(d, "config.json",
+                    "offset 207: invalid json: duplicate object key near '\"hidden_size\"'");
+    free(d), free(c1);
+    c1 = replace(cfg, "\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}");
+    d = hf_dir("ropescale", st, len, c1);
+    expect_hf_error(d, "config.json", "rope_scaling type 'linear' is not supported");
+    free(d), free(c1), free(cfg), free(st);
+}
+
+/* ------------------------------------------------------------- real runs */
+
+Test(cli, generate_reproduces_the_published_story) {
+    const char *p = kvt_shared("models/stories260K/stories260K.gguf");
+    if (!p) cr_skip_test("shared models are absent; skipping");
+    char args[4096], *out, *err;
+    snprintf(args, sizeof args, "generate --model '%s' -n 200 --threads 1", p);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    const char *want = "Once upon a time, there was a little girl named Lily. She loved to play "
+                       "outside in the park. One day, she saw a big, red ball. She wanted to play "
+                       "with it, but it was too high.";
+    cr_assert(strncmp(out, want, strlen(want)) == 0, "got:\n%s", out);
+    cr_assert(strstr(err, "generated 200 tokens in "), "%s", err);
+    free(out), free(err);
+}
+
+Test(cli, verify_json_has_the_protocol_fields) {
+    const char *p = kvt_shared("models/tinystories-656K");
+    if (!p) cr_skip_test("shared models are absent; skipping");
+    char model[4096];
+    snprintf(model, sizeof model, "%s", p);
+    const char *t = kvt_shared("text/tinystories/val1k.txt");
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args,
+             "verify --model '%s' --text '%s' --seq-len 128 --max-windows 8 --threads 1 --json",
+             model, t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    const char *keys[] = {"\"ppl\"", "\"nll\"", "\"tokens\"", "\"windows\": 8", "\"scored\": 1016",
+                          "\"tokens_per_s\"", "\"protocol\": \"windows\"", "\"seq_len\": 128"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        cr_assert(strstr(out, keys[i]), "missing %s in:\n%s", keys[i], out);
+    cr_assert_str_eq(err, "", "json mode must keep stderr quiet: %s", err);
+    free(out), free(err);
+}
+
+Test(cli, verify_text_requires_a_tokenizer_for_llama2c) {
+    const char *p = kvt_shared("models/stories260K/stories260K.bin");
+    if (!p) cr_skip_test("shared models are absent; skipping");
+    char args[4096];
+    snprintf(args, sizeof args, "verify --model '%s' --text /dev/null", p);
+    expect_cli(args, 1,
+               "kvcal: the model has no tokenizer: pass --tokenizer FILE (llama2.c tokenizer.bin, "
+               "tokenizer.json or .gguf) or --tokens FILE\n");
+}
