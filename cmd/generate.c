@@ -82,6 +82,7 @@ int cmd_generate(int argc, char **argv) {
         produced++;
     }
     printf("\n");
+    fflush(stdout); /* keep the text ahead of the summary when both streams are merged */
     double dt = cli_now() - t0;
     fprintf(stderr, "generated %lld tokens in %.2f s (%.1f tokens/s)\n", (long long)produced, dt,
             dt > 0 ? (double)produced / dt : 0.0);

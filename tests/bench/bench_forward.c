@@ -5,6 +5,7 @@
  *   2. synthetic random Llama (d=2048, 16 heads, 4 kv heads, 4 layers,
  *      ffn 5632, vocab 32000) at seq 512: tokens/s and achieved GFLOP/s;
  *   3. tinystories-656K forward tokens/s on WikiText-2 (seq 256);
+ *   3b. the 32k Llama tokenizer on the same text;
  *   4. `kvcal verify` on stories260K over WikiText-2 (seq 256, 2 threads).
  *
  * Targets (exit 1 if missed): synthetic >= 60% of the sgemm rate;
@@ -147,8 +148,24 @@ int main(void) {
            (double)(pr.windows * 256) / pr.seconds,
            kv_fwd_flops(m, 256, 0) * (double)pr.windows / pr.seconds / 1e9, pr.ppl);
     free(ids);
-    free(text);
     kv_model_free(m);
+
+    /* 3b. the 32k Llama tokenizer on the same 1.3 MB */
+    char p5[4096];
+    const char *l32 = shared("models/llama2-tokenizer/tokenizer.bin", p5, sizeof p5);
+    if (l32) {
+        struct kv_tokenizer *tk;
+        if (kv_tokenizer_open(l32, &tk, &err)) return die(&err);
+        t0 = now_s();
+        if (kv_tok_encode(tk, text, len, 1, &ids, &n, &err)) return die(&err);
+        double tt = now_s() - t0;
+        printf("llama2 32k tokenizer on wiki.test.raw\n");
+        printf("  %lld tokens from %zu bytes in %.2f s (%.2f MB/s)\n\n", (long long)n, len, tt,
+               (double)len / tt / 1e6);
+        free(ids);
+        kv_tok_free(tk);
+    }
+    free(text);
 
     /* 4. the verify command itself on stories260K */
     char p3[4096], p4[4096], cmd[16384];
