@@ -1,0 +1,860 @@
+#include "hfdir.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "json.h"
+#include "limits.h"
+#include "mapfile.h"
+#include "model.h"
+#include "safetensors.h"
+#include "tokenizer.h"
+
+/* ================================================================ config */
+
+/* bos_token_id / eos_token_id: an id, a list of ids (the first is used), or
+ * null. *out is left alone when absent. */
+static int get_token_id(const json_t *root, const char *key, const char *path, int32_t *out,
+                        struct kv_err *err) {
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v)) return KV_OK;
+    if (json_is_array(v) && json_array_size(v) > 0) v = json_array_get(v, 0);
+    if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+        json_integer_value(v) >= KV_MAX_VOCAB) {
+        char found[64];
+        kv_json_repr(json_object_get(root, key), found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key '%s' must be a token id in 0..%d, found %s", key, KV_MAX_VOCAB - 1,
+                       found);
+    }
+    *out = (int32_t)json_integer_value(v);
+    return KV_OK;
+}
+
+static int parse_config(const json_t *root, const char *path, struct kv_config *cfg,
+                        struct kv_err *err) {
+    if (!json_is_object(root))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "config is a json %s, expected an object",
+                       kv_json_type_name(root));
+    memset(cfg, 0, sizeof *cfg);
+    cfg->arch = KV_ARCH_LLAMA;
+    cfg->rope_layout = KV_ROPE_HALF;
+    cfg->bos_id = cfg->eos_id = -1;
+
+    const char *s = NULL;
+    int rc = kv_json_get_str(root, "model_type", path, 1, &s, err);
+    if (rc) return rc;
+    if (strcmp(s, "llama") != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "model_type '%.64s' is not supported, expected 'llama'", s);
+    s = "silu";
+    if ((rc = kv_json_get_str(root, "hidden_act", path, 0, &s, err))) return rc;
+    if (strcmp(s, "silu") != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "hidden_act '%.64s' is not supported, expected 'silu'", s);
+
+    int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0;
+    int64_t ctx = 2048; /* LlamaConfig's default */
+    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
+        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
+        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
+        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
+        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
+        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)))
+        return rc;
+    kv_heads = heads;
+    if ((rc = kv_json_get_int(root, "num_key_value_heads", path, 1, KV_MAX_DIM, 0, &kv_heads, err)))
+        return rc;
+    if ((rc = kv_json_get_int(root, "head_dim", path, 1, KV_MAX_DIM, 0, &head_dim, err))) return rc;
+    if (!head_dim) {
+        if (dim % heads)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "hidden_size %lld is not a multiple of num_attention_heads %lld and "
+                           "head_dim is not given",
+                           (long long)dim, (long long)heads);
+        head_dim = dim / heads;
+    }
+    double eps = 1e-6, theta = 10000.0;
+    if ((rc = kv_json_get_num(root, "rms_norm_eps", path, 1, 0, &eps, err)) ||
+        (rc = kv_json_get_num(root, "rope_theta", path, 1, 0, &theta, err)))
+        return rc;
+    int tied = 0, attn_bias = 0, mlp_bias = 0;
+    if ((rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
+        (rc = kv_json_get_bool(root, "attention_bias", path, 0, &attn_bias, err)) ||
+        (rc = kv_json_get_bool(root, "mlp_bias", path, 0, &mlp_bias, err)))
+        return rc;
+    if (mlp_bias)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
+
+    json_t *rs = json_object_get(root, "rope_scaling");
+    if (rs && !json_is_null(rs)) {
+        if (!json_is_object(rs)) {
+            char found[64];
+            kv_json_repr(rs, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "key 'rope_scaling' must be an object or null, found %s", found);
+        }
+        json_t *ty = json_object_get(rs, "rope_type");
+        if (!ty) ty = json_object_get(rs, "type");
+        if (!json_is_string(ty))
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "rope_scaling has no string 'type' or 'rope_type'");
+        if (strcmp(json_string_value(ty), "default") != 0)
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "rope_scaling type '%.64s' is not supported", json_string_value(ty));
+    }
+    if ((rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
+        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
+        return rc;
+
+    cfg->dim = dim;
+    cfg->hidden_dim = hidden;
+    cfg->n_layers = layers;
+    cfg->n_heads = heads;
+    cfg->n_kv_heads = kv_heads;
+    cfg->head_dim = head_dim;
+    cfg->vocab_size = vocab;
+    cfg->max_seq_len = ctx;
+    cfg->norm_eps = (float)eps;
+    cfg->rope_theta = (float)theta;
+    cfg->tied_embeddings = tied;
+    cfg->has_qkv_bias = attn_bias;
+    return KV_OK;
+}
+
+int kv_hf_read_config(const char *path, struct kv_config *cfg, struct kv_err *err) {
+    json_t *root;
+    int rc = kv_json_load(path, &root, err);
+    if (rc) return rc;
+    rc = parse_config(root, path, cfg, err);
+    json_decref(root);
+    return rc;
+}
+
+/* ================================================================ tokenizer */
+
+struct tok_piece {
+    const char *s; /* points into the JSON document */
+    size_t len;
+    int type;
+    int set;
+};
+
+static int is_byte_piece(const char *s, size_t len) {
+    static const char hex[] = "0123456789ABCDEF";
+    return len == 6 && memcmp(s, "<0x", 3) == 0 && strchr(hex, s[3]) && strchr(hex, s[4]) &&
+           s[5] == '>';
+}
+
+/* Id of piece s in the vocab or the added tokens, or -1. */
+static int32_t piece_id(const json_t *vocab, const json_t *added, const char *s) {
+    json_t *v = json_object_get(vocab, s);
+    if (json_is_integer(v)) return (int32_t)json_integer_value(v);
+    size_t i;
+    json_t *a;
+    json_array_foreach(added, i, a) {
+        json_t *c = json_object_get(a, "content");
+        if (json_is_string(c) && strcmp(json_string_value(c), s) == 0) {
+            json_t *id = json_object_get(a, "id");
+            if (json_is_integer(id)) return (int32_t)json_integer_value(id);
+        }
+    }
+    return -1;
+}
+
+/* How the text's spaces become pieces: space_piece replaces ' ', dummy says
+ * whether one is prepended. NULL space_piece: no rule seen (yet). */
+struct tok_spaces {
+    const char *space_piece;
+    int dummy;
+};
+
+static int parse_normalizer(const json_t *n, const char *path, struct tok_spaces *sp,
+                            struct kv_err *err) {
+    if (!n || json_is_null(n)) return KV_OK;
+    const char *type = json_string_value(json_object_get(n, "type"));
+    if (!type) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "normalizer has no string 'type'");
+    const json_t *list = n;
+    size_t count = 1;
+    if (strcmp(type, "Sequence") == 0) {
+        list = json_object_get(n, "normalizers");
+        if (!json_is_array(list))
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "normalizer Sequence has no 'normalizers' array");
+        count = json_array_size(list);
+    }
+    const char *prepend = NULL, *replace = NULL;
+    for (size_t i = 0; i < count; i++) {
+        const json_t *e = list == n ? n : json_array_get(list, i);
+        const char *et = json_string_value(json_object_get(e, "type"));
+        if (!et)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "normalizer has no string 'type'");
+        if (strcmp(et, "Prepend") == 0) {
+            prepend = json_string_value(json_object_get(e, "prepend"));
+            if (!prepend || !*prepend)
+                return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                               "normalizer Prepend has no non-empty string 'prepend'");
+        } else if (strcmp(et, "Replace") == 0) {
+            const json_t *pat = json_object_get(e, "pattern");
+            const char *from = json_string_value(json_object_get(pat, "String"));
+            const char *to = json_string_value(json_object_get(e, "content"));
+            if (!from || !to || !*to)
+                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                               "normalizer Replace is supported only with a string pattern and "
+                               "non-empty content");
+            if (strcmp(from, " ") != 0)
+                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                               "normalizer Replace of '%.32s' is not supported, expected ' '",
+                               from);
+            replace = to;
+        } else {
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "normalizer '%.64s' is not supported", et);
+        }
+    }
+    if (!replace) {
+        if (prepend)
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "normalizer Prepend without Replace(' ') is not supported");
+        return KV_OK; /* an empty Sequence */
+    }
+    if (prepend && strcmp(prepend, replace) != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "normalizer prepends '%.32s' but replaces spaces with '%.32s'", prepend,
+                       replace);
+    sp->space_piece = replace;
+    sp->dummy = prepend != NULL;
+    return KV_OK;
+}
+
+static int parse_pre_tokenizer(const json_t *p, const char *path, struct tok_spaces *sp,
+                               struct kv_err *err) {
+    if (!p || json_is_null(p)) return KV_OK;
+    const char *type = json_string_value(json_object_get(p, "type"));
+    if (!type)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "pre_tokenizer has no string 'type'");
+    if (strcmp(type, "Metaspace") != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "pre_tokenizer '%.64s' is not supported", type);
+    if (sp->space_piece)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "a metaspace pre_tokenizer after a space-replacing normalizer is not "
+                       "supported");
+    const char *rep = json_string_value(json_object_get(p, "replacement"));
+    if (!rep || !*rep)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "pre_tokenizer Metaspace has no non-empty string 'replacement'");
+    int dummy = 1;
+    const json_t *scheme = json_object_get(p, "prepend_scheme");
+    const json_t *aps = json_object_get(p, "add_prefix_space");
+    if (json_is_string(scheme)) {
+        const char *sc = json_string_value(scheme);
+        if (strcmp(sc, "never") == 0)
+            dummy = 0;
+        else if (strcmp(sc, "always") != 0 && strcmp(sc, "first") != 0)
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "pre_tokenizer Metaspace prepend_scheme '%.32s' is not supported", sc);
+    } else if (json_is_boolean(aps)) {
+        dummy = json_is_true(aps);
+    }
+    sp->space_piece = rep;
+    sp->dummy = dummy;
+    return KV_OK;
+}
+
+/* "<s>", "<|begin_of_text|>", "<|start_story|>" ... as BOS; "</s>", "<eos>",
+ * "<|endoftext|>", "<|end_story|>" ... as EOS. */
+static int special_role(const char *content) {
+    char name[64];
+    size_t n = 0;
+    for (const char *c = content; *c && n + 1 < sizeof name; c++)
+        if (*c != '<' && *c != '>' && *c != '|') name[n++] = (char)(*c >= 'A' && *c <= 'Z' ? *c + 32 : *c);
+    name[n] = 0;
+    if (!strcmp(name, "s") || !strcmp(name, "bos") || !strncmp(name, "begin", 5) ||
+        !strncmp(name, "start", 5))
+        return 1;
+    if (!strcmp(name, "/s") || !strcmp(name, "eos") || !strncmp(name, "end", 3))
+        return 2;
+    return 0;
+}
+
+/* BOS (before the sequence) and EOS (after it) of a TemplateProcessing
+ * post-processor's "single" template; anything unexpected is ignored. */
+static void template_specials(const json_t *root, const json_t *vocab, const json_t *added,
+                              int32_t n_vocab, int32_t *bos, int32_t *eos) {
+    const json_t *pp = json_object_get(root, "post_processor");
+    const char *type = json_string_value(json_object_get(pp, "type"));
+    if (!type || strcmp(type, "TemplateProcessing") != 0) return;
+    const json_t *single = json_object_get(pp, "single");
+    const json_t *specials = json_object_get(pp, "special_tokens");
+    int seen_seq = 0;
+    size_t i;
+    json_t *item;
+    json_array_foreach(single, i, item) {
+        if (json_object_get(item, "Sequence")) {
+            seen_seq = 1;
+            continue;
+        }
+        const char *name = json_string_value(json_object_get(json_object_get(item, "SpecialToken"), "id"));
+        if (!name) continue;
+        int32_t id = -1;
+        json_t *ids = json_object_get(json_object_get(specials, name), "ids");
+        if (json_is_integer(json_array_get(ids, 0)))
+            id = (int32_t)json_integer_value(json_array_get(ids, 0));
+        else
+            id = piece_id(vocab, added, name);
+        if (id < 0 || id >= n_vocab) continue;
+        if (!seen_seq && *bos < 0) *bos = id;
+        if (seen_seq && *eos < 0) *eos = id;
+    }
+}
+
+static int add_merges(struct kv_tokenizer *tok, const json_t *merges, const char *path,
+                      struct kv_err *err) {
+    size_t i;
+    json_t *m;
+    json_array_foreach(merges, i, m) {
+        const char *a = NULL, *b = NULL;
+        size_t alen = 0, blen = 0;
+        if (json_is_string(m)) {
+            const char *s = json_string_value(m);
+            const char *sp = strchr(s, ' ');
+            if (sp && sp != s && sp[1] && !strchr(sp + 1, ' ')) {
+                a = s;
+                alen = (size_t)(sp - s);
+                b = sp + 1;
+                blen = strlen(b);
+            }
+        } else if (json_is_array(m) && json_array_size(m) == 2 &&
+                   json_is_string(json_array_get(m, 0)) && json_is_string(json_array_get(m, 1))) {
+            a = json_string_value(json_array_get(m, 0));
+            alen = json_string_length(json_array_get(m, 0));
+            b = json_string_value(json_array_get(m, 1));
+            blen = json_string_length(json_array_get(m, 1));
+        }
+        if (!a || !alen || !blen) {
+            char found[64];
+            kv_json_repr(m, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "merges[%zu] must be \"a b\" or [\"a\", \"b\"], found %s", i, found);
+        }
+        int rc = kv_tok_add_merge(tok, a, alen, b, blen, (int32_t)i, path, err);
+        if (rc) return rc;
+    }
+    return KV_OK;
+}
+
+/* Collect the pieces of vocab and added_tokens into pieces[0..n_vocab). */
+static int collect_pieces(const json_t *vocab, const json_t *added, int byte_fallback,
+                          const char *path, struct tok_piece **out, int32_t *n_out,
+                          struct kv_err *err) {
+    int64_t max_id = -1;
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)vocab, key, v) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) >= KV_MAX_VOCAB) {
+            char found[64];
+            kv_json_repr(v, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "vocab piece '%.64s' has id %s, expected 0..%d", key, found,
+                           KV_MAX_VOCAB - 1);
+        }
+        if (json_integer_value(v) > max_id) max_id = json_integer_value(v);
+    }
+    size_t i;
+    json_t *a;
+    json_array_foreach(added, i, a) {
+        json_t *id = json_object_get(a, "id");
+        json_t *content = json_object_get(a, "content");
+        if (!json_is_integer(id) || json_integer_value(id) < 0 ||
+            json_integer_value(id) >= KV_MAX_VOCAB || !json_is_string(content) ||
+            json_string_length(content) == 0) {
+            char found[64];
+            kv_json_repr(a, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "added_tokens[%zu] must have an id in 0..%d and a non-empty content, "
+                           "found %s",
+                           i, KV_MAX_VOCAB - 1, found);
+        }
+        if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
+    }
+    if (max_id < 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "vocab is empty");
+    int32_t n = (int32_t)(max_id + 1);
+    struct tok_piece *p = calloc((size_t)n, sizeof *p);
+    if (!p) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory for %d pieces", n);
+    int rc = KV_OK;
+    json_object_foreach((json_t *)vocab, key, v) {
+        int32_t id = (int32_t)json_integer_value(v);
+        size_t len = strlen(key);
+        if (len == 0 || len > KV_MAX_PIECE) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "vocab piece for id %d is %zu bytes, expected 1..%d", id, len,
+                         KV_MAX_PIECE);
+            goto fail;
+        }
+        if (p[id].set) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "vocab pieces '%.64s' and '%.64s' both have id %d", p[id].s, key, id);
+            goto fail;
+        }
+        p[id] = (struct tok_piece){key, len, KV_TOKT_NORMAL, 1};
+        if (byte_fallback && is_byte_piece(key, len)) p[id].type = KV_TOKT_BYTE;
+    }
+    json_array_foreach(added, i, a) {
+        int32_t id = (int32_t)json_integer_value(json_object_get(a, "id"));
+        json_t *c = json_object_get(a, "content");
+        const char *s = json_string_value(c);
+        size_t len = json_string_length(c);
+        if (len > KV_MAX_PIECE) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "added token %d is %zu bytes, above the limit %d", id, len, KV_MAX_PIECE);
+            goto fail;
+        }
+        if (p[id].set && (p[id].len != len || memcmp(p[id].s, s, len) != 0)) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "added token '%.64s' has id %d, which the vocab gives to '%.64s'", s, id,
+                         p[id].s);
+            goto fail;
+        }
+        p[id] = (struct tok_piece){s, len, json_is_true(json_object_get(a, "special"))
+                                               ? KV_TOKT_CONTROL
+                                               : KV_TOKT_USER,
+                                   1};
+    }
+    for (int32_t id = 0; id < n; id++)
+        if (!p[id].set) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "vocab has no piece for id %d (ids go up to %d)", id, n - 1);
+            goto fail;
+        }
+    *out = p;
+    *n_out = n;
+    return KV_OK;
+fail:
+    free(p);
+    return rc;
+}
+
+/* Build a tokenizer from a parsed tokenizer.json. bos/eos >= 0 override the
+ * file's own. */
+static int tok_from_json(const json_t *root, const char *path, int32_t bos_ovr, int32_t eos_ovr,
+                         struct kv_tokenizer **out, struct kv_err *err) {
+    if (!json_is_object(root))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "tokenizer is a json %s, expected an object", kv_json_type_name(root));
+    const json_t *model = json_object_get(root, "model");
+    if (!json_is_object(model))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key 'model' must be an object");
+    const char *type = json_string_value(json_object_get(model, "type"));
+    if (type && strcmp(type, "BPE") != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "tokenizer model type '%.64s' is not supported, expected 'BPE'", type);
+    const json_t *vocab = json_object_get(model, "vocab");
+    const json_t *merges = json_object_get(model, "merges");
+    if (!type && !merges)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "tokenizer model has no type and no merges; only BPE is supported");
+    if (!json_is_object(vocab))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key 'model.vocab' must be an object");
+    if (!json_is_array(merges))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key 'model.merges' must be an array");
+    if (json_object_size(vocab) > KV_MAX_VOCAB || json_array_size(merges) > KV_MAX_VOCAB)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "tokenizer has %zu pieces and %zu merges, above the limit %d",
+                       json_object_size(vocab), json_array_size(merges), KV_MAX_VOCAB);
+    static const char *const affixes[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+    for (size_t i = 0; i < 2; i++) {
+        const char *s = json_string_value(json_object_get(model, affixes[i]));
+        if (s && *s)
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "tokenizer model option %s '%.32s' is not supported", affixes[i], s);
+    }
+    if (json_is_true(json_object_get(model, "ignore_merges")))
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "tokenizer model option ignore_merges true is not supported");
+    int byte_fallback = json_is_true(json_object_get(model, "byte_fallback"));
+    const json_t *added = json_object_get(root, "added_tokens");
+    if (added && !json_is_null(added) && !json_is_array(added))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key 'added_tokens' must be an array");
+    if (json_array_size(added) > KV_MAX_VOCAB)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "too many added_tokens");
+
+    struct tok_spaces sp = {NULL, 0};
+    int rc = parse_normalizer(json_object_get(root, "normalizer"), path, &sp, err);
+    if (!rc) rc = parse_pre_tokenizer(json_object_get(root, "pre_tokenizer"), path, &sp, err);
+    if (rc) return rc;
+    if (!sp.space_piece) sp.space_piece = " "; /* plain BPE: spaces are ordinary characters */
+
+    struct tok_piece *pieces = NULL;
+    int32_t n = 0;
+    if ((rc = collect_pieces(vocab, added, byte_fallback, path, &pieces, &n, err))) return rc;
+
+    int32_t unk = -1, bos = -1, eos = -1;
+    const char *unk_s = json_string_value(json_object_get(model, "unk_token"));
+    if (unk_s) {
+        unk = piece_id(vocab, added, unk_s);
+        if (unk < 0) {
+            free(pieces);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "unk_token '%.64s' is not in the vocab", unk_s);
+        }
+        pieces[unk].type = KV_TOKT_UNKNOWN;
+    }
+    template_specials(root, vocab, added, n, &bos, &eos);
+    size_t i;
+    json_t *a;
+    json_array_foreach(added, i, a) {
+        if (!json_is_true(json_object_get(a, "special"))) continue;
+        int role = special_role(json_string_value(json_object_get(a, "content")));
+        int32_t id = (int32_t)json_integer_value(json_object_get(a, "id"));
+        if (role == 1 && bos < 0) bos = id;
+        if (role == 2 && eos < 0) eos = id;
+    }
+    if (bos_ovr >= n || eos_ovr >= n) {
+        free(pieces);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "config.json's %s %d is outside the tokenizer's %d pieces",
+                       bos_ovr >= n ? "bos_token_id" : "eos_token_id",
+                       bos_ovr >= n ? bos_ovr : eos_ovr, n);
+    }
+    if (bos_ovr >= 0) bos = bos_ovr;
+    if (eos_ovr >= 0) eos = eos_ovr;
+
+    struct kv_tokenizer *tok = NULL;
+    rc = kv_tok_init(KV_TOK_RANK, n, &tok, err);
+    for (int32_t id = 0; !rc && id < n; id++)
+        rc = kv_tok_set_piece(tok, id, pieces[id].s, pieces[id].len, 0.0f, pieces[id].type, err);
+    if (!rc) rc = add_merges(tok, merges, path, err);
+    if (!rc) {
+        kv_tok_set_special(tok, bos, eos, unk);
+        rc = kv_tok_set_normalizer(tok, sp.space_piece, sp.dummy, err);
+    }
+    json_array_foreach(added, i, a) {
+        if (rc) break;
+        rc = kv_tok_add_literal(tok, (int32_t)json_integer_value(json_object_get(a, "id")), err);
+    }
+    if (!rc) rc = kv_tok_finish(tok, path, err);
+    free(pieces);
+    if (rc) {
+        kv_tok_free(tok);
+        return rc;
+    }
+    *out = tok;
+    return KV_OK;
+}
+
+static int load_tokenizer(const char *path, int32_t bos, int32_t eos, struct kv_tokenizer **out,
+                          struct kv_err *err) {
+    json_t *root;
+    int rc = kv_json_load(path, &root, err);
+    if (rc) return rc;
+    rc = tok_from_json(root, path, bos, eos, out, err);
+    json_decref(root);
+    return rc;
+}
+
+int kv_hf_load_tokenizer(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
+    return load_tokenizer(path, -1, -1, out, err);
+}
+
+/* ================================================================ weights */
+
+struct hf_shard {
+    char *name; /* file name inside dir (owned) */
+    char *path; /* dir/name (owned) */
+    struct kv_st_file *st; /* owned by the model once registered */
+};
+
+struct hf_ref {
+    const char *name;
+    const struct kv_tensor *t;
+};
+
+struct hf_weights {
+    const char *list_path; /* model.safetensors or the index, for messages */
+    struct hf_shard *shards;
+    int n_shards;
+    struct hf_ref *refs; /* every tensor of every shard, sorted by name */
+    int64_t n_refs;
+};
+
+static void st_close_cb(void *p) { kv_st_close(p); }
+
+static int ref_cmp(const void *pa, const void *pb) {
+    return strcmp(((const struct hf_ref *)pa)->name, ((const struct hf_ref *)pb)->name);
+}
+
+static const struct kv_tensor *lookup(const struct hf_weights *w, const char *name) {
+    struct hf_ref key = {name, NULL};
+    const struct hf_ref *r = bsearch(&key, w->refs, (size_t)w->n_refs, sizeof key, ref_cmp);
+    return r ? r->t : NULL;
+}
+
+/* Tensor name, following __metadata__ aliases ("model.embed_tokens.weight":
+ * "lm_head.weight") a few hops. */
+static const struct kv_tensor *find(const struct hf_weights *w, const char *name) {
+    for (int hop = 0; hop < 4 && name; hop++) {
+        const struct kv_tensor *t = lookup(w, name);
+        if (t) return t;
+        const char *next = NULL;
+        for (int s = 0; s < w->n_shards && !next; s++) next = kv_st_meta(w->shards[s].st, name);
+        name = next;
+    }
+    return NULL;
+}
+
+static int add_shard(struct hf_weights *w, const char *dir, const char *name, const char *list_path,
+                     struct kv_err *err) {
+    for (int i = 0; i < w->n_shards; i++)
+        if (strcmp(w->shards[i].name, name) == 0) return KV_OK;
+    if (w->n_shards >= KV_MAX_SHARDS)
+        return kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
+                       "weight_map names more than %d shard files", KV_MAX_SHARDS);
+    if (!*name || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+        return kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
+                       "weight_map names file '%.128s', expected a plain file name", name);
+    if (w->n_shards % 16 == 0) {
+        struct hf_shard *ns = realloc(w->shards, (size_t)(w->n_shards + 16) * sizeof *ns);
+        if (!ns) return kv_fail(err, KV_ENOMEM, list_path, KV_NO_OFFSET, "out of memory");
+        w->shards = ns;
+    }
+    struct hf_shard *s = &w->shards[w->n_shards];
+    s->name = strdup(name);
+    s->path = kv_path_join(dir, name);
+    s->st = NULL;
+    w->n_shards++; /* counted now so the strings are freed on any failure */
+    if (!s->name || !s->path)
+        return kv_fail(err, KV_ENOMEM, list_path, KV_NO_OFFSET, "out of memory");
+    return KV_OK;
+}
+
+/* Open every shard (registering its mapping with m), add all tensors to m's
+ * table and build the sorted name index. */
+static int open_shards(struct hf_weights *w, struct kv_model *m, struct kv_err *err) {
+    int64_t total = 0;
+    for (int i = 0; i < w->n_shards; i++) {
+        struct hf_shard *s = &w->shards[i];
+        int rc = kv_st_open(s->path, &s->st, err);
+        if (rc) return rc;
+        if ((rc = kv_model_on_free(m, st_close_cb, s->st, err))) {
+            kv_st_close(s->st);
+            s->st = NULL;
+            return rc;
+        }
+        for (int64_t j = 0; j < s->st->n_tensors; j++) s->st->tensors[j].file = i;
+        if ((rc = kv_model_add_tensors(m, s->st->tensors, s->st->n_tensors, err))) return rc;
+        total += s->st->n_tensors;
+    }
+    w->refs = calloc(total ? (size_t)total : 1, sizeof *w->refs);
+    if (!w->refs) return kv_fail(err, KV_ENOMEM, w->list_path, KV_NO_OFFSET, "out of memory");
+    for (int i = 0; i < w->n_shards; i++)
+        for (int64_t j = 0; j < w->shards[i].st->n_tensors; j++) {
+            const struct kv_tensor *t = &w->shards[i].st->tensors[j];
+            w->refs[w->n_refs++] = (struct hf_ref){t->name, t};
+        }
+    qsort(w->refs, (size_t)w->n_refs, sizeof *w->refs, ref_cmp);
+    for (int64_t i = 1; i < w->n_refs; i++)
+        if (strcmp(w->refs[i - 1].name, w->refs[i].name) == 0)
+            return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                           "tensor '%s' is stored in both '%s' and '%s'", w->refs[i].name,
+                           w->shards[w->refs[i - 1].t->file].name,
+                           w->shards[w->refs[i].t->file].name);
+    return KV_OK;
+}
+
+/* Shard list from model.safetensors.index.json; opened and cross-checked. */
+static int open_index(struct hf_weights *w, const char *dir, struct kv_model *m,
+                      struct kv_err *err) {
+    json_t *root;
+    int rc = kv_json_load(w->list_path, &root, err);
+    if (rc) return rc;
+    const json_t *map = json_object_get(root, "weight_map");
+    const char *key;
+    json_t *v;
+    if (!json_is_object(map)) {
+        rc = kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                     "key 'weight_map' must be an object");
+        goto done;
+    }
+    if (json_object_size(map) > KV_MAX_TENSORS) {
+        rc = kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                     "weight_map has %zu entries, above the limit %d", json_object_size(map),
+                     KV_MAX_TENSORS);
+        goto done;
+    }
+    json_object_foreach((json_t *)map, key, v) {
+        if (!json_is_string(v)) {
+            char found[64];
+            kv_json_repr(v, found, sizeof found);
+            rc = kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                         "weight_map entry '%.128s' must name a file, found %s", key, found);
+            goto done;
+        }
+        if ((rc = add_shard(w, dir, json_string_value(v), w->list_path, err))) goto done;
+    }
+    if (w->n_shards == 0) {
+        rc = kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET, "weight_map is empty");
+        goto done;
+    }
+    if ((rc = open_shards(w, m, err))) goto done;
+    json_object_foreach((json_t *)map, key, v) {
+        const struct kv_tensor *t = lookup(w, key);
+        const char *want = json_string_value(v);
+        if (!t || strcmp(w->shards[t->file].name, want) != 0) {
+            rc = kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                         "tensor '%.128s' is mapped to '%.128s' but that file does not contain it",
+                         key, want);
+            goto done;
+        }
+    }
+done:
+    json_decref(root);
+    return rc;
+}
+
+static void weights_free(struct hf_weights *w) {
+    for (int i = 0; i < w->n_shards; i++) {
+        free(w->shards[i].name);
+        free(w->shards[i].path);
+    }
+    free(w->shards);
+    free(w->refs);
+}
+
+struct hf_bind {
+    const char *suffix;
+    enum kv_wkind kind;
+};
+
+static const struct hf_bind layer_names[] = {
+    {"input_layernorm.weight", KV_W_ATTN_NORM},
+    {"self_attn.q_proj.weight", KV_W_Q},
+    {"self_attn.k_proj.weight", KV_W_K},
+    {"self_attn.v_proj.weight", KV_W_V},
+    {"self_attn.o_proj.weight", KV_W_O},
+    {"self_attn.q_proj.bias", KV_W_BQ},
+    {"self_attn.k_proj.bias", KV_W_BK},
+    {"self_attn.v_proj.bias", KV_W_BV},
+    {"post_attention_layernorm.weight", KV_W_FFN_NORM},
+    {"mlp.gate_proj.weight", KV_W_GATE},
+    {"mlp.up_proj.weight", KV_W_UP},
+    {"mlp.down_proj.weight", KV_W_DOWN},
+};
+
+/* Biases HF Llama can carry but kvcal's forward pass has no place for. */
+static const char *const unsupported_biases[] = {
+    "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
+};
+
+static int bind_one(struct kv_model *m, const struct hf_weights *w, enum kv_wkind kind,
+                    int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
+    return kv_model_bind(m, kind, layer, t, w->shards[t->file].path, err);
+}
+
+static int bind_weights(struct kv_model *m, const struct hf_weights *w, int attn_bias,
+                        struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    const struct kv_tensor *emb = find(w, "model.embed_tokens.weight");
+    const struct kv_tensor *head = find(w, "lm_head.weight");
+    const struct kv_tensor *norm = find(w, "model.norm.weight");
+    if (c->tied_embeddings && !emb) emb = head;
+    if (!emb)
+        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                       "missing tensor 'model.embed_tokens.weight'");
+    if (!c->tied_embeddings && !head)
+        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                       "missing tensor 'lm_head.weight' (tie_word_embeddings is false)");
+    if (!norm)
+        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                       "missing tensor 'model.norm.weight'");
+    int rc = bind_one(m, w, KV_W_TOK_EMB, 0, emb, err);
+    if (!rc && !c->tied_embeddings) rc = bind_one(m, w, KV_W_LM_HEAD, 0, head, err);
+    if (!rc) rc = bind_one(m, w, KV_W_OUT_NORM, 0, norm, err);
+    if (rc) return rc;
+    char name[KV_MAX_NAME_LEN + 64];
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        for (size_t i = 0; i < sizeof unsupported_biases / sizeof unsupported_biases[0]; i++) {
+            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, unsupported_biases[i]);
+            const struct kv_tensor *t = find(w, name);
+            if (t)
+                return kv_fail(err, KV_EUNSUPPORTED, w->shards[t->file].path, t->offset,
+                               "tensor '%s': this bias is not supported", name);
+        }
+        for (size_t i = 0; i < sizeof layer_names / sizeof layer_names[0]; i++) {
+            enum kv_wkind k = layer_names[i].kind;
+            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, layer_names[i].suffix);
+            const struct kv_tensor *t = find(w, name);
+            int optional = (k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !attn_bias;
+            if (!t && optional) continue;
+            if (!t)
+                return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                               "missing tensor '%s'%s", name,
+                               k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV
+                                   ? " (attention_bias is true)"
+                                   : "");
+            if ((rc = bind_one(m, w, k, l, t, err))) return rc;
+        }
+    }
+    return KV_OK;
+}
+
+/* ================================================================ directory */
+
+static int load_dir(const char *dir, struct kv_model **out, char **paths, struct kv_err *err) {
+    /* paths: [0] config.json, [1] model.safetensors, [2] the index, [3] tokenizer.json */
+    static const char *const names[] = {"config.json", "model.safetensors",
+                                        "model.safetensors.index.json", "tokenizer.json"};
+    for (int i = 0; i < 4; i++)
+        if (!(paths[i] = kv_path_join(dir, names[i])))
+            return kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    if (kv_path_kind(dir) != 1)
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "not a directory");
+
+    struct kv_config cfg;
+    int rc = kv_hf_read_config(paths[0], &cfg, err);
+    if (rc) return rc;
+    int attn_bias = cfg.has_qkv_bias;
+    cfg.has_qkv_bias = 0; /* kv_model_finish sets it from the bound tensors */
+    const char *single = paths[1], *index = paths[2];
+    int sharded = kv_path_kind(single) != 0;
+    if (sharded && kv_path_kind(index) != 0)
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET,
+                       "no model.safetensors or model.safetensors.index.json");
+
+    struct kv_model *m;
+    if ((rc = kv_model_create(&cfg, KV_FORMAT_HF, paths[0], &m, err))) return rc;
+    struct hf_weights w = {sharded ? index : single, NULL, 0, NULL, 0};
+    if (sharded)
+        rc = open_index(&w, dir, m, err);
+    else if (!(rc = add_shard(&w, dir, "model.safetensors", single, err)))
+        rc = open_shards(&w, m, err);
+    if (!rc) rc = bind_weights(m, &w, attn_bias, err);
+    weights_free(&w);
+
+    if (!rc && kv_path_kind(paths[3]) == 0) {
+        rc = load_tokenizer(paths[3], cfg.bos_id, cfg.eos_id, &m->tok, err);
+        if (!rc) {
+            if (m->cfg.bos_id < 0) m->cfg.bos_id = kv_tok_bos(m->tok);
+            if (m->cfg.eos_id < 0) m->cfg.eos_id = kv_tok_eos(m->tok);
+        }
+    }
+    if (!rc) rc = kv_model_finish(m, sharded ? index : single, err);
+    if (rc) {
+        kv_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return KV_OK;
+}
+
+int kv_hf_load(const char *dir, struct kv_model **out, struct kv_err *err) {
+    char *paths[4] = {NULL, NULL, NULL, NULL};
+    int rc = load_dir(dir, out, paths, err);
+    for (int i = 0; i < 4; i++) free(paths[i]);
+    return rc;
+}
