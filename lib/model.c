@@ -247,15 +247,21 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
                        got, exp, kv_wkind_name(kind));
     }
     int64_t n = kv_tensor_numel(t);
-    const float **dst = slot(m, kind, layer);
+    const float *w;
     if (t->dtype == KV_DTYPE_F32 && ((uintptr_t)t->data % _Alignof(float)) == 0) {
-        *dst = t->data; /* view into the mapping */
+        w = t->data; /* view into the mapping */
     } else {
         float *p = own_floats(m, n);
         if (!p) return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory converting '%s'", t->name);
         kv_convert_to_f32(t->dtype, t->data, p, n);
-        *dst = p;
+        w = p;
     }
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(w[i]))
+            return kv_fail(err, KV_ENUMERIC, path, t->offset + (uint64_t)i * kv_dtype_size(t->dtype),
+                           "tensor '%s' element %lld is %s", t->name, (long long)i,
+                           isnan(w[i]) ? "nan" : "inf");
+    *slot(m, kind, layer) = w;
     return KV_OK;
 }
 

@@ -91,6 +91,20 @@ Test(model, bind_checks_shape_and_dtype_and_converts) {
     strcpy(n1.name, "norm");
     cr_assert_eq(kv_model_bind(m, KV_W_ATTN_NORM, 0, &n1, "m", &err), KV_OK);
     cr_assert_eq(m->layers[0].w[KV_W_ATTN_NORM], f);
+    /* non-finite weights are refused with the element's byte offset */
+    float bad[8] = {1, 1, 1, 1, 1, 0, 1, 1};
+    bad[5] = INFINITY;
+    struct kv_tensor n2 = {.dtype = KV_DTYPE_F32, .ndim = 1, .shape = {8}, .offset = 64, .data = bad};
+    strcpy(n2.name, "ffn_norm");
+    cr_assert_eq(kv_model_bind(m, KV_W_FFN_NORM, 0, &n2, "m.safetensors", &err), KV_ENUMERIC);
+    kv_err_format(&err, buf, sizeof buf, 0);
+    cr_assert_str_eq(buf, "m.safetensors: offset 84: tensor 'ffn_norm' element 5 is inf");
+    uint16_t hnan[8] = {0x3c00, 0x7e00, 0, 0, 0, 0, 0, 0};
+    struct kv_tensor n3 = {.dtype = KV_DTYPE_F16, .ndim = 1, .shape = {8}, .offset = 10, .data = hnan};
+    strcpy(n3.name, "ffn_norm");
+    cr_assert_eq(kv_model_bind(m, KV_W_FFN_NORM, 0, &n3, "m.safetensors", &err), KV_ENUMERIC);
+    cr_assert_eq(err.off, 12);
+    cr_assert_str_eq(err.msg, "tensor 'ffn_norm' element 1 is nan");
     cr_assert_eq(kv_model_finish(m, "m.safetensors", &err), KV_EFORMAT);
     cr_assert_str_eq(err.msg, "missing tensor for the token embedding");
     kv_model_free(m);
