@@ -153,7 +153,9 @@ static void attention(struct kv_fwd *f, const float *kc, const float *vc, int64_
     int64_t nblk = (n + QBLOCK - 1) / QBLOCK;
     float scale = (float)(1.0 / sqrt((double)dh));
     int64_t ld = f->max_ctx;
-#pragma omp parallel for collapse(2) schedule(dynamic)
+    /* scores has one slab per thread counted at init: never run more */
+    int nt = omp_get_max_threads() < f->n_threads ? omp_get_max_threads() : f->n_threads;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nt)
     for (int64_t hh = 0; hh < h; hh++)
         for (int64_t bi = 0; bi < nblk; bi++) {
             float *S = f->scores + (int64_t)omp_get_thread_num() * QBLOCK * ld;

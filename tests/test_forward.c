@@ -143,3 +143,23 @@ Test(forward, rejects_out_of_vocab_and_overflowing_positions) {
     kv_fwd_free(f), kv_model_free(m);
 }
 
+
+Test(forward, more_threads_after_init_stay_within_the_scratch_buffers) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    struct kv_model *m;
+    struct kv_err err;
+    kv_model_init_random(&c, 5, &m, &err);
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++) tok[i] = (i * 7 + 2) % 97;
+    kv_set_threads(1);
+    struct kv_fwd *f;
+    kv_fwd_init(m, 64, &f, &err);
+    kv_fwd_run(f, tok, 64, 0, NULL, &err);
+    float *one = malloc(64 * 97 * sizeof *one);
+    memcpy(one, kv_fwd_logits(f), 64 * 97 * sizeof *one);
+    kv_set_threads(8); /* more than the state was sized for */
+    cr_assert_eq(kv_fwd_run(f, tok, 64, 0, NULL, &err), KV_OK);
+    kvt_assert_close_f32(kv_fwd_logits(f), one, 64 * 97, 1e-6, 1e-5, "logits after raising threads");
+    free(one);
+    kv_fwd_free(f), kv_model_free(m);
+}
