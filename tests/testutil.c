@@ -18,9 +18,14 @@ const char *kvt_shared(const char *rel) {
     return buf;
 }
 
+static const char *tmp_root(void) {
+    const char *t = getenv("TMPDIR");
+    return t && *t ? t : "/tmp";
+}
+
 char *kvt_write_temp(const void *buf, size_t len, const char *suffix) {
-    char tmpl[256];
-    snprintf(tmpl, sizeof tmpl, "/tmp/kvcal-test-XXXXXX%s", suffix ? suffix : "");
+    char tmpl[1024];
+    snprintf(tmpl, sizeof tmpl, "%s/kvcal-test-XXXXXX%s", tmp_root(), suffix ? suffix : "");
     int fd = mkstemps(tmpl, suffix ? (int)strlen(suffix) : 0);
     cr_assert(fd >= 0, "mkstemps failed");
     size_t off = 0;
@@ -34,7 +39,8 @@ char *kvt_write_temp(const void *buf, size_t len, const char *suffix) {
 }
 
 char *kvt_temp_dir(void) {
-    char tmpl[] = "/tmp/kvcal-test-dir-XXXXXX";
+    char tmpl[1024];
+    snprintf(tmpl, sizeof tmpl, "%s/kvcal-test-dir-XXXXXX", tmp_root());
     cr_assert(mkdtemp(tmpl) != NULL, "mkdtemp failed");
     return strdup(tmpl);
 }
