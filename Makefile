@@ -67,16 +67,24 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvcal.a
 	@mkdir -p $(dir $@)
 	$(CC) $^ $(LDLIBS) -o $@
 
-# Every suite runs even if an earlier one fails; the summary line counts suites.
+# Every suite runs even if an earlier one fails. The closing line adds up
+# Criterion's per-suite synthesis (a crash counts as a failure).
 test: all $(TEST_BIN)
-	@pass=0; fail=0; failed=""; \
+	@pass=0; fail=0; skip=0; failed=""; log=$$(mktemp); \
 	for t in $(TEST_BIN); do \
 	  echo "== $$t"; \
-	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2; then pass=$$((pass+1)); \
-	  else fail=$$((fail+1)); failed="$$failed $$t"; fi; \
-	done; \
-	echo "test suites: $$pass passed, $$fail failed"; \
-	if [ $$fail -ne 0 ]; then echo "failing suites:$$failed"; exit 1; fi
+	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2 >$$log 2>&1; then :; else failed="$$failed $$t"; fi; \
+	  cat $$log; \
+	  syn=$$(grep -a 'Synthesis: Tested' $$log | tail -n 1); \
+	  p=$$(echo "$$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); \
+	  f=$$(echo "$$syn" | sed -n 's/.*Failing: \([0-9]*\).*/\1/p'); \
+	  c=$$(echo "$$syn" | sed -n 's/.*Crashing: \([0-9]*\).*/\1/p'); \
+	  s=$$(echo "$$syn" | sed -n 's/.*Skipped: \([0-9]*\).*/\1/p'); \
+	  if [ -z "$$p" ]; then fail=$$((fail+1)); failed="$$failed $$t"; continue; fi; \
+	  pass=$$((pass+p)); fail=$$((fail+f+c)); skip=$$((skip+$${s:-0})); \
+	done; rm -f $$log; \
+	echo "tests: $$pass passed, $$fail failed, $$skip skipped"; \
+	if [ -n "$$failed" ]; then echo "failing suites:$$failed"; exit 1; fi
 
 bench: all $(BENCH_BIN)
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done

@@ -35,7 +35,7 @@
 #include "kvcal.h"
 
 /* Read config.json at path into *cfg (rope layout KV_ROPE_HALF; bos/eos -1
- * when absent). Errors: KV_EIO, KV_EFORMAT (missing key, wrong type, range),
+ * when absent; has_qkv_bias mirrors attention_bias). Errors: KV_EIO, KV_EFORMAT (missing key, wrong type, range),
  * KV_EUNSUPPORTED (model_type other than llama, hidden_act other than silu,
  * rope_scaling, mlp_bias). */
 int kv_hf_read_config(const char *path, struct kv_config *cfg, struct kv_err *err);

@@ -374,6 +374,29 @@ Test(hf_load, tied_checkpoint_without_lm_head_shares_the_embedding) {
     ref_free(&r);
 }
 
+Test(hf_load, metadata_alias_resolves_a_missing_tensor) {
+    /* Untied config, but only the embedding is stored and __metadata__ says
+     * lm_head.weight is the same tensor. */
+    struct ref_model r;
+    ref_build(&r, 1, 0);
+    char *dir = kvt_temp_dir();
+    write_config(dir, 0, 0, NULL);
+    write_st(dir, "model.safetensors", &r, NULL, "F16",
+             "{\"format\":\"pt\",\"lm_head.weight\":\"model.embed_tokens.weight\"}");
+    struct kv_model *m = load_ok(dir);
+    cr_assert_eq(kv_model_config(m)->tied_embeddings, 0);
+    expect_weights(m, &r, "alias");
+    cr_assert_not_null(m->lm_head);
+    cr_assert_eq(memcmp(m->lm_head, m->tok_emb, T_VOCAB * T_DIM * sizeof(float)), 0);
+    kv_model_free(m);
+
+    write_st(dir, "model.safetensors", &r, NULL, "F16", "{\"format\":\"pt\"}");
+    load_fails(dir, KV_EFORMAT,
+               "model.safetensors: missing tensor 'lm_head.weight' (tie_word_embeddings is false)");
+    rm_dir(dir);
+    ref_free(&r);
+}
+
 static const char *shard_of(int i) {
     return i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
 }
