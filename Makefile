@@ -32,7 +32,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps test bench clean install
+.PHONY: all deps test bench clean install fuzz
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/include/kvcal.h
 
 deps:
@@ -88,6 +88,21 @@ test: all $(TEST_BIN)
 
 bench: all $(BENCH_BIN)
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done
+
+# Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
+#   make fuzz FUZZ=safetensors|model|tokenizer [FUZZ_SECONDS=300]
+# New inputs go to $(BUILD)/fuzz/corpus-$(FUZZ); copy crashes into
+# tests/fuzz/corpus/$(FUZZ)/ so `make test` replays them forever.
+FUZZ ?= model
+FUZZ_SECONDS ?= 300
+fuzz:
+	@mkdir -p $(BUILD)/fuzz/corpus-$(FUZZ)
+	clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+	  -DKV_LIBFUZZER -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Itests/fuzz -I$(BLAS_INC) \
+	  tests/fuzz/fuzz_$(FUZZ).c tests/fuzz/fuzz_scratch.c $(LIB_SRC) $(LDLIBS) -o $(BUILD)/fuzz/fuzz_$(FUZZ)
+	$(BUILD)/fuzz/fuzz_$(FUZZ) $(BUILD)/fuzz/corpus-$(FUZZ) tests/fuzz/corpus/$(FUZZ) \
+	  -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -rss_limit_mb=2048 -timeout=10 \
+	  -artifact_prefix=$(BUILD)/fuzz/$(FUZZ)-
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include

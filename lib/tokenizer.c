@@ -135,14 +135,14 @@ static uint64_t hash_bytes(const void *data, size_t n) {
         n -= 8;
     }
     uint64_t w = 0;
-    memcpy(&w, p, n);
+    if (n) memcpy(&w, p, n);
     return mix64(h ^ w);
 }
 
 static int mergeable_type(int type) { return type == KV_TOKT_NORMAL || type == KV_TOKT_USER; }
 
 static const char *piece_bytes(const struct kv_tokenizer *t, int32_t id) {
-    return t->arena + t->off[id];
+    return t->arena ? t->arena + t->off[id] : ""; /* no arena while every piece is empty */
 }
 
 static int32_t piece_find(const struct kv_tokenizer *t, const void *p, size_t n) {
