@@ -916,7 +916,7 @@ int kv_gguf_build_tokenizer(const struct kv_gguf_file *f, struct kv_tokenizer **
         }
         float sc = scores ? scores[i] : 0.0f;
         if (!isfinite(sc)) {
-            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, opt[0])->arr_off + 4 * i,
+            rc = kv_fail(err, KV_EFORMAT, f->path, (uint64_t)(arr_elem(f, kv_gguf_find(f, opt[0]), i) - f->buf),
                          "score of token %llu is %g, expected a finite number",
                          (unsigned long long)i, (double)sc);
             goto done;

@@ -835,7 +835,7 @@ size_t kv_tok_decode(const struct kv_tokenizer *tok, int32_t prev, int32_t id, c
     const char *p = piece_bytes(tok, id);
     size_t n = tok->len[id], o = 0;
     if (type == KV_TOKT_UNKNOWN) {
-        if (cap) memcpy(out, p, n < cap ? n : cap);
+        if (cap && n) memcpy(out, p, n < cap ? n : cap);
         return n;
     }
     int strip = tok->dummy && prev >= 0 && prev == tok->bos && !(tok->flags[id] & TOKF_LITERAL);

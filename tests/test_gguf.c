@@ -924,3 +924,21 @@ Test(gguf_load, other_tokenizer_models_are_unsupported) {
     free(path);
     free(f.p);
 }
+
+Test(gguf_load, non_finite_score_names_the_token_and_its_byte) {
+    struct fx f;
+    build(&f, NULL, 1);
+    int k = kv_index(&f, "tokenizer.ggml.scores");
+    size_t at = f.val_off[k] + 12 + 4 * 5; /* element type, count, then token 5 */
+    set_u32(&f, at, 0x7fc00000u);            /* NaN */
+    char *path = write_fx(&f);
+    struct kv_tokenizer *tok;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_gguf_load_tokenizer(path, &tok, &err), KV_EFORMAT);
+    cr_assert_eq(err.off, at, "offset %llu, want %zu", (unsigned long long)err.off, at);
+    cr_assert_str_eq(err.msg, "score of token 5 is nan, expected a finite number");
+    unlink(path);
+    free(path);
+    free(f.p);
+}

@@ -76,7 +76,7 @@ Test(textio, missing_file_names_the_path) {
     cr_assert_eq(kv_text_read("/nonexistent/x.txt", &b, &lb, &err), KV_EIO);
     char buf[512];
     kv_err_format(&err, buf, sizeof buf, 0);
-    cr_assert_str_eq(buf, "/nonexistent/x.txt: cannot open: No such file or directory");
+    cr_assert_str_eq(buf, "/nonexistent/x.txt: cannot open: no such file or directory");
 }
 
 Test(textio, token_files_are_little_endian_u32_and_checked) {
