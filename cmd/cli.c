@@ -1,6 +1,7 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -217,6 +218,52 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
     }
     *n_bytes = len;
     return 0;
+}
+
+json_t *cli_json_text(const char *s) {
+    json_t *j = json_string(s);
+    if (j) return j;
+    /* Rebuild: copy each character jansson's own UTF-8 check accepts, and
+     * U+FFFD for each byte that starts no valid character. */
+    size_t n = strlen(s), o = 0;
+    char *buf = malloc(3 * n + 1);
+    if (!buf) return NULL;
+    for (size_t i = 0; i < n;) {
+        size_t k = 1;
+        for (; k <= 4 && i + k <= n; k++) {
+            json_t *t = json_stringn(s + i, k);
+            if (t) {
+                json_decref(t);
+                break;
+            }
+        }
+        if (k <= 4 && i + k <= n) {
+            memcpy(buf + o, s + i, k);
+            o += k;
+            i += k;
+        } else {
+            memcpy(buf + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    j = json_stringn(buf, o);
+    free(buf);
+    return j;
+}
+
+json_t *cli_json_real(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+int cli_print_json(json_t *o, size_t flags) {
+    char *s = o ? json_dumps(o, flags) : NULL;
+    json_decref(o);
+    if (!s) {
+        fprintf(stderr, "kvcal: cannot encode the JSON output\n");
+        return EXIT_ERR;
+    }
+    printf("%s\n", s);
+    free(s);
+    return EXIT_OK;
 }
 
 void cli_human_count(double v, char *buf, size_t cap) {

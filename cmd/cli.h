@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <jansson.h>
+
 #include "kvcal.h"
 
 enum { EXIT_OK = 0, EXIT_ERR = 1, EXIT_USAGE = 2, EXIT_TOLERANCE = 3 };
@@ -73,6 +75,15 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
 
 /* "dim 64, 5 layers, 8 heads (4 kv), head_dim 8, ffn 172, vocab 512" */
 void cli_describe_config(const struct kv_config *c, char *buf, size_t cap);
+
+/* JSON values that never fail on user data: text that is not valid UTF-8
+ * (a file name, a tensor name) keeps its valid characters and has each bad
+ * byte replaced by U+FFFD; a non-finite real becomes null. */
+json_t *cli_json_text(const char *s);
+json_t *cli_json_real(double v);
+/* Print o on stdout and release it. A NULL o (a pack that failed) is
+ * reported on stderr instead. Returns EXIT_OK or EXIT_ERR. */
+int cli_print_json(json_t *o, size_t flags);
 
 /* Human count: 260.1K, 15.2M. */
 void cli_human_count(double v, char *buf, size_t cap);

@@ -44,29 +44,28 @@ int cmd_inspect(int argc, char **argv) {
             const struct kv_tensor *t = kv_model_tensor(m, i);
             json_t *sh = json_array();
             for (int k = 0; k < t->ndim; k++) json_array_append_new(sh, json_integer(t->shape[k]));
-            json_array_append_new(ts, json_pack("{s:s, s:s, s:o, s:I, s:I, s:i}", "name", t->name,
+            json_array_append_new(ts, json_pack("{s:o, s:s, s:o, s:I, s:I, s:i}", "name", cli_json_text(t->name),
                                                 "dtype", kv_dtype_name(t->dtype), "shape", sh,
                                                 "offset", (json_int_t)t->offset, "bytes",
                                                 (json_int_t)t->nbytes, "file", t->file));
         }
         json_t *cfg = json_pack(
-            "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:s, s:b, s:b, s:i, s:i}",
+            "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:s, s:b, s:b, s:i, s:i}",
             "arch", "llama", "dim", (json_int_t)c->dim, "hidden_dim", (json_int_t)c->hidden_dim,
             "n_layers", (json_int_t)c->n_layers, "n_heads", (json_int_t)c->n_heads, "n_kv_heads",
             (json_int_t)c->n_kv_heads, "head_dim", (json_int_t)c->head_dim, "vocab_size",
             (json_int_t)c->vocab_size, "max_seq_len", (json_int_t)c->max_seq_len, "norm_eps",
-            (double)c->norm_eps, "rope_theta", (double)c->rope_theta, "rope_layout",
+            cli_json_real(c->norm_eps), "rope_theta", cli_json_real(c->rope_theta), "rope_layout",
             c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
             "tied_embeddings", c->tied_embeddings, "qkv_bias", c->has_qkv_bias, "bos_id",
             c->bos_id, "eos_id", c->eos_id);
-        json_t *o = json_pack("{s:s, s:s, s:o, s:I, s:o}", "path", pos[0], "format",
+        json_t *o = json_pack("{s:o, s:s, s:o, s:I, s:o}", "path", cli_json_text(pos[0]), "format",
                               kv_format_name(kv_model_format(m)), "config", cfg, "params",
                               (json_int_t)kv_model_n_params(m), "tensors", ts);
-        json_object_set_new(o, "tokenizer_vocab", tok ? json_integer(kv_tok_n_vocab(tok)) : json_null());
-        char *s = json_dumps(o, JSON_INDENT(2));
-        printf("%s\n", s);
-        free(s);
-        json_decref(o);
+        if (o)
+            json_object_set_new(o, "tokenizer_vocab",
+                                tok ? json_integer(kv_tok_n_vocab(tok)) : json_null());
+        rc = cli_print_json(o, JSON_INDENT(2));
     } else {
         char desc[512], np[32];
         cli_describe_config(c, desc, sizeof desc);
@@ -95,5 +94,5 @@ int cmd_inspect(int argc, char **argv) {
         }
     }
     kv_model_free(m);
-    return EXIT_OK;
+    return json ? rc : EXIT_OK;
 }

@@ -23,7 +23,7 @@ static void list_commands(FILE *f) {
     for (int i = 0; i < N_COMMANDS; i++)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
     fprintf(f, "\n'kvcal <command> --help' describes a command's options.\n"
-               "models: an HF Llama directory, a GGUF file (F32/F16) or a llama2.c .bin.\n");
+               "models: an HF Llama directory, a GGUF file (F32/F16/BF16) or a llama2.c .bin.\n");
 }
 
 static int edit_distance(const char *a, const char *b) {

@@ -64,6 +64,7 @@ int cmd_verify(int argc, char **argv) {
     cli_progress_end(&prog);
     free(ids);
     if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text ? text : tokens);
         kv_model_free(m);
         return cli_report(&err);
     }
@@ -71,18 +72,16 @@ int cmd_verify(int argc, char **argv) {
     int nthreads = omp_get_max_threads();
     const char *src = text ? text : tokens;
     if (json) {
-        json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:i, s:f}",
-                              "protocol", "windows", "model", model, "format",
-                              kv_format_name(kv_model_format(m)), "text", src, "seq_len",
-                              (json_int_t)seq_len, "tokens", (json_int_t)r.tokens, "windows",
-                              (json_int_t)r.windows, "scored", (json_int_t)r.scored,
-                              "params", (json_int_t)kv_model_n_params(m), "nll", r.nll, "ppl",
-                              r.ppl, "tokens_per_s", tps, "seconds", r.seconds, "threads",
-                              nthreads, "peak_rss_mib", cli_peak_rss_mib());
-        char *s = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
-        printf("%s\n", s);
-        free(s);
-        json_decref(o);
+        json_t *o = json_pack("{s:s, s:o, s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:i, s:o}",
+                              "protocol", "windows", "model", cli_json_text(model), "format",
+                              kv_format_name(kv_model_format(m)), "text", cli_json_text(src),
+                              "seq_len", (json_int_t)seq_len, "tokens", (json_int_t)r.tokens,
+                              "windows", (json_int_t)r.windows, "scored", (json_int_t)r.scored,
+                              "params", (json_int_t)kv_model_n_params(m), "nll",
+                              cli_json_real(r.nll), "ppl", cli_json_real(r.ppl), "tokens_per_s",
+                              cli_json_real(tps), "seconds", cli_json_real(r.seconds), "threads",
+                              nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
         char desc[512], np[32];
         cli_describe_config(c, desc, sizeof desc);
@@ -102,5 +101,5 @@ int cmd_verify(int argc, char **argv) {
                r.seconds, cli_peak_rss_mib());
     }
     kv_model_free(m);
-    return EXIT_OK;
+    return json ? rc : EXIT_OK;
 }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -324,4 +325,31 @@ Test(cli, verify_text_requires_a_tokenizer_for_llama2c) {
     expect_cli(args, 1,
                "kvcal: the model has no tokenizer: pass --tokenizer FILE (llama2.c tokenizer.bin, "
                "tokenizer.json or .gguf) or --tokens FILE\n");
+}
+
+/* A file name that is not valid UTF-8 must not break --json: each bad byte
+ * becomes U+FFFD and the rest of the object is intact. */
+Test(cli, json_output_survives_a_non_utf8_path) {
+    size_t len;
+    char *buf = read_shared("models/stories260K/stories260K.gguf", &len);
+    const char *t = kvt_shared("text/tinystories/val1k.txt");
+    if (!t) cr_skip_test("shared text is absent; skipping");
+    char *dir = kvt_temp_dir();
+    char *p = fixture(dir, "m\xff\xfe.gguf", buf, len);
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "inspect '%s' --json", p);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "/m\xef\xbf\xbd\xef\xbf\xbd.gguf\""), "%s", out);
+    cr_assert(strstr(out, "\"name\": \"token_embd.weight\""), "%s", out);
+    free(out), free(err);
+    snprintf(args, sizeof args,
+             "verify --model '%s' --text '%s' --seq-len 64 --max-windows 2 --threads 1 --json", p,
+             t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "/m\xef\xbf\xbd\xef\xbf\xbd.gguf\""), "%s", out);
+    cr_assert(strstr(out, "\"windows\": 2"), "%s", out);
+    free(out), free(err);
+    unlink(p);
+    rmdir(dir);
+    free(p), free(dir), free(buf);
 }
