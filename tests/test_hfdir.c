@@ -501,6 +501,34 @@ Test(hf_load, refuses_rope_scaling) {
     rm_dir(dir);
 }
 
+/* What LlamaConfig itself accepts: rope_scaling of type "default" is plain
+ * RoPE, and hidden_act may be left out (silu). */
+Test(hf_load, accepts_default_rope_scaling_and_missing_hidden_act) {
+    struct ref_model r;
+    ref_build(&r, 1, 0);
+    char *dir = make_dir(&r, "F32", 1, 0, NULL, NULL);
+    const char *variants[] = {"{\"type\": \"default\"}", "{\"rope_type\": \"default\"}"};
+    for (int v = 0; v < 2; v++) {
+        char *p = kvt_path(dir, "config.json");
+        char *cfg = kvt_read_file(p, NULL);
+        cr_assert_not_null(cfg);
+        char *a = strstr(cfg, "\"rope_scaling\": null,\n  \"hidden_act\": \"silu\"");
+        cr_assert_not_null(a);
+        char text[4096];
+        snprintf(text, sizeof text, "%.*s\"rope_scaling\": %s%s", (int)(a - cfg), cfg, variants[v],
+                 a + strlen("\"rope_scaling\": null,\n  \"hidden_act\": \"silu\""));
+        write_text(dir, "config.json", text);
+        struct kv_model *m = load_ok(dir);
+        cr_assert_float_eq(kv_model_config(m)->rope_theta, 500000.0, 1e-3);
+        expect_weights(m, &r, variants[v]);
+        kv_model_free(m);
+        write_config(dir, 1, 0, NULL);
+        free(cfg), free(p);
+    }
+    rm_dir(dir);
+    ref_free(&r);
+}
+
 Test(hf_load, refuses_duplicate_config_keys) {
     char *dir = kvt_temp_dir();
     /* {"model_type": "llama", = 24 bytes; "hidden_size": 16, = 19 more; the
