@@ -94,5 +94,5 @@ int cmd_inspect(int argc, char **argv) {
         }
     }
     kv_model_free(m);
-    return json ? rc : EXIT_OK;
+    return rc; /* 0 unless the JSON could not be encoded */
 }

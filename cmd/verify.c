@@ -45,6 +45,7 @@ int cmd_verify(int argc, char **argv) {
     if (threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     kv_set_threads((int)threads);
 
+    const char *src = text ? text : tokens;
     struct kv_model *m;
     if ((rc = cli_load_model(model, tokenizer, &m))) return rc;
     const struct kv_config *c = kv_model_config(m);
@@ -64,13 +65,12 @@ int cmd_verify(int argc, char **argv) {
     cli_progress_end(&prog);
     free(ids);
     if (rc) {
-        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text ? text : tokens);
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
         kv_model_free(m);
         return cli_report(&err);
     }
     double tps = r.seconds > 0 ? (double)(r.windows * seq_len) / r.seconds : 0;
     int nthreads = omp_get_max_threads();
-    const char *src = text ? text : tokens;
     if (json) {
         json_t *o = json_pack("{s:s, s:o, s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:i, s:o}",
                               "protocol", "windows", "model", cli_json_text(model), "format",
@@ -101,5 +101,5 @@ int cmd_verify(int argc, char **argv) {
                r.seconds, cli_peak_rss_mib());
     }
     kv_model_free(m);
-    return json ? rc : EXIT_OK;
+    return rc;
 }

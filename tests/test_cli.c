@@ -353,3 +353,18 @@ Test(cli, json_output_survives_a_non_utf8_path) {
     rmdir(dir);
     free(p), free(dir), free(buf);
 }
+
+/* Errors from the perplexity run itself carry no file; verify names the text. */
+Test(cli, verify_names_a_text_too_short_for_one_window) {
+    const char *p = kvt_shared("models/stories260K/stories260K.gguf");
+    if (!p) cr_skip_test("shared models are absent; skipping");
+    char *dir = kvt_temp_dir();
+    char *t = fixture(dir, "short.txt", "Once upon a time.", 17);
+    char args[8192], want[8192];
+    snprintf(args, sizeof args, "verify --model '%s' --text '%s'", p, t);
+    snprintf(want, sizeof want, "kvcal: %s: text has 6 tokens, fewer than one window of 256\n", t);
+    expect_cli(args, 1, want);
+    unlink(t);
+    rmdir(dir);
+    free(t), free(dir);
+}
