@@ -67,19 +67,21 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvcal.a
 	@mkdir -p $(dir $@)
 	$(CC) $^ $(LDLIBS) -o $@
 
-# Every suite runs even if an earlier one fails. The closing line adds up
-# Criterion's per-suite synthesis (a crash counts as a failure).
+# Every suite runs even if an earlier one fails. Suites run verbose so each
+# skipped test prints its reason; the passing tests' RUN/PASS lines are
+# dropped. The closing line adds up Criterion's per-suite synthesis (a crash
+# counts as a failure) and the [SKIP] lines, which that synthesis leaves out.
 test: all $(TEST_BIN)
 	@pass=0; fail=0; skip=0; failed=""; log=$$(mktemp); \
 	for t in $(TEST_BIN); do \
 	  echo "== $$t"; \
-	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2 >$$log 2>&1; then :; else failed="$$failed $$t"; fi; \
-	  cat $$log; \
+	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2 --verbose >$$log 2>&1; then :; else failed="$$failed $$t"; fi; \
+	  grep -av '^\[RUN \]\|^\[PASS\]' $$log; \
 	  syn=$$(grep -a 'Synthesis: Tested' $$log | tail -n 1); \
 	  p=$$(echo "$$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); \
 	  f=$$(echo "$$syn" | sed -n 's/.*Failing: \([0-9]*\).*/\1/p'); \
 	  c=$$(echo "$$syn" | sed -n 's/.*Crashing: \([0-9]*\).*/\1/p'); \
-	  s=$$(echo "$$syn" | sed -n 's/.*Skipped: \([0-9]*\).*/\1/p'); \
+	  s=$$(grep -ac '^\[SKIP\]' $$log); \
 	  if [ -z "$$p" ]; then fail=$$((fail+1)); failed="$$failed $$t"; continue; fi; \
 	  pass=$$((pass+p)); fail=$$((fail+f+c)); skip=$$((skip+$${s:-0})); \
 	done; rm -f $$log; \
