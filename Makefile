@@ -6,6 +6,7 @@ ifeq ($(MULTIARCH),)
 MULTIARCH := x86_64-linux-gnu
 endif
 # OpenBLAS built for OpenMP, so BLAS and kvcal's own loops share one pool.
+# -llapack from the same directory makes LAPACKE resolve to this OpenBLAS too.
 BLAS_INC := /usr/include/$(MULTIARCH)/openblas-openmp
 BLAS_LIB := /usr/lib/$(MULTIARCH)/openblas-openmp
 
@@ -14,10 +15,10 @@ BUILD  := build
 OPT    ?= -O2
 CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
           -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -I$(BLAS_INC) -MMD -MP
-LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -ljansson -lz -lm -fopenmp
+LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -llapack -ljansson -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
-                libcriterion-dev libjansson-dev zlib1g-dev
+                libcriterion-dev libjansson-dev nettle-dev zlib1g-dev
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)

@@ -73,6 +73,14 @@ static int set_value(const struct cli_cmd *cmd, const struct cli_opt *o, const c
         *(double *)o->dst = x;
         return 0;
     }
+    case OPT_LIST: {
+        struct cli_list *l = o->dst;
+        if (l->n >= CLI_MAX_LIST)
+            return cli_usage_error(cmd, "option '--%s' given more than %d times", o->name,
+                                   CLI_MAX_LIST);
+        l->v[l->n++] = v;
+        return 0;
+    }
     case OPT_FLAG: break;
     }
     return 0;

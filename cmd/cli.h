@@ -12,14 +12,22 @@
 
 enum { EXIT_OK = 0, EXIT_ERR = 1, EXIT_USAGE = 2, EXIT_TOLERANCE = 3 };
 
-enum cli_opt_type { OPT_FLAG, OPT_STR, OPT_INT, OPT_DOUBLE };
+enum cli_opt_type { OPT_FLAG, OPT_STR, OPT_INT, OPT_DOUBLE, OPT_LIST };
+
+/* Destination of an OPT_LIST option: every occurrence is appended. */
+#define CLI_MAX_LIST 1024
+struct cli_list {
+    const char *v[CLI_MAX_LIST];
+    int n;
+};
 
 /* One option, declared once: drives both parsing and --help. */
 struct cli_opt {
     const char *name;  /* long name without "--" */
     char short_name;   /* 0 if none */
     enum cli_opt_type type;
-    void *dst;         /* int* (flag), const char** (str), int64_t* (int), double* */
+    void *dst;         /* int* (flag), const char** (str), int64_t* (int), double*,
+                          struct cli_list* (list) */
     const char *metavar;
     const char *help;
 };

@@ -12,7 +12,9 @@ static const struct {
 } commands[] = {
     {"verify", cmd_verify, "perplexity of a model on held-out text (windows protocol)"},
     {"generate", cmd_generate, "greedy decoding from a prompt, for eyeballing a model"},
-    {"inspect", cmd_inspect, "config, tokenizer and tensor table of a model file or directory"},
+    {"collect", cmd_collect, "float64 calibration statistics of a model into a .kvstats file"},
+    {"merge", cmd_merge, "add .kvstats shards of the same model into one file"},
+    {"inspect", cmd_inspect, "a model's config and tensors, or a .kvstats file's spectra"},
 };
 #define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
 

@@ -829,6 +829,41 @@ int kv_gguf_get_arr_i32(const struct kv_gguf_file *f, const char *key, int32_t *
     return KV_OK;
 }
 
+int kv_gguf_get_arr_u64(const struct kv_gguf_file *f, const char *key, uint64_t **out,
+                        uint64_t *n, struct kv_err *err) {
+    const struct kv_gguf_kv *kv = need_array(f, key, elem_is_int, "array of uint64", err);
+    if (!kv) return err ? err->code : KV_EFORMAT;
+    uint64_t *a = malloc((kv->arr_n ? kv->arr_n : 1) * sizeof *a);
+    if (!a) return kv_fail(err, KV_ENOMEM, f->path, kv->val_off, "out of memory");
+    for (uint64_t i = 0; i < kv->arr_n; i++) {
+        const uint8_t *p = arr_elem(f, kv, i);
+        int64_t sv = 0;
+        uint64_t v = 0;
+        int sgn = is_signed(kv->arr_type);
+        switch (kv->arr_type) {
+        case KV_GGUF_U8: v = p[0]; break;
+        case KV_GGUF_I8: sv = (int8_t)p[0]; break;
+        case KV_GGUF_U16: v = (uint16_t)(p[0] | p[1] << 8); break;
+        case KV_GGUF_I16: sv = (int16_t)(uint16_t)(p[0] | p[1] << 8); break;
+        case KV_GGUF_U32: v = kv_le32(p); break;
+        case KV_GGUF_I32: sv = (int32_t)kv_le32(p); break;
+        case KV_GGUF_U64: v = kv_le64(p); break;
+        case KV_GGUF_I64: sv = (int64_t)kv_le64(p); break;
+        default: KV_ASSERT(0);
+        }
+        if (sgn && sv < 0) {
+            free(a);
+            return kv_fail(err, KV_EFORMAT, f->path, (uint64_t)(p - f->buf),
+                           "element %llu of key '%s' is negative (%lld)", (unsigned long long)i,
+                           key, (long long)sv);
+        }
+        a[i] = sgn ? (uint64_t)sv : v;
+    }
+    *out = a;
+    *n = kv->arr_n;
+    return KV_OK;
+}
+
 /* ------------------------------------------------------------ tokenizer */
 
 #define SPACE_PIECE "\xe2\x96\x81" /* U+2581 LOWER ONE EIGHTH BLOCK */

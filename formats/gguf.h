@@ -175,6 +175,9 @@ int kv_gguf_get_arr_f32(const struct kv_gguf_file *f, const char *key, float **o
                         uint64_t *n, struct kv_err *err);
 int kv_gguf_get_arr_i32(const struct kv_gguf_file *f, const char *key, int32_t **out,
                         uint64_t *n, struct kv_err *err);
+/* Any integer element type; negative elements are an error. */
+int kv_gguf_get_arr_u64(const struct kv_gguf_file *f, const char *key, uint64_t **out,
+                        uint64_t *n, struct kv_err *err);
 
 /* Load a llama-architecture GGUF file (F32/F16/BF16 weights) as a model. The
  * model keeps the mapping alive and owns the tokenizer built from the

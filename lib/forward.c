@@ -219,6 +219,10 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         rope(f, k, n, c->n_kv_heads, pos0);
         if (hk->qk_rope && (rc = hk->qk_rope(hk->ctx, l, f->q, k, n, pos0))) return rc;
         if (hk->kv_replace && (rc = hk->kv_replace(hk->ctx, l, f->xn, k, v, n, pos0))) return rc;
+        if (hk->hooks_only && l == c->n_layers - 1) {
+            f->last_logits = NULL;
+            return KV_OK;
+        }
         attention(f, kc, vc, n, pos0);
         linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f); /* residual: x += att Woᵀ */
         rmsnorm(f->xn, f->x, w[KV_W_FFN_NORM], n, d, c->norm_eps);

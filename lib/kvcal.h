@@ -208,6 +208,10 @@ struct kv_fwd_hooks {
      * before they enter the cache. */
     int (*kv_replace)(void *ctx, int64_t layer, const float *x, float *k, float *v, int64_t n,
                       int64_t pos0);
+    /* Non-zero when only the hooks need the pass (statistics): it stops
+     * after the last layer's hooks, with no attention or FFN in that layer
+     * and no logits (kv_fwd_logits is then NULL). */
+    int hooks_only;
 };
 
 struct kv_fwd; /* activations + KV cache for up to max_ctx positions */
@@ -231,6 +235,9 @@ const float *kv_fwd_logits(const struct kv_fwd *f);
 /* Floating point operations of one kv_fwd_run of n tokens starting at pos0
  * (2 per multiply-add, projections + attention + head). */
 double kv_fwd_flops(const struct kv_model *m, int64_t n, int64_t pos0);
+
+/* Monotonic wall clock in seconds. */
+double kv_now(void);
 
 /* Set the thread count for BLAS and OpenMP (<= 0 leaves the default). */
 void kv_set_threads(int n);
@@ -259,6 +266,168 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
 
 /* Numerically stable -log softmax(logits)[target] in float64. */
 double kv_nll_row(const float *logits, int64_t vocab, int32_t target);
+
+
+/* ---------------------------------------------------------------- hashing */
+
+/* Lowercase hex SHA-256 of len bytes (65 bytes with the NUL). */
+void kv_sha256_hex(const void *data, size_t len, char hex[65]);
+
+/* Model fingerprint (hex SHA-256) over the config and, for every weight the
+ * forward pass uses, kvcal's name for it ("blk.3.k projection"), its shape
+ * and its f32 data. It does not depend on the container, so the same weights
+ * in GGUF and in safetensors share a fingerprint. One parallel pass over the
+ * weights; fails only for lack of memory. */
+int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *err);
+
+/* ---------------------------------------------------------------- calibration data */
+
+/* Calibration inputs: .txt, .gz, .jsonl or .jsonl.gz (one {"text": ...}
+ * object per line; the documents are joined with a blank line). Each file is
+ * one token stream with BOS at its start, cut into windows of seq_len tokens
+ * (remainder dropped); windows never span two files. */
+struct kv_calib_opts {
+    int64_t seq_len;
+    int64_t samples;      /* windows to take; 0 = every window */
+    int sequential;       /* take the first `samples` windows instead of a random draw */
+    uint64_t seed;        /* random draw */
+    int64_t shard_index;  /* keep planned windows i with i % shard_count == shard_index */
+    int64_t shard_count;  /* 1 = no sharding */
+};
+
+struct kv_calib_input {
+    char *path;           /* as given */
+    char sha256[65];      /* of the file bytes as stored (compressed if .gz) */
+    uint64_t bytes;       /* file size */
+    int64_t tokens;       /* tokens with BOS */
+    int64_t windows;      /* tokens / seq_len */
+    int64_t planned;      /* windows of this input in the plan */
+};
+
+struct kv_calib; /* inputs, the window plan, and the tokens of one input */
+
+/* Read, hash and tokenize every input, then draw the window plan: the chosen
+ * windows in (input, window) order. Errors name the file (and the line and
+ * byte offset for JSON lines). Only the tokens of one input stay in memory. */
+int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tokenizer *tok,
+                  const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err);
+void kv_calib_free(struct kv_calib *c);
+int64_t kv_calib_n_inputs(const struct kv_calib *c);
+const struct kv_calib_input *kv_calib_input(const struct kv_calib *c, int64_t i);
+/* Windows in the plan. */
+int64_t kv_calib_n_windows(const struct kv_calib *c);
+/* Tokens of plan entry i (seq_len ids), valid until the next call; re-reads
+ * and re-tokenizes its input when another input is loaded. *input and *window
+ * (may be NULL) receive the input index and the window index within it. */
+int kv_calib_window(struct kv_calib *c, int64_t i, const int32_t **ids, int64_t *input,
+                    int64_t *window, struct kv_err *err);
+
+/* ---------------------------------------------------------------- statistics */
+
+/* Per-layer float64 sums over calibration tokens (DESIGN §6). Matrices are
+ * row-major and symmetric (both triangles stored). */
+struct kv_stats_layer {
+    double *xtx;    /* [d, d]        Σ xᵀx, x = attention input after the norm */
+    double *xsum;   /* [d]           Σ x */
+    double *q_cov;  /* [h, d_h, d_h] Σ qᵀq per query head, post-RoPE */
+    double *k_cov;  /* [g, d_h, d_h] Σ kᵀk per KV head, post-RoPE */
+};
+
+struct kv_stats_input {
+    char *path;
+    char sha256[65];
+    uint64_t bytes;
+    int64_t tokens;   /* tokens of the input (with BOS) */
+    int64_t windows;  /* windows of it accumulated */
+};
+
+struct kv_stats {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
+    char fingerprint[65];  /* kv_model_fingerprint of the model */
+    char version[32];      /* kvcal version that wrote the file */
+    int64_t seq_len;
+    int64_t tokens;        /* tokens accumulated */
+    int64_t windows;       /* windows accumulated */
+    /* the plan that produced the sums ("sequential", "random" or "merged") */
+    char sampling[16];
+    uint64_t seed;
+    int64_t samples;       /* --samples (0 = all) */
+    int64_t shard_index, shard_count;
+    int64_t plan_windows;  /* windows in the plan */
+    int64_t next_window;   /* plan entries done; < plan_windows in a checkpoint */
+    int64_t n_inputs;
+    struct kv_stats_input *inputs;
+    struct kv_stats_layer *layers; /* [n_layers] */
+};
+
+/* Zeroed sums shaped for cfg (no inputs, empty plan). */
+int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_err *err);
+void kv_stats_free(struct kv_stats *s);
+/* Append an input record (path copied). */
+int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[65],
+                       uint64_t bytes, int64_t tokens, int64_t windows, struct kv_err *err);
+
+/* 1 when path looks like a stats file (GGUF magic and the "kvcal.stats"
+ * type string in its header), else 0. Cheap; kv_stats_open validates. */
+int kv_stats_probe(const char *path);
+
+/* Write s as a GGUF v3 stats file: path.tmp, fsync, rename. */
+int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err);
+/* Read and fully validate a stats file: type, format version, every key,
+ * tensor names, shapes, dtype F64, crc32 per tensor and finiteness. Errors
+ * name the path, the tensor or key, and the byte offset. */
+int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_stats **out,
+                   struct kv_err *err);
+int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err);
+
+/* 1 when s was made by this model (same fingerprint and shapes), else 0 with
+ * the difference in err (KV_EINVAL, naming path). */
+int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
+                           struct kv_err *err);
+/* acc += b, exactly as sums. Refuses a different fingerprint, shape or
+ * seq_len, and an unfinished checkpoint, naming b_path. acc's plan becomes
+ * "merged"; inputs are appended (windows added when the same sha256 and
+ * path appear in both). */
+int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
+                   struct kv_err *err);
+
+/* Streaming accumulation: one forward pass per window with hooks that add
+ * each window's float64 contribution (dsyrk on a float64 copy of its
+ * activations) to s. Memory is O(L·d²) plus one window's activations. */
+struct kv_accum;
+int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
+                  struct kv_accum **out, struct kv_err *err);
+void kv_accum_free(struct kv_accum *a);
+/* Run seq_len tokens (one window, positions 0..) and add their statistics. */
+int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err);
+/* Copy each upper triangle to its lower half (before s is written or read). */
+void kv_accum_sync(struct kv_accum *a);
+
+/* The whole collect run: plan entries s->next_window .. end of c, with a
+ * stats file written to out_path every checkpoint_every windows (0 = never),
+ * when progress asks to stop (a checkpoint, then KV_EINVAL "interrupted"),
+ * and at the end. s is either fresh from kv_stats_init (its plan and inputs
+ * are filled here from c and data) or a checkpoint read back for a resume:
+ * then the model fingerprint, seq_len, plan options and every input's sha256
+ * must match, else KV_EINVAL names the first difference. */
+struct kv_collect_opts {
+    const char *out_path;
+    const struct kv_calib_opts *data; /* the options c was opened with */
+    int64_t checkpoint_every;
+    kv_progress_fn progress;  /* done/total count this run's windows */
+    void *progress_ctx;
+    int64_t checkpoints_written; /* out: checkpoint files written */
+    double seconds;              /* out: wall time of the windows and writes */
+};
+int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
+                   struct kv_collect_opts *opts, struct kv_err *err);
+
+/* Sorted eigenvalues (descending) of a symmetric n×n float64 matrix, by
+ * LAPACKE dsyevd on a copy. NaN/Inf input is KV_ENUMERIC naming `what`. */
+int kv_sym_eigvals(const double *a, int64_t n, double *w, const char *what, struct kv_err *err);
+/* Smallest r with λ_1 + .. + λ_r >= energy · Σλ (λ descending, negatives
+ * counted as 0); 0 when Σλ is 0. */
+int64_t kv_energy_rank(const double *lambda, int64_t n, double energy);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,7 @@
 #include "err.h"
 #include "model.h"
 
-static double now_s(void) {
+double kv_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -29,7 +29,7 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
     int rc = kv_fwd_init(m, seq_len, &f, err);
     if (rc) return rc;
     int64_t vocab = m->cfg.vocab_size;
-    double nll = 0, t0 = now_s();
+    double nll = 0, t0 = kv_now();
     for (int64_t w = 0; w < windows; w++) {
         const int32_t *tw = tokens + w * seq_len;
         rc = kv_fwd_run(f, tw, seq_len, 0, NULL, err);
@@ -59,6 +59,6 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
     out->nll_sum = nll;
     out->nll = nll / (double)out->scored;
     out->ppl = exp(out->nll);
-    out->seconds = now_s() - t0;
+    out->seconds = kv_now() - t0;
     return KV_OK;
 }

@@ -1,0 +1,225 @@
+/* Streaming float64 accumulation of calibration statistics, and merging.
+ *
+ * Each window runs through the reference forward pass with hooks. A hook
+ * copies the window's fp32 activations to float64 and adds their Gram
+ * matrix to the running sum with one dsyrk (upper triangle, beta = 1):
+ *   x [n, d]        -> xtx += xᵀx, xsum += Σ rows
+ *   q [n, h*d_h]    -> q_cov[i] += q_iᵀ q_i  (column block i, lda h*d_h)
+ *   k [n, g*d_h]    -> k_cov[j] += k_jᵀ k_j
+ * Only upper triangles are updated; kv_accum_sync mirrors them before the
+ * sums are written, so the lower halves never feed back into a sum. */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "kvstats.h"
+#include "model.h"
+
+struct kv_accum {
+    const struct kv_model *m;
+    struct kv_stats *s;
+    int64_t seq_len;
+    struct kv_fwd *f;
+    double *buf;        /* [seq_len, max(d, h*d_h)] float64 copy of one activation */
+    double *colsum;     /* [d] */
+    const char *bad_what; /* set when a hook found a non-finite activation */
+    int64_t bad_layer, bad_row;
+};
+
+/* dst[n, cols] = (double)src, or the first non-finite row (else -1). */
+static int64_t widen(double *dst, const float *src, int64_t n, int64_t cols) {
+    int64_t bad = -1;
+#pragma omp parallel for if (n * cols > 65536) schedule(static) reduction(max : bad)
+    for (int64_t i = 0; i < n; i++) {
+        int ok = 1;
+        for (int64_t j = 0; j < cols; j++) {
+            float v = src[i * cols + j];
+            ok &= isfinite(v) != 0;
+            dst[i * cols + j] = (double)v;
+        }
+        if (!ok && (bad < 0 || i < bad)) bad = i;
+    }
+    return bad;
+}
+
+/* Σ over the heads' column blocks: cov[i] += Bᵢᵀ Bᵢ for B [n, nh*dh]. */
+static void head_grams(double *cov, const double *b, int64_t n, int64_t nh, int64_t dh) {
+    for (int64_t i = 0; i < nh; i++)
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)dh, (int)n, 1.0, b + i * dh,
+                    (int)(nh * dh), 1.0, cov + i * dh * dh, (int)dh);
+}
+
+static int on_attn_in(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0) {
+    struct kv_accum *a = ctx;
+    struct kv_stats_layer *L = &a->s->layers[layer];
+    int64_t d = a->s->dim;
+    int64_t bad = widen(a->buf, x, n, d);
+    if (bad >= 0) {
+        a->bad_what = "attention input", a->bad_layer = layer, a->bad_row = pos0 + bad;
+        return KV_ENUMERIC;
+    }
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)d, (int)n, 1.0, a->buf, (int)d, 1.0,
+                L->xtx, (int)d);
+    /* window column sums first, then one add: the same order on resume */
+    double *cs = a->colsum;
+    memset(cs, 0, (size_t)d * sizeof *cs);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < d; j++) cs[j] += a->buf[i * d + j];
+    for (int64_t j = 0; j < d; j++) L->xsum[j] += cs[j];
+    return KV_OK;
+}
+
+static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64_t n,
+                 int64_t pos0) {
+    struct kv_accum *a = ctx;
+    struct kv_stats_layer *L = &a->s->layers[layer];
+    int64_t h = a->s->n_heads, g = a->s->n_kv_heads, dh = a->s->head_dim;
+    int64_t bad = widen(a->buf, q, n, h * dh);
+    if (bad >= 0) {
+        a->bad_what = "post-rope query", a->bad_layer = layer, a->bad_row = pos0 + bad;
+        return KV_ENUMERIC;
+    }
+    head_grams(L->q_cov, a->buf, n, h, dh);
+    bad = widen(a->buf, k, n, g * dh);
+    if (bad >= 0) {
+        a->bad_what = "post-rope key", a->bad_layer = layer, a->bad_row = pos0 + bad;
+        return KV_ENUMERIC;
+    }
+    head_grams(L->k_cov, a->buf, n, g, dh);
+    return KV_OK;
+}
+
+void kv_accum_free(struct kv_accum *a) {
+    if (!a) return;
+    kv_fwd_free(a->f);
+    free(a->buf);
+    free(a->colsum);
+    free(a);
+}
+
+int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
+                  struct kv_accum **out, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    if (s->n_layers != c->n_layers || s->dim != c->dim || s->n_heads != c->n_heads ||
+        s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "statistics shaped for another model (dim %lld, %lld layers)",
+                       (long long)s->dim, (long long)s->n_layers);
+    struct kv_accum *a = calloc(1, sizeof *a);
+    if (!a) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    a->m = m;
+    a->s = s;
+    a->seq_len = seq_len;
+    int rc = kv_fwd_init(m, seq_len, &a->f, err);
+    if (rc) {
+        kv_accum_free(a);
+        return rc;
+    }
+    int64_t w = c->dim;
+    if (c->n_heads * c->head_dim > w) w = c->n_heads * c->head_dim;
+    a->buf = malloc((size_t)(seq_len * w) * sizeof *a->buf);
+    a->colsum = malloc((size_t)c->dim * sizeof *a->colsum);
+    if (!a->buf || !a->colsum) {
+        kv_accum_free(a);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    struct kv_fwd_hooks hk = {0};
+    hk.ctx = a;
+    hk.attn_in = on_attn_in;
+    hk.qk_rope = on_qk;
+    hk.hooks_only = 1;
+    kv_fwd_set_hooks(a->f, &hk);
+    *out = a;
+    return KV_OK;
+}
+
+int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err) {
+    a->bad_what = NULL;
+    int rc = kv_fwd_run(a->f, ids, a->seq_len, 0, NULL, err);
+    if (rc && a->bad_what)
+        return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
+                       "non-finite %s in layer %lld at window position %lld", a->bad_what,
+                       (long long)a->bad_layer, (long long)a->bad_row);
+    return rc;
+}
+
+static void mirror(double *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
+}
+
+void kv_accum_sync(struct kv_accum *a) {
+    struct kv_stats *s = a->s;
+    int64_t dh = s->head_dim;
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        mirror(s->layers[l].xtx, s->dim);
+        for (int64_t i = 0; i < s->n_heads; i++) mirror(s->layers[l].q_cov + i * dh * dh, dh);
+        for (int64_t i = 0; i < s->n_kv_heads; i++) mirror(s->layers[l].k_cov + i * dh * dh, dh);
+    }
+}
+
+/* ------------------------------------------------------------------ merge */
+
+int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
+                   struct kv_err *err) {
+    if (strcmp(acc->fingerprint, b->fingerprint))
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "collected on another model (fingerprint %.12s, the first shard has %.12s)",
+                       b->fingerprint, acc->fingerprint);
+    if (acc->n_layers != b->n_layers || acc->dim != b->dim || acc->n_heads != b->n_heads ||
+        acc->n_kv_heads != b->n_kv_heads || acc->head_dim != b->head_dim)
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "shaped for another model (dim %lld, %lld layers; the first shard has dim "
+                       "%lld, %lld layers)", (long long)b->dim, (long long)b->n_layers,
+                       (long long)acc->dim, (long long)acc->n_layers);
+    if (acc->seq_len != b->seq_len)
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "seq-len %lld differs from the first shard's %lld; statistics of different "
+                       "window lengths do not add up", (long long)b->seq_len,
+                       (long long)acc->seq_len);
+    if (b->next_window < b->plan_windows)
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "an unfinished checkpoint (%lld of %lld windows); finish it with "
+                       "'kvcal collect --resume' first", (long long)b->next_window,
+                       (long long)b->plan_windows);
+    if (acc->next_window < acc->plan_windows)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "the first shard is an unfinished checkpoint (%lld of %lld windows)",
+                       (long long)acc->next_window, (long long)acc->plan_windows);
+    for (int64_t i = 0; i < b->n_inputs; i++) {
+        const struct kv_stats_input *in = &b->inputs[i];
+        int64_t j = 0;
+        for (; j < acc->n_inputs; j++)
+            if (!strcmp(acc->inputs[j].sha256, in->sha256) && !strcmp(acc->inputs[j].path, in->path))
+                break;
+        if (j < acc->n_inputs) {
+            acc->inputs[j].windows += in->windows;
+        } else {
+            int rc = kv_stats_add_input(acc, in->path, in->sha256, in->bytes, in->tokens,
+                                        in->windows, err);
+            if (rc) return rc;
+        }
+    }
+    for (int64_t l = 0; l < acc->n_layers; l++)
+        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+            char name[64];
+            int64_t shape[3];
+            int nd = kv_stats_tensor_desc(acc, l, t, name, sizeof name, shape);
+            int64_t n = shape[0] * (nd > 1 ? shape[1] : 1) * (nd > 2 ? shape[2] : 1);
+            double *x = kv_stats_tensor_data(acc, l, t);
+            const double *y = kv_stats_tensor_data(b, l, t);
+            for (int64_t i = 0; i < n; i++) x[i] += y[i];
+        }
+    acc->tokens += b->tokens;
+    acc->windows += b->windows;
+    snprintf(acc->sampling, sizeof acc->sampling, "merged");
+    acc->seed = 0;
+    acc->samples = 0;
+    acc->shard_index = 0;
+    acc->shard_count = 1;
+    acc->plan_windows = acc->windows;
+    acc->next_window = acc->windows;
+    return KV_OK;
+}

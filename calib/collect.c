@@ -1,0 +1,130 @@
+/* kvcal collect: plan -> windows -> accumulated sums -> checkpoints/output. */
+#include <stdio.h>
+#include <string.h>
+
+#include "err.h"
+#include "kvstats.h"
+
+static const char *sampling_of(const struct kv_calib_opts *o) {
+    return o->samples > 0 && !o->sequential ? "random" : "sequential";
+}
+
+/* Fill a fresh s with the run's identity and plan. */
+static int start_fresh(struct kv_stats *s, const char *fp, struct kv_calib *c,
+                       const struct kv_calib_opts *o, struct kv_err *err) {
+    snprintf(s->fingerprint, sizeof s->fingerprint, "%s", fp);
+    s->seq_len = o->seq_len;
+    snprintf(s->sampling, sizeof s->sampling, "%s", sampling_of(o));
+    s->seed = o->samples > 0 && !o->sequential ? o->seed : 0;
+    s->samples = o->samples;
+    s->shard_index = o->shard_index;
+    s->shard_count = o->shard_count;
+    s->plan_windows = kv_calib_n_windows(c);
+    s->next_window = 0;
+    for (int64_t i = 0; i < kv_calib_n_inputs(c); i++) {
+        const struct kv_calib_input *in = kv_calib_input(c, i);
+        int rc = kv_stats_add_input(s, in->path, in->sha256, in->bytes, in->tokens, 0, err);
+        if (rc) return rc;
+    }
+    return KV_OK;
+}
+
+#define DIFFER(what, fmt, a, b)                                                               \
+    kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,                                               \
+            "checkpoint does not match this run: " what " is " fmt " there and " fmt          \
+            " here; rerun with the same options, or drop --resume to start over",             \
+            a, b)
+
+/* A resumed s must describe exactly the run c and o would make. */
+static int check_resume(const struct kv_stats *s, const char *fp, struct kv_calib *c,
+                        const struct kv_calib_opts *o, const char *path, struct kv_err *err) {
+    if (strcmp(s->fingerprint, fp))
+        return DIFFER("the model fingerprint", "%.12s", s->fingerprint, fp);
+    if (s->seq_len != o->seq_len)
+        return DIFFER("--seq-len", "%lld", (long long)s->seq_len, (long long)o->seq_len);
+    if (strcmp(s->sampling, sampling_of(o)))
+        return DIFFER("the sampling", "%s", s->sampling, sampling_of(o));
+    if (s->samples != o->samples)
+        return DIFFER("--samples", "%lld", (long long)s->samples, (long long)o->samples);
+    if (!strcmp(s->sampling, "random") && s->seed != o->seed)
+        return DIFFER("--seed", "%llu", (unsigned long long)s->seed, (unsigned long long)o->seed);
+    if (s->shard_index != o->shard_index || s->shard_count != o->shard_count)
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "checkpoint does not match this run: --shard is %lld/%lld there and "
+                       "%lld/%lld here", (long long)s->shard_index, (long long)s->shard_count,
+                       (long long)o->shard_index, (long long)o->shard_count);
+    if (s->n_inputs != kv_calib_n_inputs(c))
+        return DIFFER("the number of --text inputs", "%lld", (long long)s->n_inputs,
+                      (long long)kv_calib_n_inputs(c));
+    for (int64_t i = 0; i < s->n_inputs; i++) {
+        const struct kv_calib_input *in = kv_calib_input(c, i);
+        if (strcmp(s->inputs[i].sha256, in->sha256) || s->inputs[i].bytes != in->bytes)
+            return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                           "checkpoint does not match this run: input %lld ('%s') has sha256 "
+                           "%.12s, the checkpoint recorded %.12s for '%s'", (long long)i + 1,
+                           in->path, in->sha256, s->inputs[i].sha256, s->inputs[i].path);
+    }
+    if (s->plan_windows != kv_calib_n_windows(c))
+        return DIFFER("the planned window count", "%lld", (long long)s->plan_windows,
+                      (long long)kv_calib_n_windows(c));
+    return KV_OK;
+}
+
+int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
+                   struct kv_collect_opts *opts, struct kv_err *err) {
+    const struct kv_calib_opts *o = opts->data;
+    const char *out = opts->out_path;
+    char fp[65];
+    int rc = kv_model_fingerprint(m, fp, err);
+    if (rc) return rc;
+    int fresh = s->plan_windows == 0 && s->windows == 0 && s->n_inputs == 0;
+    if (fresh)
+        rc = start_fresh(s, fp, c, o, err);
+    else
+        rc = check_resume(s, fp, c, o, out, err);
+    if (rc) return rc;
+    struct kv_accum *a;
+    if ((rc = kv_accum_init(m, s, o->seq_len, &a, err))) return rc;
+    double t0 = kv_now();
+    int64_t n = s->plan_windows, start = s->next_window, since_write = 0;
+    int stop = 0;
+    opts->checkpoints_written = 0;
+    for (int64_t i = start; i < n && !rc && !stop; i++) {
+        const int32_t *ids;
+        int64_t input, win;
+        if ((rc = kv_calib_window(c, i, &ids, &input, &win, err))) break;
+        if ((rc = kv_accum_window(a, ids, err))) {
+            if (!err->path[0]) snprintf(err->path, sizeof err->path, "%s", kv_calib_input(c, input)->path);
+            size_t l = strlen(err->msg);
+            snprintf(err->msg + l, sizeof err->msg - l, " (window %lld of this input)", (long long)win);
+            break;
+        }
+        s->tokens += o->seq_len;
+        s->windows++;
+        s->inputs[input].windows++;
+        s->next_window = i + 1;
+        since_write++;
+        if (opts->progress)
+            stop = opts->progress(opts->progress_ctx, i + 1 - start, n - start,
+                                  (i + 1 - start) * o->seq_len);
+        int ckpt = opts->checkpoint_every > 0 && (i + 1) % opts->checkpoint_every == 0;
+        if (out && (ckpt || stop) && i + 1 < n) {
+            kv_accum_sync(a);
+            if ((rc = kv_stats_write(s, out, err))) break;
+            opts->checkpoints_written++;
+            since_write = 0;
+        }
+    }
+    if (!rc) {
+        kv_accum_sync(a);
+        if (stop && s->next_window < n)
+            rc = kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                         "interrupted after %lld of %lld windows; the checkpoint is saved, "
+                         "continue with --resume", (long long)s->next_window, (long long)n);
+        else if (out && (since_write || fresh))
+            rc = kv_stats_write(s, out, err);
+    }
+    opts->seconds = kv_now() - t0;
+    kv_accum_free(a);
+    return rc;
+}

@@ -1,0 +1,546 @@
+/* Statistics file: in-memory form, writer and validating reader. */
+#include "kvstats.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+
+#include "err.h"
+#include "gguf.h"
+#include "ggufw.h"
+#include "limits.h"
+#include "mapfile.h"
+#include "model.h"
+
+_Static_assert(sizeof(double) == 8, "float64 is 8 bytes");
+
+static const char *const tensor_suffix[KV_STATS_PER_LAYER] = {
+    "attn_in.xtx", "attn_in.sum", "q_rope.cov", "k_rope.cov"};
+
+int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *name, size_t cap,
+                         int64_t shape[3]) {
+    snprintf(name, cap, "blk.%lld.%s", (long long)layer, tensor_suffix[t]);
+    switch (t) {
+    case 0: shape[0] = s->dim, shape[1] = s->dim; return 2;
+    case 1: shape[0] = s->dim; return 1;
+    case 2: shape[0] = s->n_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
+    default: shape[0] = s->n_kv_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
+    }
+}
+
+double *kv_stats_tensor_data(const struct kv_stats *s, int64_t layer, int t) {
+    struct kv_stats_layer *l = &s->layers[layer];
+    return t == 0 ? l->xtx : t == 1 ? l->xsum : t == 2 ? l->q_cov : l->k_cov;
+}
+
+static int64_t numel(const int64_t *shape, int nd) {
+    int64_t n = 1;
+    for (int i = 0; i < nd; i++) n *= shape[i];
+    return n;
+}
+
+void kv_stats_free(struct kv_stats *s) {
+    if (!s) return;
+    if (s->layers)
+        for (int64_t l = 0; l < s->n_layers; l++) free(s->layers[l].xtx);
+    free(s->layers);
+    for (int64_t i = 0; i < s->n_inputs; i++) free(s->inputs[i].path);
+    free(s->inputs);
+    free(s);
+}
+
+/* Shape fields must be set and validated; allocates zeroed sums. */
+static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err) {
+    s->layers = calloc((size_t)s->n_layers, sizeof *s->layers);
+    if (!s->layers) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    int64_t d = s->dim, hd = s->head_dim;
+    int64_t per = d * d + d + (s->n_heads + s->n_kv_heads) * hd * hd;
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        double *p = calloc((size_t)per, sizeof *p);
+        if (!p)
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
+                           "out of memory for the statistics of %lld layers of dim %lld",
+                           (long long)s->n_layers, (long long)d);
+        s->layers[l].xtx = p;
+        s->layers[l].xsum = p + d * d;
+        s->layers[l].q_cov = p + d * d + d;
+        s->layers[l].k_cov = p + d * d + d + s->n_heads * hd * hd;
+    }
+    return KV_OK;
+}
+
+static void set_defaults(struct kv_stats *s) {
+    snprintf(s->version, sizeof s->version, "%s", KVCAL_VERSION);
+    snprintf(s->sampling, sizeof s->sampling, "sequential");
+    s->shard_count = 1;
+}
+
+int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_err *err) {
+    struct kv_stats *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    s->n_layers = cfg->n_layers;
+    s->dim = cfg->dim;
+    s->n_heads = cfg->n_heads;
+    s->n_kv_heads = cfg->n_kv_heads;
+    s->head_dim = cfg->head_dim;
+    set_defaults(s);
+    int rc = alloc_layers(s, NULL, err);
+    if (rc) {
+        kv_stats_free(s);
+        return rc;
+    }
+    *out = s;
+    return KV_OK;
+}
+
+int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[65],
+                       uint64_t bytes, int64_t tokens, int64_t windows, struct kv_err *err) {
+    struct kv_stats_input *ni = realloc(s->inputs, (size_t)(s->n_inputs + 1) * sizeof *ni);
+    if (!ni) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    s->inputs = ni;
+    struct kv_stats_input *in = &ni[s->n_inputs];
+    memset(in, 0, sizeof *in);
+    in->path = strdup(path);
+    if (!in->path) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    snprintf(in->sha256, sizeof in->sha256, "%s", sha256);
+    in->bytes = bytes;
+    in->tokens = tokens;
+    in->windows = windows;
+    s->n_inputs++;
+    return KV_OK;
+}
+
+static uint32_t crc_of(const void *data, uint64_t n) {
+    uLong c = crc32(0L, Z_NULL, 0);
+    const Bytef *p = data;
+    while (n) {
+        uInt k = n < (1u << 30) ? (uInt)n : (1u << 30);
+        c = crc32(c, p, k);
+        p += k;
+        n -= k;
+    }
+    return (uint32_t)c;
+}
+
+/* ------------------------------------------------------------------ write */
+
+int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err) {
+    int64_t nt = s->n_layers * KV_STATS_PER_LAYER;
+    uint32_t *crc = malloc((size_t)(nt ? nt : 1) * sizeof *crc);
+    const char **names = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *names);
+    const char **shas = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *shas);
+    uint64_t *arr = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * 3 * sizeof *arr);
+    struct kv_ggufw *w = NULL;
+    int rc = KV_OK;
+    if (!crc || !names || !shas || !arr) {
+        rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        goto done;
+    }
+    /* refuse to write what the reader would refuse to read */
+    for (int64_t l = 0; l < s->n_layers; l++)
+        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+            char name[64];
+            int64_t shape[3];
+            int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
+            const double *p = kv_stats_tensor_data(s, l, t);
+            int64_t n = numel(shape, nd);
+            for (int64_t i = 0; i < n; i++)
+                if (!isfinite(p[i])) {
+                    rc = kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
+                                 "tensor '%s': non-finite value %g at element %lld; not written",
+                                 name, p[i], (long long)i);
+                    goto done;
+                }
+            crc[l * KV_STATS_PER_LAYER + t] = crc_of(p, (uint64_t)n * 8);
+        }
+    for (int64_t i = 0; i < s->n_inputs; i++) {
+        names[i] = s->inputs[i].path;
+        shas[i] = s->inputs[i].sha256;
+    }
+    if ((rc = kv_ggufw_init(&w, err))) goto done;
+#define U64(k, v) (rc = kv_ggufw_add_u64(w, k, (uint64_t)(v), err))
+    if ((rc = kv_ggufw_add_str(w, "general.type", KV_STATS_TYPE, err)) ||
+        (rc = kv_ggufw_add_u32(w, "kvcal.format_version", KV_STATS_FORMAT_VERSION, err)) ||
+        (rc = kv_ggufw_add_str(w, "kvcal.version", s->version, err)) ||
+        (rc = kv_ggufw_add_str(w, "kvcal.model.fingerprint", s->fingerprint, err)) ||
+        U64("kvcal.model.n_layers", s->n_layers) || U64("kvcal.model.dim", s->dim) ||
+        U64("kvcal.model.n_heads", s->n_heads) || U64("kvcal.model.n_kv_heads", s->n_kv_heads) ||
+        U64("kvcal.model.head_dim", s->head_dim) || U64("kvcal.seq_len", s->seq_len) ||
+        U64("kvcal.tokens", s->tokens) || U64("kvcal.sequences", s->windows) ||
+        (rc = kv_ggufw_add_str(w, "kvcal.sampling", s->sampling, err)) ||
+        U64("kvcal.seed", s->seed) || U64("kvcal.samples", s->samples) ||
+        U64("kvcal.shard.index", s->shard_index) || U64("kvcal.shard.count", s->shard_count) ||
+        U64("kvcal.plan.windows", s->plan_windows) ||
+        U64("kvcal.plan.next_window", s->next_window))
+        goto done;
+#undef U64
+    uint64_t ni = (uint64_t)s->n_inputs, *by = arr, *tk = arr + ni, *wn = arr + 2 * ni;
+    for (int64_t i = 0; i < s->n_inputs; i++) {
+        by[i] = s->inputs[i].bytes;
+        tk[i] = (uint64_t)s->inputs[i].tokens;
+        wn[i] = (uint64_t)s->inputs[i].windows;
+    }
+    if ((rc = kv_ggufw_add_arr_str(w, "kvcal.datasets", names, ni, err)) ||
+        (rc = kv_ggufw_add_arr_str(w, "kvcal.datasets.sha256", shas, ni, err)) ||
+        (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.bytes", by, ni, err)) ||
+        (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.tokens", tk, ni, err)) ||
+        (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.windows", wn, ni, err)) ||
+        (rc = kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)nt, err)))
+        goto done;
+    for (int64_t l = 0; l < s->n_layers; l++)
+        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+            char name[64];
+            int64_t shape[3];
+            int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
+            if ((rc = kv_ggufw_add_tensor(w, name, 28 /* F64 */, nd, shape,
+                                          kv_stats_tensor_data(s, l, t),
+                                          (uint64_t)numel(shape, nd) * 8, err)))
+                goto done;
+        }
+    rc = kv_ggufw_write(w, path, err);
+done:
+    kv_ggufw_free(w);
+    free(crc), free(names), free(shas), free(arr);
+    if (rc && !err->path[0]) snprintf(err->path, sizeof err->path, "%s", path);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ read */
+
+/* u64 key bounded to [lo, hi]. */
+static int get_bounded(const struct kv_gguf_file *f, const char *key, uint64_t lo, uint64_t hi,
+                       int64_t *out, struct kv_err *err) {
+    uint64_t v;
+    int rc = kv_gguf_get_u64(f, key, &v, err);
+    if (rc) return rc;
+    if (v < lo || v > hi)
+        return kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, key)->val_off,
+                       "key '%s' is %llu, outside %llu..%llu", key, (unsigned long long)v,
+                       (unsigned long long)lo, (unsigned long long)hi);
+    *out = (int64_t)v;
+    return KV_OK;
+}
+
+/* String key copied into buf; too long is an error. */
+static int get_string(const struct kv_gguf_file *f, const char *key, char *buf, size_t cap,
+                      struct kv_err *err) {
+    struct kv_gguf_str v;
+    int rc = kv_gguf_get_str(f, key, &v, err);
+    if (rc) return rc;
+    if (v.len >= cap || memchr(v.p, 0, v.len))
+        return kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, key)->val_off,
+                       "key '%s' is not a string of at most %zu bytes", key, cap - 1);
+    memcpy(buf, v.p, v.len);
+    buf[v.len] = 0;
+    return KV_OK;
+}
+
+static int is_hex64(const char *s) {
+    if (strlen(s) != 64) return 0;
+    for (int i = 0; i < 64; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+    return 1;
+}
+
+static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
+    const char *path = f->path;
+    struct kv_gguf_str ty;
+    const struct kv_gguf_kv *kt = kv_gguf_find(f, "general.type");
+    if (!kt)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "not a kvcal stats file: no 'general.type' key (a model file?)");
+    int rc = kv_gguf_get_str(f, "general.type", &ty, err);
+    if (rc) return rc;
+    if (ty.len != strlen(KV_STATS_TYPE) || memcmp(ty.p, KV_STATS_TYPE, ty.len))
+        return kv_fail(err, KV_EFORMAT, path, kt->val_off,
+                       "not a kvcal stats file: general.type is '%.*s', expected '%s'",
+                       (int)(ty.len > 64 ? 64 : ty.len), ty.p, KV_STATS_TYPE);
+    uint32_t fv;
+    if ((rc = kv_gguf_get_u32(f, "kvcal.format_version", &fv, err))) return rc;
+    if (fv != KV_STATS_FORMAT_VERSION)
+        return kv_fail(err, KV_EUNSUPPORTED, path, kv_gguf_find(f, "kvcal.format_version")->val_off,
+                       "stats format version %u is not supported (this kvcal reads version %d)",
+                       fv, KV_STATS_FORMAT_VERSION);
+    if ((rc = get_string(f, "kvcal.version", s->version, sizeof s->version, err)) ||
+        (rc = get_string(f, "kvcal.model.fingerprint", s->fingerprint, sizeof s->fingerprint, err)))
+        return rc;
+    if (!is_hex64(s->fingerprint))
+        return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.model.fingerprint")->val_off,
+                       "key 'kvcal.model.fingerprint' is not 64 lowercase hex digits");
+    if ((rc = get_bounded(f, "kvcal.model.n_layers", 1, KV_MAX_LAYERS, &s->n_layers, err)) ||
+        (rc = get_bounded(f, "kvcal.model.dim", 1, KV_MAX_DIM, &s->dim, err)) ||
+        (rc = get_bounded(f, "kvcal.model.n_heads", 1, KV_MAX_DIM, &s->n_heads, err)) ||
+        (rc = get_bounded(f, "kvcal.model.n_kv_heads", 1, KV_MAX_DIM, &s->n_kv_heads, err)) ||
+        (rc = get_bounded(f, "kvcal.model.head_dim", 1, KV_MAX_DIM, &s->head_dim, err)) ||
+        (rc = get_bounded(f, "kvcal.seq_len", 1, KV_MAX_CTX, &s->seq_len, err)) ||
+        (rc = get_bounded(f, "kvcal.tokens", 0, INT64_MAX, &s->tokens, err)) ||
+        (rc = get_bounded(f, "kvcal.sequences", 0, INT64_MAX, &s->windows, err)) ||
+        (rc = get_string(f, "kvcal.sampling", s->sampling, sizeof s->sampling, err)) ||
+        (rc = kv_gguf_get_u64(f, "kvcal.seed", &s->seed, err)) ||
+        (rc = get_bounded(f, "kvcal.samples", 0, INT64_MAX, &s->samples, err)) ||
+        (rc = get_bounded(f, "kvcal.shard.count", 1, INT64_MAX, &s->shard_count, err)) ||
+        (rc = get_bounded(f, "kvcal.shard.index", 0, (uint64_t)s->shard_count - 1, &s->shard_index, err)) ||
+        (rc = get_bounded(f, "kvcal.plan.windows", 0, INT64_MAX, &s->plan_windows, err)) ||
+        (rc = get_bounded(f, "kvcal.plan.next_window", 0, (uint64_t)s->plan_windows,
+                          &s->next_window, err)))
+        return rc;
+    if (s->n_heads % s->n_kv_heads)
+        return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.model.n_kv_heads")->val_off,
+                       "%lld heads are not a multiple of %lld kv heads", (long long)s->n_heads,
+                       (long long)s->n_kv_heads);
+    uint64_t total;
+    if (!kv_mul_u64((uint64_t)s->windows, (uint64_t)s->seq_len, &total) ||
+        total != (uint64_t)s->tokens)
+        return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.tokens")->val_off,
+                       "kvcal.tokens is %lld but %lld windows of %lld tokens make %llu",
+                       (long long)s->tokens, (long long)s->windows, (long long)s->seq_len,
+                       (unsigned long long)total);
+    if (strcmp(s->sampling, "sequential") && strcmp(s->sampling, "random") &&
+        strcmp(s->sampling, "merged"))
+        return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.sampling")->val_off,
+                       "key 'kvcal.sampling' is '%s', expected sequential, random or merged",
+                       s->sampling);
+    return KV_OK;
+}
+
+static int read_inputs(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
+    struct kv_gguf_str *names = NULL, *shas = NULL;
+    uint64_t *by = NULL, *tk = NULL, *wn = NULL, n[5];
+    int rc;
+    if ((rc = kv_gguf_get_arr_str(f, "kvcal.datasets", &names, &n[0], err)) ||
+        (rc = kv_gguf_get_arr_str(f, "kvcal.datasets.sha256", &shas, &n[1], err)) ||
+        (rc = kv_gguf_get_arr_u64(f, "kvcal.datasets.bytes", &by, &n[2], err)) ||
+        (rc = kv_gguf_get_arr_u64(f, "kvcal.datasets.tokens", &tk, &n[3], err)) ||
+        (rc = kv_gguf_get_arr_u64(f, "kvcal.datasets.windows", &wn, &n[4], err)))
+        goto done;
+    static const char *const keys[5] = {"kvcal.datasets", "kvcal.datasets.sha256",
+                                        "kvcal.datasets.bytes", "kvcal.datasets.tokens",
+                                        "kvcal.datasets.windows"};
+    for (int k = 1; k < 5; k++)
+        if (n[k] != n[0]) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, keys[k])->val_off,
+                         "key '%s' has %llu entries but 'kvcal.datasets' has %llu", keys[k],
+                         (unsigned long long)n[k], (unsigned long long)n[0]);
+            goto done;
+        }
+    uint64_t wsum = 0;
+    for (uint64_t i = 0; i < n[0]; i++) {
+        char path[4096], sha[65];
+        uint64_t off = kv_gguf_find(f, "kvcal.datasets.sha256")->val_off;
+        if (names[i].len >= sizeof path || memchr(names[i].p, 0, names[i].len)) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets")->val_off,
+                         "dataset %llu: path is not a string of at most %zu bytes",
+                         (unsigned long long)i, sizeof path - 1);
+            goto done;
+        }
+        memcpy(path, names[i].p, names[i].len);
+        path[names[i].len] = 0;
+        if (shas[i].len != 64) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, off, "dataset %llu: sha256 is not 64 hex digits",
+                         (unsigned long long)i);
+            goto done;
+        }
+        memcpy(sha, shas[i].p, 64);
+        sha[64] = 0;
+        if (!is_hex64(sha)) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, off, "dataset %llu: sha256 is not 64 hex digits",
+                         (unsigned long long)i);
+            goto done;
+        }
+        if (tk[i] > INT64_MAX || wn[i] > INT64_MAX) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.tokens")->val_off,
+                         "dataset %llu: token or window count out of range", (unsigned long long)i);
+            goto done;
+        }
+        wsum += wn[i];
+        if ((rc = kv_stats_add_input(s, path, sha, by[i], (int64_t)tk[i], (int64_t)wn[i], err)))
+            goto done;
+    }
+    if (n[0] && wsum != (uint64_t)s->windows)
+        rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
+                     "the datasets' windows add up to %llu but kvcal.sequences is %lld",
+                     (unsigned long long)wsum, (long long)s->windows);
+done:
+    free(names), free(shas), free(by), free(tk), free(wn);
+    return rc;
+}
+
+static void shape_text(const int64_t *shape, int nd, char *buf, size_t cap) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < nd && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
+    const char *path = f->path;
+    int64_t want = s->n_layers * KV_STATS_PER_LAYER;
+    uint64_t *crc64 = NULL, ncrc;
+    const struct kv_gguf_kv *kc = kv_gguf_find(f, "kvcal.crc32");
+    int rc = kv_gguf_get_arr_u64(f, "kvcal.crc32", &crc64, &ncrc, err);
+    if (rc) return rc;
+    if (ncrc != (uint64_t)f->n_tensors) {
+        rc = kv_fail(err, KV_EFORMAT, path, kc->val_off,
+                     "key 'kvcal.crc32' has %llu entries but the file has %lld tensors",
+                     (unsigned long long)ncrc, (long long)f->n_tensors);
+        goto done;
+    }
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        const struct kv_gguf_tensor *gt = &f->tensors[i];
+        /* every tensor must be one we expect, at its place */
+        int64_t l = i / KV_STATS_PER_LAYER;
+        int t = (int)(i % KV_STATS_PER_LAYER);
+        char name[64], got[64], exp[64];
+        int64_t shape[3];
+        if (i >= want) {
+            rc = kv_fail(err, KV_EFORMAT, path, gt->info_off,
+                         "unexpected tensor '%s': %lld layers have %lld tensors", gt->t.name,
+                         (long long)s->n_layers, (long long)want);
+            goto done;
+        }
+        int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
+        if (strcmp(gt->t.name, name)) {
+            const struct kv_gguf_tensor *w = kv_gguf_find_tensor(f, name);
+            rc = w ? kv_fail(err, KV_EFORMAT, path, gt->info_off,
+                             "tensor '%s' is at position %lld, expected '%s' there", gt->t.name,
+                             (long long)i, name)
+                   : kv_fail(err, KV_EFORMAT, path, gt->info_off,
+                             "missing tensor '%s' (found '%s' in its place)", name, gt->t.name);
+            goto done;
+        }
+        if (gt->ggml_type != 28) {
+            rc = kv_fail(err, KV_EFORMAT, path, gt->type_off, "tensor '%s' has type %s, expected F64",
+                         name, kv_ggml_type_name(gt->ggml_type));
+            goto done;
+        }
+        int same = gt->n_dims == nd;
+        for (int k = 0; same && k < nd; k++) same = gt->t.shape[k] == shape[k];
+        if (!same) {
+            shape_text(gt->t.shape, gt->n_dims, got, sizeof got);
+            shape_text(shape, nd, exp, sizeof exp);
+            rc = kv_fail(err, KV_EFORMAT, path, gt->info_off,
+                         "tensor '%s' has shape %s, expected %s", name, got, exp);
+            goto done;
+        }
+        uint64_t nb = (uint64_t)numel(shape, nd) * 8;
+        KV_ASSERT(gt->t.nbytes == nb); /* the parser sized it from the same shape */
+        if (crc64[i] > UINT32_MAX) {
+            rc = kv_fail(err, KV_EFORMAT, path, kc->val_off,
+                         "key 'kvcal.crc32': entry %lld is not a 32-bit value", (long long)i);
+            goto done;
+        }
+        uint32_t c = crc_of(gt->t.data, nb);
+        if (c != (uint32_t)crc64[i]) {
+            rc = kv_fail(err, KV_EFORMAT, path, gt->t.offset,
+                         "tensor '%s': crc32 mismatch (stored %08x, computed %08x): the data "
+                         "is corrupt", name, (unsigned)crc64[i], (unsigned)c);
+            goto done;
+        }
+        double *dst = kv_stats_tensor_data(s, l, t);
+        memcpy(dst, gt->t.data, nb); /* little-endian host and file */
+        int64_t ne = numel(shape, nd);
+        for (int64_t k = 0; k < ne; k++)
+            if (!isfinite(dst[k])) {
+                rc = kv_fail(err, KV_EFORMAT, path, gt->t.offset + (uint64_t)k * 8,
+                             "tensor '%s': non-finite value at element %lld", name, (long long)k);
+                goto done;
+            }
+    }
+    if (f->n_tensors < want) {
+        char name[64];
+        int64_t shape[3];
+        kv_stats_tensor_desc(s, f->n_tensors / KV_STATS_PER_LAYER,
+                             (int)(f->n_tensors % KV_STATS_PER_LAYER), name, sizeof name, shape);
+        rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                     "missing tensor '%s': %lld layers need %lld tensors, the file has %lld", name,
+                     (long long)s->n_layers, (long long)want, (long long)f->n_tensors);
+    }
+done:
+    free(crc64);
+    return rc;
+}
+
+int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_stats **out,
+                   struct kv_err *err) {
+    struct kv_gguf_file f;
+    int rc = kv_gguf_parse(buf, len, path, &f, err);
+    if (rc) return rc;
+    struct kv_stats *s = calloc(1, sizeof *s);
+    if (!s) {
+        kv_gguf_release(&f);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    set_defaults(s);
+    if (!(rc = read_header(&f, s, err))) {
+        /* bound the allocation by what the file can hold before making it */
+        uint64_t per, all;
+        uint64_t d = (uint64_t)s->dim, hd = (uint64_t)s->head_dim;
+        int ok = kv_mul_u64(d, d, &per) && kv_add_u64(per, d, &per);
+        uint64_t hh;
+        ok = ok && kv_mul_u64(hd, hd, &hh) &&
+             kv_mul_u64(hh, (uint64_t)(s->n_heads + s->n_kv_heads), &hh) &&
+             kv_add_u64(per, hh, &per) && kv_mul_u64(per, (uint64_t)s->n_layers, &all) &&
+             kv_mul_u64(all, 8, &all);
+        if (!ok || all > len)
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                         "truncated or inconsistent: %lld layers of dim %lld need %s bytes of "
+                         "tensors, the file has %llu bytes",
+                         (long long)s->n_layers, (long long)s->dim, ok ? "more" : "too many",
+                         (unsigned long long)len);
+        else if (!(rc = alloc_layers(s, path, err)) && !(rc = read_inputs(&f, s, err)))
+            rc = read_tensors(&f, s, err);
+    }
+    kv_gguf_release(&f);
+    if (rc) {
+        kv_stats_free(s);
+        return rc;
+    }
+    *out = s;
+    return KV_OK;
+}
+
+int kv_stats_probe(const char *path) {
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return 0;
+    char buf[4096];
+    size_t n = fread(buf, 1, sizeof buf, fp);
+    fclose(fp);
+    return n >= 4 && !memcmp(buf, "GGUF", 4) &&
+           memmem(buf, n, KV_STATS_TYPE, strlen(KV_STATS_TYPE)) != NULL;
+}
+
+int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err) {
+    struct kv_map m;
+    int rc = kv_map_open(path, &m, err);
+    if (rc) return rc;
+    rc = kv_stats_parse(m.data, m.len, path, out, err);
+    kv_map_close(&m);
+    return rc;
+}
+
+int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
+                           struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    if (s->n_layers != c->n_layers || s->dim != c->dim || s->n_heads != c->n_heads ||
+        s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim) {
+        kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                "statistics are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, but the "
+                "model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
+                (long long)s->n_layers, (long long)s->dim, (long long)s->n_heads,
+                (long long)s->n_kv_heads, (long long)s->head_dim, (long long)c->n_layers,
+                (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
+                (long long)c->head_dim);
+        return 0;
+    }
+    char fp[65];
+    if (kv_model_fingerprint(m, fp, err)) return 0;
+    if (strcmp(fp, s->fingerprint)) {
+        kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                "statistics were collected on another model (fingerprint %.12s, this model "
+                "is %.12s)", s->fingerprint, fp);
+        return 0;
+    }
+    return 1;
+}

@@ -1,0 +1,52 @@
+/* Statistics file (.kvstats), format version 1 (internal; the API is in
+ * kvcal.h).
+ *
+ * A GGUF v3 file (formats/gguf.h) with these metadata keys:
+ *
+ *   general.type              string  "kvcal.stats"
+ *   kvcal.format_version      uint32  1
+ *   kvcal.version             string  kvcal version that wrote it
+ *   kvcal.model.fingerprint   string  64 hex digits (kv_model_fingerprint)
+ *   kvcal.model.n_layers, .dim, .n_heads, .n_kv_heads, .head_dim   uint64
+ *   kvcal.seq_len             uint64  window length
+ *   kvcal.tokens              uint64  tokens accumulated (= sequences * seq_len)
+ *   kvcal.sequences           uint64  windows accumulated
+ *   kvcal.sampling            string  "sequential", "random" or "merged"
+ *   kvcal.seed, kvcal.samples uint64  the draw (samples 0 = every window)
+ *   kvcal.shard.index, kvcal.shard.count   uint64
+ *   kvcal.plan.windows        uint64  windows in the run's plan
+ *   kvcal.plan.next_window    uint64  plan entries done; less than
+ *                                     plan.windows in a checkpoint
+ *   kvcal.datasets            [string] input paths as given
+ *   kvcal.datasets.sha256     [string] sha256 of each input's bytes
+ *   kvcal.datasets.bytes      [uint64] file sizes
+ *   kvcal.datasets.tokens     [uint64] tokens of each input (with BOS)
+ *   kvcal.datasets.windows    [uint64] windows of each input accumulated
+ *   kvcal.crc32               [uint32] zlib crc32 of each tensor's data, in
+ *                                      tensor order
+ *
+ * and, per layer N, four float64 tensors (sums over tokens, never means;
+ * shapes row-major as kvcal prints them, GGUF stores ne[] reversed):
+ *
+ *   blk.N.attn_in.xtx   [d, d]
+ *   blk.N.attn_in.sum   [d]
+ *   blk.N.q_rope.cov    [h, d_h, d_h]
+ *   blk.N.k_rope.cov    [g, d_h, d_h]
+ *
+ * in that order. Matrices are stored in full (both triangles). */
+#ifndef KV_KVSTATS_H
+#define KV_KVSTATS_H
+
+#include "kvcal.h"
+
+#define KV_STATS_TYPE "kvcal.stats"
+#define KV_STATS_FORMAT_VERSION 1
+#define KV_STATS_PER_LAYER 4
+
+/* Name and row-major shape of tensor t (0..3) of a layer; returns ndim. */
+int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *name, size_t cap,
+                         int64_t shape[3]);
+/* Data pointer of tensor t of a layer. */
+double *kv_stats_tensor_data(const struct kv_stats *s, int64_t layer, int t);
+
+#endif

@@ -1,0 +1,118 @@
+/* SHA-256 (nettle) and the model fingerprint. */
+#include <nettle/sha2.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "model.h"
+
+static void hex_digest(struct sha256_ctx *ctx, char hex[65]) {
+    uint8_t d[SHA256_DIGEST_SIZE];
+    sha256_digest(ctx, sizeof d, d);
+    for (int i = 0; i < SHA256_DIGEST_SIZE; i++) snprintf(hex + 2 * i, 3, "%02x", d[i]);
+}
+
+/* nettle takes size_t lengths; feed in 1 GiB pieces anyway to bound each call. */
+static void update(struct sha256_ctx *ctx, const void *data, size_t len) {
+    const uint8_t *p = data;
+    while (len) {
+        size_t k = len < ((size_t)1 << 30) ? len : ((size_t)1 << 30);
+        sha256_update(ctx, k, p);
+        p += k;
+        len -= k;
+    }
+}
+
+void kv_sha256_hex(const void *data, size_t len, char hex[65]) {
+    struct sha256_ctx ctx;
+    sha256_init(&ctx);
+    if (len) update(&ctx, data, len);
+    hex_digest(&ctx, hex);
+}
+
+static void put_u64(struct sha256_ctx *ctx, uint64_t v) {
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i));
+    sha256_update(ctx, 8, b);
+}
+
+static void put_f32(struct sha256_ctx *ctx, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    put_u64(ctx, u);
+}
+
+static void put_str(struct sha256_ctx *ctx, const char *s) {
+    put_u64(ctx, strlen(s));
+    sha256_update(ctx, strlen(s), (const uint8_t *)s);
+}
+
+/* One weight: its canonical name, shape and the bytes of its f32 values in
+ * little-endian order (the host order on every platform kvcal builds for). */
+struct fp_item {
+    char name[48];
+    int64_t shape[2];
+    int nd;
+    const float *w;
+    uint8_t digest[SHA256_DIGEST_SIZE];
+};
+
+int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t cap = 3 + c->n_layers * (KV_W_COUNT - KV_W_FIRST_LAYER), n = 0;
+    struct fp_item *it = calloc((size_t)cap, sizeof *it);
+    if (!it) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    struct sha256_ctx ctx;
+    sha256_init(&ctx);
+    put_str(&ctx, "kvcal.fingerprint.v1");
+    /* the config fields that change what the weights compute */
+    put_u64(&ctx, (uint64_t)c->arch);
+    put_u64(&ctx, (uint64_t)c->dim);
+    put_u64(&ctx, (uint64_t)c->hidden_dim);
+    put_u64(&ctx, (uint64_t)c->n_layers);
+    put_u64(&ctx, (uint64_t)c->n_heads);
+    put_u64(&ctx, (uint64_t)c->n_kv_heads);
+    put_u64(&ctx, (uint64_t)c->head_dim);
+    put_u64(&ctx, (uint64_t)c->vocab_size);
+    put_f32(&ctx, c->norm_eps);
+    put_f32(&ctx, c->rope_theta);
+    put_u64(&ctx, (uint64_t)c->rope_layout);
+    put_u64(&ctx, (uint64_t)c->tied_embeddings);
+    put_u64(&ctx, (uint64_t)c->has_qkv_bias);
+    for (int k = 0; k < KV_W_COUNT; k++) {
+        int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
+        for (int64_t l = 0; l < nl; l++) {
+            const float *w = k == KV_W_TOK_EMB   ? m->tok_emb
+                             : k == KV_W_OUT_NORM ? m->out_norm
+                             : k == KV_W_LM_HEAD  ? (c->tied_embeddings ? NULL : m->lm_head)
+                                                  : m->layers[l].w[k];
+            if (!w) continue; /* absent biases; a tied head is the embedding */
+            struct fp_item *p = &it[n++];
+            p->nd = kv_model_expected_shape(c, k, p->shape);
+            if (p->nd == 1) p->shape[1] = 1;
+            p->w = w;
+            if (k < KV_W_FIRST_LAYER)
+                snprintf(p->name, sizeof p->name, "%s", kv_wkind_name(k));
+            else
+                snprintf(p->name, sizeof p->name, "blk.%lld.%s", (long long)l, kv_wkind_name(k));
+        }
+    }
+    /* each weight hashed on its own (in parallel), then the list in order */
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < n; i++) {
+        struct sha256_ctx t;
+        sha256_init(&t);
+        update(&t, it[i].w, (size_t)(it[i].shape[0] * it[i].shape[1]) * sizeof(float));
+        sha256_digest(&t, SHA256_DIGEST_SIZE, it[i].digest);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        put_str(&ctx, it[i].name);
+        put_u64(&ctx, (uint64_t)it[i].shape[0]);
+        put_u64(&ctx, (uint64_t)it[i].shape[1]);
+        sha256_update(&ctx, SHA256_DIGEST_SIZE, it[i].digest);
+    }
+    free(it);
+    hex_digest(&ctx, hex);
+    return KV_OK;
+}
