@@ -196,9 +196,10 @@ int cmd_collect(int argc, char **argv) {
         if (run_windows > 0)
             printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
                    o.seconds, cli_peak_rss_mib());
+        if (run_windows > 0)
+            printf("wrote     %s\n", output);
         else
-            printf("speed     nothing to do: the checkpoint was already complete\n");
-        printf("wrote     %s\n", output);
+            printf("kept      %s: it was already complete, nothing to do\n", output);
     }
     kv_stats_free(s);
     kv_calib_free(c);

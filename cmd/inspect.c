@@ -1,6 +1,8 @@
 /* kvcal inspect: what a model file or directory holds. */
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -12,27 +14,165 @@ static void shape_str(const struct kv_tensor *t, char *buf, size_t cap) {
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
+static void rank_text(int64_t a, int64_t b, char *buf, size_t cap) {
+    if (a < 0)
+        snprintf(buf, cap, "-");
+    else
+        snprintf(buf, cap, "%lld/%lld", (long long)a, (long long)b);
+}
+
+static int inspect_stats(const char *path, const char *model, const char *tokenizer, int json) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_stats *s;
+    if (kv_stats_open(path, &s, &err)) return cli_report(&err);
+    struct kv_model *m = NULL;
+    int rc;
+    if (model) {
+        if ((rc = cli_load_model(model, tokenizer, &m))) {
+            kv_stats_free(s);
+            return rc;
+        }
+        if (!kv_stats_matches_model(s, m, path, &err)) {
+            kv_stats_free(s);
+            kv_model_free(m);
+            return cli_report(&err);
+        }
+    }
+    int64_t g = s->n_kv_heads;
+    struct kv_head_spectrum *heads = calloc((size_t)g, sizeof *heads);
+    json_t *layers = json ? json_array() : NULL;
+    if (!json) {
+        printf("stats      %s (kvcal.stats, written by kvcal %s)\n", path, s->version);
+        printf("model      fingerprint %s\n           dim %lld, %lld layers, %lld heads (%lld kv), "
+               "head_dim %lld\n", s->fingerprint, (long long)s->dim, (long long)s->n_layers,
+               (long long)s->n_heads, (long long)s->n_kv_heads, (long long)s->head_dim);
+        printf("tokens     %lld in %lld windows of %lld (%s", (long long)s->tokens,
+               (long long)s->windows, (long long)s->seq_len, s->sampling);
+        if (!strcmp(s->sampling, "random")) printf(", seed %llu", (unsigned long long)s->seed);
+        if (s->shard_count > 1) printf(", shard %lld/%lld", (long long)s->shard_index, (long long)s->shard_count);
+        printf(")\n");
+        if (s->next_window < s->plan_windows)
+            printf("checkpoint %lld of %lld planned windows done; finish with 'kvcal collect --resume'\n",
+                   (long long)s->next_window, (long long)s->plan_windows);
+        for (int64_t i = 0; i < s->n_inputs; i++)
+            printf("input      %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows\n",
+                   s->inputs[i].path, (unsigned long long)s->inputs[i].bytes, s->inputs[i].sha256,
+                   (long long)s->inputs[i].tokens, (long long)s->inputs[i].windows);
+        printf("\neffective rank = fewest eigen-directions keeping 90%%/99%% of the energy\n");
+        printf("%-6s %12s %12s %14s   per kv head 0..%lld: K|V|K post-rope, of %lld\n", "layer",
+               "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(g - 1), (long long)s->head_dim);
+    }
+    rc = EXIT_OK;
+    for (int64_t l = 0; l < s->n_layers && heads; l++) {
+        struct kv_layer_spectrum sp = {.heads = heads};
+        if (kv_stats_layer_spectrum(s, m, l, &sp, &err)) {
+            snprintf(err.path, sizeof err.path, "%s", path);
+            rc = cli_report(&err);
+            break;
+        }
+        if (json) {
+            json_t *hs = json_array();
+            for (int64_t j = 0; j < g; j++) {
+                json_t *h = json_pack("{s:I, s:[I,I]}", "kv_head", (json_int_t)j,
+                                      "k_rope_rank", (json_int_t)heads[j].krope90,
+                                      (json_int_t)heads[j].krope99);
+                if (h && m) {
+                    json_object_set_new(h, "k_rank", json_pack("[I,I]", (json_int_t)heads[j].k90, (json_int_t)heads[j].k99));
+                    json_object_set_new(h, "v_rank", json_pack("[I,I]", (json_int_t)heads[j].v90, (json_int_t)heads[j].v99));
+                }
+                json_array_append_new(hs, h);
+            }
+            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o}",
+                                                    "layer", (json_int_t)l, "trace",
+                                                    cli_json_real(sp.trace), "lambda_max",
+                                                    cli_json_real(sp.lambda_max), "lambda_min",
+                                                    cli_json_real(sp.lambda_min), "cond",
+                                                    cli_json_real(sp.cond), "xtx_rank",
+                                                    (json_int_t)sp.x90, (json_int_t)sp.x99,
+                                                    "heads", hs));
+        } else {
+            char xr[32], cond[32];
+            snprintf(xr, sizeof xr, "%lld/%lld of %lld", (long long)sp.x90, (long long)sp.x99,
+                     (long long)s->dim);
+            if (isfinite(sp.cond))
+                snprintf(cond, sizeof cond, "%.3e", sp.cond);
+            else
+                snprintf(cond, sizeof cond, "inf");
+            printf("%-6lld %12.4e %12s %14s  ", (long long)l, sp.trace, cond, xr);
+            for (int64_t j = 0; j < g; j++) {
+                char a[24], b[24], c[24];
+                rank_text(heads[j].k90, heads[j].k99, a, sizeof a);
+                rank_text(heads[j].v90, heads[j].v99, b, sizeof b);
+                rank_text(heads[j].krope90, heads[j].krope99, c, sizeof c);
+                printf(" %s|%s|%s", a, b, c);
+            }
+            printf("\n");
+        }
+    }
+    if (!heads) rc = cli_report(&(struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"});
+    if (json && rc == EXIT_OK) {
+        json_t *ins = json_array();
+        for (int64_t i = 0; i < s->n_inputs; i++)
+            json_array_append_new(ins, json_pack("{s:o, s:s, s:I, s:I, s:I}", "path",
+                                                 cli_json_text(s->inputs[i].path), "sha256",
+                                                 s->inputs[i].sha256, "bytes",
+                                                 (json_int_t)s->inputs[i].bytes, "tokens",
+                                                 (json_int_t)s->inputs[i].tokens, "windows",
+                                                 (json_int_t)s->inputs[i].windows));
+        json_t *o = json_pack("{s:o, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:o}",
+                              "path", cli_json_text(path), "type", "kvcal.stats", "version", s->version,
+                              "fingerprint", s->fingerprint, "n_layers", (json_int_t)s->n_layers,
+                              "dim", (json_int_t)s->dim, "n_heads", (json_int_t)s->n_heads,
+                              "n_kv_heads", (json_int_t)s->n_kv_heads, "head_dim",
+                              (json_int_t)s->head_dim, "seq_len", (json_int_t)s->seq_len, "tokens",
+                              (json_int_t)s->tokens, "windows", (json_int_t)s->windows, "sampling",
+                              s->sampling, "plan_windows", (json_int_t)s->plan_windows,
+                              "next_window", (json_int_t)s->next_window, "inputs", ins, "layers", layers);
+        layers = NULL;
+        rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    } else if (!json && rc == EXIT_OK && !m) {
+        printf("\n(K and V output ranks need the model: add --model PATH)\n");
+    }
+    json_decref(layers);
+    free(heads);
+    kv_stats_free(s);
+    kv_model_free(m);
+    return rc;
+}
+
 int cmd_inspect(int argc, char **argv) {
-    const char *tokenizer = NULL;
+    const char *tokenizer = NULL, *model = NULL;
     int json = 0;
     const struct cli_opt opts[] = {
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE", "tokenizer to load alongside the model"},
+        {"model", 'm', OPT_STR, &model, "PATH",
+         "for a .kvstats file: the model it was collected on, to show K/V output spectra"},
         {"json", 0, OPT_FLAG, &json, NULL, "print one JSON object on stdout"},
     };
     const struct cli_cmd cmd = {
-        "inspect", "PATH [--json]",
+        "inspect", "PATH [--json]  |  STATS.kvstats [--model PATH] [--json]",
         "Print the config, tokenizer and tensor table of a model: an HF Llama directory, a\n"
         "GGUF file or a llama2.c .bin. Loading runs every check the other commands run, so\n"
-        "a file that inspects cleanly will load.",
+        "a file that inspects cleanly will load.\n"
+        "\n"
+        "Given a statistics file from 'kvcal collect', print its tokens, windows and inputs\n"
+        "and, per layer, the trace and condition number of XᵀX and the effective rank (the\n"
+        "fewest eigen-directions keeping 90% / 99% of the energy) of each KV head's\n"
+        "post-RoPE key covariance and, with --model, of its K and V output covariances\n"
+        "W C_x Wᵀ. Low ranks mean a head compresses well; look here before choosing --eps.",
         "examples:\n"
         "  kvcal inspect stories260K.gguf\n"
-        "  kvcal inspect tinystories-656K --json\n",
+        "  kvcal inspect tinystories-656K --json\n"
+        "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 1};
     const char *pos[1];
     int n_pos;
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     if (n_pos != 1) return cli_usage_error(&cmd, "missing PATH");
+    if (kv_stats_probe(pos[0])) return inspect_stats(pos[0], model, tokenizer, json);
+    if (model) return cli_usage_error(&cmd, "--model applies to a .kvstats file, and '%s' is not one", pos[0]);
     struct kv_model *m;
     if ((rc = cli_load_model(pos[0], tokenizer, &m))) return rc;
     const struct kv_config *c = kv_model_config(m);

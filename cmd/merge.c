@@ -49,6 +49,7 @@ int cmd_merge(int argc, char **argv) {
         kv_stats_free(b);
         b = NULL;
     }
+    rc = EXIT_OK;
     if (kv_stats_write(acc, output, &err)) {
         kv_stats_free(acc);
         return cli_report(&err);

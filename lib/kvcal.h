@@ -422,6 +422,31 @@ struct kv_collect_opts {
 int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
                    struct kv_collect_opts *opts, struct kv_err *err);
 
+/* Output covariance Σ yᵀy of KV heads head0 .. head0+nh-1 of the layer's K
+ * (which = 0) or V (which = 1) projection, derived from the input sums:
+ * y = x Wᵀ + b gives W C_x Wᵀ + W Σx bᵀ + b Σxᵀ Wᵀ + N b bᵀ. out is
+ * [nh*d_h, nh*d_h] row-major. Pre-RoPE for K. s must match m's shapes. */
+int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                     int which, int64_t head0, int64_t nh, double *out, struct kv_err *err);
+
+/* The spectrum view of one layer (`kvcal inspect STATS`). Energy ranks are
+ * the smallest r keeping 90% / 99% of the eigenvalue sum. */
+struct kv_head_spectrum {
+    int64_t k90, k99;        /* K output covariance (pre-RoPE, from C_x); -1 without a model */
+    int64_t v90, v99;        /* V output covariance; -1 without a model */
+    int64_t krope90, krope99; /* post-RoPE K covariance (k_rope.cov) */
+};
+struct kv_layer_spectrum {
+    double trace;            /* trace of XᵀX (a sum over tokens) */
+    double lambda_max, lambda_min; /* extreme eigenvalues of XᵀX */
+    double cond;             /* lambda_max / lambda_min; +inf when lambda_min <= 0 */
+    int64_t x90, x99;        /* energy ranks of XᵀX, out of d */
+    struct kv_head_spectrum *heads; /* [n_kv_heads], caller-allocated */
+};
+/* m may be NULL (then the K/V ranks are -1). */
+int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                            struct kv_layer_spectrum *out, struct kv_err *err);
+
 /* Sorted eigenvalues (descending) of a symmetric n×n float64 matrix, by
  * LAPACKE dsyevd on a copy. NaN/Inf input is KV_ENUMERIC naming `what`. */
 int kv_sym_eigvals(const double *a, int64_t n, double *w, const char *what, struct kv_err *err);
