@@ -30,8 +30,8 @@ struct kv_accum {
 
 /* dst[n, cols] = (double)src, or the first non-finite row (else -1). */
 static int64_t widen(double *dst, const float *src, int64_t n, int64_t cols) {
-    int64_t bad = -1;
-#pragma omp parallel for if (n * cols > 65536) schedule(static) reduction(max : bad)
+    int64_t bad = INT64_MAX;
+#pragma omp parallel for if (n * cols > 65536) schedule(static) reduction(min : bad)
     for (int64_t i = 0; i < n; i++) {
         int ok = 1;
         for (int64_t j = 0; j < cols; j++) {
@@ -39,9 +39,9 @@ static int64_t widen(double *dst, const float *src, int64_t n, int64_t cols) {
             ok &= isfinite(v) != 0;
             dst[i * cols + j] = (double)v;
         }
-        if (!ok && (bad < 0 || i < bad)) bad = i;
+        if (!ok && i < bad) bad = i;
     }
-    return bad;
+    return bad == INT64_MAX ? -1 : bad;
 }
 
 /* Σ over the heads' column blocks: cov[i] += Bᵢᵀ Bᵢ for B [n, nh*dh]. */
@@ -188,6 +188,12 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "the first shard is an unfinished checkpoint (%lld of %lld windows)",
                        (long long)acc->next_window, (long long)acc->plan_windows);
+    int64_t tokens, windows;
+    if (__builtin_add_overflow(acc->tokens, b->tokens, &tokens) ||
+        __builtin_add_overflow(acc->windows, b->windows, &windows))
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "its %lld tokens overflow the merged count of %lld", (long long)b->tokens,
+                       (long long)acc->tokens);
     for (int64_t i = 0; i < b->n_inputs; i++) {
         const struct kv_stats_input *in = &b->inputs[i];
         int64_t j = 0;
@@ -195,6 +201,8 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
             if (!strcmp(acc->inputs[j].sha256, in->sha256) && !strcmp(acc->inputs[j].path, in->path))
                 break;
         if (j < acc->n_inputs) {
+            /* cannot overflow: each is at most the file's window count, and
+             * those add up without overflow (checked above) */
             acc->inputs[j].windows += in->windows;
         } else {
             int rc = kv_stats_add_input(acc, in->path, in->sha256, in->bytes, in->tokens,
@@ -212,8 +220,8 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
             const double *y = kv_stats_tensor_data(b, l, t);
             for (int64_t i = 0; i < n; i++) x[i] += y[i];
         }
-    acc->tokens += b->tokens;
-    acc->windows += b->windows;
+    acc->tokens = tokens;
+    acc->windows = windows;
     snprintf(acc->sampling, sizeof acc->sampling, "merged");
     acc->seed = 0;
     acc->samples = 0;

@@ -124,6 +124,13 @@ static uint32_t crc_of(const void *data, uint64_t n) {
     return (uint32_t)c;
 }
 
+static int is_hex64(const char *s) {
+    if (strlen(s) != 64) return 0;
+    for (int i = 0; i < 64; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+    return 1;
+}
+
 /* ------------------------------------------------------------------ write */
 
 int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err) {
@@ -139,6 +146,17 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         goto done;
     }
     /* refuse to write what the reader would refuse to read */
+    uint64_t prod;
+    if (!is_hex64(s->fingerprint) || s->seq_len < 1 || s->seq_len > KV_MAX_CTX ||
+        s->windows < 0 || s->next_window < 0 || s->next_window > s->plan_windows ||
+        s->shard_count < 1 || s->shard_index < 0 || s->shard_index >= s->shard_count ||
+        !kv_mul_u64((uint64_t)s->windows, (uint64_t)s->seq_len, &prod) ||
+        prod != (uint64_t)s->tokens) {
+        rc = kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                     "statistics are incomplete (fingerprint, seq-len, counts or plan unset or "
+                     "inconsistent); not written");
+        goto done;
+    }
     for (int64_t l = 0; l < s->n_layers; l++)
         for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
             char name[64];
@@ -237,13 +255,6 @@ static int get_string(const struct kv_gguf_file *f, const char *key, char *buf, 
     return KV_OK;
 }
 
-static int is_hex64(const char *s) {
-    if (strlen(s) != 64) return 0;
-    for (int i = 0; i < 64; i++)
-        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
-    return 1;
-}
-
 static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
     const char *path = f->path;
     struct kv_gguf_str ty;
@@ -261,7 +272,8 @@ static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct 
     if ((rc = kv_gguf_get_u32(f, "kvcal.format_version", &fv, err))) return rc;
     if (fv != KV_STATS_FORMAT_VERSION)
         return kv_fail(err, KV_EUNSUPPORTED, path, kv_gguf_find(f, "kvcal.format_version")->val_off,
-                       "stats format version %u is not supported (this kvcal reads version %d)",
+                       "key 'kvcal.format_version': stats format version %u is not supported "
+                       "(this kvcal reads version %d)",
                        fv, KV_STATS_FORMAT_VERSION);
     if ((rc = get_string(f, "kvcal.version", s->version, sizeof s->version, err)) ||
         (rc = get_string(f, "kvcal.model.fingerprint", s->fingerprint, sizeof s->fingerprint, err)))
@@ -354,7 +366,12 @@ static int read_inputs(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                          "dataset %llu: token or window count out of range", (unsigned long long)i);
             goto done;
         }
-        wsum += wn[i];
+        if (!kv_add_u64(wsum, wn[i], &wsum)) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
+                         "the datasets' windows overflow a 64-bit count at dataset %llu",
+                         (unsigned long long)i);
+            goto done;
+        }
         if ((rc = kv_stats_add_input(s, path, sha, by[i], (int64_t)tk[i], (int64_t)wn[i], err)))
             goto done;
     }

@@ -40,7 +40,10 @@ static char *shared_copy(const char *rel) {
     return s;
 }
 
+/* One thread: Criterion runs two tests at once on two cores, and spinning
+ * OpenMP teams of two in each would oversubscribe them many times over. */
 static struct kv_model *open_stories(void) {
+    kv_set_threads(1);
     char *mp = shared_copy(MODEL_REL), *tp = shared_copy(TOK_REL);
     struct kv_model *m = NULL;
     struct kv_err err;
@@ -224,7 +227,8 @@ static void naive_run(const struct kv_model *m, struct kv_stats *ref, const int3
     hk.ctx = &nv;
     hk.attn_in = naive_attn_in;
     hk.qk_rope = naive_qk;
-    kv_fwd_set_hooks(f, &hk); /* full pass, not hooks_only: the library's shortcut must not matter */
+    /* a full pass, not hooks_only: the library's shortcut must not matter */
+    kv_fwd_set_hooks(f, &hk);
     for (int64_t w = 0; w < n_windows; w++) {
         nv.calls_in = nv.calls_qk = 0;
         cr_assert_eq(kv_fwd_run(f, ids + w * seq_len, seq_len, 0, NULL, &err), KV_OK, "%s",
@@ -420,8 +424,8 @@ Test(accum, refuses_stats_shaped_for_another_model) {
 
 /* ---------------------------------------------------------------- merging */
 
-/* Writes a.txt and b.txt in dir: the first ~96 KB of val1k.txt split near its
- * middle, both at a newline (each about 95 windows of 256... halves of it). */
+/* Writes a.txt and b.txt in dir: the first ~96 KB of val1k.txt cut in two
+ * near its middle, both ends at a newline (some 90 windows of 256 each). */
 static void write_halves(const char *dir, char **pa, char **pb) {
     char *text = shared_copy(VAL_REL);
     size_t len;

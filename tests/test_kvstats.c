@@ -617,9 +617,10 @@ static void m_cut_header(struct fx *f, struct want *w) {
     w->off = 8;
 }
 static void m_cut_metadata(struct fx *f, struct want *w) {
-    const struct kv_gguf_kv *kv = fx_kv(f, "kvcal.model.fingerprint");
-    f->len = kv->val_off + 8 + 10; /* 10 of the 64 hex digits */
-    w->off = kv->val_off + 8;
+    /* late enough that the bytes left could still hold the tensor infos */
+    const struct kv_gguf_kv *kv = fx_kv(f, "kvcal.datasets.sha256");
+    f->len = kv->arr_off + 8 + 64 + 8 + 10; /* 10 digits of the second entry */
+    w->off = kv->arr_off + 8 + 64 + 8;
 }
 static void m_cut_tensor_info(struct fx *f, struct want *w) {
     const struct kv_gguf_tensor *t = fx_tensor(f, "blk.0.q_rope.cov");
@@ -642,7 +643,7 @@ static void m_cut_last_byte(struct fx *f, struct want *w) {
     f->len -= 1;
     w->off = t->offset_off;
     snprintf(w->msg, sizeof w->msg, "needs %llu bytes but the data section holds %llu",
-             (unsigned long long)t->t.nbytes, (unsigned long long)(t->t.nbytes - 1));
+             (unsigned long long)t->t.nbytes, (unsigned long long)(f->len - f->g.data_off));
 }
 
 /* tensor data */
@@ -788,6 +789,17 @@ static void m_short_sha(struct fx *f, struct want *w) {
     fx_hand(f, &h);
     w->off = fx_kv(f, "kvcal.datasets.sha256")->val_off;
 }
+/* Three windows counts, each at most INT64_MAX, whose uint64 sum wraps to
+ * kvcal.sequences (7): the sum check must not be fooled. */
+static void m_windows_wrap(struct fx *f, struct want *w) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_add_input(f->s, "data/c.txt", SHA_3, 1, 2, 9, &err), KV_OK);
+    f->s->inputs[0].windows = f->s->inputs[1].windows = INT64_MAX;
+    struct hspec h = hspec_default();
+    fx_hand(f, &h);
+    w->off = fx_kv(f, "kvcal.datasets.windows")->val_off;
+}
 static void m_no_seq_len(struct fx *f, struct want *w) {
     struct hspec h = hspec_default();
     h.drop_key = "kvcal.seq_len";
@@ -806,7 +818,7 @@ static const struct row rows[] = {
     {"cut inside the header", m_cut_header, KV_EFORMAT,
      "truncated: need 8 bytes for the tensor count, have 4"},
     {"cut inside the metadata", m_cut_metadata, KV_EFORMAT,
-     "truncated: need 64 bytes for the value of key 'kvcal.model.fingerprint', have 10"},
+     "truncated: need 64 bytes for element 1 of key 'kvcal.datasets.sha256', have 10"},
     {"cut inside a tensor info", m_cut_tensor_info, KV_EFORMAT,
      "truncated: need 4 bytes for tensor 'blk.0.q_rope.cov', have 2"},
     {"cut inside a tensor's data", m_cut_tensor_data, KV_EFORMAT, "tensor 'blk.1.q_rope.cov'"},
@@ -860,6 +872,7 @@ static const struct row rows[] = {
      "key 'kvcal.crc32': entry 0 is not a 32-bit value"},
     {"dataset arrays of different lengths", m_short_sha, KV_EFORMAT,
      "key 'kvcal.datasets.sha256' has 1 entries but 'kvcal.datasets' has 2"},
+    {"dataset windows whose sum wraps", m_windows_wrap, KV_EFORMAT, "the datasets' windows"},
     {"seq_len missing", m_no_seq_len, KV_EFORMAT, "missing key 'kvcal.seq_len'"},
 };
 #define N_ROWS (sizeof rows / sizeof rows[0])
@@ -989,7 +1002,7 @@ Test(kvstats_parse, every_data_byte_flip_is_a_crc_mismatch) {
                  f.len, "no padding after the data");
     for (int64_t k = 0; k < f.g.n_tensors; k++) {
         const struct kv_gguf_tensor *t = &f.g.tensors[k];
-        char want[128];
+        char want[320];
         snprintf(want, sizeof want, "tensor '%s': crc32 mismatch", t->t.name);
         for (uint64_t i = t->t.offset; i < t->t.offset + t->t.nbytes; i++) {
             f.p[i] ^= 0xff;
