@@ -98,7 +98,8 @@ Test(cli, usage_errors_exit_2_with_one_message_and_the_usage) {
                "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
     expect_cli("inspect --bogus", 2,
                "kvcal inspect: unknown option '--bogus'\n"
-               "usage: kvcal inspect PATH [--json] (see 'kvcal inspect --help')\n");
+               "usage: kvcal inspect PATH [--json]  |  STATS.kvstats [--model PATH] [--json] "
+               "(see 'kvcal inspect --help')\n");
     expect_cli("generate --model", 2,
                "kvcal generate: option '--model' needs a value\n"
                "usage: kvcal generate --model PATH [--prompt TEXT] [-n N] (see 'kvcal generate --help')\n");
