@@ -118,9 +118,12 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     if (!rc) {
         kv_accum_sync(a);
         if (stop && s->next_window < n)
-            rc = kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
-                         "interrupted after %lld of %lld windows; the checkpoint is saved, "
-                         "continue with --resume", (long long)s->next_window, (long long)n);
+            rc = out ? kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                               "interrupted after %lld of %lld windows; the checkpoint is saved, "
+                               "continue with --resume", (long long)s->next_window, (long long)n)
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "interrupted after %lld of %lld windows",
+                               (long long)s->next_window, (long long)n);
         else if (out && (since_write || fresh))
             rc = kv_stats_write(s, out, err);
     }

@@ -80,10 +80,7 @@ static int jsonl_join(const char *raw, size_t n, const char *path, char **out, s
                                &je);
         if (!j) {
             char text[sizeof je.text];
-            size_t i = 0;
-            for (; i + 1 < sizeof text && je.text[i]; i++)
-                text[i] = (char)tolower((unsigned char)je.text[i]);
-            text[i] = 0;
+            kv_json_error_text(&je, text, sizeof text);
             free(buf);
             return kv_fail(err, KV_EFORMAT, path, start, "line %lld: invalid json: %s",
                            (long long)line, text);

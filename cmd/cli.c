@@ -260,6 +260,18 @@ json_t *cli_json_text(const char *s) {
     return j;
 }
 
+json_t *cli_json_stats_inputs(const struct kv_stats *s) {
+    json_t *a = json_array();
+    for (int64_t i = 0; a && i < s->n_inputs; i++) {
+        const struct kv_stats_input *in = &s->inputs[i];
+        json_array_append_new(a, json_pack("{s:o, s:s, s:I, s:I, s:I}", "path",
+                                           cli_json_text(in->path), "sha256", in->sha256, "bytes",
+                                           (json_int_t)in->bytes, "tokens", (json_int_t)in->tokens,
+                                           "windows", (json_int_t)in->windows));
+    }
+    return a;
+}
+
 json_t *cli_json_real(double v) { return isfinite(v) ? json_real(v) : json_null(); }
 
 int cli_print_json(json_t *o, size_t flags) {

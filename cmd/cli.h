@@ -89,6 +89,9 @@ void cli_describe_config(const struct kv_config *c, char *buf, size_t cap);
  * byte replaced by U+FFFD; a non-finite real becomes null. */
 json_t *cli_json_text(const char *s);
 json_t *cli_json_real(double v);
+/* The inputs of a stats file as a JSON array of {path, sha256, bytes,
+ * tokens, windows}. */
+json_t *cli_json_stats_inputs(const struct kv_stats *s);
 /* Print o on stdout and release it. A NULL o (a pack that failed) is
  * reported on stderr instead. Returns EXIT_OK or EXIT_ERR. */
 int cli_print_json(json_t *o, size_t flags);

@@ -152,15 +152,7 @@ int cmd_collect(int argc, char **argv) {
     double tps = o.seconds > 0 ? (double)(run_windows * seq_len) / o.seconds : 0;
     int nthreads = omp_get_max_threads();
     if (json) {
-        json_t *ins = json_array();
-        for (int64_t i = 0; i < s->n_inputs; i++) {
-            const struct kv_stats_input *in = &s->inputs[i];
-            json_array_append_new(ins, json_pack("{s:o, s:s, s:I, s:I, s:I}", "path",
-                                                 cli_json_text(in->path), "sha256", in->sha256,
-                                                 "bytes", (json_int_t)in->bytes, "tokens",
-                                                 (json_int_t)in->tokens, "windows",
-                                                 (json_int_t)in->windows));
-        }
+        json_t *ins = cli_json_stats_inputs(s);
         json_t *out = json_pack(
             "{s:o, s:o, s:s, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:I, s:I, s:o, s:o, s:i, s:o}",
             "output", cli_json_text(output), "model", cli_json_text(model), "fingerprint",

@@ -112,14 +112,7 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
     }
     if (!heads) rc = cli_report(&(struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"});
     if (json && rc == EXIT_OK) {
-        json_t *ins = json_array();
-        for (int64_t i = 0; i < s->n_inputs; i++)
-            json_array_append_new(ins, json_pack("{s:o, s:s, s:I, s:I, s:I}", "path",
-                                                 cli_json_text(s->inputs[i].path), "sha256",
-                                                 s->inputs[i].sha256, "bytes",
-                                                 (json_int_t)s->inputs[i].bytes, "tokens",
-                                                 (json_int_t)s->inputs[i].tokens, "windows",
-                                                 (json_int_t)s->inputs[i].windows));
+        json_t *ins = cli_json_stats_inputs(s);
         json_t *o = json_pack("{s:o, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:o}",
                               "path", cli_json_text(path), "type", "kvcal.stats", "version", s->version,
                               "fingerprint", s->fingerprint, "n_layers", (json_int_t)s->n_layers,

@@ -55,13 +55,7 @@ int cmd_merge(int argc, char **argv) {
         return cli_report(&err);
     }
     if (json) {
-        json_t *ins = json_array();
-        for (int64_t i = 0; i < acc->n_inputs; i++)
-            json_array_append_new(ins, json_pack("{s:o, s:s, s:I, s:I}", "path",
-                                                 cli_json_text(acc->inputs[i].path), "sha256",
-                                                 acc->inputs[i].sha256, "tokens",
-                                                 (json_int_t)acc->inputs[i].tokens, "windows",
-                                                 (json_int_t)acc->inputs[i].windows));
+        json_t *ins = cli_json_stats_inputs(acc);
         rc = cli_print_json(json_pack("{s:o, s:i, s:s, s:I, s:I, s:I, s:o}", "output",
                                       cli_json_text(output), "shards", n_pos, "fingerprint",
                                       acc->fingerprint, "seq_len", (json_int_t)acc->seq_len,

@@ -10,6 +10,12 @@
 #include "limits.h"
 #include "mapfile.h"
 
+void kv_json_error_text(const json_error_t *je, char *out, size_t cap) {
+    size_t i = 0;
+    for (; i + 1 < cap && je->text[i]; i++) out[i] = (char)tolower((unsigned char)je->text[i]);
+    out[i] = 0;
+}
+
 int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_off,
                   json_t **out, struct kv_err *err) {
     json_error_t je;
@@ -18,10 +24,7 @@ int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_o
     if (!j) {
         /* jansson capitalises some words (JSON_ALLOW_NUL); our lines are lowercase. */
         char text[sizeof je.text];
-        size_t i = 0;
-        for (; i + 1 < sizeof text && je.text[i]; i++)
-            text[i] = (char)tolower((unsigned char)je.text[i]);
-        text[i] = 0;
+        kv_json_error_text(&je, text, sizeof text);
         uint64_t pos = je.position > 0 ? (uint64_t)je.position : 0;
         if (pos > len) pos = len;
         return kv_fail(err, KV_EFORMAT, path, base_off + pos, "invalid json: %s", text);

@@ -29,6 +29,10 @@ int kv_json_load(const char *path, json_t **out, struct kv_err *err);
 int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_off,
                   json_t **out, struct kv_err *err);
 
+/* jansson's message in lowercase (it capitalises some words), for one-line
+ * errors of JSON parsed outside kv_json_parse (JSON lines). */
+void kv_json_error_text(const json_error_t *je, char *out, size_t cap);
+
 /* "object", "array", "string", "integer", "real", "boolean" or "null". */
 const char *kv_json_type_name(const json_t *v);
 

@@ -50,6 +50,9 @@ int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model 
     int rc;
     if (kind == 1)
         rc = kv_hf_load(path, &m, err);
+    else if (is_gguf(path) && kv_stats_probe(path))
+        rc = kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                     "a kvcal statistics file, not a model (see 'kvcal inspect' for its contents)");
     else if (is_gguf(path))
         rc = kv_gguf_load(path, &m, err);
     else if (ends_with(path, ".safetensors") || ends_with(path, "config.json"))
