@@ -6,7 +6,8 @@ ifeq ($(MULTIARCH),)
 MULTIARCH := x86_64-linux-gnu
 endif
 # OpenBLAS built for OpenMP, so BLAS and kvcal's own loops share one pool.
-# -llapack from the same directory makes LAPACKE resolve to this OpenBLAS too.
+# -llapack -lblas from the same directory (always linked, found through the
+# rpath) make LAPACKE resolve to this OpenBLAS too, whatever the alternatives say.
 BLAS_INC := /usr/include/$(MULTIARCH)/openblas-openmp
 BLAS_LIB := /usr/lib/$(MULTIARCH)/openblas-openmp
 
@@ -15,7 +16,7 @@ BUILD  := build
 OPT    ?= -O2
 CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
           -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -I$(BLAS_INC) -MMD -MP
-LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -llapack -ljansson -lnettle -lz -lm -fopenmp
+LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
                 libcriterion-dev libjansson-dev nettle-dev zlib1g-dev
@@ -93,7 +94,7 @@ bench: all $(BENCH_BIN)
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done
 
 # Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
-#   make fuzz FUZZ=safetensors|model|tokenizer [FUZZ_SECONDS=300]
+#   make fuzz FUZZ=safetensors|model|tokenizer|kvstats [FUZZ_SECONDS=300]
 # New inputs go to $(BUILD)/fuzz/corpus-$(FUZZ); copy crashes into
 # tests/fuzz/corpus/$(FUZZ)/ so `make test` replays them forever.
 FUZZ ?= model

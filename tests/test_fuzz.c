@@ -8,6 +8,7 @@
 
 #include "testutil.h"
 
+#include "fuzz/fuzz_kvstats.c"
 #include "fuzz/fuzz_model.c"
 #include "fuzz/fuzz_safetensors.c"
 #include "fuzz/fuzz_scratch.c"
@@ -52,4 +53,7 @@ Test(fuzz_replay, safetensors_corpus_never_crashes) {
 Test(fuzz_replay, model_corpus_never_crashes) { cr_assert_gt(replay("model", kv_fuzz_model), 0); }
 Test(fuzz_replay, tokenizer_corpus_never_crashes) {
     cr_assert_gt(replay("tokenizer", kv_fuzz_tokenizer), 0);
+}
+Test(fuzz_replay, kvstats_corpus_never_crashes) {
+    cr_assert_gt(replay("kvstats", kv_fuzz_kvstats), 0);
 }
