@@ -188,28 +188,53 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "the first shard is an unfinished checkpoint (%lld of %lld windows)",
                        (long long)acc->next_window, (long long)acc->plan_windows);
+    /* the same shard twice (a plan is its sampling, seed, size, shard and inputs) */
+    int same_plan = strcmp(acc->sampling, "merged") && !strcmp(acc->sampling, b->sampling) &&
+                    acc->seed == b->seed && acc->samples == b->samples &&
+                    acc->shard_index == b->shard_index && acc->shard_count == b->shard_count &&
+                    acc->plan_windows == b->plan_windows && acc->n_inputs == b->n_inputs;
+    for (int64_t i = 0; same_plan && i < acc->n_inputs; i++)
+        same_plan = !strcmp(acc->inputs[i].sha256, b->inputs[i].sha256);
+    if (same_plan)
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "the same windows as the first shard (same inputs, plan and shard "
+                       "%lld/%lld); merging would count them twice",
+                       (long long)b->shard_index, (long long)b->shard_count);
     int64_t tokens, windows;
     if (__builtin_add_overflow(acc->tokens, b->tokens, &tokens) ||
         __builtin_add_overflow(acc->windows, b->windows, &windows))
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "its %lld tokens overflow the merged count of %lld", (long long)b->tokens,
                        (long long)acc->tokens);
-    for (int64_t i = 0; i < b->n_inputs; i++) {
-        const struct kv_stats_input *in = &b->inputs[i];
-        int64_t j = 0;
-        for (; j < acc->n_inputs; j++)
-            if (!strcmp(acc->inputs[j].sha256, in->sha256) && !strcmp(acc->inputs[j].path, in->path))
-                break;
-        if (j < acc->n_inputs) {
-            /* cannot overflow: each is at most the file's window count, and
-             * those add up without overflow (checked above) */
-            acc->inputs[j].windows += in->windows;
-        } else {
-            int rc = kv_stats_add_input(acc, in->path, in->sha256, in->bytes, in->tokens,
-                                        in->windows, err);
-            if (rc) return rc;
+    /* check every input first, so a refusal leaves acc untouched */
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t i = 0; i < b->n_inputs; i++) {
+            const struct kv_stats_input *in = &b->inputs[i];
+            int64_t j = 0;
+            for (; j < acc->n_inputs; j++)
+                if (!strcmp(acc->inputs[j].sha256, in->sha256)) break;
+            if (j == acc->n_inputs) {
+                int rc = pass ? kv_stats_add_input(acc, in->path, in->sha256, in->bytes,
+                                                   in->tokens, in->windows, err)
+                              : KV_OK;
+                if (rc) return rc;
+                continue;
+            }
+            /* the reader keeps each input's windows within tokens / seq_len,
+             * so the sum cannot overflow */
+            int64_t w = acc->inputs[j].windows + in->windows;
+            if (acc->inputs[j].tokens != in->tokens)
+                return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                               "input '%s' has %lld tokens here and %lld in the first shard; "
+                               "were the shards tokenized differently?", in->path,
+                               (long long)in->tokens, (long long)acc->inputs[j].tokens);
+            if (w > in->tokens / acc->seq_len)
+                return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                               "merging would count %lld windows of input '%s', which holds only "
+                               "%lld; is a shard given twice?", (long long)w, in->path,
+                               (long long)(in->tokens / acc->seq_len));
+            if (pass) acc->inputs[j].windows = w;
         }
-    }
     for (int64_t l = 0; l < acc->n_layers; l++)
         for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
             char name[64];

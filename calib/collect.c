@@ -58,6 +58,11 @@ static int check_resume(const struct kv_stats *s, const char *fp, struct kv_cali
                       (long long)kv_calib_n_inputs(c));
     for (int64_t i = 0; i < s->n_inputs; i++) {
         const struct kv_calib_input *in = kv_calib_input(c, i);
+        if (s->inputs[i].tokens != in->tokens)
+            return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                           "checkpoint does not match this run: input %lld ('%s') has %lld tokens "
+                           "here and %lld there; was another tokenizer used?", (long long)i + 1,
+                           in->path, (long long)in->tokens, (long long)s->inputs[i].tokens);
         if (strcmp(s->inputs[i].sha256, in->sha256) || s->inputs[i].bytes != in->bytes)
             return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
                            "checkpoint does not match this run: input %lld ('%s') has sha256 "
@@ -77,7 +82,10 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     char fp[65];
     int rc = kv_model_fingerprint(m, fp, err);
     if (rc) return rc;
-    int fresh = s->plan_windows == 0 && s->windows == 0 && s->n_inputs == 0;
+    int fresh = !opts->resume;
+    if (fresh && (s->windows || s->n_inputs))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "a fresh run needs empty statistics from kv_stats_init");
     if (fresh)
         rc = start_fresh(s, fp, c, o, err);
     else

@@ -47,7 +47,7 @@ int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, 
                             struct kv_layer_spectrum *out, struct kv_err *err) {
     int64_t d = s->dim, dh = s->head_dim, g = s->n_kv_heads;
     const struct kv_stats_layer *L = &s->layers[layer];
-    double *lam = malloc((size_t)d * sizeof *lam), *cov = malloc((size_t)(dh * dh) * sizeof *cov);
+    double *lam = malloc((size_t)(d > dh ? d : dh) * sizeof *lam), *cov = malloc((size_t)(dh * dh) * sizeof *cov);
     int rc = KV_OK;
     char what[96];
     if (!lam || !cov) {

@@ -5,6 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -29,6 +33,67 @@ static int parse_shard(const char *s, int64_t *idx, int64_t *cnt) {
     long long c = strtoll(b, &end, 10);
     if (end == b || *end || c < 1 || a < 0 || a >= c) return -1;
     *idx = a, *cnt = c;
+    return 0;
+}
+
+static int same_file(const struct stat *a, const char *path) {
+    struct stat b;
+    return stat(path, &b) == 0 && a->st_dev == b.st_dev && a->st_ino == b.st_ino;
+}
+
+/* Before any work: the output must not be an input or the model, its folder
+ * must be writable, and an unfinished checkpoint is never overwritten by a
+ * run that forgot --resume. */
+static int check_output(const char *out, const char *model, const struct cli_list *texts,
+                        int resume) {
+    struct stat st;
+    if (stat(out, &st) == 0) {
+        if (S_ISDIR(st.st_mode)) {
+            fprintf(stderr, "kvcal: %s: is a directory; --output names the statistics file\n", out);
+            return EXIT_ERR;
+        }
+        int clash = same_file(&st, model);
+        for (int i = 0; i < texts->n && !clash; i++) clash = same_file(&st, texts->v[i]);
+        if (clash) {
+            fprintf(stderr, "kvcal: %s: is also the model or a --text input; refusing to overwrite it\n", out);
+            return EXIT_ERR;
+        }
+        if (!resume && kv_stats_probe(out)) {
+            struct kv_stats *s;
+            struct kv_err err;
+            kv_err_clear(&err);
+            if (kv_stats_open(out, &s, &err) == KV_OK) {
+                int unfinished = s->next_window < s->plan_windows;
+                int64_t done = s->next_window, plan = s->plan_windows;
+                kv_stats_free(s);
+                if (unfinished) {
+                    fprintf(stderr, "kvcal: %s: holds an unfinished checkpoint (%lld of %lld windows); "
+                                    "add --resume to continue it, or remove the file to start over\n",
+                            out, (long long)done, (long long)plan);
+                    return EXIT_ERR;
+                }
+            }
+        }
+    }
+    /* the folder must take OUT.tmp now, not after hours of windows */
+    size_t n = strlen(out);
+    char *tmp = malloc(n + 16);
+    if (!tmp) return EXIT_ERR;
+    snprintf(tmp, n + 16, "%s.probe", out);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno != EEXIST) {
+        char eb[256];
+        snprintf(eb, sizeof eb, "%s", strerror(errno));
+        for (char *p = eb; *p; p++) *p = (char)tolower((unsigned char)*p);
+        fprintf(stderr, "kvcal: %s: cannot write there: %s\n", out, eb);
+        free(tmp);
+        return EXIT_ERR;
+    }
+    if (fd >= 0) {
+        close(fd);
+        unlink(tmp);
+    }
+    free(tmp);
     return 0;
 }
 
@@ -93,9 +158,9 @@ int cmd_collect(int argc, char **argv) {
     if (texts.n == 0) return cli_usage_error(&cmd, "missing --text");
     if (!output) return cli_usage_error(&cmd, "missing --output");
     if (seq_len < 2) return cli_usage_error(&cmd, "--seq-len must be at least 2, got %lld", (long long)seq_len);
-    if (samples < 0) return cli_usage_error(&cmd, "--samples must be positive, got %lld", (long long)samples);
-    if (seed < 0) return cli_usage_error(&cmd, "--seed must be positive, got %lld", (long long)seed);
-    if (every < 0) return cli_usage_error(&cmd, "--checkpoint-every must be positive, got %lld", (long long)every);
+    if (samples < 0) return cli_usage_error(&cmd, "--samples must be 0 (every window) or more, got %lld", (long long)samples);
+    if (seed < 0) return cli_usage_error(&cmd, "--seed must be 0 or more, got %lld", (long long)seed);
+    if (every < 0) return cli_usage_error(&cmd, "--checkpoint-every must be 0 (never) or more, got %lld", (long long)every);
     if (threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     if (sequential && samples == 0)
         return cli_usage_error(&cmd, "--sequential needs --samples N (without it every window is used, in order)");
@@ -103,6 +168,7 @@ int cmd_collect(int argc, char **argv) {
     if (shard && parse_shard(shard, &copt.shard_index, &copt.shard_count))
         return cli_usage_error(&cmd, "--shard needs I/N with 0 <= I < N, got '%s'", shard);
     kv_set_threads((int)threads);
+    if ((rc = check_output(output, model, &texts, resume))) return rc;
 
     struct kv_model *m = NULL;
     struct kv_calib *c = NULL;
@@ -137,15 +203,25 @@ int cmd_collect(int argc, char **argv) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESETHAND; /* a second Ctrl-C stops at once */
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     struct cli_progress bar;
     cli_progress_start(&bar, "windows", quiet || json);
-    struct kv_collect_opts o = {output, &copt, every, progress, &bar, 0, 0};
+    struct kv_collect_opts o = {.out_path = output, .data = &copt, .resume = resumed_from >= 0,
+                                .checkpoint_every = every, .progress = progress,
+                                .progress_ctx = &bar};
     rc = kv_collect_run(m, c, s, &o, &err);
     cli_progress_end(&bar);
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
+    if (rc && interrupted) {
+        cli_report(&err);
+        kv_stats_free(s);
+        kv_calib_free(c);
+        kv_model_free(m);
+        return 128 + SIGINT; /* as a shell reports an interrupted command */
+    }
     if (rc) goto fail;
 
     int64_t run_windows = s->next_window - (resumed_from >= 0 ? resumed_from : 0);

@@ -366,6 +366,13 @@ static int read_inputs(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                          "dataset %llu: token or window count out of range", (unsigned long long)i);
             goto done;
         }
+        if (wn[i] > tk[i] / (uint64_t)s->seq_len) {
+            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
+                         "dataset %llu ('%s') counts %llu windows but its %llu tokens hold %llu",
+                         (unsigned long long)i, path, (unsigned long long)wn[i],
+                         (unsigned long long)tk[i], (unsigned long long)(tk[i] / (uint64_t)s->seq_len));
+            goto done;
+        }
         if (!kv_add_u64(wsum, wn[i], &wsum)) {
             rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
                          "the datasets' windows overflow a 64-bit count at dataset %llu",

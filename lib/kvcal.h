@@ -413,6 +413,7 @@ void kv_accum_sync(struct kv_accum *a);
 struct kv_collect_opts {
     const char *out_path;
     const struct kv_calib_opts *data; /* the options c was opened with */
+    int resume;                       /* s is a checkpoint read back (else fresh) */
     int64_t checkpoint_every;
     kv_progress_fn progress;  /* done/total count this run's windows */
     void *progress_ctx;

@@ -557,6 +557,7 @@ static void assert_resume_refused(const struct kv_model *m, const char *text, co
     struct kv_collect_opts co = {0};
     co.out_path = ckpt;
     co.data = o;
+    co.resume = 1;
     co.checkpoint_every = 8;
     struct kv_err err;
     kv_err_clear(&err);
@@ -639,6 +640,7 @@ Test(collect, resume_after_interrupt_is_byte_identical, .timeout = 300) {
     co = (struct kv_collect_opts){0};
     co.out_path = f2;
     co.data = &o;
+    co.resume = 1;
     co.checkpoint_every = 8;
     co.progress = on_progress;
     co.progress_ctx = &pl;

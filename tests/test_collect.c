@@ -290,3 +290,45 @@ Test(collect_cli, inspect_stats_prints_ranks_and_json) {
     unlink(out), rmdir(dir);
     free(out), free(dir);
 }
+
+/* Mistakes that would lose data are refused before any window runs. */
+Test(collect_cli, refuses_to_overwrite_inputs_checkpoints_or_merge_a_shard_twice) {
+    char base[4096];
+    base_args(base, sizeof base);
+    char *dir = kvt_temp_dir();
+    char *txt = kvt_path(dir, "in.txt"), *out = kvt_path(dir, "s.kvstats");
+    char *twice = kvt_path(dir, "twice.kvstats");
+    FILE *f = fopen(txt, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 400; i++) fputs("Once upon a time there was a cat. ", f);
+    fclose(f);
+    char args[8192], want[4096];
+    snprintf(args, sizeof args, "%s -t %s -o %s", base, txt, txt);
+    snprintf(want, sizeof want,
+             "kvcal: %s: is also the model or a --text input; refusing to overwrite it\n", txt);
+    expect_cli(args, 1, want);
+    /* an unfinished checkpoint: collect 4 of 8 windows by stopping early is
+     * awkward from the CLI, so mark a finished file unfinished through the API */
+    snprintf(args, sizeof args, "%s --samples 8 --sequential -o %s", base, out);
+    expect_cli(args, 0, "");
+    struct kv_stats *s;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_open(out, &s, &err), KV_OK, "%s", err.msg);
+    s->plan_windows = 16;
+    cr_assert_eq(kv_stats_write(s, out, &err), KV_OK, "%s", err.msg);
+    kv_stats_free(s);
+    snprintf(want, sizeof want,
+             "kvcal: %s: holds an unfinished checkpoint (8 of 16 windows); add --resume to "
+             "continue it, or remove the file to start over\n", out);
+    expect_cli(args, 1, want);
+    unlink(out);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "merge %s %s -o %s", out, out, twice);
+    snprintf(want, sizeof want,
+             "kvcal: %s: the same windows as the first shard (same inputs, plan and shard 0/1); "
+             "merging would count them twice\n", out);
+    expect_cli(args, 1, want);
+    unlink(txt), unlink(out), rmdir(dir);
+    free(txt), free(out), free(twice), free(dir);
+}

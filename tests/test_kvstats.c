@@ -789,13 +789,15 @@ static void m_short_sha(struct fx *f, struct want *w) {
     fx_hand(f, &h);
     w->off = fx_kv(f, "kvcal.datasets.sha256")->val_off;
 }
-/* Three windows counts, each at most INT64_MAX, whose uint64 sum wraps to
- * kvcal.sequences (7): the sum check must not be fooled. */
+/* Forty inputs, each holding as many windows as its tokens allow: every
+ * count is valid alone, and only their uint64 sum wraps. The reader must see
+ * the overflow rather than compare a wrapped sum. */
 static void m_windows_wrap(struct fx *f, struct want *w) {
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_stats_add_input(f->s, "data/c.txt", SHA_3, 1, 2, 9, &err), KV_OK);
-    f->s->inputs[0].windows = f->s->inputs[1].windows = INT64_MAX;
+    for (int i = 0; i < 40; i++)
+        cr_assert_eq(kv_stats_add_input(f->s, "data/big.txt", SHA_3, 1, INT64_MAX,
+                                        INT64_MAX / SEQ_LEN, &err), KV_OK);
     struct hspec h = hspec_default();
     fx_hand(f, &h);
     w->off = fx_kv(f, "kvcal.datasets.windows")->val_off;
@@ -1065,7 +1067,7 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
     for (int64_t i = 0; i < b->n_inputs; i++) free(b->inputs[i].path);
     b->n_inputs = 0;
     cr_assert_eq(kv_stats_add_input(b, "data/b.txt", SHA_2, 99999, 5000, 5, &err), KV_OK);
-    cr_assert_eq(kv_stats_add_input(b, "data/c.txt", SHA_3, 10, 20, 2, &err), KV_OK);
+    cr_assert_eq(kv_stats_add_input(b, "data/c.txt", SHA_3, 10, 200, 2, &err), KV_OK);
     cr_assert_eq(kv_stats_add_input(b, "data/a.txt", SHA_4, 77, 88, 1, &err), KV_OK);
     b->windows = 8;
     b->tokens = 8 * SEQ_LEN;
@@ -1102,7 +1104,7 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
         int64_t tokens, windows;
     } in[] = {{"data/a.txt", SHA_1, 1234, 600, 3},
               {"data/b.txt", SHA_2, 99999, 5000, 9},
-              {"data/c.txt", SHA_3, 10, 20, 2},
+              {"data/c.txt", SHA_3, 10, 200, 2},
               {"data/a.txt", SHA_4, 77, 88, 1}};
     cr_assert_eq(acc->n_inputs, 4);
     for (int i = 0; i < 4; i++) {

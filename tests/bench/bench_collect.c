@@ -144,7 +144,7 @@ int main(void) {
         if (tps > best_v) best_v = tps;
         struct kv_stats *s;
         if (kv_stats_init(kv_model_config(m), &s, &err)) return die(&err);
-        struct kv_collect_opts o = {NULL, &co, 0, NULL, NULL, 0, 0};
+        struct kv_collect_opts o = {.data = &co};
         if (kv_collect_run(m, cal, s, &o, &err)) return die(&err);
         tps = (double)(s->windows * seq) / o.seconds;
         if (tps > best_c) best_c = tps;
