@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "model.h"
+#include "naive_llama.h"
 #include "testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -54,25 +55,8 @@ static struct kv_model *open_stories(void) {
     return m;
 }
 
-static struct kv_config synth_cfg(enum kv_rope_layout layout) {
-    struct kv_config c = {0};
-    c.dim = 32;
-    c.hidden_dim = 48;
-    c.n_layers = 2;
-    c.n_heads = 4;
-    c.n_kv_heads = 2;
-    c.head_dim = 8;
-    c.vocab_size = 97;
-    c.max_seq_len = 64;
-    c.norm_eps = 1e-5f;
-    c.rope_theta = 10000.0f;
-    c.rope_layout = layout;
-    c.has_qkv_bias = 1;
-    c.tied_embeddings = 1;
-    c.bos_id = 1;
-    c.eos_id = 2;
-    return c;
-}
+/* The synthetic model: GQA with Q/K/V biases, tied head. */
+static struct kv_config synth_cfg(enum kv_rope_layout layout) { return tiny_cfg(layout, 1, 1); }
 
 static struct kv_stats *stats_for(const struct kv_model *m) {
     struct kv_stats *s = NULL;
