@@ -7,6 +7,7 @@
  * ends at the aligned end of the last tensor (as ggml writes it), so a reader
  * that loads the data section as one padded blob finds all of it. */
 #include "ggufw.h"
+#include "mapfile.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -514,13 +515,6 @@ static void put_file(struct out *o, const struct kv_ggufw *w) {
     flush(o);
 }
 
-/* strerror in our message style: lowercase first letter. */
-static const char *errtext(int e, char *buf, size_t cap) {
-    snprintf(buf, cap, "%s", strerror(e));
-    if (buf[0] >= 'A' && buf[0] <= 'Z') buf[0] = (char)(buf[0] - 'A' + 'a');
-    return buf;
-}
-
 /* Directory holding path, malloc'd ("." when path has no slash). */
 static char *dir_of(const char *path) {
     const char *slash = strrchr(path, '/');
@@ -543,13 +537,13 @@ static int sync_dir(const char *path, struct kv_err *err) {
     int rc = KV_OK;
     if (fd < 0) {
         rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
-                     errtext(errno, eb, sizeof eb));
+                     kv_errtext(errno, eb, sizeof eb));
     } else {
         int r;
         while ((r = fsync(fd)) != 0 && errno == EINTR) {}
         if (r != 0 && errno != EINVAL && errno != ENOTSUP)
             rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
-                         errtext(errno, eb, sizeof eb));
+                         kv_errtext(errno, eb, sizeof eb));
         close(fd);
     }
     free(dir);
@@ -574,7 +568,7 @@ int kv_ggufw_write(struct kv_ggufw *w, const char *path, struct kv_err *err) {
     o.fd = open(tmp, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
     if (o.fd < 0) {
         int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot create '%s': %s", tmp,
-                         errtext(errno, eb, sizeof eb));
+                         kv_errtext(errno, eb, sizeof eb));
         free(tmp);
         free(o.buf);
         return rc;
@@ -597,14 +591,14 @@ int kv_ggufw_write(struct kv_ggufw *w, const char *path, struct kv_err *err) {
     if (!o.e && rename(tmp, path) != 0) {
         int e = errno;
         int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot rename '%s' over it: %s", tmp,
-                         errtext(e, eb, sizeof eb));
+                         kv_errtext(e, eb, sizeof eb));
         unlink(tmp);
         free(tmp);
         return rc;
     }
     if (o.e) {
         int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "%s '%s': %s", o.op, tmp,
-                         errtext(o.e, eb, sizeof eb));
+                         kv_errtext(o.e, eb, sizeof eb));
         unlink(tmp);
         free(tmp);
         return rc;

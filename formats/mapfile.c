@@ -9,8 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* strerror text in our message style: lowercase first letter. */
-static const char *errtext(int e, char *buf, size_t cap) {
+const char *kv_errtext(int e, char *buf, size_t cap) {
     snprintf(buf, cap, "%s", strerror(e));
     if (buf[0] >= 'A' && buf[0] <= 'Z') buf[0] = (char)(buf[0] - 'A' + 'a');
     return buf;
@@ -22,12 +21,12 @@ int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err) {
     char eb[128];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", errtext(errno, eb, sizeof eb));
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", kv_errtext(errno, eb, sizeof eb));
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", errtext(e, eb, sizeof eb));
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", kv_errtext(e, eb, sizeof eb));
     }
     if (S_ISDIR(st.st_mode)) {
         close(fd);
@@ -38,7 +37,7 @@ int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err) {
         if (p == MAP_FAILED) {
             int e = errno;
             close(fd);
-            return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot map: %s", errtext(e, eb, sizeof eb));
+            return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot map: %s", kv_errtext(e, eb, sizeof eb));
         }
         m->data = p;
         m->len = (uint64_t)st.st_size;

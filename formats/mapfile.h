@@ -17,6 +17,9 @@ void kv_map_close(struct kv_map *m);
 int kv_map_open_heap(const char *path, struct kv_map **out, struct kv_err *err);
 void kv_map_free_cb(void *map);
 
+/* strerror(e) in kvcal's message style (lowercase first letter), in buf. */
+const char *kv_errtext(int e, char *buf, size_t cap);
+
 /* 1 if path is a directory, 0 if not, -1 if it does not exist. */
 int kv_path_kind(const char *path);
 
