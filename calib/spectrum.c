@@ -12,11 +12,13 @@ int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t
                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
     KV_ASSERT(layer >= 0 && layer < s->n_layers && s->dim == c->dim);
-    KV_ASSERT(head0 >= 0 && nh > 0 && head0 + nh <= c->n_kv_heads);
+    KV_ASSERT(which >= 0 && which <= 2);
+    KV_ASSERT(head0 >= 0 && nh > 0 && head0 + nh <= (which == 2 ? c->n_heads : c->n_kv_heads));
     int64_t d = c->dim, dh = c->head_dim, mm = nh * dh;
-    /* W rows head0*d_h .. : [mm, d] of the [g*d_h, d] projection (HF layout) */
-    const float *w = m->layers[layer].w[which ? KV_W_V : KV_W_K] + head0 * dh * d;
-    const float *bias = m->layers[layer].w[which ? KV_W_BV : KV_W_BK];
+    static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q}, bk[3] = {KV_W_BK, KV_W_BV, KV_W_BQ};
+    /* W rows head0*d_h .. : [mm, d] of the [heads*d_h, d] projection (HF layout) */
+    const float *w = m->layers[layer].w[wk[which]] + head0 * dh * d;
+    const float *bias = m->layers[layer].w[bk[which]];
     double *wd = malloc((size_t)(mm * d) * sizeof *wd), *t = malloc((size_t)(mm * d) * sizeof *t);
     if (!wd || !t) {
         free(wd), free(t);

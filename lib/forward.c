@@ -18,6 +18,23 @@
 
 #define QBLOCK 128 /* query rows per attention block */
 
+/* Where attention reads and writes, per query head i: scores use
+ * q[:, qoff[i] .. +kw[i]] · k[:, koff[i] .. +kw[i]]ᵀ, the output
+ * o[:, ooff[i] .. +vw[i]] = softmax · v[:, voff[i] .. +vw[i]]. The full path
+ * has kw = vw = d_h; the latent paths read latents (width = unit rank). */
+struct attn_desc {
+    int64_t ldq, ldk, ldv, ldo;
+    int64_t *qoff, *koff, *kw, *voff, *vw, *ooff; /* [n_heads] each */
+    int64_t qw_total, o_total;                    /* widths of the q and o rows */
+};
+
+struct lr_plan {
+    struct attn_desc desc;
+    int64_t zkw, zvw;     /* latent row widths (0 when that side is full) */
+    int64_t zk_at, zv_at; /* offsets of this layer's caches */
+    int64_t *kunit_off, *vunit_off; /* latent column of each unit */
+};
+
 struct kv_fwd {
     const struct kv_model *m;
     int64_t max_ctx;
@@ -28,6 +45,15 @@ struct kv_fwd {
     float *scores;          /* [threads][QBLOCK][max_ctx] */
     const float *last_logits; /* where the last run wrote its logits */
     int n_threads;
+    struct attn_desc *base_desc; /* full K/V attention (every layer alike) */
+    /* latent cache (kv_fwd_set_lowrank) */
+    const struct kv_lowrank *lr;
+    int kv_bits;
+    struct lr_plan *plan;   /* [n_layers] */
+    float *zk, *zv;         /* latent caches, layer l at plan[l].zk_at / zv_at */
+    float *kfull;           /* [max_ctx][g*d_h] reconstructed or fresh keys */
+    float *qrot;            /* [max_ctx][Σ_i r(i)] rotated queries */
+    float *attl;            /* [max_ctx][o_cols] latent attention outputs */
 };
 
 void kv_set_threads(int n) {
@@ -36,8 +62,36 @@ void kv_set_threads(int n) {
     openblas_set_num_threads(n);
 }
 
+static void desc_free(struct attn_desc *d) {
+    if (d) free(d->qoff);
+}
+
+static void plan_free(struct kv_fwd *f) {
+    if (f->plan && f->lr)
+        for (int64_t l = 0; l < f->lr->n_layers; l++) {
+            desc_free(&f->plan[l].desc);
+            free(f->plan[l].kunit_off), free(f->plan[l].vunit_off);
+        }
+    free(f->plan), free(f->zk), free(f->zv), free(f->kfull), free(f->qrot), free(f->attl);
+    f->plan = NULL, f->zk = f->zv = f->kfull = f->qrot = f->attl = NULL;
+    f->lr = NULL;
+}
+
+/* Allocate the six per-head arrays of d in one block. */
+static int desc_alloc(struct attn_desc *d, int64_t h) {
+    memset(d, 0, sizeof *d);
+    int64_t *a = calloc((size_t)(6 * h), sizeof *a);
+    if (!a) return -1;
+    d->qoff = a, d->koff = a + h, d->kw = a + 2 * h, d->voff = a + 3 * h, d->vw = a + 4 * h;
+    d->ooff = a + 5 * h;
+    return 0;
+}
+
 void kv_fwd_free(struct kv_fwd *f) {
     if (!f) return;
+    plan_free(f);
+    if (f->base_desc) desc_free(f->base_desc);
+    free(f->base_desc);
     free(f->x), free(f->xn), free(f->q), free(f->att), free(f->a), free(f->b);
     free(f->logits), free(f->kc), free(f->vc), free(f->rope_cos), free(f->rope_sin);
     free(f->scores);
@@ -76,6 +130,22 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
         kv_fwd_free(f);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
                        "out of memory for a forward state of %lld positions", (long long)max_ctx);
+    }
+    f->base_desc = malloc(sizeof *f->base_desc);
+    if (!f->base_desc || desc_alloc(f->base_desc, c->n_heads)) {
+        kv_fwd_free(f);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    {
+        struct attn_desc *bd = f->base_desc;
+        int64_t dh = c->head_dim, grp = c->n_heads / c->n_kv_heads;
+        bd->ldq = bd->ldo = qd, bd->ldk = bd->ldv = kd;
+        bd->qw_total = bd->o_total = qd;
+        for (int64_t i = 0; i < c->n_heads; i++) {
+            bd->qoff[i] = bd->ooff[i] = i * dh;
+            bd->koff[i] = bd->voff[i] = (i / grp) * dh;
+            bd->kw[i] = bd->vw[i] = dh;
+        }
     }
     /* Angles in double: theta^(-2i/d_h) * pos, rounded once to float. */
     for (int64_t p = 0; p < max_ctx; p++)
@@ -144,14 +214,15 @@ static void rope(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, int64_
     }
 }
 
-/* Causal GQA attention of n query rows (positions pos0..) over cache rows
- * [0, pos0+n) of one layer; writes att [n, h*d_h]. */
-static void attention(struct kv_fwd *f, const float *kc, const float *vc, int64_t n, int64_t pos0) {
+/* Causal attention of n query rows (positions pos0..) over cache rows
+ * [0, pos0+n): for every query head, scores from q and k, softmax, and the
+ * weighted sum of v, as laid out by desc (scale 1/sqrt(d_h) always). */
+static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *qb,
+                      const float *kb, const float *vb, float *ob, int64_t n, int64_t pos0) {
     const struct kv_config *c = &f->m->cfg;
-    int64_t dh = c->head_dim, h = c->n_heads, g = c->n_kv_heads;
-    int64_t qd = h * dh, kd = g * dh, group = h / g;
+    int64_t h = c->n_heads;
     int64_t nblk = (n + QBLOCK - 1) / QBLOCK;
-    float scale = (float)(1.0 / sqrt((double)dh));
+    float scale = (float)(1.0 / sqrt((double)c->head_dim));
     int64_t ld = f->max_ctx;
     /* scores has one slab per thread counted at init: never run more */
     int nt = omp_get_max_threads() < f->n_threads ? omp_get_max_threads() : f->n_threads;
@@ -161,10 +232,10 @@ static void attention(struct kv_fwd *f, const float *kc, const float *vc, int64_
             float *S = f->scores + (int64_t)omp_get_thread_num() * QBLOCK * ld;
             int64_t r0 = bi * QBLOCK, nb = n - r0 < QBLOCK ? n - r0 : QBLOCK;
             int64_t kvlen = pos0 + r0 + nb; /* keys visible to the last row of the block */
-            const float *Q = f->q + r0 * qd + hh * dh;
-            const float *K = kc + (hh / group) * dh, *V = vc + (hh / group) * dh;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)kvlen, (int)dh,
-                        scale, Q, (int)qd, K, (int)kd, 0.0f, S, (int)ld);
+            const float *Q = qb + r0 * D->ldq + D->qoff[hh];
+            const float *K = kb + D->koff[hh], *V = vb + D->voff[hh];
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)kvlen,
+                        (int)D->kw[hh], scale, Q, (int)D->ldq, K, (int)D->ldk, 0.0f, S, (int)ld);
             for (int64_t i = 0; i < nb; i++) {
                 float *s = S + i * ld;
                 int64_t vis = pos0 + r0 + i + 1;
@@ -179,9 +250,227 @@ static void attention(struct kv_fwd *f, const float *kc, const float *vc, int64_
                 for (int64_t j = 0; j < vis; j++) s[j] *= inv;
                 for (int64_t j = vis; j < kvlen; j++) s[j] = 0.0f;
             }
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)dh, (int)kvlen,
-                        1.0f, S, (int)ld, V, (int)kd, 0.0f, f->att + r0 * qd + hh * dh, (int)qd);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)D->vw[hh],
+                        (int)kvlen, 1.0f, S, (int)ld, V, (int)D->ldv, 0.0f,
+                        ob + r0 * D->ldo + D->ooff[hh], (int)D->ldo);
         }
+}
+
+/* Simulated per-token asymmetric quantization of latent columns
+ * [off, off+r) of n rows: codes in 0 .. 2^bits-1, an fp16 scale and an fp16
+ * zero point (the row minimum) per row, dequantized in place. */
+static void quantize_rows(float *z, int64_t n, int64_t ld, int64_t off, int64_t r, int bits) {
+    float qmax = (float)((1 << bits) - 1);
+    for (int64_t i = 0; i < n; i++) {
+        float *p = z + i * ld + off;
+        float lo = p[0], hi = p[0];
+        for (int64_t j = 1; j < r; j++) lo = p[j] < lo ? p[j] : lo, hi = p[j] > hi ? p[j] : hi;
+        float zero = kv_f16_to_f32(kv_f32_to_f16(lo));
+        float scale = kv_f16_to_f32(kv_f32_to_f16((hi - zero) / qmax));
+        for (int64_t j = 0; j < r; j++) {
+            float q = scale > 0 ? nearbyintf((p[j] - zero) / scale) : 0.0f;
+            q = q < 0 ? 0 : (q > qmax ? qmax : q);
+            p[j] = q * scale + zero;
+        }
+    }
+}
+
+static int lr_alloc_fail(struct kv_fwd *f, struct kv_err *err) {
+    plan_free(f);
+    return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for the latent cache");
+}
+
+/* The unit of side s holding KV head j. */
+static int64_t unit_of(const struct kv_lr_side *s, int64_t j) {
+    for (int64_t u = 0; u < s->n_units; u++)
+        if (j >= s->units[u].head0 && j < s->units[u].head0 + s->units[u].n_heads) return u;
+    return -1;
+}
+
+int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bits,
+                       struct kv_err *err) {
+    plan_free(f);
+    if (!lr) return KV_OK;
+    const struct kv_config *c = &f->m->cfg;
+    if (lr->n_layers != c->n_layers || lr->dim != c->dim || lr->n_heads != c->n_heads ||
+        lr->n_kv_heads != c->n_kv_heads || lr->head_dim != c->head_dim)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "compressed attention is shaped for another model");
+    if (kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of 16, 8, 4, 3, 2",
+                       kv_bits);
+    int64_t L = c->n_layers, h = c->n_heads, g = c->n_kv_heads, dh = c->head_dim;
+    int64_t grp = h / g, qd = h * dh, kd = g * dh;
+    f->lr = lr, f->kv_bits = kv_bits;
+    if (!(f->plan = calloc((size_t)L, sizeof *f->plan))) return lr_alloc_fail(f, err);
+    int64_t zk_tot = 0, zv_tot = 0, qrot_max = 0, ocols_max = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const struct kv_lr_layer *Y = &lr->layers[l];
+        struct lr_plan *P = &f->plan[l];
+        struct attn_desc *D = &P->desc;
+        if (desc_alloc(D, h)) return lr_alloc_fail(f, err);
+        P->kunit_off = calloc((size_t)(Y->k.n_units + 1), sizeof(int64_t));
+        P->vunit_off = calloc((size_t)(Y->v.n_units + 1), sizeof(int64_t));
+        if (!P->kunit_off || !P->vunit_off) return lr_alloc_fail(f, err);
+        for (int64_t u = 0; u < Y->k.n_units; u++) P->kunit_off[u + 1] = P->kunit_off[u] + Y->k.units[u].rank;
+        for (int64_t u = 0; u < Y->v.n_units; u++) P->vunit_off[u + 1] = P->vunit_off[u] + Y->v.units[u].rank;
+        P->zkw = Y->k.mode == KV_LR_FULL ? 0 : P->kunit_off[Y->k.n_units];
+        P->zvw = Y->v.mode == KV_LR_FULL ? 0 : P->vunit_off[Y->v.n_units];
+        P->zk_at = zk_tot, P->zv_at = zv_tot;
+        zk_tot += P->zkw * f->max_ctx, zv_tot += P->zvw * f->max_ctx;
+        if (Y->k.mode != KV_LR_FULL && Y->k.mode != KV_LR_PREROPE_LATENT &&
+            Y->k.mode != KV_LR_POSTROPE_ROTATION) {
+            plan_free(f);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "layer %lld: key mode %s is not supported for this architecture",
+                           (long long)l, kv_lr_mode_name(Y->k.mode));
+        }
+        if (Y->v.mode != KV_LR_FULL && Y->v.mode != KV_LR_FUSED_OUTPUT) {
+            plan_free(f);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "layer %lld: value mode %s is not supported", (long long)l,
+                           kv_lr_mode_name(Y->v.mode));
+        }
+        /* keys: full and prerope_latent score full post-RoPE q·k */
+        int rot = Y->k.mode == KV_LR_POSTROPE_ROTATION;
+        D->ldq = qd, D->ldk = kd, D->qw_total = qd;
+        int64_t qo = 0, oo = 0;
+        for (int64_t i = 0; i < h; i++) {
+            int64_t j = i / grp;
+            if (rot) {
+                int64_t u = unit_of(&Y->k, j);
+                if (u < 0 || Y->k.units[u].n_heads != 1 || !Y->k.units[u].rot) {
+                    plan_free(f);
+                    return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                   "layer %lld: kv head %lld has no key rotation unit", (long long)l,
+                                   (long long)j);
+                }
+                D->qoff[i] = qo, D->koff[i] = P->kunit_off[u], D->kw[i] = Y->k.units[u].rank;
+                qo += Y->k.units[u].rank;
+            } else {
+                if (Y->k.mode == KV_LR_PREROPE_LATENT && unit_of(&Y->k, j) < 0) {
+                    plan_free(f);
+                    return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                   "layer %lld: kv head %lld is in no key unit", (long long)l, (long long)j);
+                }
+                D->qoff[i] = i * dh, D->koff[i] = j * dh, D->kw[i] = dh;
+            }
+            if (Y->v.mode == KV_LR_FUSED_OUTPUT) {
+                int64_t u = unit_of(&Y->v, j);
+                if (u < 0 || !Y->o_fused) {
+                    plan_free(f);
+                    return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                   "layer %lld: kv head %lld is in no value unit", (long long)l,
+                                   (long long)j);
+                }
+                D->voff[i] = P->vunit_off[u], D->vw[i] = Y->v.units[u].rank, D->ooff[i] = oo;
+                oo += Y->v.units[u].rank;
+            } else {
+                D->voff[i] = j * dh, D->vw[i] = dh, D->ooff[i] = i * dh;
+                oo += dh;
+            }
+        }
+        if (rot) D->ldq = qo, D->qw_total = qo, D->ldk = P->zkw;
+        if (Y->v.mode == KV_LR_FUSED_OUTPUT) {
+            if (oo != Y->o_cols) {
+                plan_free(f);
+                return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "layer %lld: fused output has %lld columns, the units need %lld",
+                               (long long)l, (long long)Y->o_cols, (long long)oo);
+            }
+            D->ldv = P->zvw, D->ldo = oo;
+        } else {
+            D->ldv = kd, D->ldo = qd;
+        }
+        D->o_total = oo;
+        qrot_max = qo > qrot_max ? qo : qrot_max;
+        ocols_max = oo > ocols_max ? oo : ocols_max;
+    }
+    f->zk = falloc(zk_tot), f->zv = falloc(zv_tot);
+    f->kfull = falloc(f->max_ctx * kd);
+    f->qrot = falloc(f->max_ctx * (qrot_max > 0 ? qrot_max : 1));
+    f->attl = falloc(f->max_ctx * (ocols_max > 0 ? ocols_max : 1));
+    if (!f->zk || !f->zv || !f->kfull || !f->qrot || !f->attl) return lr_alloc_fail(f, err);
+    return KV_OK;
+}
+
+/* One layer's attention from the latent cache: x += attention output. */
+static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
+    const struct kv_config *c = &f->m->cfg;
+    const float *const *w = f->m->layers[l].w;
+    const struct kv_lr_layer *Y = &f->lr->layers[l];
+    const struct lr_plan *P = &f->plan[l];
+    int64_t d = c->dim, g = c->n_kv_heads, dh = c->head_dim, h = c->n_heads;
+    int64_t qd = h * dh, kd = g * dh, grp = h / g, T = pos0 + n;
+    float *kc = f->kc + l * f->max_ctx * kd, *vc = f->vc + l * f->max_ctx * kd;
+    float *zk = f->zk + P->zk_at, *zv = f->zv + P->zv_at;
+    const float *qb = f->q, *kb = kc, *vb = vc;
+    float *ob = f->att;
+
+    /* keys */
+    if (Y->k.mode == KV_LR_FULL) {
+        float *k = kc + pos0 * kd;
+        linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
+        add_bias(k, w[KV_W_BK], n, kd);
+        rope(f, k, n, g, pos0);
+    } else if (Y->k.mode == KV_LR_PREROPE_LATENT) {
+        for (int64_t u = 0; u < Y->k.n_units; u++) {
+            const struct kv_lr_unit *un = &Y->k.units[u];
+            float *z = zk + pos0 * P->zkw + P->kunit_off[u];
+            linear(z, P->zkw, f->xn, un->down, n, d, un->rank, 0.0f);
+            if (un->down_bias)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t j = 0; j < un->rank; j++) z[i * P->zkw + j] += un->down_bias[j];
+            if (f->kv_bits < 16) quantize_rows(z, n, P->zkw, 0, un->rank, f->kv_bits);
+            /* reconstruct every cached position, then RoPE: k = z upᵀ */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)(un->n_heads * dh),
+                        (int)un->rank, 1.0f, zk + P->kunit_off[u], (int)P->zkw, un->up,
+                        (int)un->rank, 0.0f, f->kfull + un->head0 * dh, (int)kd);
+        }
+        rope(f, f->kfull, T, g, 0);
+        kb = f->kfull;
+    } else { /* post-RoPE rotation: z = RoPE(k) rotᵀ, q' = q rotᵀ */
+        float *k = f->kfull;
+        linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
+        add_bias(k, w[KV_W_BK], n, kd);
+        rope(f, k, n, g, pos0);
+        for (int64_t u = 0; u < Y->k.n_units; u++) {
+            const struct kv_lr_unit *un = &Y->k.units[u];
+            float *z = zk + pos0 * P->zkw + P->kunit_off[u];
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)un->rank, (int)dh,
+                        1.0f, k + un->head0 * dh, (int)kd, un->rot, (int)dh, 0.0f, z, (int)P->zkw);
+            if (f->kv_bits < 16) quantize_rows(z, n, P->zkw, 0, un->rank, f->kv_bits);
+        }
+        for (int64_t i = 0; i < h; i++) {
+            const struct kv_lr_unit *un = &Y->k.units[unit_of(&Y->k, i / grp)];
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)un->rank, (int)dh,
+                        1.0f, f->q + i * dh, (int)qd, un->rot, (int)dh, 0.0f,
+                        f->qrot + P->desc.qoff[i], (int)P->desc.ldq);
+        }
+        qb = f->qrot, kb = zk;
+    }
+    /* values */
+    if (Y->v.mode == KV_LR_FULL) {
+        float *v = vc + pos0 * kd;
+        linear(v, kd, f->xn, w[KV_W_V], n, d, kd, 0.0f);
+        add_bias(v, w[KV_W_BV], n, kd);
+    } else {
+        for (int64_t u = 0; u < Y->v.n_units; u++) {
+            const struct kv_lr_unit *un = &Y->v.units[u];
+            float *z = zv + pos0 * P->zvw + P->vunit_off[u];
+            linear(z, P->zvw, f->xn, un->down, n, d, un->rank, 0.0f);
+            if (un->down_bias)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t j = 0; j < un->rank; j++) z[i * P->zvw + j] += un->down_bias[j];
+            if (f->kv_bits < 16) quantize_rows(z, n, P->zvw, 0, un->rank, f->kv_bits);
+        }
+        vb = zv, ob = f->attl;
+    }
+    attention(f, &P->desc, qb, kb, vb, ob, n, pos0);
+    if (Y->v.mode == KV_LR_FULL)
+        linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f);
+    else
+        linear(f->x, d, f->attl, Y->o_fused, n, Y->o_cols, d, 1.0f);
 }
 
 int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
@@ -209,6 +498,13 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         rmsnorm(f->xn, f->x, w[KV_W_ATTN_NORM], n, d, c->norm_eps);
         int rc;
         if (hk->attn_in && (rc = hk->attn_in(hk->ctx, l, f->xn, n, pos0))) return rc;
+        if (f->lr) {
+            linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
+            add_bias(f->q, w[KV_W_BQ], n, qd);
+            rope(f, f->q, n, c->n_heads, pos0);
+            lr_attention(f, l, n, pos0);
+            goto ffn;
+        }
         linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
         linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
         linear(v, kd, f->xn, w[KV_W_V], n, d, kd, 0.0f);
@@ -223,8 +519,9 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
             f->last_logits = NULL;
             return KV_OK;
         }
-        attention(f, kc, vc, n, pos0);
+        attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0);
         linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f); /* residual: x += att Woᵀ */
+    ffn:
         rmsnorm(f->xn, f->x, w[KV_W_FFN_NORM], n, d, c->norm_eps);
         linear(f->a, hid, f->xn, w[KV_W_GATE], n, d, hid, 0.0f);
         linear(f->b, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);

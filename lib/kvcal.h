@@ -424,7 +424,8 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
                    struct kv_collect_opts *opts, struct kv_err *err);
 
 /* Output covariance Σ yᵀy of KV heads head0 .. head0+nh-1 of the layer's K
- * (which = 0) or V (which = 1) projection, derived from the input sums:
+ * (which = 0) or V (which = 1) projection, or of query heads (which = 2,
+ * pre-RoPE), derived from the input sums:
  * y = x Wᵀ + b gives W C_x Wᵀ + W Σx bᵀ + b Σxᵀ Wᵀ + N b bᵀ. out is
  * [nh*d_h, nh*d_h] row-major. Pre-RoPE for K. s must match m's shapes. */
 int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
@@ -454,6 +455,190 @@ int kv_sym_eigvals(const double *a, int64_t n, double *w, const char *what, stru
 /* Smallest r with λ_1 + .. + λ_r >= energy · Σλ (λ descending, negatives
  * counted as 0); 0 when Σλ is 0. */
 int64_t kv_energy_rank(const double *lambda, int64_t n, double energy);
+
+
+/* ---------------------------------------------------------------- low-rank numerics */
+
+/* Full symmetric eigendecomposition of the n×n float64 matrix a (row-major,
+ * both triangles; only the upper one is read), by LAPACKE dsyevd on a copy.
+ * w[n] receives the eigenvalues in descending order and vec[n*n] (row-major)
+ * the matching orthonormal eigenvectors as columns: column j of vec belongs
+ * to w[j]. Each column's sign is fixed so that its largest-magnitude entry
+ * is positive (deterministic output). NaN/Inf input and non-convergence are
+ * KV_ENUMERIC naming `what` (e.g. "layer 3 k unit 1"). */
+int kv_lr_eigh(const double *a, int64_t n, double *w, double *vec, const char *what,
+               struct kv_err *err);
+
+/* Thin SVD of the m×n float64 matrix a (row-major) by LAPACKE dgesdd on a
+ * copy: a = U diag(s) Vᵀ with k = min(m, n); u is [m, k], s [k] descending,
+ * vt [k, n], all row-major. Errors as kv_lr_eigh. */
+int kv_lr_svd(const double *a, int64_t m, int64_t n, double *u, double *s, double *vt,
+              const char *what, struct kv_err *err);
+
+/* The Cholesky-whitened truncation-aware SVD of SVD-LLM / Palu appendix K,
+ * kept as an independent cross-check of the eigen route (DESIGN §3.1).
+ * W is d×m (math layout, row-major), cx the d×d input second moment XᵀX,
+ * lambda a ridge added to its diagonal. With S = chol(cx + lambda I) lower
+ * triangular, Sᵀ W = U Σ Vᵀ, it returns W' = S⁻ᵀ U_r Σ_r V_rᵀ (d×m, row-major)
+ * by a triangular solve (no inverse is formed). A non-positive-definite cx
+ * is KV_ENUMERIC naming `what`. */
+int kv_lr_whitened_chol(const double *w, int64_t d, int64_t m, const double *cx, double lambda,
+                        int64_t r, double *w_out, const char *what, struct kv_err *err);
+
+/* Orthonormal n×n Walsh-Hadamard-type matrix (row-major): block diagonal
+ * with Sylvester blocks of size b, the largest power of two dividing n (b
+ * may be 1, then it is the identity), each scaled by 1/√b. Returns b. */
+int64_t kv_lr_hadamard(int64_t n, double *h);
+
+/* ---------------------------------------------------------------- low-rank K/V */
+
+/* How one layer's keys or values are cached (DESIGN §4, manifest "mode"). */
+enum kv_lr_mode {
+    KV_LR_FULL = 0,          /* not compressed: the original projection */
+    KV_LR_PREROPE_LATENT,    /* z = x downᵀ + c; k = RoPE(z upᵀ) per head */
+    KV_LR_FUSED_QUERY,       /* non-RoPE keys folded into the query (not produced yet) */
+    KV_LR_FUSED_OUTPUT,      /* values: z = x downᵀ + c; out = (P z) o_fusedᵀ */
+    KV_LR_POSTROPE_ROTATION, /* z = RoPE(x W_kᵀ + b) rotᵀ per KV head; q' = q rotᵀ */
+};
+const char *kv_lr_mode_name(enum kv_lr_mode m);
+
+/* One unit: KV heads head0 .. head0+n_heads-1 of one layer's K or V, with
+ * one rank. Weight-layout factors ([out, in], as HF stores a linear):
+ *   down [rank, d], down_bias [rank] or NULL:  z = x downᵀ + down_bias
+ *   up   [n_heads*d_h, rank]:                  y = z upᵀ
+ *   rot  [rank, d_h] (postrope_rotation only): z_j = k_j rotᵀ for the one
+ *        KV head j of the unit, and q'_i = q_i rotᵀ for its query heads.
+ * energy and dropped are calibration sums (Σ over tokens of squared norms in
+ * the unit's metric); dropped/energy is the predicted relative error. */
+struct kv_lr_unit {
+    int64_t head0, n_heads;
+    int64_t rank;
+    double energy, dropped;
+    float *down, *down_bias, *up, *rot;
+};
+
+struct kv_lr_side {
+    enum kv_lr_mode mode;
+    int64_t n_units;         /* 0 for KV_LR_FULL */
+    struct kv_lr_unit *units;
+};
+
+struct kv_lr_layer {
+    struct kv_lr_side k, v;
+    /* fused_output values: the output projection with each query head's
+     * d_h input columns replaced by its unit's latent columns, [d, o_cols]
+     * weight layout with o_cols = Σ over query heads i of rank(unit of i),
+     * query heads in order. NULL otherwise. */
+    float *o_fused;
+    int64_t o_cols;
+};
+
+/* A compressed model's attention: what kvcal decompose builds, what the
+ * output directory stores and what the latent-cache forward pass runs. */
+struct kv_lowrank {
+    char method[16];             /* "palu", "eigen", ... */
+    char alloc[16];              /* "uniform", "eps", ... */
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
+    char model_fingerprint[65];  /* of the base model */
+    int kv_bits;                 /* latent storage: 16 (fp16) or 8/4/3/2 (quantized) */
+    int hadamard;                /* a Walsh-Hadamard matrix is fused into the factors */
+    struct kv_lr_layer *layers;  /* [n_layers] */
+};
+
+void kv_lowrank_free(struct kv_lowrank *lr);
+
+/* KV cache bytes per token (all layers, K and V). The base stores fp16 K and
+ * V; a compressed unit stores rank fp16 numbers, or at kv_bits < 16
+ * ceil(rank*kv_bits/8) bytes plus an fp16 scale and an fp16 zero point per
+ * unit and token; a full unit stores n_heads*d_h fp16 numbers. */
+int64_t kv_lowrank_base_bytes(const struct kv_config *cfg);
+int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits);
+int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
+
+/* ---------------------------------------------------------------- decompose */
+
+enum kv_method {
+    KV_METHOD_SVD = 0, /* plain SVD of W (C_x = I), the baseline */
+    KV_METHOD_PALU,    /* whitened (output-covariance) factors, units of --group-size KV heads */
+    KV_METHOD_EIGEN,   /* Eigen Attention: shared pre-RoPE key basis from C_q + C_k, per-head V */
+    KV_METHOD_LORC,    /* LoRC: joint plain SVD per layer, progressive ranks */
+    KV_METHOD_FDC,     /* post-RoPE key rotation, values as palu */
+    KV_METHOD_ZACK,    /* post-RoPE key rotation, V–W_O paired rotation */
+    KV_METHOD_COUNT
+};
+enum kv_alloc {
+    KV_ALLOC_DEFAULT = 0, /* the method's own: svd/palu uniform, eigen eps, lorc progressive,
+                             fdc/zack removal */
+    KV_ALLOC_EPS,         /* per unit, keep the fraction eps of the energy (Eigen eq. 5) */
+    KV_ALLOC_UNIFORM,     /* the same fraction of every unit's width */
+    KV_ALLOC_FISHER,      /* ranks proportional to Fisher information (Palu §3.3) */
+    KV_ALLOC_PROGRESSIVE, /* LoRC eqs. 12–13 */
+    KV_ALLOC_REMOVAL,     /* one singular-value removal rate (ZACK eq. 6 / FDC eq. 1) */
+    KV_ALLOC_LAYER_BUDGET,/* Eigen §4.4: per-layer eps lowered by 0.02 under a measured error */
+    KV_ALLOC_GLOBAL,      /* greedy: least relative error per byte saved */
+    KV_ALLOC_COUNT
+};
+const char *kv_method_name(enum kv_method m);
+const char *kv_alloc_name(enum kv_alloc a);
+/* Parse a name; returns -1 when unknown. */
+int kv_method_parse(const char *s);
+int kv_alloc_parse(const char *s);
+
+struct kv_decompose_opts {
+    enum kv_method method;
+    enum kv_alloc alloc;
+    double eps;            /* (0, 1]; 0 = not given */
+    double ratio;          /* (0, 1] fraction of base KV bytes kept; 0 = not given */
+    int64_t group_size;    /* KV heads per unit for svd/palu/fdc values (default 1) */
+    int64_t rank_multiple; /* ranks rounded up to a multiple (default 1) */
+    int64_t min_rank;      /* floor per unit (default 1) */
+    double d_min, d_max;   /* lorc: rank fractions of eq. 13 (d_max default 1; d_min
+                              searched for --ratio when 0) */
+    double cond_skip;      /* lorc: keep layers whose log10 cumulative condition number
+                              exceeds this (0 = never skip) */
+    double error_budget;   /* layer-budget: e_b, normalised layer output error */
+    const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats) */
+    int kv_bits;           /* latent storage bits: 16, 8, 4, 3 or 2 (byte accounting) */
+    int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
+    /* layer-budget measures real layer outputs on these windows */
+    const int32_t *calib_tokens;
+    int64_t calib_windows, seq_len;
+    kv_progress_fn progress;
+    void *progress_ctx;
+    /* out */
+    double seconds;        /* wall time */
+    double lapack_seconds; /* of which eigendecompositions */
+    double param;          /* the searched parameter (eps, fraction, removal rate, ...) */
+};
+
+/* Build low-rank K/V factors for m from its statistics s (which may be NULL
+ * for svd and lorc: then errors are measured in the weight metric). The
+ * result records per unit the calibration energy and the dropped energy
+ * (the predicted ‖Y − Y'‖²_F). Errors: KV_EINVAL for impossible options
+ * (naming the option), KV_ENUMERIC naming the layer and unit. */
+int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
+                 struct kv_decompose_opts *o, struct kv_lowrank **out, struct kv_err *err);
+
+/* Latent-cache forward: after this call every run of f computes attention
+ * from cached latents as lr describes (NULL restores the full path). At
+ * kv_bits < 16 each unit's latent row is quantized per token (asymmetric,
+ * fp16 scale and zero point) as it enters the cache. lr must match f's
+ * model and outlive f. */
+int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bits,
+                       struct kv_err *err);
+
+/* Base against compressed on the windows protocol: both forward passes on
+ * the same windows; KL(base‖compressed) in nats per scored token and top-1
+ * agreement. */
+struct kv_compare_result {
+    struct kv_ppl_result base, comp;
+    double kl;        /* mean KL(p_base ‖ p_comp) per scored token */
+    double top1;      /* fraction of scored positions whose argmax agrees */
+};
+int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                   const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_compare_result *out, struct kv_err *err);
 
 #ifdef __cplusplus
 }
