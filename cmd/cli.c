@@ -167,22 +167,23 @@ int cli_progress_cb(void *ctx, int64_t done, int64_t total, int64_t tokens_done)
     if (p->quiet || total <= 0) return 0;
     double el = cli_now() - p->t0, rate = el > 0 ? (double)tokens_done / el : 0;
     double eta = done > 0 ? el * (double)(total - done) / (double)done : 0;
-    char e[32];
+    char e[32], r[48] = "";
     fmt_eta(eta, e, sizeof e);
+    if (tokens_done > 0) snprintf(r, sizeof r, "  %.0f tok/s", rate); /* none for layer counts */
     if (p->tty) {
         int w = 30, fill = (int)(w * done / total);
         char bar[64];
         for (int i = 0; i < w; i++) bar[i] = i < fill ? '#' : '.';
         bar[w] = 0;
-        fprintf(stderr, "\r[%s] %lld/%lld %s  %.0f tok/s  eta %s ", bar, (long long)done,
-                (long long)total, p->what, rate, e);
+        fprintf(stderr, "\r[%s] %lld/%lld %s%s  eta %s ", bar, (long long)done,
+                (long long)total, p->what, r, e);
         fflush(stderr);
     } else {
         int dec = (int)(10 * done / total);
         if (dec > p->last_decile) {
             p->last_decile = dec;
-            fprintf(stderr, "progress: %lld/%lld %s, %.0f tok/s, eta %s\n", (long long)done,
-                    (long long)total, p->what, rate, e);
+            fprintf(stderr, "progress: %lld/%lld %s%s%s, eta %s\n", (long long)done,
+                    (long long)total, p->what, r[0] ? "," : "", r + (r[0] ? 1 : 0), e);
         }
     }
     return 0;

@@ -7,5 +7,7 @@ int cmd_generate(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_collect(int argc, char **argv);
 int cmd_merge(int argc, char **argv);
+int cmd_decompose(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 
 #endif

@@ -14,7 +14,9 @@ static const struct {
     {"generate", cmd_generate, "greedy decoding from a prompt, for eyeballing a model"},
     {"collect", cmd_collect, "float64 calibration statistics of a model into a .kvstats file"},
     {"merge", cmd_merge, "add .kvstats shards of the same model into one file"},
-    {"inspect", cmd_inspect, "a model's config and tensors, or a .kvstats file's spectra"},
+    {"decompose", cmd_decompose, "low-rank K/V factors under a budget, written as a latent-cache model"},
+    {"export", cmd_export, "a compressed model back as an ordinary dense model (a quality proxy)"},
+    {"inspect", cmd_inspect, "a model, a .kvstats file's spectra, or a compressed model's ranks"},
 };
 #define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
 

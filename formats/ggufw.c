@@ -10,7 +10,6 @@
 #include "mapfile.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -515,94 +514,21 @@ static void put_file(struct out *o, const struct kv_ggufw *w) {
     flush(o);
 }
 
-/* Directory holding path, malloc'd ("." when path has no slash). */
-static char *dir_of(const char *path) {
-    const char *slash = strrchr(path, '/');
-    if (!slash) return strdup(".");
-    size_t n = slash == path ? 1 : (size_t)(slash - path);
-    char *d = malloc(n + 1);
-    if (!d) return NULL;
-    memcpy(d, path, n);
-    d[n] = 0;
-    return d;
-}
-
-/* fsync the directory so the rename itself is durable. File systems that
- * cannot sync a directory say EINVAL; there is nothing more to do there. */
-static int sync_dir(const char *path, struct kv_err *err) {
+/* kv_write_atomic's fill: the whole file through a staging buffer. */
+static int fill_file(int fd, const char *path, const char *tmp, void *ctx, struct kv_err *err) {
     char eb[128];
-    char *dir = dir_of(path);
-    if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    int rc = KV_OK;
-    if (fd < 0) {
-        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
-                     kv_errtext(errno, eb, sizeof eb));
-    } else {
-        int r;
-        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
-        if (r != 0 && errno != EINVAL && errno != ENOTSUP)
-            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
-                         kv_errtext(errno, eb, sizeof eb));
-        close(fd);
-    }
-    free(dir);
-    return rc;
+    struct out o = {.fd = fd, .cap = GGUFW_STAGE};
+    if (!(o.buf = malloc(o.cap)))
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    put_file(&o, ctx);
+    free(o.buf);
+    if (o.e)
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "%s '%s': %s", o.op, tmp,
+                       kv_errtext(o.e, eb, sizeof eb));
+    return KV_OK;
 }
 
 int kv_ggufw_write(struct kv_ggufw *w, const char *path, struct kv_err *err) {
     KV_ASSERT(w && path);
-    char eb[128];
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 5);
-    struct out o = {.fd = -1, .cap = GGUFW_STAGE};
-    o.buf = malloc(o.cap);
-    if (!tmp || !o.buf) {
-        free(tmp);
-        free(o.buf);
-        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    }
-    memcpy(tmp, path, plen);
-    memcpy(tmp + plen, ".tmp", 5);
-
-    o.fd = open(tmp, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
-    if (o.fd < 0) {
-        int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot create '%s': %s", tmp,
-                         kv_errtext(errno, eb, sizeof eb));
-        free(tmp);
-        free(o.buf);
-        return rc;
-    }
-    put_file(&o, w);
-    free(o.buf);
-    if (!o.e) {
-        int r;
-        while ((r = fsync(o.fd)) != 0 && errno == EINTR) {}
-        if (r != 0) {
-            o.e = errno;
-            o.op = "cannot sync";
-        }
-    }
-    /* close is not retried on EINTR: on Linux the descriptor is gone anyway */
-    if (close(o.fd) != 0 && !o.e) {
-        o.e = errno;
-        o.op = "cannot close";
-    }
-    if (!o.e && rename(tmp, path) != 0) {
-        int e = errno;
-        int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot rename '%s' over it: %s", tmp,
-                         kv_errtext(e, eb, sizeof eb));
-        unlink(tmp);
-        free(tmp);
-        return rc;
-    }
-    if (o.e) {
-        int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "%s '%s': %s", o.op, tmp,
-                         kv_errtext(o.e, eb, sizeof eb));
-        unlink(tmp);
-        free(tmp);
-        return rc;
-    }
-    free(tmp);
-    return sync_dir(path, err);
+    return kv_write_atomic(path, fill_file, w, err);
 }

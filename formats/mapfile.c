@@ -86,3 +86,87 @@ char *kv_path_join(const char *dir, const char *name) {
     memcpy(s + n, name, b + 1);
     return s;
 }
+
+/* Directory holding path, malloc'd ("." when path has no slash). */
+static char *dir_of(const char *path) {
+    const char *slash = strrchr(path, '/');
+    if (!slash) return strdup(".");
+    size_t n = slash == path ? 1 : (size_t)(slash - path);
+    char *d = malloc(n + 1);
+    if (!d) return NULL;
+    memcpy(d, path, n);
+    d[n] = 0;
+    return d;
+}
+
+/* fsync the directory so the rename itself is durable. File systems that
+ * cannot sync a directory say EINVAL; there is nothing more to do there. */
+static int sync_dir(const char *path, struct kv_err *err) {
+    char eb[128];
+    char *dir = dir_of(path);
+    if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int rc = KV_OK;
+    if (fd < 0) {
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
+                     kv_errtext(errno, eb, sizeof eb));
+    } else {
+        int r;
+        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
+        if (r != 0 && errno != EINVAL && errno != ENOTSUP)
+            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
+                         kv_errtext(errno, eb, sizeof eb));
+        close(fd);
+    }
+    free(dir);
+    return rc;
+}
+
+int kv_write_atomic(const char *path,
+                    int (*fill)(int fd, const char *path, const char *tmp, void *ctx,
+                                struct kv_err *err),
+                    void *ctx, struct kv_err *err) {
+    char eb[128];
+    size_t plen = strlen(path);
+    char *tmp = malloc(plen + 5);
+    if (!tmp) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    memcpy(tmp, path, plen);
+    memcpy(tmp + plen, ".tmp", 5);
+
+    int fd = open(tmp, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot create '%s': %s", tmp,
+                         kv_errtext(errno, eb, sizeof eb));
+        free(tmp);
+        return rc;
+    }
+    int rc = fill(fd, path, tmp, ctx, err);
+    int e = 0;
+    const char *op = NULL;
+    if (rc == KV_OK) {
+        int r;
+        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
+        if (r != 0) {
+            e = errno;
+            op = "cannot sync";
+        }
+    }
+    /* close is not retried on EINTR: on Linux the descriptor is gone anyway */
+    if (close(fd) != 0 && rc == KV_OK && !e) {
+        e = errno;
+        op = "cannot close";
+    }
+    if (rc == KV_OK && e)
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "%s '%s': %s", op, tmp,
+                     kv_errtext(e, eb, sizeof eb));
+    if (rc == KV_OK && rename(tmp, path) != 0)
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot rename '%s' over it: %s", tmp,
+                     kv_errtext(errno, eb, sizeof eb));
+    if (rc != KV_OK) {
+        unlink(tmp);
+        free(tmp);
+        return rc;
+    }
+    free(tmp);
+    return sync_dir(path, err);
+}

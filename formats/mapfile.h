@@ -26,4 +26,17 @@ int kv_path_kind(const char *path);
 /* Join dir and name into a malloc'd string. */
 char *kv_path_join(const char *dir, const char *name);
 
+/* Write path atomically, so that it always holds either its old content or
+ * all of the new: create path.tmp (mode 0644, truncating a stale one), let
+ * fill write the whole content to fd, fsync and close it, rename it over
+ * path, then fsync the directory. fill gets path and the temporary's name for
+ * its messages and returns KV_OK or a status with err filled (a failed write
+ * is KV_EIO naming path: "cannot write 'path.tmp': ..."); it must not close
+ * fd. On any failure path.tmp is removed and path is left as it was.
+ * Errors: KV_EIO naming path, KV_ENOMEM, and whatever fill returns. */
+int kv_write_atomic(const char *path,
+                    int (*fill)(int fd, const char *path, const char *tmp, void *ctx,
+                                struct kv_err *err),
+                    void *ctx, struct kv_err *err);
+
 #endif

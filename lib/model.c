@@ -381,3 +381,69 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
     *out = m;
     return KV_OK;
 }
+
+/* ---------------------------------------------------------------- f32 to f16 / bf16 */
+
+uint16_t kv_f32_to_f16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    uint16_t sign = (uint16_t)(bits >> 16 & 0x8000);
+    uint32_t a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) { /* NaN: keep the top payload bits, never all zero */
+        uint16_t man = (uint16_t)(a >> 13 & 0x3ff);
+        return (uint16_t)(sign | 0x7c00 | (man ? man : 0x200));
+    }
+    /* 65520 = 65504 + half an ulp; the tie goes to the even neighbour, 2^16 */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);
+    if (a >= 0x38800000u) { /* normal: 2^-14 and up */
+        uint32_t r = a - ((uint32_t)(127 - 15) << 23); /* rebias the exponent */
+        /* round the 13 dropped bits to nearest even; a carry moves into the
+         * exponent, which is the correctly rounded result */
+        r += 0xfffu + (r >> 13 & 1);
+        return (uint16_t)(sign | r >> 13);
+    }
+    /* subnormal or zero: the result counts units of 2^-24. |x| = m 2^(e-150)
+     * with the implicit bit in m, so |x| / 2^-24 = m >> (126 - e). */
+    uint32_t e = a >> 23;
+    if (e < 102) return sign; /* below 2^-25 (e = 102 is [2^-25, 2^-24)) */
+    uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    uint32_t s = 126 - e;      /* 14..24 */
+    uint32_t q = m >> s, rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+    if (rem > half || (rem == half && (q & 1))) q++; /* q may reach 0x400, the smallest normal */
+    return (uint16_t)(sign | q);
+}
+
+uint16_t kv_f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN: truncate, keeping it a NaN */
+        uint16_t h = (uint16_t)(bits >> 16);
+        return (h & 0x7f) ? h : (uint16_t)(h | 0x40);
+    }
+    /* round the low 16 bits to nearest even; past the largest finite value
+     * the carry reaches the all-ones exponent, which is inf */
+    bits += 0x7fffu + (bits >> 16 & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+void kv_convert_from_f32(enum kv_dtype dst, const float *in, void *out, int64_t n) {
+    uint8_t *p = out;
+    switch (dst) {
+    case KV_DTYPE_F32: memcpy(out, in, (size_t)n * 4); break; /* little-endian host */
+    case KV_DTYPE_F16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = kv_f32_to_f16(in[i]);
+            p[2 * i] = (uint8_t)(h & 0xff);
+            p[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        break;
+    case KV_DTYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = kv_f32_to_bf16(in[i]);
+            p[2 * i] = (uint8_t)(h & 0xff);
+            p[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        break;
+    default: KV_ASSERT(0 && "unsupported conversion");
+    }
+}

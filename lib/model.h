@@ -88,4 +88,16 @@ void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n)
 float kv_f16_to_f32(uint16_t h);
 float kv_bf16_to_f32(uint16_t h);
 
+/* f32 to IEEE binary16: round to nearest, ties to even; magnitudes from
+ * 65520 up (and inf) become ±inf; results below 2^-14 are subnormal or ±0.
+ * A NaN stays a NaN with the sign and the top 10 payload bits (set to the
+ * quiet bit when they would all be zero). */
+uint16_t kv_f32_to_f16(float x);
+/* f32 to bfloat16 (the top half of an f32): round to nearest, ties to even,
+ * overflowing to ±inf. A NaN stays a NaN as f16 above (7 payload bits). */
+uint16_t kv_f32_to_bf16(float x);
+/* Convert n f32 values to dtype dst (F32, F16 or BF16), little-endian bytes
+ * in out (n * kv_dtype_size(dst) bytes). */
+void kv_convert_from_f32(enum kv_dtype dst, const float *in, void *out, int64_t n);
+
 #endif
