@@ -47,7 +47,8 @@ static const char *mode_short(enum kv_lr_mode m) {
 
 int cmd_decompose(int argc, char **argv) {
     const char *model = NULL, *tokenizer = NULL, *stats = NULL, *out = NULL;
-    const char *method_s = "palu", *alloc_s = NULL;
+    const char *method_s = "palu", *alloc_s = NULL, *text = NULL;
+    int64_t seq_len = 256, calib_windows = 8;
     double eps = 0, ratio = 0, d_min = 0, d_max = 0, cond_skip = 0, budget = 0;
     int64_t group = 1, mult = 1, min_rank = 1, kv_bits = 16, threads = 0;
     int hadamard = 0, json = 0, quiet = 0;
@@ -60,7 +61,8 @@ int cmd_decompose(int argc, char **argv) {
         {"output", 'o', OPT_STR, &out, "DIR", "output directory (created; an earlier output is replaced)"},
         {"method", 0, OPT_STR, &method_s, "M", "svd, palu (default), eigen, lorc, fdc or zack"},
         {"alloc", 0, OPT_STR, &alloc_s, "A",
-         "rank allocation: eps, uniform, fisher, progressive, removal, global\n"
+         "rank allocation: eps, uniform, fisher, progressive, removal, layer-budget,\n"
+         "global\n"
          "(default: the method's own; see below)"},
         {"eps", 0, OPT_DOUBLE, &eps, "E", "keep the fraction E in (0, 1] of each unit's energy"},
         {"ratio", 0, OPT_DOUBLE, &ratio, "R", "keep the fraction R in (0, 1] of the KV bytes per token"},
@@ -73,7 +75,12 @@ int cmd_decompose(int argc, char **argv) {
         {"d-max", 0, OPT_DOUBLE, &d_max, "F", "lorc: largest layer rank as a fraction (default 1)"},
         {"cond-skip", 0, OPT_DOUBLE, &cond_skip, "X",
          "lorc: leave layers whose log10 cumulative condition number exceeds X uncompressed"},
-        {"error-budget", 0, OPT_DOUBLE, &budget, "E", "layer-budget: normalised layer output error"},
+        {"error-budget", 0, OPT_DOUBLE, &budget, "E",
+         "layer-budget: largest normalised layer output error ‖y'−y‖/‖y‖ per layer"},
+        {"text", 't', OPT_STR, &text, "FILE",
+         "layer-budget: calibration text whose windows measure the layer outputs"},
+        {"seq-len", 0, OPT_INT, &seq_len, "N", "layer-budget: window length (default 256)"},
+        {"windows", 0, OPT_INT, &calib_windows, "W", "layer-budget: windows measured (default 8)"},
         {"kv-bits", 0, OPT_INT, &kv_bits, "B",
          "latent storage for the byte budget: 16 (fp16, default), 8, 4, 3 or 2 (per-token\n"
          "asymmetric integers with an fp16 scale and zero point per unit)"},
@@ -103,6 +110,8 @@ int cmd_decompose(int argc, char **argv) {
         "  fisher       ranks in proportion to Fisher information (needs fisher statistics)\n"
         "  progressive  LoRC eqs. 12-13, --d-min/--d-max, --cond-skip [lorc]\n"
         "  removal      one singular-value removal rate for all units [fdc, zack]\n"
+        "  layer-budget Eigen Attention §4.4: per layer, eps drops by 0.02 while the layer's\n"
+        "               measured output error stays under --error-budget (needs --text)\n"
         "  global       greedy: drop the direction with the least relative error per byte\n"
         "With --ratio the allocation's parameter is searched until the KV bytes per token\n"
         "reach R of the base; the achieved ratio is printed and recorded. --eps 1 (or\n"
@@ -128,13 +137,19 @@ int cmd_decompose(int argc, char **argv) {
     if (alloc_s && (alloc = kv_alloc_parse(alloc_s)) < 0)
         return cli_usage_error(&cmd, "unknown --alloc '%s' (eps, uniform, fisher, progressive, "
                                      "removal, global)", alloc_s);
-    if (alloc == KV_ALLOC_LAYER_BUDGET)
-        return cli_usage_error(&cmd, "--alloc layer-budget is not available yet");
+    if (alloc == KV_ALLOC_LAYER_BUDGET && !text)
+        return cli_usage_error(&cmd, "--alloc layer-budget needs --text (calibration windows)");
+    if (budget < 0) return cli_usage_error(&cmd, "--error-budget must be positive");
+    if (budget > 0 && alloc != KV_ALLOC_LAYER_BUDGET)
+        return cli_usage_error(&cmd, "--error-budget applies to --alloc layer-budget");
+    if (seq_len < 2 || calib_windows < 1)
+        return cli_usage_error(&cmd, "--seq-len must be at least 2 and --windows at least 1");
     if (eps && ratio) return cli_usage_error(&cmd, "give --eps or --ratio, not both");
     if (eps && !(eps > 0 && eps <= 1)) return cli_usage_error(&cmd, "--eps %g is outside (0, 1]", eps);
     if (ratio && !(ratio > 0 && ratio <= 1))
         return cli_usage_error(&cmd, "--ratio %g is outside (0, 1]", ratio);
     if (!eps && !ratio && !(alloc == KV_ALLOC_PROGRESSIVE && d_min > 0) &&
+        !(alloc == KV_ALLOC_LAYER_BUDGET && budget > 0) &&
         !(alloc == KV_ALLOC_DEFAULT && method == KV_METHOD_LORC && d_min > 0))
         return cli_usage_error(&cmd, "give --eps E or --ratio R");
     if (group < 1) return cli_usage_error(&cmd, "--group-size must be at least 1");
@@ -178,7 +193,25 @@ int cmd_decompose(int argc, char **argv) {
         return EXIT_ERR;
     }
 
+    int32_t *ids = NULL;
+    int64_t n_ids = 0;
+    size_t n_bytes = 0;
+    if (alloc == KV_ALLOC_LAYER_BUDGET) {
+        if ((rc = cli_load_tokens(m, text, NULL, &ids, &n_ids, &n_bytes))) {
+            kv_stats_free(s);
+            kv_model_free(m);
+            return rc;
+        }
+        if (n_ids / seq_len < calib_windows) calib_windows = n_ids / seq_len;
+        if (calib_windows < 1) {
+            fprintf(stderr, "kvcal: %s: %lld tokens, fewer than one window of %lld\n", text,
+                    (long long)n_ids, (long long)seq_len);
+            free(ids), kv_stats_free(s), kv_model_free(m);
+            return EXIT_ERR;
+        }
+    }
     struct kv_decompose_opts o = {0};
+    o.calib_tokens = ids, o.calib_windows = calib_windows, o.seq_len = seq_len;
     o.method = method, o.alloc = alloc, o.eps = eps, o.ratio = ratio, o.group_size = group;
     o.rank_multiple = mult, o.min_rank = min_rank, o.d_min = d_min, o.d_max = d_max;
     o.cond_skip = cond_skip, o.error_budget = budget, o.kv_bits = (int)kv_bits, o.hadamard = hadamard;
@@ -188,6 +221,7 @@ int cmd_decompose(int argc, char **argv) {
     struct kv_lowrank *lr = NULL;
     rc = kv_decompose(m, s, &o, &lr, &err);
     cli_progress_end(&prog);
+    free(ids);
     if (rc) {
         if (!err.path[0] && stats && rc == KV_ENUMERIC) snprintf(err.path, sizeof err.path, "%s", stats);
         kv_stats_free(s);

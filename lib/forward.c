@@ -530,6 +530,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
 #pragma omp parallel for if (nh > 65536) schedule(static)
         for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
         linear(f->x, d, f->a, w[KV_W_DOWN], n, hid, d, 1.0f); /* x += silu(a)*b W2ᵀ */
+        if (hk->layer_out && (rc = hk->layer_out(hk->ctx, l, f->x, n, pos0))) return rc;
     }
     rmsnorm(f->xn, f->x, m->out_norm, n, d, c->norm_eps);
     float *lg = logits ? logits : f->logits;

@@ -208,6 +208,9 @@ struct kv_fwd_hooks {
      * before they enter the cache. */
     int (*kv_replace)(void *ctx, int64_t layer, const float *x, float *k, float *v, int64_t n,
                       int64_t pos0);
+    /* The residual stream after layer `layer` (attention and FFN added),
+     * x [n, d]. */
+    int (*layer_out)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0);
     /* Non-zero when only the hooks need the pass (statistics): it stops
      * after the last layer's hooks, with no attention or FFN in that layer
      * and no logits (kv_fwd_logits is then NULL). */
