@@ -1,9 +1,14 @@
 /* kvcal decompose: low-rank K/V factors under a budget, written as a
  * compressed model directory with its manifest. */
+#include <dirent.h>
+#include <errno.h>
 #include <jansson.h>
+#include <libgen.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -43,6 +48,45 @@ static const char *mode_short(enum kv_lr_mode m) {
     case KV_LR_POSTROPE_ROTATION: return "rotate";
     default: return kv_lr_mode_name(m);
     }
+}
+
+/* Before any work: OUT must be a new name, an empty directory or an earlier
+ * output (it holds kvcal.json), and its parent must take a new directory. */
+static int check_output(const char *out) {
+    struct stat st;
+    if (stat(out, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) {
+            fprintf(stderr, "kvcal: %s: exists and is not a directory; --output names a directory\n", out);
+            return EXIT_ERR;
+        }
+        DIR *d = opendir(out);
+        int entries = 0, manifest = 0;
+        struct dirent *e;
+        while (d && (e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                entries++;
+                manifest |= !strcmp(e->d_name, "kvcal.json");
+            }
+        if (d) closedir(d);
+        if (entries && !manifest) {
+            fprintf(stderr, "kvcal: %s: is a non-empty directory that is not a kvcal output; "
+                            "refusing to replace it\n", out);
+            return EXIT_ERR;
+        }
+    }
+    char *tmp = strdup(out);
+    if (!tmp) return EXIT_ERR;
+    const char *parent = dirname(tmp);
+    int ok = access(parent, W_OK | X_OK) == 0;
+    int e = errno;
+    if (!ok) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", strerror(e));
+        for (char *p = msg; *p; p++) *p = (char)(*p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
+        fprintf(stderr, "kvcal: %s: cannot create the output directory in '%s': %s\n", out, parent, msg);
+    }
+    free(tmp);
+    return ok ? 0 : EXIT_ERR;
 }
 
 int cmd_decompose(int argc, char **argv) {
@@ -152,6 +196,11 @@ int cmd_decompose(int argc, char **argv) {
         !(alloc == KV_ALLOC_LAYER_BUDGET && budget > 0) &&
         !(alloc == KV_ALLOC_DEFAULT && method == KV_METHOD_LORC && d_min > 0))
         return cli_usage_error(&cmd, "give --eps E or --ratio R");
+    if (eps && alloc != KV_ALLOC_DEFAULT && alloc != KV_ALLOC_EPS && alloc != KV_ALLOC_GLOBAL)
+        return cli_usage_error(&cmd, "--eps applies to --alloc eps or global; --alloc %s takes --ratio",
+                               alloc_s);
+    if (!ratio && (alloc == KV_ALLOC_UNIFORM || alloc == KV_ALLOC_FISHER || alloc == KV_ALLOC_REMOVAL))
+        return cli_usage_error(&cmd, "--alloc %s needs --ratio R", alloc_s);
     if (group < 1) return cli_usage_error(&cmd, "--group-size must be at least 1");
     if (mult < 1) return cli_usage_error(&cmd, "--rank-multiple must be at least 1");
     if (min_rank < 1) return cli_usage_error(&cmd, "--min-rank must be at least 1");
@@ -161,6 +210,7 @@ int cmd_decompose(int argc, char **argv) {
         return cli_usage_error(&cmd, "--d-min and --d-max are fractions with d-min <= d-max <= 1");
     if (threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     kv_set_threads((int)threads);
+    if ((rc = check_output(out))) return rc;
 
     struct kv_model *m;
     if ((rc = cli_load_model(model, tokenizer, &m))) return rc;

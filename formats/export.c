@@ -1,0 +1,775 @@
+/* Dense export: the source model copied byte for byte with its K/V
+ * projections replaced by up·down. Layout and rules in export.h. */
+#include "export.h"
+
+#include <cblas.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "json.h"
+#include "limits.h"
+#include "mapfile.h"
+#include "model.h"
+#include "safetensors.h"
+
+#define EXPORT_CHUNK ((size_t)4 << 20) /* copy buffer */
+
+/* One stored tensor to overwrite. */
+struct target {
+    int64_t layer;
+    enum kv_wkind kind; /* KV_W_K, KV_W_V, KV_W_BK or KV_W_BV */
+    int file;           /* index into struct job's files */
+    char name[KV_MAX_NAME_LEN + 1];
+    enum kv_dtype dtype;
+    uint64_t off, nbytes;
+    int64_t n;
+};
+
+struct job {
+    const struct kv_model *m;
+    const struct kv_lowrank *lr;
+    char **files;    /* source paths; for a directory every regular file */
+    char **names;    /* base names (directory source only) */
+    int n_files;
+    struct target *t;
+    int64_t n_t;
+};
+
+static const char *side_name(enum kv_wkind k) { return k == KV_W_K || k == KV_W_BK ? "k" : "v"; }
+
+static const struct kv_lr_side *side_of(const struct kv_lowrank *lr, int64_t l, enum kv_wkind k) {
+    return k == KV_W_K || k == KV_W_BK ? &lr->layers[l].k : &lr->layers[l].v;
+}
+
+static enum kv_wkind bias_kind(enum kv_wkind w) { return w == KV_W_K ? KV_W_BK : KV_W_BV; }
+
+/* ================================================================ checks */
+
+/* lr against m's shapes, and every side against the modes and head
+ * partition kv_lowrank promises. */
+static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
+                         struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    if (lr->n_layers != c->n_layers || lr->dim != c->dim || lr->n_heads != c->n_heads ||
+        lr->n_kv_heads != c->n_kv_heads || lr->head_dim != c->head_dim)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "factors are shaped for %lld layers, dim %lld, %lld heads (%lld kv) of "
+                       "%lld but the model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
+                       (long long)lr->n_layers, (long long)lr->dim, (long long)lr->n_heads,
+                       (long long)lr->n_kv_heads, (long long)lr->head_dim, (long long)c->n_layers,
+                       (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
+                       (long long)c->head_dim);
+    KV_ASSERT(lr->layers);
+    const int64_t g = c->n_kv_heads;
+    char *seen = malloc((size_t)g);
+    if (!seen) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = KV_OK;
+    for (int64_t l = 0; l < c->n_layers && !rc; l++)
+        for (int which = 0; which < 2 && !rc; which++) {
+            enum kv_wkind wk = which ? KV_W_V : KV_W_K;
+            const struct kv_lr_side *s = side_of(lr, l, wk);
+            const char *sn = side_name(wk);
+            if (s->mode == KV_LR_FULL) continue;
+            if (s->mode == KV_LR_POSTROPE_ROTATION) {
+                rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                             "layer %lld %s: mode 'postrope_rotation' cannot be exported dense: "
+                             "its projection acts after rope, which no %s weight expresses",
+                             (long long)l, sn, which ? "v_proj" : "k_proj");
+                break;
+            }
+            if (s->mode != KV_LR_PREROPE_LATENT && s->mode != KV_LR_FUSED_QUERY &&
+                s->mode != KV_LR_FUSED_OUTPUT) {
+                rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                             "layer %lld %s: unknown mode %d", (long long)l, sn, (int)s->mode);
+                break;
+            }
+            if (s->n_units < 1 || s->n_units > g || !s->units) {
+                rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                             "layer %lld %s: mode '%s' has %lld units, expected 1..%lld",
+                             (long long)l, sn, kv_lr_mode_name(s->mode), (long long)s->n_units,
+                             (long long)g);
+                break;
+            }
+            int has_bias = m->layers[l].w[bias_kind(wk)] != NULL;
+            memset(seen, 0, (size_t)g);
+            for (int64_t u = 0; u < s->n_units && !rc; u++) {
+                const struct kv_lr_unit *x = &s->units[u];
+                if (x->n_heads < 1 || x->head0 < 0 || x->head0 > g - x->n_heads)
+                    rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s unit %lld: heads %lld..%lld are outside the "
+                                 "model's kv heads 0..%lld",
+                                 (long long)l, sn, (long long)u, (long long)x->head0,
+                                 (long long)(x->head0 + x->n_heads - 1), (long long)(g - 1));
+                else if (x->rank < 1 || x->rank > KV_MAX_DIM)
+                    rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s unit %lld: rank %lld, expected 1..%d", (long long)l,
+                                 sn, (long long)u, (long long)x->rank, KV_MAX_DIM);
+                else if (!x->down || !x->up)
+                    rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s unit %lld: mode '%s' needs both down and up "
+                                 "factors",
+                                 (long long)l, sn, (long long)u, kv_lr_mode_name(s->mode));
+                else if (x->down_bias && !has_bias)
+                    rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s unit %lld: the factors carry a down bias but the "
+                                 "model has no %s bias tensor to hold up·down_bias",
+                                 (long long)l, sn, (long long)u, sn);
+                for (int64_t h = x->head0; !rc && h < x->head0 + x->n_heads; h++) {
+                    if (seen[h])
+                        rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                     "layer %lld %s: kv head %lld is in two units", (long long)l,
+                                     sn, (long long)h);
+                    seen[h] = 1;
+                }
+            }
+            for (int64_t h = 0; h < g && !rc; h++)
+                if (!seen[h])
+                    rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s: kv head %lld is in no unit", (long long)l, sn,
+                                 (long long)h);
+        }
+    free(seen);
+    return rc;
+}
+
+static int same_inode(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
+
+/* 1 if directory path has an entry other than . and .. (0 if it cannot be read). */
+static int dir_has_entries(const char *path) {
+    DIR *d = opendir(path);
+    if (!d) return 0;
+    struct dirent *e;
+    int any = 0;
+    while (!any && (e = readdir(d))) any = strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    return any;
+}
+
+static int check_output(const char *model_path, const char *out, int is_dir,
+                        struct kv_err *err) {
+    char eb[128];
+    struct stat sm, so;
+    if (stat(model_path, &sm) != 0)
+        return kv_fail(err, KV_EIO, model_path, KV_NO_OFFSET, "cannot stat: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    if (!*out) return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "empty output path");
+    if (stat(out, &so) == 0) {
+        if (same_inode(&sm, &so))
+            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                           "is the source model itself; refusing to overwrite it");
+        if (is_dir && !S_ISDIR(so.st_mode))
+            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                           "exists and is not a directory; the export of an hf directory is a "
+                           "directory");
+        if (is_dir && dir_has_entries(out))
+            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                           "directory exists and is not empty; refusing to replace it");
+        if (!is_dir && S_ISDIR(so.st_mode))
+            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                           "is a directory; the export of a model file is one file");
+    }
+    if (!is_dir) { /* kv_write_atomic truncates OUT.tmp first */
+        size_t n = strlen(out);
+        char *tmp = malloc(n + 5);
+        if (!tmp) return kv_fail(err, KV_ENOMEM, out, KV_NO_OFFSET, "out of memory");
+        memcpy(tmp, out, n);
+        memcpy(tmp + n, ".tmp", 5);
+        int clash = stat(tmp, &so) == 0 && same_inode(&sm, &so);
+        free(tmp);
+        if (clash)
+            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                           "its temporary '%s.tmp' is the source model; refusing to overwrite it",
+                           out);
+    }
+    return KV_OK;
+}
+
+/* ================================================================ targets */
+
+static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file,
+                      const struct kv_tensor *t, const char *path, struct kv_err *err) {
+    const struct kv_config *c = &j->m->cfg;
+    int64_t rows = c->n_kv_heads * c->head_dim;
+    int is_bias = kind == KV_W_BK || kind == KV_W_BV;
+    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
+        return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
+                       "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",
+                       t->name, kv_dtype_name(t->dtype));
+    int ok = is_bias ? t->ndim == 1 && t->shape[0] == rows
+                     : t->ndim == 2 && t->shape[0] == rows && t->shape[1] == c->dim;
+    int64_t n = is_bias ? rows : rows * c->dim;
+    if (!ok || t->nbytes != (uint64_t)n * kv_dtype_size(t->dtype))
+        return kv_fail(err, KV_EFORMAT, path, t->offset,
+                       "tensor '%s' is not the [%lld%s%lld] %s of layer %lld the model was "
+                       "loaded with",
+                       t->name, (long long)rows, is_bias ? "" : ", ",
+                       is_bias ? 0LL : (long long)c->dim, kv_wkind_name(kind), (long long)layer);
+    struct target *x = &j->t[j->n_t++];
+    x->layer = layer;
+    x->kind = kind;
+    x->file = file;
+    snprintf(x->name, sizeof x->name, "%s", t->name);
+    x->dtype = t->dtype;
+    x->off = t->offset;
+    x->nbytes = t->nbytes;
+    x->n = n;
+    return KV_OK;
+}
+
+/* Stored name of a K/V weight in the source's format. */
+static void stored_name(enum kv_format f, int64_t l, enum kv_wkind k, char *buf, size_t cap) {
+    const char *s = side_name(k);
+    int bias = k == KV_W_BK || k == KV_W_BV;
+    switch (f) {
+    case KV_FORMAT_HF:
+        snprintf(buf, cap, "model.layers.%lld.self_attn.%s_proj.%s", (long long)l, s,
+                 bias ? "bias" : "weight");
+        break;
+    case KV_FORMAT_GGUF:
+        snprintf(buf, cap, "blk.%lld.attn_%s.%s", (long long)l, s, bias ? "bias" : "weight");
+        break;
+    default: snprintf(buf, cap, "layers.%lld.w%s", (long long)l, s); break;
+    }
+}
+
+/* Number of tensors to overwrite: the weight of each compressed side, and
+ * its bias when the model has one. */
+static int64_t count_targets(const struct job *j) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < j->m->cfg.n_layers; l++)
+        for (int which = 0; which < 2; which++) {
+            enum kv_wkind wk = which ? KV_W_V : KV_W_K;
+            if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
+            n += 1 + (j->m->layers[l].w[bias_kind(wk)] != NULL);
+        }
+    return n;
+}
+
+/* Single-file sources: the tensors come from the model's own table. */
+static int targets_from_table(struct job *j, const char *path, struct kv_err *err) {
+    const struct kv_model *m = j->m;
+    char name[KV_MAX_NAME_LEN + 64];
+    for (int64_t l = 0; l < m->cfg.n_layers; l++)
+        for (int which = 0; which < 2; which++) {
+            enum kv_wkind wk = which ? KV_W_V : KV_W_K;
+            if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
+            enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
+            for (int b = 0; b < 2; b++) {
+                if (b && !m->layers[l].w[kinds[1]]) continue;
+                stored_name(m->format, l, kinds[b], name, sizeof name);
+                const struct kv_tensor *t = NULL;
+                for (int64_t i = 0; i < m->n_tensors && !t; i++)
+                    if (!strcmp(m->tensors[i].name, name)) t = &m->tensors[i];
+                if (!t)
+                    return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                                   "missing tensor '%s' in the loaded model's table", name);
+                int rc = add_target(j, l, kinds[b], 0, t, path, err);
+                if (rc) return rc;
+            }
+        }
+    return KV_OK;
+}
+
+static int name_cmp(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Every regular file of dir (symbolic links followed), sorted by name. The
+ * order matters for the copy: file X is written through X.tmp, and X.tmp
+ * sorts after X, so no temporary ever replaces a file already copied. */
+static int list_dir(struct job *j, const char *dir, struct kv_err *err) {
+    char eb[128];
+    DIR *d = opendir(dir);
+    if (!d)
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot open directory: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    int cap = 0, rc = KV_OK;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *p = kv_path_join(dir, e->d_name);
+        if (!p) {
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        struct stat st;
+        if (stat(p, &st) != 0 || !S_ISREG(st.st_mode)) {
+            free(p);
+            continue;
+        }
+        free(p);
+        if (j->n_files == cap) {
+            int nc = cap ? 2 * cap : 16;
+            char **nn = realloc(j->names, (size_t)nc * sizeof *nn);
+            if (!nn) {
+                rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+                break;
+            }
+            j->names = nn;
+            cap = nc;
+        }
+        if (!(j->names[j->n_files] = strdup(e->d_name))) {
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        j->n_files++;
+    }
+    closedir(d);
+    if (rc) return rc;
+    if (j->n_files) qsort(j->names, (size_t)j->n_files, sizeof *j->names, name_cmp);
+    j->files = calloc(j->n_files ? (size_t)j->n_files : 1, sizeof *j->files);
+    if (!j->files) return kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    for (int i = 0; i < j->n_files; i++)
+        if (!(j->files[i] = kv_path_join(dir, j->names[i])))
+            return kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    return KV_OK;
+}
+
+static int file_index(const struct job *j, const char *name) {
+    for (int i = 0; i < j->n_files; i++)
+        if (!strcmp(j->names[i], name)) return i;
+    return -1;
+}
+
+/* HF directory: the shards the loader reads (model.safetensors if present,
+ * else the files model.safetensors.index.json maps to), each parsed again
+ * for its offsets. */
+static int targets_from_shards(struct job *j, const char *dir, struct kv_err *err) {
+    int rc = list_dir(j, dir, err);
+    if (rc) return rc;
+    int *shards = NULL, n_shards = 0;
+    json_t *root = NULL;
+    char *list_path = NULL;
+    struct kv_st_file **st = NULL;
+    int single = file_index(j, "model.safetensors");
+    if (single >= 0) {
+        if (!(shards = malloc(sizeof *shards)) ||
+            !(list_path = kv_path_join(dir, "model.safetensors"))) {
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+            goto done;
+        }
+        shards[n_shards++] = single;
+    } else {
+        if (!(list_path = kv_path_join(dir, "model.safetensors.index.json"))) {
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+            goto done;
+        }
+        if ((rc = kv_json_load(list_path, &root, err))) goto done;
+        const json_t *map = json_object_get(root, "weight_map");
+        if (!json_is_object(map)) {
+            rc = kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
+                         "key 'weight_map' must be an object");
+            goto done;
+        }
+        if (!(shards = malloc((size_t)(j->n_files ? j->n_files : 1) * sizeof *shards))) {
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+            goto done;
+        }
+        const char *key;
+        json_t *v;
+        json_object_foreach((json_t *)map, key, v) {
+            const char *s = json_string_value(v);
+            int f = s && !strchr(s, '/') ? file_index(j, s) : -1;
+            if (f < 0) {
+                rc = kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
+                             "weight_map entry '%.128s' does not name a file of the directory",
+                             key);
+                goto done;
+            }
+            int dup = 0;
+            for (int i = 0; i < n_shards && !dup; i++) dup = shards[i] == f;
+            if (!dup) shards[n_shards++] = f;
+        }
+    }
+    if (!(st = calloc((size_t)n_shards, sizeof *st))) {
+        rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+        goto done;
+    }
+    for (int i = 0; i < n_shards; i++)
+        if ((rc = kv_st_open(j->files[shards[i]], &st[i], err))) goto done;
+    char name[KV_MAX_NAME_LEN + 64];
+    for (int64_t l = 0; l < j->m->cfg.n_layers && !rc; l++)
+        for (int which = 0; which < 2 && !rc; which++) {
+            enum kv_wkind wk = which ? KV_W_V : KV_W_K;
+            if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
+            enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
+            for (int b = 0; b < 2 && !rc; b++) {
+                if (b && !j->m->layers[l].w[kinds[1]]) continue;
+                stored_name(KV_FORMAT_HF, l, kinds[b], name, sizeof name);
+                const struct kv_tensor *t = NULL;
+                int s = 0;
+                for (; s < n_shards && !t; s++) t = kv_st_find(st[s], name);
+                if (!t)
+                    rc = kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
+                                 "missing tensor '%s' (it must be stored under its own name "
+                                 "to be overwritten)",
+                                 name);
+                else
+                    rc = add_target(j, l, kinds[b], shards[s - 1], t, j->files[shards[s - 1]],
+                                    err);
+            }
+        }
+done:
+    if (st)
+        for (int i = 0; i < n_shards; i++) kv_st_close(st[i]);
+    free(st);
+    free(shards);
+    free(list_path);
+    if (root) json_decref(root);
+    return rc;
+}
+
+/* ================================================================ i/o */
+
+static int pread_all(int fd, void *buf, uint64_t n, uint64_t off) {
+    uint8_t *p = buf;
+    while (n) {
+        ssize_t r = pread(fd, p, n > EXPORT_CHUNK ? EXPORT_CHUNK : (size_t)n, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) return -1; /* short file */
+        p += r;
+        n -= (uint64_t)r;
+        off += (uint64_t)r;
+    }
+    return 0;
+}
+
+static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t off) {
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t r = pwrite(fd, p, n > EXPORT_CHUNK ? EXPORT_CHUNK : (size_t)n, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return r < 0 ? errno : EIO;
+        p += r;
+        n -= (uint64_t)r;
+        off += (uint64_t)r;
+    }
+    return 0;
+}
+
+/* Read every target back from its source file: it must decode to exactly
+ * the weight m holds, or m was not loaded from these files. */
+static int verify_sources(const struct job *j, struct kv_err *err) {
+    char eb[128];
+    uint64_t maxb = 0;
+    for (int64_t i = 0; i < j->n_t; i++)
+        if (j->t[i].nbytes > maxb) maxb = j->t[i].nbytes;
+    uint8_t *raw = malloc(maxb ? (size_t)maxb : 1);
+    float *f = malloc((maxb ? (size_t)maxb : 1) * 2); /* f32 of up to maxb/2 elements */
+    int rc = KV_OK;
+    if (!raw || !f) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int fd = -1, fd_file = -1;
+    for (int64_t i = 0; i < j->n_t && !rc; i++) {
+        const struct target *t = &j->t[i];
+        const char *path = j->files[t->file];
+        if (fd_file != t->file) {
+            if (fd >= 0) close(fd);
+            fd_file = t->file;
+            if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+                rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s",
+                             kv_errtext(errno, eb, sizeof eb));
+                break;
+            }
+        }
+        int e = pread_all(fd, raw, t->nbytes, t->off);
+        if (e) {
+            rc = e < 0 ? kv_fail(err, KV_EFORMAT, path, t->off,
+                                 "tensor '%s' extends past the end of the file", t->name)
+                       : kv_fail(err, KV_EIO, path, t->off, "cannot read tensor '%s': %s",
+                                 t->name, kv_errtext(e, eb, sizeof eb));
+            break;
+        }
+        kv_convert_to_f32(t->dtype, raw, f, t->n);
+        const float *w = j->m->layers[t->layer].w[t->kind];
+        KV_ASSERT(w);
+        if (memcmp(f, w, (size_t)t->n * sizeof *f) != 0)
+            rc = kv_fail(err, KV_EINVAL, path, t->off,
+                         "tensor '%s' differs from the %s of layer %lld of the loaded model; "
+                         "pass the model the factors were loaded with",
+                         t->name, kv_wkind_name(t->kind), (long long)t->layer);
+    }
+    if (fd >= 0) close(fd);
+    free(raw);
+    free(f);
+    return rc;
+}
+
+/* ================================================================ numerics */
+
+/* Dense rows of target t into out (f32, [g*d_h, d] for a weight, [g*d_h]
+ * for a bias), unit by unit:
+ *   W'[rows of u] = up_u · down_u      up_u [nh*d_h, r], down_u [r, d]
+ *   b'[rows of u] = up_u · c_u         c_u = down_bias_u, or 0 when NULL
+ * in float64 (dgemm / dgemv), rounded to f32 once. */
+static int dense_rows(const struct job *j, const struct target *t, float *out,
+                      struct kv_err *err) {
+    const struct kv_config *c = &j->m->cfg;
+    const struct kv_lr_side *s = side_of(j->lr, t->layer, t->kind);
+    const int64_t d = c->dim, dh = c->head_dim;
+    const int is_bias = t->kind == KV_W_BK || t->kind == KV_W_BV;
+    const int64_t cols = is_bias ? 1 : d;
+    for (int64_t u = 0; u < s->n_units; u++) {
+        const struct kv_lr_unit *x = &s->units[u];
+        const int64_t rows = x->n_heads * dh, r = x->rank;
+        double *up = malloc((size_t)(rows * r) * sizeof *up);
+        double *down = malloc((size_t)(r * cols) * sizeof *down);
+        double *w = malloc((size_t)(rows * cols) * sizeof *w);
+        if (!up || !down || !w) {
+            free(up), free(down), free(w);
+            return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        }
+        for (int64_t i = 0; i < rows * r; i++) up[i] = x->up[i];
+        if (!is_bias)
+            for (int64_t i = 0; i < r * d; i++) down[i] = x->down[i];
+        else
+            for (int64_t i = 0; i < r; i++) down[i] = x->down_bias ? x->down_bias[i] : 0.0;
+        /* w [rows, cols] = up [rows, r] · down [r, cols] */
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)cols, (int)r, 1.0,
+                    up, (int)r, down, (int)cols, 0.0, w, (int)cols);
+        float *dst = out + x->head0 * dh * cols;
+        int rc = KV_OK;
+        for (int64_t i = 0; i < rows * cols && !rc; i++) {
+            dst[i] = (float)w[i];
+            if (!isfinite(dst[i]))
+                rc = kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
+                             "layer %lld %s unit %lld: dense %s element [%lld%s%lld] is %g%s",
+                             (long long)t->layer, side_name(t->kind), (long long)u,
+                             is_bias ? "bias" : "weight", (long long)(x->head0 * dh + i / cols),
+                             is_bias ? "" : ", ", is_bias ? 0LL : (long long)(i % cols), w[i],
+                             isfinite(w[i]) ? " (beyond the f32 range)" : "");
+        }
+        free(up), free(down), free(w);
+        if (rc) return rc;
+    }
+    return KV_OK;
+}
+
+/* Compute target t and write it at its offset in fd. */
+static int write_target(const struct job *j, const struct target *t, int fd, const char *path,
+                        const char *tmp, struct kv_err *err) {
+    char eb[128];
+    float *f = malloc((size_t)t->n * sizeof *f);
+    float *back = malloc((size_t)t->n * sizeof *back);
+    uint8_t *raw = malloc((size_t)t->nbytes);
+    int rc = KV_OK;
+    if (!f || !back || !raw) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    if (!rc) rc = dense_rows(j, t, f, err);
+    if (!rc) {
+        kv_convert_from_f32(t->dtype, f, raw, t->n);
+        kv_convert_to_f32(t->dtype, raw, back, t->n);
+        for (int64_t i = 0; i < t->n && !rc; i++)
+            if (!isfinite(back[i]))
+                rc = kv_fail(err, KV_ENUMERIC, path, t->off,
+                             "tensor '%s': dense element %lld is %g, beyond the range of %s",
+                             t->name, (long long)i, (double)f[i], kv_dtype_name(t->dtype));
+    }
+    if (!rc) {
+        int e = pwrite_all(fd, raw, t->nbytes, t->off);
+        if (e)
+            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
+                         kv_errtext(e, eb, sizeof eb));
+    }
+    free(f), free(back), free(raw);
+    return rc;
+}
+
+struct fill_ctx {
+    const struct job *j;
+    int file;
+};
+
+/* kv_write_atomic's fill: the source file's bytes, then its targets. */
+static int fill_file(int fd, const char *path, const char *tmp, void *vctx, struct kv_err *err) {
+    const struct fill_ctx *ctx = vctx;
+    const struct job *j = ctx->j;
+    const char *src = j->files[ctx->file];
+    char eb[128];
+    int in = open(src, O_RDONLY | O_CLOEXEC);
+    if (in < 0)
+        return kv_fail(err, KV_EIO, src, KV_NO_OFFSET, "cannot open: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    uint8_t *buf = malloc(EXPORT_CHUNK);
+    int rc = buf ? KV_OK : kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    uint64_t off = 0;
+    while (!rc) {
+        ssize_t r = read(in, buf, EXPORT_CHUNK);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            rc = kv_fail(err, KV_EIO, src, off, "cannot read: %s", kv_errtext(errno, eb, sizeof eb));
+            break;
+        }
+        if (r == 0) break;
+        int e = pwrite_all(fd, buf, (uint64_t)r, off);
+        if (e)
+            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
+                         kv_errtext(e, eb, sizeof eb));
+        off += (uint64_t)r;
+    }
+    close(in);
+    free(buf);
+    for (int64_t i = 0; i < j->n_t && !rc; i++)
+        if (j->t[i].file == ctx->file) {
+            if (j->t[i].off + j->t[i].nbytes > off)
+                rc = kv_fail(err, KV_EFORMAT, src, j->t[i].off,
+                             "tensor '%s' extends past the end of the file", j->t[i].name);
+            else
+                rc = write_target(j, &j->t[i], fd, path, tmp, err);
+        }
+    return rc;
+}
+
+/* ================================================================ output */
+
+static void remove_tree(const char *dir) {
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            char *p = kv_path_join(dir, e->d_name);
+            if (p) unlink(p);
+            free(p);
+        }
+        closedir(d);
+    }
+    rmdir(dir);
+}
+
+/* fsync the directory that holds path, so a rename into it is durable.
+ * File systems that cannot sync a directory say EINVAL: nothing to do. */
+static int sync_parent(const char *path, struct kv_err *err) {
+    char eb[128];
+    const char *slash = strrchr(path, '/');
+    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+    if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    int rc = KV_OK, fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
+                     kv_errtext(errno, eb, sizeof eb));
+    } else {
+        int r;
+        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
+        if (r != 0 && errno != EINVAL && errno != ENOTSUP)
+            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
+                         kv_errtext(errno, eb, sizeof eb));
+        close(fd);
+    }
+    free(dir);
+    return rc;
+}
+
+static int write_dir(const struct job *j, const char *out, struct kv_err *err) {
+    char eb[128];
+    size_t n = strlen(out);
+    while (n > 1 && out[n - 1] == '/') n--; /* "OUT/" names OUT */
+    char *dst = strndup(out, n);
+    char *tmp = malloc(n + 32);
+    if (!dst || !tmp) {
+        free(dst), free(tmp);
+        return kv_fail(err, KV_ENOMEM, out, KV_NO_OFFSET, "out of memory");
+    }
+    snprintf(tmp, n + 32, "%s.tmp-%ld", dst, (long)getpid());
+    if (mkdir(tmp, 0755) != 0) {
+        int rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot create directory '%s': %s", tmp,
+                         kv_errtext(errno, eb, sizeof eb));
+        free(dst), free(tmp);
+        return rc;
+    }
+    int rc = KV_OK;
+    for (int i = 0; i < j->n_files && !rc; i++) {
+        char *p = kv_path_join(tmp, j->names[i]);
+        if (!p) {
+            rc = kv_fail(err, KV_ENOMEM, out, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        struct fill_ctx ctx = {j, i};
+        rc = kv_write_atomic(p, fill_file, &ctx, err); /* also syncs tmp */
+        free(p);
+    }
+    if (!rc && rename(tmp, dst) != 0)
+        rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
+                     kv_errtext(errno, eb, sizeof eb));
+    if (rc)
+        remove_tree(tmp);
+    else
+        rc = sync_parent(dst, err);
+    free(dst), free(tmp);
+    return rc;
+}
+
+/* ================================================================ entry */
+
+static void job_free(struct job *j) {
+    for (int i = 0; i < j->n_files; i++) {
+        if (j->files) free(j->files[i]);
+        if (j->names) free(j->names[i]);
+    }
+    free(j->files);
+    free(j->names);
+    free(j->t);
+}
+
+int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
+                       const struct kv_lowrank *lr, const char *out, struct kv_err *err) {
+    KV_ASSERT(m && model_path && lr && out);
+    enum kv_format fmt = kv_model_format(m);
+    if (fmt == KV_FORMAT_SYNTHETIC)
+        return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
+                       "a synthetic model has no source files to export");
+    int rc = check_lowrank(m, lr, err);
+    if (rc) return rc;
+    int is_dir = kv_path_kind(model_path);
+    if (is_dir < 0)
+        return kv_fail(err, KV_EIO, model_path, KV_NO_OFFSET, "no such file or directory");
+    if (is_dir != (fmt == KV_FORMAT_HF))
+        return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
+                       "is a %s but the model was loaded as %s", is_dir ? "directory" : "file",
+                       kv_format_name(fmt));
+    if ((rc = check_output(model_path, out, is_dir, err))) return rc;
+    if (lr->model_fingerprint[0]) {
+        char fp[65];
+        if ((rc = kv_model_fingerprint(m, fp, err))) return rc;
+        if (strcmp(fp, lr->model_fingerprint) != 0)
+            return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
+                           "model fingerprint %.12s does not match the factors' %.12s",
+                           fp, lr->model_fingerprint);
+    }
+
+    struct job j = {.m = m, .lr = lr};
+    int64_t n_t = count_targets(&j);
+    if (!(j.t = calloc(n_t ? (size_t)n_t : 1, sizeof *j.t)))
+        return kv_fail(err, KV_ENOMEM, model_path, KV_NO_OFFSET, "out of memory");
+    if (is_dir) {
+        rc = targets_from_shards(&j, model_path, err);
+    } else {
+        j.files = calloc(1, sizeof *j.files);
+        j.names = calloc(1, sizeof *j.names);
+        if (!j.files || !j.names || !(j.files[0] = strdup(model_path)))
+            rc = kv_fail(err, KV_ENOMEM, model_path, KV_NO_OFFSET, "out of memory");
+        j.n_files = 1;
+        if (!rc) rc = targets_from_table(&j, model_path, err);
+    }
+    if (!rc) KV_ASSERT(j.n_t == n_t);
+    if (!rc) rc = verify_sources(&j, err);
+    if (!rc) {
+        if (is_dir) {
+            rc = write_dir(&j, out, err);
+        } else {
+            struct fill_ctx ctx = {&j, 0};
+            rc = kv_write_atomic(out, fill_file, &ctx, err);
+        }
+    }
+    job_free(&j);
+    return rc;
+}
