@@ -12,7 +12,6 @@
 
 #include "cli.h"
 #include "commands.h"
-#include "kvdir.h"
 
 static void side_ranks(const struct kv_lr_side *s, char *buf, size_t cap) {
     size_t n = 0;

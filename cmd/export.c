@@ -6,8 +6,6 @@
 
 #include "cli.h"
 #include "commands.h"
-#include "export.h"
-#include "kvdir.h"
 
 /* Layers whose side is compressed (replaced by a product). */
 static int64_t n_compressed(const struct kv_lowrank *lr, int v) {

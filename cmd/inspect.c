@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -134,13 +135,216 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
     return rc;
 }
 
+/* ---------------------------------------------------------------- compressed directories */
+
+/* The manifest of a compressed-model directory (DIR/kvcal.json), or path
+ * itself when it names a kvcal.json file; NULL otherwise. malloc'd. */
+static char *manifest_of(const char *path) {
+    struct stat st;
+    if (stat(path, &st) != 0) return NULL;
+    if (!S_ISDIR(st.st_mode)) {
+        const char *b = strrchr(path, '/');
+        return !strcmp(b ? b + 1 : path, "kvcal.json") ? strdup(path) : NULL;
+    }
+    size_t n = strlen(path) + sizeof "/kvcal.json";
+    char *p = malloc(n);
+    if (!p) return NULL;
+    snprintf(p, n, "%s/kvcal.json", path);
+    if (stat(p, &st) == 0 && S_ISREG(st.st_mode)) return p;
+    free(p);
+    return NULL;
+}
+
+/* Directory holding the manifest path (malloc'd). */
+static char *dir_of_manifest(const char *mpath) {
+    const char *slash = strrchr(mpath, '/');
+    if (!slash) return strdup(".");
+    size_t n = slash == mpath ? 1 : (size_t)(slash - mpath);
+    char *d = malloc(n + 1);
+    if (d) memcpy(d, mpath, n), d[n] = 0;
+    return d;
+}
+
+struct lr_side_view {
+    char ranks[512];      /* "12,12" or "-" */
+    double energy, dropped;
+    int64_t bytes;        /* per token */
+};
+
+static void side_view(const struct kv_lowrank *lr, const struct kv_lr_side *s,
+                      struct lr_side_view *v) {
+    memset(v, 0, sizeof *v);
+    if (s->mode == KV_LR_FULL) {
+        snprintf(v->ranks, sizeof v->ranks, "-");
+        v->bytes = lr->n_kv_heads * lr->head_dim * 2;
+        return;
+    }
+    size_t n = 0;
+    for (int64_t u = 0; u < s->n_units; u++) {
+        const struct kv_lr_unit *x = &s->units[u];
+        if (n < sizeof v->ranks)
+            n += (size_t)snprintf(v->ranks + n, sizeof v->ranks - n, "%s%lld", u ? "," : "",
+                                  (long long)x->rank);
+        v->energy += x->energy;
+        v->dropped += x->dropped;
+        v->bytes += kv_lr_unit_bytes(x->rank, lr->kv_bits);
+    }
+}
+
+static double rel_err(double dropped, double energy) { return energy > 0 ? dropped / energy : 0; }
+
+static void pct_text(const struct kv_lr_side *s, double dropped, double energy, char *buf,
+                     size_t cap) {
+    if (s->mode == KV_LR_FULL)
+        snprintf(buf, cap, "-");
+    else
+        snprintf(buf, cap, "%.2f%%", 100 * rel_err(dropped, energy));
+}
+
+static json_t *side_json(const struct kv_lr_side *s, const struct lr_side_view *v) {
+    json_t *ranks = json_array();
+    for (int64_t u = 0; u < s->n_units; u++) json_array_append_new(ranks, json_integer(s->units[u].rank));
+    int64_t total = 0;
+    for (int64_t u = 0; u < s->n_units; u++) total += s->units[u].rank;
+    return json_pack("{s:s, s:o, s:I, s:o}", "mode", kv_lr_mode_name(s->mode), "ranks", ranks,
+                     "rank", (json_int_t)total, "predicted_error",
+                     cli_json_real(rel_err(v->dropped, v->energy)));
+}
+
+/* `kvcal inspect DIR`: the manifest of a compressed model; with a model,
+ * the factors are read and checked against it too. */
+static int inspect_lowrank(const char *path, const char *mpath, const char *model,
+                           const char *tokenizer, int json) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_lowrank *lr = NULL;
+    if (kv_lr_manifest_read(mpath, &lr, &err)) return cli_report(&err);
+    int rc = EXIT_OK;
+    if (model) {
+        struct kv_model *m = NULL;
+        struct kv_lowrank *full = NULL;
+        char *dir = dir_of_manifest(mpath);
+        if ((rc = cli_load_model(model, tokenizer, &m)) == EXIT_OK && dir &&
+            kv_lr_dir_open(dir, m, &full, &err))
+            rc = cli_report(&err);
+        kv_lowrank_free(full);
+        kv_model_free(m);
+        free(dir);
+        if (rc) {
+            kv_lowrank_free(lr);
+            return rc;
+        }
+    }
+    /* informational parts the struct does not carry; the file parsed above */
+    json_t *doc = json_load_file(mpath, 0, NULL);
+    json_t *opts = doc ? json_object_get(doc, "options") : NULL;
+    json_t *mo = doc ? json_object_get(doc, "model") : NULL;
+    json_t *lat = doc ? json_object_get(doc, "latent") : NULL;
+    const char *written = doc ? json_string_value(json_object_get(doc, "kvcal_version")) : NULL;
+
+    struct kv_config cfg = {.n_layers = lr->n_layers, .n_kv_heads = lr->n_kv_heads,
+                            .head_dim = lr->head_dim};
+    int64_t base = kv_lowrank_base_bytes(&cfg), comp = kv_lowrank_bytes(lr, lr->kv_bits);
+    int64_t layer_base = 2 * lr->n_kv_heads * lr->head_dim * 2;
+    double en[2] = {0, 0}, dr[2] = {0, 0};
+    struct lr_side_view *views = calloc((size_t)(2 * lr->n_layers), sizeof *views);
+    if (!views) {
+        json_decref(doc);
+        kv_lowrank_free(lr);
+        return cli_report(&(struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"});
+    }
+    int width = 7;
+    for (int64_t l = 0; l < lr->n_layers; l++) {
+        side_view(lr, &lr->layers[l].k, &views[2 * l]);
+        side_view(lr, &lr->layers[l].v, &views[2 * l + 1]);
+        for (int w = 0; w < 2; w++) {
+            en[w] += views[2 * l + w].energy, dr[w] += views[2 * l + w].dropped;
+            int n = (int)strlen(views[2 * l + w].ranks);
+            if (n > width) width = n;
+        }
+    }
+
+    if (json) {
+        json_t *layers = json_array();
+        for (int64_t l = 0; l < lr->n_layers; l++) {
+            const struct lr_side_view *vk = &views[2 * l], *vv = &views[2 * l + 1];
+            json_array_append_new(
+                layers, json_pack("{s:I, s:o, s:o, s:{s:I, s:I}}", "layer", (json_int_t)l, "k",
+                                  side_json(&lr->layers[l].k, vk), "v",
+                                  side_json(&lr->layers[l].v, vv), "kv_bytes_per_token", "base",
+                                  (json_int_t)layer_base, "compressed",
+                                  (json_int_t)(vk->bytes + vv->bytes)));
+        }
+        json_t *o = json_pack(
+            "{s:o, s:s, s:i, s:s?, s:s, s:s, s:O?, s:O?, s:O?, s:{s:I, s:I, s:o}, s:{s:o, s:o}, s:o, s:o}",
+            "path", cli_json_text(path), "type", "kvcal.manifest", "version", 1, "kvcal_version",
+            written, "method", lr->method, "alloc", lr->alloc, "options", opts, "model", mo,
+            "latent", lat, "kv_bytes_per_token", "base", (json_int_t)base, "compressed",
+            (json_int_t)comp, "ratio", cli_json_real((double)comp / (double)base),
+            "predicted_error", "k", cli_json_real(rel_err(dr[0], en[0])), "v",
+            cli_json_real(rel_err(dr[1], en[1])), "checked_against",
+            model ? cli_json_text(model) : json_null(), "layers", layers);
+        rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    } else {
+        printf("compressed %s (kvcal.manifest version 1, written by kvcal %s)\n", path,
+               written ? written : "?");
+        printf("method     %s, allocation %s\n", lr->method, lr->alloc);
+        char *os = opts ? json_dumps(opts, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
+        printf("options    %s\n", os ? os : "{}");
+        free(os);
+        const char *src = mo ? json_string_value(json_object_get(mo, "source")) : NULL;
+        const char *fmt = mo ? json_string_value(json_object_get(mo, "format")) : NULL;
+        printf("model      fingerprint %.16s…, %s%s%s\n", lr->model_fingerprint, fmt ? fmt : "?",
+               src ? " from " : "", src ? src : "");
+        printf("           dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld\n",
+               (long long)lr->dim, (long long)lr->n_layers, (long long)lr->n_heads,
+               (long long)lr->n_kv_heads, (long long)lr->head_dim);
+        if (lr->kv_bits >= 16)
+            printf("latent     f16, no quantization");
+        else
+            printf("latent     int%d codes, per-token asymmetric per unit with an f16 scale and "
+                   "zero point",
+                   lr->kv_bits);
+        printf(", hadamard %s\n", lr->hadamard ? "yes" : "no");
+        printf("kv cache   %lld bytes/token compressed, %lld base (ratio %.4f, %.2fx smaller)\n",
+               (long long)comp, (long long)base, (double)comp / (double)base,
+               comp ? (double)base / (double)comp : 0.0);
+        printf("predicted  relative K/V output error %.2f%% / %.2f%% (dropped / total energy of "
+               "the units)\n",
+               100 * rel_err(dr[0], en[0]), 100 * rel_err(dr[1], en[1]));
+        if (model) printf("factors    read and checked against %s\n", model);
+        printf("\n%-6s %-18s %-*s %7s  %-13s %-*s %7s  %s\n", "layer", "K mode", width, "K ranks",
+               "K err", "V mode", width, "V ranks", "V err", "bytes/token base -> compressed");
+        for (int64_t l = 0; l < lr->n_layers; l++) {
+            const struct kv_lr_layer *y = &lr->layers[l];
+            const struct lr_side_view *vk = &views[2 * l], *vv = &views[2 * l + 1];
+            char ek[24], ev[24];
+            pct_text(&y->k, vk->dropped, vk->energy, ek, sizeof ek);
+            pct_text(&y->v, vv->dropped, vv->energy, ev, sizeof ev);
+            printf("%-6lld %-18s %-*s %7s  %-13s %-*s %7s  %lld -> %lld\n", (long long)l,
+                   kv_lr_mode_name(y->k.mode), width, vk->ranks, ek, kv_lr_mode_name(y->v.mode),
+                   width, vv->ranks, ev, (long long)layer_base, (long long)(vk->bytes + vv->bytes));
+        }
+        char tk[24], tv[24];
+        snprintf(tk, sizeof tk, "%.2f%%", 100 * rel_err(dr[0], en[0]));
+        snprintf(tv, sizeof tv, "%.2f%%", 100 * rel_err(dr[1], en[1]));
+        printf("%-6s %-18s %-*s %7s  %-13s %-*s %7s  %lld -> %lld (ratio %.4f)\n", "total", "",
+               width, "", tk, "", width, "", tv, (long long)base, (long long)comp,
+               (double)comp / (double)base);
+    }
+    free(views);
+    json_decref(doc);
+    kv_lowrank_free(lr);
+    return rc;
+}
+
 int cmd_inspect(int argc, char **argv) {
     const char *tokenizer = NULL, *model = NULL;
     int json = 0;
     const struct cli_opt opts[] = {
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE", "tokenizer to load alongside the model"},
         {"model", 'm', OPT_STR, &model, "PATH",
-         "for a .kvstats file: the model it was collected on, to show K/V output spectra"},
+         "base model: K/V spectra of a .kvstats file, factor checks of a directory"},
         {"json", 0, OPT_FLAG, &json, NULL, "print one JSON object on stdout"},
     };
     const struct cli_cmd cmd = {
@@ -153,11 +357,18 @@ int cmd_inspect(int argc, char **argv) {
         "and, per layer, the trace and condition number of XᵀX and the effective rank (the\n"
         "fewest eigen-directions keeping 90% / 99% of the energy) of each KV head's\n"
         "post-RoPE key covariance and, with --model, of its K and V output covariances\n"
-        "W C_x Wᵀ. Low ranks mean a head compresses well; look here before choosing --eps.",
+        "W C_x Wᵀ. Low ranks mean a head compresses well; look here before choosing --eps.\n"
+        "\n"
+        "Given a directory written by 'kvcal decompose' (it holds kvcal.json), print the\n"
+        "method, options and latent format and, per layer, the K and V modes, the rank of\n"
+        "each unit, the predicted relative output error and the KV cache bytes per token\n"
+        "before and after, with the totals. With --model, every factor is also read and\n"
+        "checked against that base model.",
         "examples:\n"
         "  kvcal inspect stories260K.gguf\n"
         "  kvcal inspect tinystories-656K --json\n"
-        "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
+        "  kvcal inspect 656K.kvstats --model tinystories-656K\n"
+        "  kvcal inspect 656K-palu --json\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 1};
     const char *pos[1];
     int n_pos;
@@ -165,6 +376,12 @@ int cmd_inspect(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (n_pos != 1) return cli_usage_error(&cmd, "missing PATH");
     if (kv_stats_probe(pos[0])) return inspect_stats(pos[0], model, tokenizer, json);
+    char *mpath = manifest_of(pos[0]);
+    if (mpath) {
+        rc = inspect_lowrank(pos[0], mpath, model, tokenizer, json);
+        free(mpath);
+        return rc;
+    }
     if (model) return cli_usage_error(&cmd, "--model applies to a .kvstats file, and '%s' is not one", pos[0]);
     struct kv_model *m;
     if ((rc = cli_load_model(pos[0], tokenizer, &m))) return rc;

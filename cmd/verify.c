@@ -6,7 +6,6 @@
 
 #include "cli.h"
 #include "commands.h"
-#include "kvdir.h"
 
 /* Base against compressed: both models on the same windows. */
 static int verify_compressed(const char *model, const char *src, const char *text,

@@ -646,28 +646,6 @@ static void remove_tree(const char *dir) {
     rmdir(dir);
 }
 
-/* fsync the directory that holds path, so a rename into it is durable.
- * File systems that cannot sync a directory say EINVAL: nothing to do. */
-static int sync_parent(const char *path, struct kv_err *err) {
-    char eb[128];
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    int rc = KV_OK, fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
-                     kv_errtext(errno, eb, sizeof eb));
-    } else {
-        int r;
-        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
-        if (r != 0 && errno != EINVAL && errno != ENOTSUP)
-            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
-                         kv_errtext(errno, eb, sizeof eb));
-        close(fd);
-    }
-    free(dir);
-    return rc;
-}
 
 static int write_dir(const struct job *j, const char *out, struct kv_err *err) {
     char eb[128];
@@ -703,7 +681,7 @@ static int write_dir(const struct job *j, const char *out, struct kv_err *err) {
     if (rc)
         remove_tree(tmp);
     else
-        rc = sync_parent(dst, err);
+        rc = kv_fsync_parent(dst, err);
     free(dst), free(tmp);
     return rc;
 }

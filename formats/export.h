@@ -26,7 +26,7 @@
 
 #include "kvcal.h"
 
-/* Write the dense form of lr applied to model m to out. m must have been
+/*  Write the dense form of lr applied to model m to out. m must have been
  * loaded from model_path (kv_model_open: an HF directory, a .gguf or a
  * llama2.c .bin); before anything is written every K/V tensor to overwrite
  * is read back from model_path and must decode to exactly m's weight, and
@@ -63,8 +63,7 @@
  * synthetic model), KV_EUNSUPPORTED (as above, naming the layer and mode),
  * KV_EFORMAT (a source file no longer as loaded), KV_ENUMERIC (a non-finite
  * product, or one that overflows the stored dtype), KV_EIO, KV_ENOMEM. On
- * failure out is left as it was. */
-int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
-                       const struct kv_lowrank *lr, const char *out, struct kv_err *err);
+ * failure out is left as it was. kv_lr_export_dense is declared in kvcal.h. */
+
 
 #endif

@@ -99,25 +99,26 @@ static char *dir_of(const char *path) {
     return d;
 }
 
-/* fsync the directory so the rename itself is durable. File systems that
- * cannot sync a directory say EINVAL; there is nothing more to do there. */
-static int sync_dir(const char *path, struct kv_err *err) {
+int kv_fsync_dir(const char *dir, const char *path, struct kv_err *err) {
     char eb[128];
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
+                       kv_errtext(errno, eb, sizeof eb));
+    int r, rc = KV_OK;
+    while ((r = fsync(fd)) != 0 && errno == EINTR) {}
+    /* file systems that cannot sync a directory say EINVAL: nothing to do */
+    if (r != 0 && errno != EINVAL && errno != ENOTSUP)
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
+                     kv_errtext(errno, eb, sizeof eb));
+    close(fd);
+    return rc;
+}
+
+int kv_fsync_parent(const char *path, struct kv_err *err) {
     char *dir = dir_of(path);
     if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    int rc = KV_OK;
-    if (fd < 0) {
-        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open directory '%s': %s", dir,
-                     kv_errtext(errno, eb, sizeof eb));
-    } else {
-        int r;
-        while ((r = fsync(fd)) != 0 && errno == EINTR) {}
-        if (r != 0 && errno != EINVAL && errno != ENOTSUP)
-            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot sync directory '%s': %s", dir,
-                         kv_errtext(errno, eb, sizeof eb));
-        close(fd);
-    }
+    int rc = kv_fsync_dir(dir, path, err);
     free(dir);
     return rc;
 }
@@ -168,5 +169,5 @@ int kv_write_atomic(const char *path,
         return rc;
     }
     free(tmp);
-    return sync_dir(path, err);
+    return kv_fsync_parent(path, err);
 }

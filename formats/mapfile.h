@@ -26,6 +26,11 @@ int kv_path_kind(const char *path);
 /* Join dir and name into a malloc'd string. */
 char *kv_path_join(const char *dir, const char *name);
 
+/* fsync directory dir (a rename into it becomes durable); errors are KV_EIO
+ * naming path. kv_fsync_parent syncs the directory holding path. */
+int kv_fsync_dir(const char *dir, const char *path, struct kv_err *err);
+int kv_fsync_parent(const char *path, struct kv_err *err);
+
 /* Write path atomically, so that it always holds either its old content or
  * all of the new: create path.tmp (mode 0644, truncating a stale one), let
  * fill write the whole content to fd, fsync and close it, rename it over

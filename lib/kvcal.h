@@ -558,6 +558,60 @@ int64_t kv_lowrank_base_bytes(const struct kv_config *cfg);
 int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits);
 int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
 
+/* ---------------------------------------------------------------- output directory */
+
+/* The compressed model directory of `kvcal decompose`: kvcal.json (the
+ * manifest, README "Compressed model directory") and model.safetensors. */
+/* What kv_lr_dir_write records besides the model and its factors. */
+struct kv_lr_dir_info {
+    const char *model_path;     /* --model as given: the manifest's model.source (may be NULL);
+                                   for an HF directory its config and tokenizer files are copied */
+    const char *tokenizer_path; /* --tokenizer or NULL: copied for a non-HF source */
+    const char *options_json;   /* JSON object text for "options" (NULL: {}) */
+    const char *stats_json;     /* JSON object text for "stats" (NULL: null) */
+};
+
+/* Write the compressed model lr of base model m to directory dir. Every file
+ * goes into dir.tmp-<pid>/ first (each fsynced); then, if dir exists, it must
+ * be empty or hold a kvcal.json (an earlier output, whose files are removed
+ * one by one first; a subdirectory is refused), else KV_EINVAL and nothing of
+ * dir is touched; the temporary is renamed to dir and the parent directory
+ * fsynced. lr must describe m (same shapes and fingerprint, units covering
+ * every KV head once, the factors its modes need): KV_EINVAL otherwise.
+ * Errors name the file: KV_EIO, KV_EINVAL, KV_ENOMEM. */
+int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
+                    const struct kv_lr_dir_info *info, const char *dir, struct kv_err *err);
+
+/* Read dir/kvcal.json and the weights file it names, for base model m: the
+ * format and version, every dimension against m's config, m's fingerprint
+ * against the recorded one (KV_EINVAL), every unit's heads (contiguous, in
+ * range, each KV head exactly once), ranks (1..s*d_h), each named tensor's
+ * presence and exact shape (F32, or F16/BF16 converted), o_cols, and that
+ * kv_bytes_per_token is what the ranks give. On success *out owns copies of
+ * every factor; release with kv_lowrank_free. Errors name the file and the
+ * key or tensor (with its byte offset when known): KV_EIO, KV_EFORMAT,
+ * KV_EINVAL (another model), KV_EUNSUPPORTED (a newer version, a mode kvcal
+ * does not run), KV_ENOMEM. */
+int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank **out,
+                   struct kv_err *err);
+
+/* Read and validate the manifest at path alone (no weights, no model): *out
+ * gets the shapes, modes, units, ranks, energies, o_cols and latent format,
+ * with every factor pointer NULL. Errors as kv_lr_dir_open, naming path. */
+int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err *err);
+
+/* ---------------------------------------------------------------- dense export */
+
+/* Write the source model at model_path (from which m was loaded) again in its
+ * own format, with every compressed K/V weight replaced by up·down: an
+ * ordinary model that any engine loads, as a quality proxy (same numbers, no
+ * memory saving). HF directories become a directory, GGUF and llama2.c a
+ * file; only the K/V tensors' bytes change. postrope_rotation keys have no
+ * dense form: KV_EUNSUPPORTED naming the layer, before anything is written.
+ * Atomic; see formats/export.h for every rule. */
+int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
+                       const struct kv_lowrank *lr, const char *out, struct kv_err *err);
+
 /* ---------------------------------------------------------------- decompose */
 
 enum kv_method {

@@ -74,7 +74,7 @@ Test(cli, unknown_command_names_the_nearest) {
 Test(cli, help_goes_to_stdout_with_exit_0) {
     char *out, *err;
     cr_assert_eq(kvt_run_cli("verify --help", &out, &err), 0);
-    cr_assert(strncmp(out, "usage: kvcal verify --model PATH --text FILE [options]\n", 55) == 0, "%s", out);
+    cr_assert(strncmp(out, "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options]\n", 74) == 0, "%s", out);
     cr_assert(strstr(out, "--seq-len N") && strstr(out, "protocol (windows)"), "%s", out);
     cr_assert_str_eq(err, "");
     free(out), free(err);
@@ -86,16 +86,16 @@ Test(cli, help_goes_to_stdout_with_exit_0) {
 Test(cli, usage_errors_exit_2_with_one_message_and_the_usage) {
     expect_cli("verify --text x.txt", 2,
                "kvcal verify: missing --model\n"
-               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+               "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] (see 'kvcal verify --help')\n");
     expect_cli("verify --model m --text t --seq-len abc", 2,
                "kvcal verify: option '--seq-len' needs an integer, got 'abc'\n"
-               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+               "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] (see 'kvcal verify --help')\n");
     expect_cli("verify --model m --text t --seq-len 1", 2,
                "kvcal verify: --seq-len must be at least 2, got 1\n"
-               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+               "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] (see 'kvcal verify --help')\n");
     expect_cli("verify --model m --text t --tokens u", 2,
                "kvcal verify: give exactly one of --text or --tokens\n"
-               "usage: kvcal verify --model PATH --text FILE [options] (see 'kvcal verify --help')\n");
+               "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] (see 'kvcal verify --help')\n");
     expect_cli("inspect --bogus", 2,
                "kvcal inspect: unknown option '--bogus'\n"
                "usage: kvcal inspect PATH [--json]  |  STATS.kvstats [--model PATH] [--json] "
