@@ -516,9 +516,9 @@ static int fisher_scores(struct dctx *x) {
     for (int64_t i = 0; i < x->n_slots; i++) {
         double f = x->o->fisher[i];
         if (!isfinite(f) || f < 0)
-            return kv_fail(x->err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
-                           "fisher score of layer %lld %s unit %lld is %g", (long long)x->slots[i].layer,
-                           x->slots[i].side ? "v" : "k", (long long)i, f);
+            return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "fisher score %lld (layer %lld %s) is %g, expected a finite value >= 0",
+                           (long long)i, (long long)x->slots[i].layer, x->slots[i].side ? "v" : "k", f);
         x->slots[i].fisher = f;
     }
     return KV_OK;
@@ -873,9 +873,9 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (!s && o->method != KV_METHOD_SVD && o->method != KV_METHOD_LORC)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "--method %s needs calibration statistics (--stats)", kv_method_name(o->method));
-    if (o->eps < 0 || o->eps > 1)
+    if (o->eps != 0 && !(o->eps > 0 && o->eps <= 1))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--eps %g is outside (0, 1]", o->eps);
-    if (o->ratio < 0 || o->ratio > 1)
+    if (o->ratio != 0 && !(o->ratio > 0 && o->ratio <= 1))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--ratio %g is outside (0, 1]", o->ratio);
     if (o->eps > 0 && o->ratio > 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "give --eps or --ratio, not both");
@@ -905,7 +905,13 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
                        o->kv_bits);
     if (s && (s->dim != c->dim || s->n_layers != c->n_layers || s->n_heads != c->n_heads ||
               s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "statistics are shaped for another model");
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "statistics are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, "
+                       "but the model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
+                       (long long)s->n_layers, (long long)s->dim, (long long)s->n_heads,
+                       (long long)s->n_kv_heads, (long long)s->head_dim, (long long)c->n_layers,
+                       (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
+                       (long long)c->head_dim);
 
     struct dctx x = {m, s, o, NULL, 0, 0, err};
     int rc = build_slots(&x);
@@ -936,6 +942,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
             if (target > 0) o->param = search_param(&x, a, target);
             else param_ranks(&x, a, o->param = o->eps);
             break;
+        case KV_ALLOC_REMOVAL: o->param = 1.0 - search_param(&x, a, target); break;
         default: o->param = search_param(&x, a, target); break;
         }
     }

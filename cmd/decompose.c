@@ -292,7 +292,7 @@ int cmd_decompose(int argc, char **argv) {
                            (json_int_t)min_rank, "kv_bits", (int)kv_bits, "hadamard", hadamard,
                            "searched_parameter", cli_json_real(o.param));
     if (method == KV_METHOD_LORC) {
-        json_object_set_new(jo, "d_min", json_real(o.alloc == KV_ALLOC_PROGRESSIVE && ratio > 0 ? o.param : d_min));
+        json_object_set_new(jo, "d_min", json_real(o.alloc == KV_ALLOC_PROGRESSIVE && ratio > 0 ? o.param * (d_max > 0 ? d_max : 1.0) : d_min));
         json_object_set_new(jo, "d_max", json_real(d_max > 0 ? d_max : 1.0));
         json_object_set_new(jo, "cond_skip", cond_skip > 0 ? json_real(cond_skip) : json_null());
     }

@@ -641,6 +641,8 @@ const char *kv_alloc_name(enum kv_alloc a);
 int kv_method_parse(const char *s);
 int kv_alloc_parse(const char *s);
 
+/* alloc KV_ALLOC_DEFAULT and kv_bits 0 are resolved in place (to the
+ * method's allocation and 16), so the struct tells what ran. */
 struct kv_decompose_opts {
     enum kv_method method;
     enum kv_alloc alloc;
@@ -665,11 +667,15 @@ struct kv_decompose_opts {
     /* out */
     double seconds;        /* wall time */
     double lapack_seconds; /* of which eigendecompositions */
-    double param;          /* the searched parameter (eps, fraction, removal rate, ...) */
+    double param;          /* the allocation's parameter as run: eps, width fraction
+                              (uniform, fisher), removal rate, d_min/d_max
+                              (progressive), e_b (layer-budget); 0 for global */
 };
 
 /* Build low-rank K/V factors for m from its statistics s (which may be NULL
- * for svd and lorc: then errors are measured in the weight metric). The
+ * for svd and lorc: then errors are measured in the weight metric). Only
+ * the shapes of s are checked here; kv_stats_matches_model checks that s
+ * came from m. The
  * result records per unit the calibration energy and the dropped energy
  * (the predicted ‖Y − Y'‖²_F). Errors: KV_EINVAL for impossible options
  * (naming the option), KV_ENUMERIC naming the layer and unit. */
