@@ -548,32 +548,11 @@ static int build_unit(struct dctx *x, const struct slot *sl, const struct unit *
     out->energy = energy;
     out->dropped = dropped > 0 ? dropped : 0;
 
-    double *H = NULL;
-    if (x->o->hadamard) {
-        if (!(H = malloc((size_t)(r * r) * sizeof *H)))
-            return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-        kv_lr_hadamard(r, H);
-    }
-    /* basis B = V[:, :r] (mm × r), rotated by H when fused: B H */
+    /* basis B = V[:, :r] (mm × r) */
     double *B = malloc((size_t)(mm * r) * sizeof *B);
-    if (!B) {
-        free(H);
-        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    }
+    if (!B) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t a = 0; a < mm; a++)
         for (int64_t j = 0; j < r; j++) B[a * r + j] = V[a * mm + j];
-    if (H) {
-        double *BH = malloc((size_t)(mm * r) * sizeof *BH);
-        if (!BH) {
-            free(H), free(B);
-            return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-        }
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)r, (int)r, 1.0, B,
-                    (int)r, H, (int)r, 0.0, BH, (int)r);
-        free(B);
-        B = BH;
-    }
-    free(H);
     int rc = KV_OK;
     if (sl->rotation) {
         /* rot [r, d_h] = Bᵀ */
@@ -655,7 +634,7 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
     snprintf(lr->alloc, sizeof lr->alloc, "%s", kv_alloc_name(x->o->alloc));
     lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
     lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim;
-    lr->kv_bits = x->o->kv_bits, lr->hadamard = x->o->hadamard;
+    lr->kv_bits = x->o->kv_bits;
     int rc = KV_OK;
     if (x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->s->fingerprint);
     else rc = kv_model_fingerprint(m, lr->model_fingerprint, x->err);
@@ -682,6 +661,7 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
     }
     for (int64_t l = 0; l < c->n_layers && !rc; l++)
         if (lr->layers[l].v.mode == KV_LR_FUSED_OUTPUT) rc = fuse_output(m, l, &lr->layers[l], x->err);
+    if (!rc && x->o->hadamard) rc = kv_lowrank_hadamard(lr, x->err);
     if (rc) {
         kv_lowrank_free(lr);
         return rc;

@@ -11,11 +11,15 @@
 static int verify_compressed(const char *model, const char *src, const char *text,
                              const char *dir, struct kv_model *m, const int32_t *ids, int64_t n,
                              size_t n_bytes, int64_t seq_len, int64_t max_windows, int64_t kv_bits,
-                             int json, int quiet) {
+                             int hadamard, int json, int quiet) {
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_lowrank *lr;
     if (kv_lr_dir_open(dir, m, &lr, &err)) return cli_report(&err);
+    if (hadamard && !lr->hadamard && kv_lowrank_hadamard(lr, &err)) {
+        kv_lowrank_free(lr);
+        return cli_report(&err);
+    }
     int bits = kv_bits ? (int)kv_bits : lr->kv_bits;
     struct cli_progress prog;
     cli_progress_start(&prog, "windows", quiet || json);
@@ -79,7 +83,7 @@ static int verify_compressed(const char *model, const char *src, const char *tex
 int cmd_verify(int argc, char **argv) {
     const char *model = NULL, *tokenizer = NULL, *text = NULL, *tokens = NULL, *comp = NULL;
     int64_t seq_len = 256, max_windows = 0, threads = 0, kv_bits = 0;
-    int json = 0, quiet = 0;
+    int json = 0, quiet = 0, hadamard = 0;
     const struct cli_opt opts[] = {
         {"model", 'm', OPT_STR, &model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
@@ -93,6 +97,9 @@ int cmd_verify(int argc, char **argv) {
         {"kv-bits", 0, OPT_INT, &kv_bits, "B",
          "with --compressed: latent storage 16, 8, 4, 3 or 2 bits (default: the manifest's);\n"
          "below 16, per-token asymmetric quantization with fp16 scale and zero point"},
+        {"hadamard", 0, OPT_FLAG, &hadamard, NULL,
+         "with --compressed: fuse a Walsh-Hadamard rotation into the factors before running\n"
+         "(as decompose --hadamard; no-op when the directory already has one)"},
         {"seq-len", 0, OPT_INT, &seq_len, "N", "window length in tokens (default 256)"},
         {"max-windows", 0, OPT_INT, &max_windows, "W", "evaluate only the first W windows"},
         {"threads", 0, OPT_INT, &threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
@@ -125,6 +132,7 @@ int cmd_verify(int argc, char **argv) {
     if (max_windows < 0) return cli_usage_error(&cmd, "--max-windows must be positive");
     if (threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     if (kv_bits && !comp) return cli_usage_error(&cmd, "--kv-bits needs --compressed");
+    if (hadamard && !comp) return cli_usage_error(&cmd, "--hadamard needs --compressed");
     if (kv_bits && kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
         return cli_usage_error(&cmd, "--kv-bits %lld is not one of 16, 8, 4, 3, 2", (long long)kv_bits);
     kv_set_threads((int)threads);
@@ -142,7 +150,7 @@ int cmd_verify(int argc, char **argv) {
     }
     if (comp) {
         rc = verify_compressed(model, src, text, comp, m, ids, n, n_bytes, seq_len, max_windows,
-                               kv_bits, json, quiet);
+                               kv_bits, hadamard, json, quiet);
         free(ids);
         kv_model_free(m);
         return rc;

@@ -558,6 +558,13 @@ int64_t kv_lowrank_base_bytes(const struct kv_config *cfg);
 int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits);
 int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
 
+/* Fuse a Walsh-Hadamard rotation H (kv_lr_hadamard of each unit's rank)
+ * into the factors, in place: the cached latent becomes z H, which spreads
+ * outliers before quantization (Palu §3.4), while every product the forward
+ * pass forms is unchanged in exact arithmetic. KV_EINVAL when lr already has
+ * one. */
+int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err);
+
 /* ---------------------------------------------------------------- output directory */
 
 /* The compressed model directory of `kvcal decompose`: kvcal.json (the

@@ -58,3 +58,80 @@ int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits) {
         b += side_bytes(lr, &lr->layers[l].k, kv_bits) + side_bytes(lr, &lr->layers[l].v, kv_bits);
     return b;
 }
+
+/* a [rows, r] row-major: a = a H (in float64, rounded once). */
+static void right_mul(float *a, int64_t rows, int64_t ld, int64_t r, const double *H, double *tmp) {
+    for (int64_t i = 0; i < rows; i++) {
+        float *p = a + i * ld;
+        for (int64_t j = 0; j < r; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < r; k++) acc += (double)p[k] * H[k * r + j];
+            tmp[j] = acc;
+        }
+        for (int64_t j = 0; j < r; j++) p[j] = (float)tmp[j];
+    }
+}
+
+/* b [r, cols] row-major: b = Hᵀ b. */
+static void left_mul_t(float *b, int64_t r, int64_t cols, const double *H, double *tmp) {
+    for (int64_t c = 0; c < cols; c++) {
+        for (int64_t j = 0; j < r; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < r; k++) acc += H[k * r + j] * (double)b[k * cols + c];
+            tmp[j] = acc;
+        }
+        for (int64_t j = 0; j < r; j++) b[j * cols + c] = (float)tmp[j];
+    }
+}
+
+int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
+    if (lr->hadamard)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a hadamard rotation is already fused in");
+    int64_t rmax = 1, d = lr->dim, dh = lr->head_dim;
+    for (int64_t l = 0; l < lr->n_layers; l++)
+        for (int s = 0; s < 2; s++) {
+            const struct kv_lr_side *sd = s ? &lr->layers[l].v : &lr->layers[l].k;
+            for (int64_t u = 0; u < sd->n_units; u++) rmax = sd->units[u].rank > rmax ? sd->units[u].rank : rmax;
+        }
+    double *H = malloc((size_t)(rmax * rmax) * sizeof *H);
+    double *tmp = malloc((size_t)(rmax > d ? rmax : d) * sizeof *tmp);
+    if (!H || !tmp) {
+        free(H), free(tmp);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    int64_t grp = lr->n_heads / lr->n_kv_heads;
+    for (int64_t l = 0; l < lr->n_layers; l++) {
+        struct kv_lr_layer *L = &lr->layers[l];
+        for (int s = 0; s < 2; s++) {
+            struct kv_lr_side *sd = s ? &L->v : &L->k;
+            if (sd->mode == KV_LR_FULL) continue;
+            for (int64_t u = 0; u < sd->n_units; u++) {
+                struct kv_lr_unit *un = &sd->units[u];
+                int64_t r = un->rank;
+                kv_lr_hadamard(r, H);
+                /* z' = z H: down' = Hᵀ down, c' = Hᵀ c, rot' = Hᵀ rot; up' = up H */
+                if (un->down) left_mul_t(un->down, r, d, H, tmp);
+                if (un->down_bias) left_mul_t(un->down_bias, r, 1, H, tmp);
+                if (un->rot) left_mul_t(un->rot, r, dh, H, tmp);
+                if (un->up) right_mul(un->up, un->n_heads * dh, r, r, H, tmp);
+            }
+            if (s == 1 && L->o_fused) {
+                /* each query head's block of the fused output reads z: O' = O H */
+                int64_t off = 0;
+                for (int64_t i = 0; i < lr->n_heads; i++) {
+                    const struct kv_lr_unit *un = NULL;
+                    for (int64_t u = 0; u < sd->n_units; u++)
+                        if (i / grp >= sd->units[u].head0 && i / grp < sd->units[u].head0 + sd->units[u].n_heads)
+                            un = &sd->units[u];
+                    if (!un) break;
+                    kv_lr_hadamard(un->rank, H);
+                    right_mul(L->o_fused + off, d, L->o_cols, un->rank, H, tmp);
+                    off += un->rank;
+                }
+            }
+        }
+    }
+    free(H), free(tmp);
+    lr->hadamard = 1;
+    return KV_OK;
+}
