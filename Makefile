@@ -34,7 +34,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps test bench clean install fuzz
+.PHONY: all deps test bench results clean install fuzz
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/include/kvcal.h
 
 deps:
@@ -92,6 +92,11 @@ test: all $(TEST_BIN)
 
 bench: all $(BENCH_BIN)
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done
+
+# The README results table (markdown on stdout, JSON lines in $(BUILD)/results);
+# minutes of decompose and verify runs, so not part of test or bench.
+results: all
+	@KVCAL_BIN=$(BUILD)/kvcal bash tests/bench/results.sh
 
 # Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
 #   make fuzz FUZZ=safetensors|model|tokenizer|kvstats [FUZZ_SECONDS=300]

@@ -244,7 +244,11 @@ static int zack_value_slots(struct dctx *x, int64_t l) {
     int64_t qd = c->n_heads * dh;
     const float *wo = x->m->layers[l].w[KV_W_O]; /* [d, h*d_h] */
     double *gram = malloc((size_t)(dh * dh) * sizeof *gram);
-    if (!gram) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    double *blk = malloc((size_t)(d * dh) * sizeof *blk);
+    if (!gram || !blk) {
+        free(gram), free(blk);
+        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
     int rc = KV_OK;
     for (int64_t j = 0; j < g && !rc; j++) {
         struct slot *sl = new_slot(x, l, 1, dh, 1, 1);
@@ -256,19 +260,19 @@ static int zack_value_slots(struct dctx *x, int64_t l) {
         if ((rc = out_cov(x, l, 1, j, 1, sl->units[0].cov))) break;
         memcpy(gram, sl->units[0].cov, (size_t)(dh * dh) * sizeof *gram);
         /* W_O,i W_O,iᵀ = B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
-        for (int64_t i = j * grp; i < (j + 1) * grp; i++)
-            for (int64_t a = 0; a < dh; a++)
-                for (int64_t b = 0; b < dh; b++) {
-                    double acc = 0;
-                    for (int64_t r = 0; r < d; r++)
-                        acc += (double)wo[r * qd + i * dh + a] * wo[r * qd + i * dh + b];
-                    gram[a * dh + b] += acc;
-                }
+        for (int64_t i = j * grp; i < (j + 1) * grp; i++) {
+            for (int64_t r = 0; r < d; r++)
+                for (int64_t a = 0; a < dh; a++) blk[r * dh + a] = (double)wo[r * qd + i * dh + a];
+            cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)dh, (int)d, 1.0, blk, (int)dh,
+                        1.0, gram, (int)dh);
+        }
+        for (int64_t a = 0; a < dh; a++)
+            for (int64_t b = 0; b < a; b++) gram[a * dh + b] = gram[b * dh + a];
         char what[96];
         snprintf(what, sizeof what, "layer %lld v-o rotation of head %lld", (long long)l, (long long)j);
         rc = eigh(x, gram, dh, sl->lam, sl->vecs, what);
     }
-    free(gram);
+    free(gram), free(blk);
     return rc;
 }
 
@@ -924,6 +928,25 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
             break;
         case KV_ALLOC_REMOVAL: o->param = 1.0 - search_param(&x, a, target); break;
         default: o->param = search_param(&x, a, target); break;
+        }
+    }
+    o->target_bytes = target;
+    o->achieved_bytes = rc ? 0 : total_bytes(&x);
+    if (!rc && target > 0 && a != KV_ALLOC_GLOBAL && a != KV_ALLOC_UNIFORM) {
+        /* the allocation's own parameter at its most aggressive end still
+         * keeps more than the target (e.g. progressive with d_max = 1 keeps
+         * the most sensitive layer whole): say so instead of pretending */
+        int64_t *save = malloc((size_t)(x.n_slots > 0 ? x.n_slots : 1) * sizeof *save);
+        if (save) {
+            for (int64_t i = 0; i < x.n_slots; i++) save[i] = x.slots[i].rank;
+            int64_t least = o->achieved_bytes;
+            if (a != KV_ALLOC_LAYER_BUDGET) {
+                param_ranks(&x, a, 0.0);
+                least = total_bytes(&x);
+            }
+            o->least_bytes = least;
+            for (int64_t i = 0; i < x.n_slots; i++) x.slots[i].rank = save[i];
+            free(save);
         }
     }
     if (!rc) rc = build_lowrank(&x, out);

@@ -278,6 +278,15 @@ int cmd_decompose(int argc, char **argv) {
         return cli_report(&err);
     }
     int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, (int)kv_bits);
+    int reached = !(ratio > 0 && o.least_bytes > o.target_bytes && comp > o.target_bytes);
+    if (!reached)
+        fprintf(stderr,
+                "kvcal: warning: --alloc %s cannot reach --ratio %g for this model: its smallest "
+                "cache keeps %.4f%s; wrote that\n",
+                kv_alloc_name(o.alloc), ratio, (double)comp / (double)base,
+                o.alloc == KV_ALLOC_PROGRESSIVE ? " (eq. 13 keeps the most sensitive layer at "
+                                                  "--d-max: lower it to go further)"
+                                                : "");
     double ke = 0, kd = 0, ve = 0, vd = 0;
     for (int64_t l = 0; l < lr->n_layers; l++) {
         side_err(&lr->layers[l].k, &ke, &kd);
@@ -330,11 +339,11 @@ int cmd_decompose(int argc, char **argv) {
                                                     side[0], "v", side[1]));
         }
         json_t *o2 = json_pack(
-            "{s:o, s:o, s:s, s:s, s:o, s:{s:I, s:I, s:o, s:o}, s:{s:o, s:o}, s:o, s:o, s:o, s:o}",
+            "{s:o, s:o, s:s, s:s, s:o, s:{s:I, s:I, s:o, s:o, s:o}, s:{s:o, s:o}, s:o, s:o, s:o, s:o}",
             "model", cli_json_text(model), "output", cli_json_text(out), "method", method_s, "alloc",
             kv_alloc_name(o.alloc), "options", jo, "kv_bytes_per_token", "base", (json_int_t)base,
             "compressed", (json_int_t)comp, "ratio", cli_json_real((double)comp / (double)base),
-            "target", ratio > 0 ? json_real(ratio) : json_null(), "predicted_error", "k",
+            "target", ratio > 0 ? json_real(ratio) : json_null(), "target_reached", json_boolean(reached), "predicted_error", "k",
             cli_json_real(ke > 0 ? kd / ke : 0), "v", cli_json_real(ve > 0 ? vd / ve : 0), "layers",
             layers, "seconds", cli_json_real(o.seconds), "lapack_seconds",
             cli_json_real(o.lapack_seconds), "write_seconds", cli_json_real(tw));
@@ -370,7 +379,7 @@ int cmd_decompose(int argc, char **argv) {
                100 * (ke > 0 ? kd / ke : 0), 100 * (ve > 0 ? vd / ve : 0));
         printf("kv cache  %lld bytes/token compressed vs %lld base: %.4f kept", (long long)comp,
                (long long)base, (double)comp / (double)base);
-        if (ratio > 0) printf(" (target %.4f)", ratio);
+        if (ratio > 0) printf(" (target %.4f%s)", ratio, reached ? "" : ", not reachable");
         printf("\ntime      %.3f s (eigendecompositions %.3f s), write %.3f s\n", o.seconds,
                o.lapack_seconds, tw);
         printf("wrote     %s\n", out);

@@ -674,6 +674,11 @@ struct kv_decompose_opts {
     /* out */
     double seconds;        /* wall time */
     double lapack_seconds; /* of which eigendecompositions */
+    int64_t target_bytes;   /* KV bytes per token --ratio asked for (0 without) */
+    int64_t achieved_bytes; /* what the allocation gives */
+    int64_t least_bytes;    /* the smallest cache the allocation reaches at all (its
+                               parameter at the aggressive end; 0 when not computed):
+                               above target_bytes, the target is out of its reach */
     double param;          /* the allocation's parameter as run: eps, width fraction
                               (uniform, fisher), removal rate, d_min/d_max
                               (progressive), e_b (layer-budget); 0 for global */

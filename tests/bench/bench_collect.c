@@ -16,26 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "kvcal.h"
-
-static const char *shared(const char *rel, char *buf, size_t cap) {
-    const char *root = getenv("KVCAL_SHARED");
-    if (!root || !*root) root = "../shared";
-    snprintf(buf, cap, "%s/%s", root, rel);
-    struct stat st;
-    return stat(buf, &st) == 0 ? buf : NULL;
-}
-
-static int die(const struct kv_err *e) {
-    char buf[2400];
-    kv_err_format(e, buf, sizeof buf, 1);
-    fprintf(stderr, "bench: %s\n", buf);
-    return 1;
-}
 
 /* tokens/s of the accumulator over windows of ids [n_win, seq]. */
 static int accum_rate(const struct kv_model *m, const int32_t *ids, int64_t n_win, int64_t seq,

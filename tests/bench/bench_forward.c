@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "kvcal.h"
 
 static double now_s(void) {
@@ -31,14 +31,6 @@ static double peak_rss_mib(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return (double)ru.ru_maxrss / 1024.0;
-}
-
-static const char *shared(const char *rel, char *buf, size_t cap) {
-    const char *root = getenv("KVCAL_SHARED");
-    if (!root || !*root) root = "../shared";
-    snprintf(buf, cap, "%s/%s", root, rel);
-    struct stat st;
-    return stat(buf, &st) == 0 ? buf : NULL;
 }
 
 /* GFLOP/s of C[m,n] = A[m,k] Bᵀ over repeated calls (best of 3 runs). */
@@ -61,13 +53,6 @@ static double sgemm_gflops(int m, int n, int k) {
     }
     free(a), free(b), free(c);
     return best;
-}
-
-static int die(const struct kv_err *e) {
-    char buf[2400];
-    kv_err_format(e, buf, sizeof buf, 1);
-    fprintf(stderr, "bench: %s\n", buf);
-    return 1;
 }
 
 int main(void) {
