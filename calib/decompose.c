@@ -887,15 +887,9 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (o->kv_bits != 16 && o->kv_bits != 8 && o->kv_bits != 4 && o->kv_bits != 3 && o->kv_bits != 2)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--kv-bits %d is not one of 16, 8, 4, 3, 2",
                        o->kv_bits);
-    if (s && (s->dim != c->dim || s->n_layers != c->n_layers || s->n_heads != c->n_heads ||
-              s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "statistics are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, "
-                       "but the model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
-                       (long long)s->n_layers, (long long)s->dim, (long long)s->n_heads,
-                       (long long)s->n_kv_heads, (long long)s->head_dim, (long long)c->n_layers,
-                       (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
-                       (long long)c->head_dim);
+    if (s && !kv_shapes_match(c, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim,
+                              "statistics", NULL, err))
+        return KV_EINVAL;
 
     struct dctx x = {m, s, o, NULL, 0, 0, err};
     int rc = build_slots(&x);

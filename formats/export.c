@@ -58,15 +58,9 @@ static enum kv_wkind bias_kind(enum kv_wkind w) { return w == KV_W_K ? KV_W_BK :
 static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
                          struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (lr->n_layers != c->n_layers || lr->dim != c->dim || lr->n_heads != c->n_heads ||
-        lr->n_kv_heads != c->n_kv_heads || lr->head_dim != c->head_dim)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "factors are shaped for %lld layers, dim %lld, %lld heads (%lld kv) of "
-                       "%lld but the model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
-                       (long long)lr->n_layers, (long long)lr->dim, (long long)lr->n_heads,
-                       (long long)lr->n_kv_heads, (long long)lr->head_dim, (long long)c->n_layers,
-                       (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
-                       (long long)c->head_dim);
+    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+                         "factors", NULL, err))
+        return KV_EINVAL;
     KV_ASSERT(lr->layers);
     const int64_t g = c->n_kv_heads;
     char *seen = malloc((size_t)g);

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "model.h"
 #include "gguf.h"
 #include "limits.h"
 
@@ -303,14 +304,6 @@ static uint64_t elem_size(uint32_t t) {
     }
 }
 
-static const char *fmt_shape(int ndim, const int64_t *shape, char *buf, size_t cap) {
-    size_t o = (size_t)snprintf(buf, cap, "[");
-    for (int i = 0; i < ndim && o < cap; i++)
-        o += (size_t)snprintf(buf + o, cap - o, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (o < cap) snprintf(buf + o, cap - o, "]");
-    return buf;
-}
-
 int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
                         const int64_t *shape, const void *data, uint64_t nbytes,
                         struct kv_err *err) {
@@ -331,7 +324,7 @@ int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "tensor '%s' has %d dimensions, expected 1 to %d", name, ndim, KV_MAX_DIMS);
     char sb[128];
-    fmt_shape(ndim, shape, sb, sizeof sb);
+    kv_shape_str(sb, sizeof sb, shape, (int)ndim);
     uint64_t numel = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 1)

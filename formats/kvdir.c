@@ -49,13 +49,6 @@ static void unit_name(char *buf, int64_t l, int which, const char *kind, int64_t
              side_char[which], kind, (long long)u);
 }
 
-static void fmt_shape(char *buf, size_t cap, const int64_t *s, int nd) {
-    size_t n = (size_t)snprintf(buf, cap, "[");
-    for (int i = 0; i < nd && n < cap; i++)
-        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)s[i]);
-    if (n < cap) snprintf(buf + n, cap - n, "]");
-}
-
 /* dropped/energy, 0 when there is no energy. */
 static double rel_error(double dropped, double energy) {
     return energy > 0 ? dropped / energy : 0.0;
@@ -682,17 +675,6 @@ static char *trim_dir(const char *dir) {
     return s;
 }
 
-static char *parent_of(const char *dir) {
-    const char *slash = strrchr(dir, '/');
-    if (!slash) return strdup(".");
-    size_t n = slash == dir ? 1 : (size_t)(slash - dir);
-    char *p = malloc(n + 1);
-    if (!p) return NULL;
-    memcpy(p, dir, n);
-    p[n] = 0;
-    return p;
-}
-
 /* Fill the temporary directory tmp. */
 static int write_contents(const struct kv_model *m, const struct kv_lowrank *lr,
                           const struct kv_lr_dir_info *info, const char *fp, const char *tmp,
@@ -796,7 +778,7 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
                        "factors were made from model %.12s but this model is %.12s",
                        lr->model_fingerprint, fp);
 
-    char *out = trim_dir(dir), *parent = out ? parent_of(out) : NULL;
+    char *out = trim_dir(dir), *parent = out ? kv_path_dir(out) : NULL;
     size_t n = out ? strlen(out) + 32 : 0;
     char *tmp = out ? malloc(n) : NULL;
     if (!out || !parent || !tmp) {
@@ -1280,8 +1262,8 @@ static int load_tensor(const struct kv_st_file *f, const char *wpath, const char
     for (int i = 0; i < nd && same; i++) same = t->shape[i] == want[i];
     if (!same) {
         char a[96], b[96];
-        fmt_shape(a, sizeof a, t->shape, t->ndim);
-        fmt_shape(b, sizeof b, want, nd);
+        kv_shape_str(a, sizeof a, t->shape, t->ndim);
+        kv_shape_str(b, sizeof b, want, nd);
         return kv_fail(err, KV_EFORMAT, wpath, t->offset,
                        "tensor '%s' has shape %s but " MANIFEST_NAME " (%s) implies %s", name, a,
                        what, b);

@@ -547,17 +547,9 @@ int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err) {
 int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
                            struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (s->n_layers != c->n_layers || s->dim != c->dim || s->n_heads != c->n_heads ||
-        s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim) {
-        kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
-                "statistics are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, but the "
-                "model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
-                (long long)s->n_layers, (long long)s->dim, (long long)s->n_heads,
-                (long long)s->n_kv_heads, (long long)s->head_dim, (long long)c->n_layers,
-                (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
-                (long long)c->head_dim);
+    if (!kv_shapes_match(c, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim,
+                         "statistics", path, err))
         return 0;
-    }
     char fp[65];
     if (kv_model_fingerprint(m, fp, err)) return 0;
     if (strcmp(fp, s->fingerprint)) {

@@ -87,8 +87,7 @@ char *kv_path_join(const char *dir, const char *name) {
     return s;
 }
 
-/* Directory holding path, malloc'd ("." when path has no slash). */
-static char *dir_of(const char *path) {
+char *kv_path_dir(const char *path) {
     const char *slash = strrchr(path, '/');
     if (!slash) return strdup(".");
     size_t n = slash == path ? 1 : (size_t)(slash - path);
@@ -116,7 +115,7 @@ int kv_fsync_dir(const char *dir, const char *path, struct kv_err *err) {
 }
 
 int kv_fsync_parent(const char *path, struct kv_err *err) {
-    char *dir = dir_of(path);
+    char *dir = kv_path_dir(path);
     if (!dir) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     int rc = kv_fsync_dir(dir, path, err);
     free(dir);

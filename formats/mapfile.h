@@ -23,6 +23,10 @@ const char *kv_errtext(int e, char *buf, size_t cap);
 /* 1 if path is a directory, 0 if not, -1 if it does not exist. */
 int kv_path_kind(const char *path);
 
+/* The directory holding path, malloc'd ("." when path has no slash, "/"
+ * for a file at the root); NULL when out of memory. */
+char *kv_path_dir(const char *path);
+
 /* Join dir and name into a malloc'd string. */
 char *kv_path_join(const char *dir, const char *name);
 

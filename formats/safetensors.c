@@ -6,6 +6,7 @@
 
 #include "cursor.h"
 #include "err.h"
+#include "model.h"
 #include "json.h"
 #include "limits.h"
 
@@ -25,13 +26,6 @@ static const char *const st_foreign_dtypes[] = {
 };
 
 #define ST_DTYPE_LIST "F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL"
-
-static void fmt_shape(char *buf, size_t cap, const int64_t *s, int nd) {
-    size_t n = (size_t)snprintf(buf, cap, "[");
-    for (int i = 0; i < nd && n < cap; i++)
-        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)s[i]);
-    if (n < cap) snprintf(buf + n, cap - n, "]");
-}
 
 /* A tensor's position in the data section, for the layout pass. */
 struct st_extent {
@@ -142,7 +136,7 @@ static int parse_entry(const char *name, const json_t *val, const char *path, st
     }
     t->ndim = (int)nd;
     char shape_s[128];
-    fmt_shape(shape_s, sizeof shape_s, t->shape, t->ndim);
+    kv_shape_str(shape_s, sizeof shape_s, t->shape, t->ndim);
     if (overflow)
         return kv_fail(err, KV_EFORMAT, path, 8,
                        "tensor '%s': shape %s %s needs more than 2^64 bytes", name, shape_s, ds);

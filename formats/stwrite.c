@@ -104,14 +104,6 @@ static int utf8_ok(const char *s) {
     return 1;
 }
 
-static const char *fmt_shape(int ndim, const int64_t *shape, char *buf, size_t cap) {
-    size_t o = (size_t)snprintf(buf, cap, "[");
-    for (int i = 0; i < ndim && o < cap; i++)
-        o += (size_t)snprintf(buf + o, cap - o, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (o < cap) snprintf(buf + o, cap - o, "]");
-    return buf;
-}
-
 /* Everything about a new tensor but its data; *need is its byte size. */
 static int check_tensor(const struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
                         const int64_t *shape, uint64_t *need, struct kv_err *err) {
@@ -141,7 +133,7 @@ static int check_tensor(const struct kv_stw *w, const char *name, enum kv_dtype 
                        "tensor '%s' has %d dimensions, expected 0 to %d", name, ndim, KV_MAX_DIMS);
     KV_ASSERT(shape || ndim == 0);
     char sb[128];
-    fmt_shape(ndim, shape, sb, sizeof sb);
+    kv_shape_str(sb, sizeof sb, shape, (int)ndim);
     uint64_t n = kv_dtype_size(dtype);
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0)
@@ -215,7 +207,7 @@ int kv_stw_add(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim
         char sb[128];
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "tensor '%s': data is %llu bytes but shape %s %s needs %llu", name,
-                       (unsigned long long)nbytes, fmt_shape(ndim, shape, sb, sizeof sb),
+                       (unsigned long long)nbytes, kv_shape_str(sb, sizeof sb, shape, (int)ndim),
                        kv_dtype_name(dtype), (unsigned long long)need);
     }
     KV_ASSERT(data || nbytes == 0);

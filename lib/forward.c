@@ -292,10 +292,9 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
     plan_free(f);
     if (!lr) return KV_OK;
     const struct kv_config *c = &f->m->cfg;
-    if (lr->n_layers != c->n_layers || lr->dim != c->dim || lr->n_heads != c->n_heads ||
-        lr->n_kv_heads != c->n_kv_heads || lr->head_dim != c->head_dim)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "compressed attention is shaped for another model");
+    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+                         "compressed attention factors", NULL, err))
+        return KV_EINVAL;
     if (kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of 16, 8, 4, 3, 2",
                        kv_bits);

@@ -210,11 +210,12 @@ void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n)
     }
 }
 
-static void fmt_shape(char *buf, size_t cap, const int64_t *s, int nd) {
+const char *kv_shape_str(char *buf, size_t cap, const int64_t *s, int nd) {
     size_t n = (size_t)snprintf(buf, cap, "[");
     for (int i = 0; i < nd && n < cap; i++)
         n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)s[i]);
     if (n < cap) snprintf(buf + n, cap - n, "]");
+    return buf;
 }
 
 static const float **slot(struct kv_model *m, enum kv_wkind kind, int64_t layer) {
@@ -240,8 +241,8 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
     for (int i = 0; ok && i < nd; i++) ok = t->shape[i] == want[i];
     if (!ok) {
         char got[96], exp[64];
-        fmt_shape(got, sizeof got, t->shape, t->ndim);
-        fmt_shape(exp, sizeof exp, want, nd);
+        kv_shape_str(got, sizeof got, t->shape, t->ndim);
+        kv_shape_str(exp, sizeof exp, want, nd);
         return kv_fail(err, KV_EFORMAT, path, t->offset,
                        "tensor '%s' has shape %s but the config implies %s for the %s", t->name,
                        got, exp, kv_wkind_name(kind));
@@ -446,4 +447,19 @@ void kv_convert_from_f32(enum kv_dtype dst, const float *in, void *out, int64_t 
         break;
     default: KV_ASSERT(0 && "unsupported conversion");
     }
+}
+
+int kv_shapes_match(const struct kv_config *c, int64_t n_layers, int64_t dim, int64_t n_heads,
+                    int64_t n_kv_heads, int64_t head_dim, const char *what, const char *path,
+                    struct kv_err *err) {
+    if (n_layers == c->n_layers && dim == c->dim && n_heads == c->n_heads &&
+        n_kv_heads == c->n_kv_heads && head_dim == c->head_dim)
+        return 1;
+    kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+            "%s are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, but the model has "
+            "%lld layers, dim %lld, %lld heads (%lld kv) of %lld",
+            what, (long long)n_layers, (long long)dim, (long long)n_heads, (long long)n_kv_heads,
+            (long long)head_dim, (long long)c->n_layers, (long long)c->dim, (long long)c->n_heads,
+            (long long)c->n_kv_heads, (long long)c->head_dim);
+    return 0;
 }

@@ -79,6 +79,16 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
  * tok (may be NULL). */
 int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err);
 
+/* 1 when the five attention shapes (layers, dim, heads, kv heads, head
+ * dim) equal cfg's; else 0 and KV_EINVAL in err: "<what> are for L layers,
+ * dim d, h heads (g kv) of d_h, but the model has ...", naming path. */
+int kv_shapes_match(const struct kv_config *cfg, int64_t n_layers, int64_t dim, int64_t n_heads,
+                    int64_t n_kv_heads, int64_t head_dim, const char *what, const char *path,
+                    struct kv_err *err);
+
+/* "[d0, d1, ...]" of a row-major shape of nd dims into buf; returns buf. */
+const char *kv_shape_str(char *buf, size_t cap, const int64_t *shape, int nd);
+
 /* Expected row-major shape of a weight kind; returns ndim. */
 int kv_model_expected_shape(const struct kv_config *cfg, enum kv_wkind kind, int64_t shape[2]);
 const char *kv_wkind_name(enum kv_wkind kind);

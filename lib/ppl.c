@@ -13,9 +13,9 @@ double kv_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens,
-               int64_t seq_len, int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
-               struct kv_ppl_result *out, struct kv_err *err) {
+/* Windows of the protocol: n_tokens / seq_len, at most max_windows (> 0). */
+static int count_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows, int64_t *out,
+                         struct kv_err *err) {
     if (seq_len < 2)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "seq-len %lld is too short, need at least 2",
                        (long long)seq_len);
@@ -24,7 +24,16 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "text has %lld tokens, fewer than one window of %lld", (long long)n_tokens,
                        (long long)seq_len);
-    if (max_windows > 0 && max_windows < windows) windows = max_windows;
+    *out = max_windows > 0 && max_windows < windows ? max_windows : windows;
+    return KV_OK;
+}
+
+int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens,
+               int64_t seq_len, int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+               struct kv_ppl_result *out, struct kv_err *err) {
+    int64_t windows;
+    int rc0 = count_windows(n_tokens, seq_len, max_windows, &windows, err);
+    if (rc0) return rc0;
     struct kv_fwd *f;
     int rc = kv_fwd_init(m, seq_len, &f, err);
     if (rc) return rc;
@@ -94,15 +103,9 @@ int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                    const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
                    int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
                    struct kv_compare_result *out, struct kv_err *err) {
-    if (seq_len < 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "seq-len %lld is too short, need at least 2",
-                       (long long)seq_len);
-    int64_t windows = n_tokens / seq_len;
-    if (windows == 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "text has %lld tokens, fewer than one window of %lld", (long long)n_tokens,
-                       (long long)seq_len);
-    if (max_windows > 0 && max_windows < windows) windows = max_windows;
+    int64_t windows;
+    int rc0 = count_windows(n_tokens, seq_len, max_windows, &windows, err);
+    if (rc0) return rc0;
     struct kv_fwd *fb = NULL, *fc = NULL;
     int rc = kv_fwd_init(m, seq_len, &fb, err);
     if (!rc) rc = kv_fwd_init(m, seq_len, &fc, err);

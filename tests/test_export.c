@@ -734,7 +734,7 @@ Test(export_dense, mismatched_factors_or_model_are_refused) {
     char *out = kvt_path(dir, "out.bin");
 
     lr->head_dim++;
-    export_fails(m, s, lr, out, KV_EINVAL, "factors are shaped for", NULL, NULL);
+    export_fails(m, s, lr, out, KV_EINVAL, "factors are for 5 layers, dim 64, 8 heads (4 kv) of 9, but the model has", NULL, NULL);
     lr->head_dim--;
 
     memset(lr->model_fingerprint, 'a', 64);
