@@ -64,6 +64,7 @@ struct slot {
     double *vecs; /* owned bases, n_spec of them */
     struct unit *units;
     double energy; /* Σ of all spectra */
+    double *tail;  /* [m+1]: Σ over spectra of λ_i for i >= r, relative to energy */
     double fisher, logcond;
     int skip;
     int64_t rank;
@@ -77,13 +78,14 @@ struct dctx {
     int64_t n_slots;
     double lapack_s;
     struct kv_err *err;
+    char fingerprint[65]; /* of m, computed once when there are no stats */
 };
 
 static void *xcalloc(int64_t n, size_t sz) { return calloc((size_t)(n > 0 ? n : 1), sz); }
 
 static void slots_free(struct slot *sl, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        free(sl[i].lam), free(sl[i].vecs);
+        free(sl[i].lam), free(sl[i].vecs), free(sl[i].tail);
         if (sl[i].units)
             for (int64_t u = 0; u < sl[i].n_units; u++) free(sl[i].units[u].cov);
         free(sl[i].units);
@@ -92,14 +94,17 @@ static void slots_free(struct slot *sl, int64_t n) {
 }
 
 /* Gram W_u W_uᵀ of rows r0 .. r0+mm-1 of a [*, d] weight. */
-static void weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double *out) {
+static int weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double *out,
+                       struct kv_err *err) {
     double *wd = malloc((size_t)(mm * d) * sizeof *wd);
+    if (!wd) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t i = 0; i < mm * d; i++) wd[i] = (double)w[r0 * d + i];
     cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)mm, (int)d, 1.0, wd, (int)d, 0.0,
                 out, (int)mm);
     for (int64_t i = 0; i < mm; i++)
         for (int64_t j = 0; j < i; j++) out[i * mm + j] = out[j * mm + i];
     free(wd);
+    return KV_OK;
 }
 
 /* Output covariance of `which` (0 K, 1 V, 2 Q) heads, or the weight Gram
@@ -108,8 +113,8 @@ static int out_cov(struct dctx *x, int64_t l, int which, int64_t h0, int64_t nh,
     const struct kv_config *c = &x->m->cfg;
     if (x->s) return kv_stats_out_cov(x->s, x->m, l, which, h0, nh, out, x->err);
     static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
-    weight_gram(x->m->layers[l].w[wk[which]], h0 * c->head_dim, nh * c->head_dim, c->dim, out);
-    return KV_OK;
+    return weight_gram(x->m->layers[l].w[wk[which]], h0 * c->head_dim, nh * c->head_dim, c->dim,
+                       out, x->err);
 }
 
 static int eigh(struct dctx *x, const double *a, int64_t n, double *w, double *vec,
@@ -159,7 +164,11 @@ static int plain_slots(struct dctx *x, int64_t l, int side, int64_t s, int weigh
         if (weight_metric && x->s) {
             if (!(wg = malloc((size_t)(mm * mm) * sizeof *wg)))
                 return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-            weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], h0 * dh, mm, c->dim, wg);
+            if ((rc = weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], h0 * dh, mm, c->dim, wg,
+                                  x->err))) {
+                free(wg);
+                return rc;
+            }
             gram = wg;
         }
         char what[96];
@@ -307,6 +316,13 @@ static int build_slots(struct dctx *x) {
     for (int64_t i = 0; i < x->n_slots; i++) {
         struct slot *sl = &x->slots[i];
         for (int64_t k = 0; k < sl->n_spec * sl->m; k++) sl->energy += sl->lam[k];
+        if (!(sl->tail = xcalloc(sl->m + 1, sizeof *sl->tail)))
+            return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        for (int64_t r = sl->m - 1; r >= 0; r--) {
+            double t = 0;
+            for (int64_t k = 0; k < sl->n_spec; k++) t += sl->lam[k * sl->m + r];
+            sl->tail[r] = sl->tail[r + 1] + (sl->energy > 0 ? t / sl->energy : 0);
+        }
     }
     return KV_OK;
 }
@@ -317,6 +333,7 @@ static int64_t round_rank(const struct kv_decompose_opts *o, int64_t r, int64_t 
     int64_t mult = o->rank_multiple > 0 ? o->rank_multiple : 1;
     int64_t floor = o->min_rank > 0 ? o->min_rank : 1;
     if (r < floor) r = floor;
+    if (r >= mm || mult >= mm) return mm;
     r = (r + mult - 1) / mult * mult;
     return r > mm ? mm : r;
 }
@@ -432,13 +449,7 @@ static double search_param(struct dctx *x, enum kv_alloc a, int64_t target) {
     return hi;
 }
 
-static double slot_dropped_rel(const struct slot *sl, int64_t r) {
-    if (sl->energy <= 0) return 0;
-    double d = 0;
-    for (int64_t k = 0; k < sl->n_spec; k++)
-        for (int64_t i = r; i < sl->m; i++) d += sl->lam[k * sl->m + i];
-    return d / sl->energy;
-}
+static double slot_dropped_rel(const struct slot *sl, int64_t r) { return sl->tail[r]; }
 
 /* kvcal's global strategy: from full rank, repeatedly take the rank step
  * with the least (Fisher-weighted) relative error per byte saved, until the
@@ -493,7 +504,8 @@ static int lorc_conditions(struct dctx *x) {
     }
     for (int64_t l = 0; l < L && !rc; l++)
         for (int side = 0; side < 2 && !rc; side++) {
-            weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], 0, kd, d, g);
+            if ((rc = weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], 0, kd, d, g, x->err)))
+                break;
             char what[64];
             snprintf(what, sizeof what, "layer %lld %s weight", (long long)l, side ? "v" : "k");
             if ((rc = eigh(x, g, kd, w, v, what))) break;
@@ -641,7 +653,8 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
     lr->kv_bits = x->o->kv_bits;
     int rc = KV_OK;
     if (x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->s->fingerprint);
-    else rc = kv_model_fingerprint(m, lr->model_fingerprint, x->err);
+    else if (!x->fingerprint[0]) rc = kv_model_fingerprint(m, x->fingerprint, x->err);
+    if (!x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->fingerprint);
     if (!rc && !(lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers)))
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t i = 0; i < x->n_slots && !rc; i++) {
@@ -750,7 +763,7 @@ static int lb_error(struct lbctx *b, int64_t l, int k, double *out) {
             return KV_OK;
         }
     for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].skip = x->slots[i].layer != l;
-    struct kv_lowrank *lr;
+    struct kv_lowrank *lr = NULL;
     int rc = build_lowrank(x, &lr);
     for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].skip = 0;
     if (!rc) rc = kv_fwd_set_lowrank(b->f, lr, x->o->kv_bits, x->err);
@@ -829,6 +842,8 @@ static int layer_budget(struct dctx *x, int64_t target) {
             if (total_bytes(x) >= target) lo = mid;
             else hi = mid;
         }
+        /* the smallest cache it reaches: every layer at its lowest eps */
+        if (!rc && !(rc = lb_apply(&b, INFINITY))) x->o->least_bytes = total_bytes(x);
         if (!rc) rc = lb_apply(&b, lo);
         x->o->param = lo;
     }
@@ -854,6 +869,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
         o->alloc = o->eps > 0 && o->ratio <= 0 ? KV_ALLOC_EPS : def[o->method];
     }
     if (!o->kv_bits) o->kv_bits = 16;
+    o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
     if (!s && o->method != KV_METHOD_SVD && o->method != KV_METHOD_LORC)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "--method %s needs calibration statistics (--stats)", kv_method_name(o->method));
@@ -891,7 +907,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
                               "statistics", NULL, err))
         return KV_EINVAL;
 
-    struct dctx x = {m, s, o, NULL, 0, 0, err};
+    struct dctx x = {m, s, o, NULL, 0, 0, err, ""};
     int rc = build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && o->fisher))) rc = fisher_scores(&x);
@@ -900,8 +916,14 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (!rc && target > 0) {
         /* the floor: every slot at its smallest rank */
         for (int64_t i = 0; i < x.n_slots; i++) x.slots[i].rank = round_rank(o, 0, x.slots[i].m);
-        int64_t floor = total_bytes(&x);
-        if (floor > target)
+        int64_t floor = total_bytes(&x), skipped = 0;
+        for (int64_t i = 0; i < x.n_slots; i++) skipped += x.slots[i].skip;
+        if (floor > target && skipped)
+            rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                         "--ratio %g is below %.4f, the smallest cache with the %lld units that "
+                         "--cond-skip %g leaves uncompressed",
+                         o->ratio, (double)floor / (double)base, (long long)skipped, o->cond_skip);
+        else if (floor > target)
             rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                          "--ratio %g is below %.4f, the smallest cache that --min-rank %lld and "
                          "--rank-multiple %lld allow",
@@ -933,12 +955,10 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
         int64_t *save = malloc((size_t)(x.n_slots > 0 ? x.n_slots : 1) * sizeof *save);
         if (save) {
             for (int64_t i = 0; i < x.n_slots; i++) save[i] = x.slots[i].rank;
-            int64_t least = o->achieved_bytes;
             if (a != KV_ALLOC_LAYER_BUDGET) {
                 param_ranks(&x, a, 0.0);
-                least = total_bytes(&x);
+                o->least_bytes = total_bytes(&x);
             }
-            o->least_bytes = least;
             for (int64_t i = 0; i < x.n_slots; i++) x.slots[i].rank = save[i];
             free(save);
         }

@@ -156,8 +156,10 @@ int cmd_decompose(int argc, char **argv) {
         "  layer-budget Eigen Attention §4.4: per layer, eps drops by 0.02 while the layer's\n"
         "               measured output error stays under --error-budget (needs --text)\n"
         "  global       greedy: drop the direction with the least relative error per byte\n"
-        "With --ratio the allocation's parameter is searched until the KV bytes per token\n"
-        "reach R of the base; the achieved ratio is printed and recorded. --eps 1 (or\n"
+        "With --ratio the allocation's parameter is searched for the smallest cache of at\n"
+        "least R of the base KV bytes per token (global stops at the first at or below R);\n"
+        "the achieved ratio is printed and recorded, with a warning when the allocation\n"
+        "cannot get that small. --eps 1 (or\n"
         "--ratio 1) keeps every rank: the compressed model then equals the base.\n"
         "\nthe predicted error of a unit is the calibration energy its dropped directions\n"
         "carry, Σ‖y − y'‖² over the calibration tokens, relative to Σ‖y‖².\n"
@@ -201,7 +203,8 @@ int cmd_decompose(int argc, char **argv) {
     if (!ratio && (alloc == KV_ALLOC_UNIFORM || alloc == KV_ALLOC_FISHER || alloc == KV_ALLOC_REMOVAL))
         return cli_usage_error(&cmd, "--alloc %s needs --ratio R", alloc_s);
     if (group < 1) return cli_usage_error(&cmd, "--group-size must be at least 1");
-    if (mult < 1) return cli_usage_error(&cmd, "--rank-multiple must be at least 1");
+    if (mult < 1 || mult > 1 << 20)
+        return cli_usage_error(&cmd, "--rank-multiple must be in 1..%d", 1 << 20);
     if (min_rank < 1) return cli_usage_error(&cmd, "--min-rank must be at least 1");
     if (kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
         return cli_usage_error(&cmd, "--kv-bits %lld is not one of 16, 8, 4, 3, 2", (long long)kv_bits);
@@ -228,10 +231,11 @@ int cmd_decompose(int argc, char **argv) {
         return cli_usage_error(&cmd, "--method %s needs --stats (run 'kvcal collect' first)", method_s);
     }
     if (group > c->n_kv_heads || c->n_kv_heads % group) {
+        int64_t g = c->n_kv_heads;
         kv_stats_free(s);
         kv_model_free(m);
         return cli_usage_error(&cmd, "--group-size %lld does not divide the model's %lld kv heads",
-                               (long long)group, (long long)c->n_kv_heads);
+                               (long long)group, (long long)g);
     }
     if (alloc == KV_ALLOC_FISHER) {
         /* the stats format has no Fisher tensors yet */
@@ -278,6 +282,19 @@ int cmd_decompose(int argc, char **argv) {
         return cli_report(&err);
     }
     int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, (int)kv_bits);
+    if (hadamard) {
+        int64_t plain = 0;
+        for (int64_t l = 0; l < lr->n_layers; l++)
+            for (int k = 0; k < 2; k++) {
+                const struct kv_lr_side *sd = k ? &lr->layers[l].v : &lr->layers[l].k;
+                for (int64_t u = 0; u < sd->n_units; u++)
+                    plain += sd->units[u].rank > 1 && (sd->units[u].rank & 1);
+            }
+        if (plain)
+            fprintf(stderr, "kvcal: warning: --hadamard leaves %lld units of odd rank unrotated (a "
+                            "block is the largest power of two dividing the rank); add "
+                            "--rank-multiple 8\n", (long long)plain);
+    }
     int reached = !(ratio > 0 && o.least_bytes > o.target_bytes && comp > o.target_bytes);
     if (!reached)
         fprintf(stderr,

@@ -180,15 +180,9 @@ static int valid_bits(int64_t bits) {
 /* The whole of lr against model config c, as kv_lr_dir_write needs it. */
 static int check_lowrank(const struct kv_lowrank *lr, const struct kv_config *c, const char *dir,
                          struct kv_err *err) {
-    if (lr->n_layers != c->n_layers || lr->dim != c->dim || lr->n_heads != c->n_heads ||
-        lr->n_kv_heads != c->n_kv_heads || lr->head_dim != c->head_dim)
-        return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                       "factors are for %lld layers, dim %lld, %lld heads (%lld kv) of %lld, but "
-                       "the model has %lld layers, dim %lld, %lld heads (%lld kv) of %lld",
-                       (long long)lr->n_layers, (long long)lr->dim, (long long)lr->n_heads,
-                       (long long)lr->n_kv_heads, (long long)lr->head_dim,
-                       (long long)c->n_layers, (long long)c->dim, (long long)c->n_heads,
-                       (long long)c->n_kv_heads, (long long)c->head_dim);
+    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+                         "factors", dir, err))
+        return KV_EINVAL;
     if (!valid_bits(lr->kv_bits))
         return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
                        "latent bits %d is not one of 16, 8, 4, 3, 2", lr->kv_bits);

@@ -698,7 +698,9 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
  * from cached latents as lr describes (NULL restores the full path). At
  * kv_bits < 16 each unit's latent row is quantized per token (asymmetric,
  * fp16 scale and zero point) as it enters the cache. lr must match f's
- * model and outlive f. */
+ * model and outlive f. With a low-rank model set, only the attn_in and
+ * layer_out hooks run; qk_rope, kv_replace and hooks_only apply to the full
+ * path alone. */
 int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bits,
                        struct kv_err *err);
 

@@ -1,5 +1,6 @@
 /* The compressed-attention description (struct kv_lowrank): lifetime and
  * KV byte accounting. */
+#include <cblas.h>
 #include <stdlib.h>
 
 #include "err.h"
@@ -59,29 +60,24 @@ int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits) {
     return b;
 }
 
-/* a [rows, r] row-major: a = a H (in float64, rounded once). */
+/* a [rows, r] (leading dim ld) = a H, in float64, rounded once. */
 static void right_mul(float *a, int64_t rows, int64_t ld, int64_t r, const double *H, double *tmp) {
-    for (int64_t i = 0; i < rows; i++) {
-        float *p = a + i * ld;
-        for (int64_t j = 0; j < r; j++) {
-            double acc = 0;
-            for (int64_t k = 0; k < r; k++) acc += (double)p[k] * H[k * r + j];
-            tmp[j] = acc;
-        }
-        for (int64_t j = 0; j < r; j++) p[j] = (float)tmp[j];
-    }
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < r; j++) tmp[i * r + j] = (double)a[i * ld + j];
+    double *out = tmp + rows * r;
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)r, (int)r, 1.0, tmp,
+                (int)r, H, (int)r, 0.0, out, (int)r);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < r; j++) a[i * ld + j] = (float)out[i * r + j];
 }
 
-/* b [r, cols] row-major: b = Hᵀ b. */
+/* b [r, cols] = Hᵀ b, in float64, rounded once. */
 static void left_mul_t(float *b, int64_t r, int64_t cols, const double *H, double *tmp) {
-    for (int64_t c = 0; c < cols; c++) {
-        for (int64_t j = 0; j < r; j++) {
-            double acc = 0;
-            for (int64_t k = 0; k < r; k++) acc += H[k * r + j] * (double)b[k * cols + c];
-            tmp[j] = acc;
-        }
-        for (int64_t j = 0; j < r; j++) b[j * cols + c] = (float)tmp[j];
-    }
+    for (int64_t i = 0; i < r * cols; i++) tmp[i] = (double)b[i];
+    double *out = tmp + r * cols;
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)r, (int)cols, (int)r, 1.0, H, (int)r,
+                tmp, (int)cols, 0.0, out, (int)cols);
+    for (int64_t i = 0; i < r * cols; i++) b[i] = (float)out[i];
 }
 
 int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
@@ -94,7 +90,8 @@ int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             for (int64_t u = 0; u < sd->n_units; u++) rmax = sd->units[u].rank > rmax ? sd->units[u].rank : rmax;
         }
     double *H = malloc((size_t)(rmax * rmax) * sizeof *H);
-    double *tmp = malloc((size_t)(rmax > d ? rmax : d) * sizeof *tmp);
+    int64_t rows = d > lr->n_kv_heads * dh ? d : lr->n_kv_heads * dh; /* longest factor side */
+    double *tmp = malloc((size_t)(2 * rows * rmax) * sizeof *tmp);
     if (!H || !tmp) {
         free(H), free(tmp);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
