@@ -202,6 +202,10 @@ int cmd_decompose(int argc, char **argv) {
                                alloc_s);
     if (!ratio && (alloc == KV_ALLOC_UNIFORM || alloc == KV_ALLOC_FISHER || alloc == KV_ALLOC_REMOVAL))
         return cli_usage_error(&cmd, "--alloc %s needs --ratio R", alloc_s);
+    int progressive = alloc == KV_ALLOC_PROGRESSIVE || (alloc == KV_ALLOC_DEFAULT && method == KV_METHOD_LORC && !eps);
+    if ((cond_skip || d_min || d_max) && !progressive)
+        return cli_usage_error(&cmd, "--d-min, --d-max and --cond-skip apply to --alloc progressive");
+    if (budget > 0 && ratio) return cli_usage_error(&cmd, "give --error-budget or --ratio, not both");
     if (group < 1) return cli_usage_error(&cmd, "--group-size must be at least 1");
     if (mult < 1 || mult > 1 << 20)
         return cli_usage_error(&cmd, "--rank-multiple must be in 1..%d", 1 << 20);

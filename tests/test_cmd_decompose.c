@@ -190,6 +190,8 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
         {"--group-size 3 --ratio 0.5", "--group-size 3 does not divide the model's 4 kv heads"},
         {"--kv-bits 5 --ratio 0.5", "--kv-bits 5 is not one of 16, 8, 4, 3, 2"},
         {"--alloc layer-budget --error-budget 0.1", "--alloc layer-budget needs --text (calibration windows)"},
+        {"--ratio 0.5 --cond-skip 3", "--d-min, --d-max and --cond-skip apply to --alloc progressive"},
+        {"--rank-multiple 0 --ratio 0.5", "--rank-multiple must be in 1..1048576"},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         snprintf(args, sizeof args, "decompose %s -s '%s' %s -o '%s/x'", ma, st, rows[i].opts, workdir());
