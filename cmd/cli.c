@@ -36,7 +36,13 @@ static void print_help(const struct cli_cmd *cmd) {
             n = snprintf(left, sizeof left, "    --%s", o->name);
         if (o->type != OPT_FLAG && (size_t)n < sizeof left)
             snprintf(left + n, sizeof left - (size_t)n, " %s", o->metavar ? o->metavar : "X");
-        printf("  %-26s %s\n", left, o->help);
+        /* continuation lines of a multi-line help align under its first */
+        printf("  %-26s ", left);
+        for (const char *h = o->help; *h; h++) {
+            putchar(*h);
+            if (*h == '\n') printf("%29s", "");
+        }
+        putchar('\n');
     }
     printf("  %-26s %s\n", "-h, --help", "show this help and exit");
     if (cmd->details) printf("\n%s", cmd->details);

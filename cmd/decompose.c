@@ -104,9 +104,8 @@ int cmd_decompose(int argc, char **argv) {
         {"output", 'o', OPT_STR, &out, "DIR", "output directory (created; an earlier output is replaced)"},
         {"method", 0, OPT_STR, &method_s, "M", "svd, palu (default), eigen, lorc, fdc or zack"},
         {"alloc", 0, OPT_STR, &alloc_s, "A",
-         "rank allocation: eps, uniform, fisher, progressive, removal, layer-budget,\n"
-         "global\n"
-         "(default: the method's own; see below)"},
+         "rank allocation: eps, uniform, fisher, progressive, removal,\n"
+         "layer-budget or global (default: the method's own; see below)"},
         {"eps", 0, OPT_DOUBLE, &eps, "E", "keep the fraction E in (0, 1] of each unit's energy"},
         {"ratio", 0, OPT_DOUBLE, &ratio, "R", "keep the fraction R in (0, 1] of the KV bytes per token"},
         {"group-size", 0, OPT_INT, &group, "S",
