@@ -72,11 +72,7 @@ int main(void) {
     printf("threads: %d\n\n", threads);
 
     /* 1. synthetic model */
-    struct kv_config c = {0};
-    c.dim = 2048, c.hidden_dim = 5632, c.n_layers = 4, c.n_heads = 16, c.n_kv_heads = 4;
-    c.head_dim = 128, c.vocab_size = 32000, c.max_seq_len = 512, c.norm_eps = 1e-5f;
-    c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF, c.tied_embeddings = 0;
-    c.bos_id = 1, c.eos_id = 2;
+    struct kv_config c = bench_synthetic_config();
     struct kv_model *m;
     if (kv_model_init_random(&c, 1234, &m, &err)) return die(&err);
     int64_t seq = 512, nw = 6;

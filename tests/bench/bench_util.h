@@ -26,4 +26,15 @@ static inline int die(const struct kv_err *e) {
     return 1;
 }
 
+/* The synthetic Llama the benchmarks share: d=2048, ffn 5632, 4 layers, 16
+ * heads, 4 KV heads of 128, vocab 32000, rotate-half RoPE, untied head. */
+static inline struct kv_config bench_synthetic_config(void) {
+    struct kv_config c = {0};
+    c.dim = 2048, c.hidden_dim = 5632, c.n_layers = 4, c.n_heads = 16, c.n_kv_heads = 4;
+    c.head_dim = 128, c.vocab_size = 32000, c.max_seq_len = 512, c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF, c.tied_embeddings = 0;
+    c.bos_id = 1, c.eos_id = 2;
+    return c;
+}
+
 #endif
