@@ -107,14 +107,28 @@ static int weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double
     return KV_OK;
 }
 
-/* Output covariance of `which` (0 K, 1 V, 2 Q) heads, or the weight Gram
- * when there are no statistics. */
-static int out_cov(struct dctx *x, int64_t l, int which, int64_t h0, int64_t nh, double *out) {
+/* Output covariances of every head of `which` (0 K, 1 V, 2 Q) as blocks of
+ * `block` heads, [heads/block][block*d_h][block*d_h] in a malloc'd *out
+ * (one W C_x product for all of them); weight Grams without statistics. */
+static int out_covs(struct dctx *x, int64_t l, int which, int64_t block, double **out) {
     const struct kv_config *c = &x->m->cfg;
-    if (x->s) return kv_stats_out_cov(x->s, x->m, l, which, h0, nh, out, x->err);
-    static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
-    return weight_gram(x->m->layers[l].w[wk[which]], h0 * c->head_dim, nh * c->head_dim, c->dim,
-                       out, x->err);
+    int64_t heads = which == 2 ? c->n_heads : c->n_kv_heads, bw = block * c->head_dim;
+    double *o = malloc((size_t)(heads * bw * c->head_dim) * sizeof *o);
+    if (!o) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = KV_OK;
+    if (x->s) {
+        rc = kv_stats_out_cov_blocks(x->s, x->m, l, which, block, o, x->err);
+    } else {
+        static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
+        for (int64_t k = 0; k < heads / block && !rc; k++)
+            rc = weight_gram(x->m->layers[l].w[wk[which]], k * bw, bw, c->dim, o + k * bw * bw, x->err);
+    }
+    if (rc) {
+        free(o);
+        return rc;
+    }
+    *out = o;
+    return KV_OK;
 }
 
 static int eigh(struct dctx *x, const double *a, int64_t n, double *w, double *vec,
@@ -148,37 +162,38 @@ static void add_to(double *acc, const double *a, int64_t n) {
     for (int64_t i = 0; i < n; i++) acc[i] += a[i];
 }
 
-/* One slot per unit: Gram from gram_fn (or the output covariance), units of
- * s heads covering the g KV heads. */
+/* One slot per unit of s heads, covering the g KV heads: the allocation
+ * Gram is the output covariance, or the weight Gram when weight_metric. */
 static int plain_slots(struct dctx *x, int64_t l, int side, int64_t s, int weight_metric) {
     const struct kv_config *c = &x->m->cfg;
-    int64_t g = c->n_kv_heads, dh = c->head_dim;
-    for (int64_t h0 = 0; h0 < g; h0 += s) {
-        int64_t nh = h0 + s <= g ? s : g - h0, mm = nh * dh;
+    int64_t g = c->n_kv_heads, dh = c->head_dim, mm = s * dh;
+    double *covs, *wg = NULL;
+    int rc = out_covs(x, l, side, s, &covs);
+    if (rc) return rc;
+    if (weight_metric && x->s && !(wg = malloc((size_t)(mm * mm) * sizeof *wg)))
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    for (int64_t h0 = 0; h0 < g && !rc; h0 += s) {
         struct slot *sl = new_slot(x, l, side, mm, 1, 1);
-        if (!sl) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-        sl->units[0].head0 = h0, sl->units[0].nh = nh, sl->units[0].vec = sl->vecs;
-        int rc = out_cov(x, l, side, h0, nh, sl->units[0].cov);
-        if (rc) return rc;
-        double *gram = sl->units[0].cov, *wg = NULL;
-        if (weight_metric && x->s) {
-            if (!(wg = malloc((size_t)(mm * mm) * sizeof *wg)))
-                return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        if (!sl) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        sl->units[0].head0 = h0, sl->units[0].nh = s, sl->units[0].vec = sl->vecs;
+        memcpy(sl->units[0].cov, covs + (h0 / s) * mm * mm, (size_t)(mm * mm) * sizeof *covs);
+        const double *gram = sl->units[0].cov;
+        if (wg) {
             if ((rc = weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], h0 * dh, mm, c->dim, wg,
-                                  x->err))) {
-                free(wg);
-                return rc;
-            }
+                                  x->err)))
+                break;
             gram = wg;
         }
         char what[96];
         snprintf(what, sizeof what, "layer %lld %s unit of heads %lld..%lld", (long long)l,
-                 side ? "v" : "k", (long long)h0, (long long)(h0 + nh - 1));
+                 side ? "v" : "k", (long long)h0, (long long)(h0 + s - 1));
         rc = eigh(x, gram, mm, sl->lam, sl->vecs, what);
-        free(wg);
-        if (rc) return rc;
     }
-    return KV_OK;
+    free(covs), free(wg);
+    return rc;
 }
 
 /* fdc/zack keys: per KV head, Gram of the stacked post-RoPE [Q; K]. */
@@ -213,20 +228,22 @@ static int rotation_key_slots(struct dctx *x, int64_t l) {
 static int eigen_slots(struct dctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, h = c->n_heads, dh = c->head_dim, n2 = dh * dh;
-    double *gram = xcalloc(n2, sizeof *gram), *tmp = xcalloc(n2, sizeof *tmp);
+    double *gram = xcalloc(n2, sizeof *gram), *qc = NULL, *kc = NULL, *vc = NULL;
     struct slot *sk = new_slot(x, l, 0, dh, g, 1);
     int rc = KV_OK;
-    if (!gram || !tmp || !sk) {
+    if (!gram || !sk) {
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
         goto done;
     }
-    for (int64_t i = 0; i < h && !rc; i++)
-        if (!(rc = out_cov(x, l, 2, i, 1, tmp))) add_to(gram, tmp, n2);
-    for (int64_t j = 0; j < g && !rc; j++) {
+    if ((rc = out_covs(x, l, 2, 1, &qc)) || (rc = out_covs(x, l, 0, 1, &kc)) ||
+        (rc = out_covs(x, l, 1, 1, &vc)))
+        goto done;
+    for (int64_t i = 0; i < h; i++) add_to(gram, qc + i * n2, n2);
+    for (int64_t j = 0; j < g; j++) {
         sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs;
-        if (!(rc = out_cov(x, l, 0, j, 1, sk->units[j].cov))) add_to(gram, sk->units[j].cov, n2);
+        memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
+        add_to(gram, kc + j * n2, n2);
     }
-    if (rc) goto done;
     char what[96];
     snprintf(what, sizeof what, "layer %lld shared key basis", (long long)l);
     if ((rc = eigh(x, gram, dh, sk->lam, sk->vecs, what))) goto done;
@@ -237,12 +254,12 @@ static int eigen_slots(struct dctx *x, int64_t l) {
     }
     for (int64_t j = 0; j < g && !rc; j++) {
         sv->units[j].head0 = j, sv->units[j].nh = 1, sv->units[j].vec = sv->vecs + j * n2;
-        if ((rc = out_cov(x, l, 1, j, 1, sv->units[j].cov))) break;
+        memcpy(sv->units[j].cov, vc + j * n2, (size_t)n2 * sizeof *vc);
         snprintf(what, sizeof what, "layer %lld v head %lld", (long long)l, (long long)j);
         rc = eigh(x, sv->units[j].cov, dh, sv->lam + j * dh, sv->vecs + j * n2, what);
     }
 done:
-    free(gram), free(tmp);
+    free(gram), free(qc), free(kc), free(vc);
     return rc;
 }
 
@@ -253,12 +270,12 @@ static int zack_value_slots(struct dctx *x, int64_t l) {
     int64_t qd = c->n_heads * dh;
     const float *wo = x->m->layers[l].w[KV_W_O]; /* [d, h*d_h] */
     double *gram = malloc((size_t)(dh * dh) * sizeof *gram);
-    double *blk = malloc((size_t)(d * dh) * sizeof *blk);
+    double *blk = malloc((size_t)(d * dh) * sizeof *blk), *vc = NULL;
     if (!gram || !blk) {
         free(gram), free(blk);
         return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
-    int rc = KV_OK;
+    int rc = out_covs(x, l, 1, 1, &vc);
     for (int64_t j = 0; j < g && !rc; j++) {
         struct slot *sl = new_slot(x, l, 1, dh, 1, 1);
         if (!sl) {
@@ -266,8 +283,8 @@ static int zack_value_slots(struct dctx *x, int64_t l) {
             break;
         }
         sl->units[0].head0 = j, sl->units[0].nh = 1, sl->units[0].vec = sl->vecs;
-        if ((rc = out_cov(x, l, 1, j, 1, sl->units[0].cov))) break;
-        memcpy(gram, sl->units[0].cov, (size_t)(dh * dh) * sizeof *gram);
+        memcpy(sl->units[0].cov, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *vc);
+        memcpy(gram, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *gram);
         /* W_O,i W_O,iᵀ = B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
         for (int64_t i = j * grp; i < (j + 1) * grp; i++) {
             for (int64_t r = 0; r < d; r++)
@@ -281,7 +298,7 @@ static int zack_value_slots(struct dctx *x, int64_t l) {
         snprintf(what, sizeof what, "layer %lld v-o rotation of head %lld", (long long)l, (long long)j);
         rc = eigh(x, gram, dh, sl->lam, sl->vecs, what);
     }
-    free(gram), free(blk);
+    free(gram), free(blk), free(vc);
     return rc;
 }
 

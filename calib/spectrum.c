@@ -8,54 +8,81 @@
 #include "err.h"
 #include "model.h"
 
-int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
-                     int which, int64_t head0, int64_t nh, double *out, struct kv_err *err) {
+/* Diagonal blocks of `block` heads each of the output covariance of heads
+ * head0 .. head0+nh-1, out [nh/block][block*d_h][block*d_h]. Each block is
+ * its own T = W_k C_x and T W_kᵀ: one product over all rows is the same work
+ * but a working set that leaves the cache (measured slower by make bench). */
+static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                        int which, int64_t head0, int64_t nh, int64_t block, double *out,
+                        struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
     KV_ASSERT(layer >= 0 && layer < s->n_layers && s->dim == c->dim);
     KV_ASSERT(which >= 0 && which <= 2);
     KV_ASSERT(head0 >= 0 && nh > 0 && head0 + nh <= (which == 2 ? c->n_heads : c->n_kv_heads));
-    int64_t d = c->dim, dh = c->head_dim, mm = nh * dh;
+    KV_ASSERT(block > 0 && nh % block == 0);
+    int64_t d = c->dim, dh = c->head_dim, bw = block * dh;
     static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q}, bk[3] = {KV_W_BK, KV_W_BV, KV_W_BQ};
-    /* W rows head0*d_h .. : [mm, d] of the [heads*d_h, d] projection (HF layout) */
-    const float *w = m->layers[layer].w[wk[which]] + head0 * dh * d;
     const float *bias = m->layers[layer].w[bk[which]];
-    double *wd = malloc((size_t)(mm * d) * sizeof *wd), *t = malloc((size_t)(mm * d) * sizeof *t);
+    const struct kv_stats_layer *L = &s->layers[layer];
+    double *wd = malloc((size_t)(bw * d) * sizeof *wd), *t = malloc((size_t)(bw * d) * sizeof *t);
     if (!wd || !t) {
         free(wd), free(t);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
-    for (int64_t i = 0; i < mm * d; i++) wd[i] = (double)w[i];
-    const struct kv_stats_layer *L = &s->layers[layer];
-    /* t = W C_x  [mm, d]; out = t Wᵀ  [mm, mm] */
-    cblas_dsymm(CblasRowMajor, CblasRight, CblasUpper, (int)mm, (int)d, 1.0, L->xtx, (int)d, wd,
-                (int)d, 0.0, t, (int)d);
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mm, (int)mm, (int)d, 1.0, t, (int)d,
-                wd, (int)d, 0.0, out, (int)mm);
-    if (bias) {
-        const float *b = bias + head0 * dh;
+    for (int64_t k = 0; k < nh / block; k++) {
+        int64_t r0 = (head0 + k * block) * dh; /* first row of the block in W */
+        /* W_k: rows r0 .. r0+bw-1 of the [heads*d_h, d] projection (HF layout) */
+        const float *w = m->layers[layer].w[wk[which]] + r0 * d;
+        double *o = out + k * bw * bw;
+        for (int64_t i = 0; i < bw * d; i++) wd[i] = (double)w[i];
+        /* t = W_k C_x [bw, d]; o = t W_kᵀ [bw, bw] */
+        cblas_dsymm(CblasRowMajor, CblasRight, CblasUpper, (int)bw, (int)d, 1.0, L->xtx, (int)d, wd,
+                    (int)d, 0.0, t, (int)d);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bw, (int)bw, (int)d, 1.0, t, (int)d,
+                    wd, (int)d, 0.0, o, (int)bw);
+        if (!bias) continue;
+        const float *b = bias + r0;
         double n = (double)s->tokens;
-        /* ws = W Σx [mm] */
-        cblas_dgemv(CblasRowMajor, CblasNoTrans, (int)mm, (int)d, 1.0, wd, (int)d, L->xsum, 1, 0.0,
+        /* ws = W_k Σx [bw] */
+        cblas_dgemv(CblasRowMajor, CblasNoTrans, (int)bw, (int)d, 1.0, wd, (int)d, L->xsum, 1, 0.0,
                     t, 1);
-        for (int64_t i = 0; i < mm; i++)
-            for (int64_t j = 0; j < mm; j++)
-                out[i * mm + j] += t[i] * b[j] + (double)b[i] * t[j] + n * (double)b[i] * b[j];
+        for (int64_t i = 0; i < bw; i++)
+            for (int64_t j = 0; j < bw; j++)
+                o[i * bw + j] += t[i] * b[j] + (double)b[i] * t[j] + n * (double)b[i] * b[j];
     }
     free(wd), free(t);
     return KV_OK;
+}
+
+int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                     int which, int64_t head0, int64_t nh, double *out, struct kv_err *err) {
+    return out_cov_core(s, m, layer, which, head0, nh, nh, out, err);
+}
+
+int kv_stats_out_cov_blocks(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                            int which, int64_t block, double *out, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    return out_cov_core(s, m, layer, which, 0, which == 2 ? c->n_heads : c->n_kv_heads, block, out,
+                        err);
 }
 
 int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                             struct kv_layer_spectrum *out, struct kv_err *err) {
     int64_t d = s->dim, dh = s->head_dim, g = s->n_kv_heads;
     const struct kv_stats_layer *L = &s->layers[layer];
-    double *lam = malloc((size_t)(d > dh ? d : dh) * sizeof *lam), *cov = malloc((size_t)(dh * dh) * sizeof *cov);
+    double *lam = malloc((size_t)(d > dh ? d : dh) * sizeof *lam);
+    /* every kv head's K and V output covariance: one blocked call each */
+    double *kcov = m ? malloc((size_t)(g * dh * dh) * sizeof *kcov) : NULL;
+    double *vcov = m ? malloc((size_t)(g * dh * dh) * sizeof *vcov) : NULL;
     int rc = KV_OK;
     char what[96];
-    if (!lam || !cov) {
+    if (!lam || (m && (!kcov || !vcov))) {
         rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
         goto done;
     }
+    if (m && ((rc = kv_stats_out_cov_blocks(s, m, layer, 0, 1, kcov, err)) ||
+              (rc = kv_stats_out_cov_blocks(s, m, layer, 1, 1, vcov, err))))
+        goto done;
     out->trace = 0;
     for (int64_t i = 0; i < d; i++) out->trace += L->xtx[i * d + i];
     snprintf(what, sizeof what, "layer %lld attention input XᵀX", (long long)layer);
@@ -75,10 +102,10 @@ int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, 
         h->k90 = h->k99 = h->v90 = h->v99 = -1;
         if (!m) continue;
         for (int which = 0; which < 2; which++) {
-            if ((rc = kv_stats_out_cov(s, m, layer, which, j, 1, cov, err))) goto done;
+            const double *cv = (which ? vcov : kcov) + j * dh * dh;
             snprintf(what, sizeof what, "layer %lld kv head %lld %s output covariance",
                      (long long)layer, (long long)j, which ? "V" : "K");
-            if ((rc = kv_sym_eigvals(cov, dh, lam, what, err))) goto done;
+            if ((rc = kv_sym_eigvals(cv, dh, lam, what, err))) goto done;
             int64_t r90 = kv_energy_rank(lam, dh, 0.90), r99 = kv_energy_rank(lam, dh, 0.99);
             if (which)
                 h->v90 = r90, h->v99 = r99;
@@ -87,6 +114,6 @@ int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, 
         }
     }
 done:
-    free(lam), free(cov);
+    free(lam), free(kcov), free(vcov);
     return rc;
 }

@@ -433,6 +433,11 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
  * [nh*d_h, nh*d_h] row-major. Pre-RoPE for K. s must match m's shapes. */
 int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err);
+/* The same for every head of `which` at once, as the diagonal blocks of
+ * `block` consecutive heads (block divides the head count): out is
+ * [heads/block][block*d_h][block*d_h]. */
+int kv_stats_out_cov_blocks(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                            int which, int64_t block, double *out, struct kv_err *err);
 
 /* The spectrum view of one layer (`kvcal inspect STATS`). Energy ranks are
  * the smallest r keeping 90% / 99% of the eigenvalue sum. */

@@ -156,6 +156,16 @@ static void out_cov_case(int bias) {
                         want[i * dh + j] = ref[(h * dh + i) * kd + h * dh + j];
                 kvt_assert_close_f64(got, want, dh * dh, 1e-9, 1e-9, "one kv head");
             }
+            /* every head's block in one call: blocks of 1 head, then of 2 */
+            cr_assert_eq(kv_stats_out_cov_blocks(s, m, l, which, 1, got, &err), KV_OK);
+            for (int64_t h = 0; h < 2; h++) {
+                for (int64_t i = 0; i < dh; i++)
+                    for (int64_t j = 0; j < dh; j++)
+                        want[i * dh + j] = ref[(h * dh + i) * kd + h * dh + j];
+                kvt_assert_close_f64(got + h * dh * dh, want, dh * dh, 1e-9, 1e-9, "block of one head");
+            }
+            cr_assert_eq(kv_stats_out_cov_blocks(s, m, l, which, 2, got, &err), KV_OK);
+            kvt_assert_close_f64(got, ref, kd * kd, 1e-9, 1e-9, "block of both kv heads");
         }
     free(got), free(want), free(cap.ck[0]), free(cap.ck[1]);
     kv_fwd_free(f);

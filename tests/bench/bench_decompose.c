@@ -16,7 +16,7 @@
  *   zack                 2·L·g of d_h            (key and V–W_O rotations)
  *
  * The output covariances W C_x Wᵀ each method derives from the statistics
- * (kv_stats_out_cov, the same calls) are timed too, so the report can say
+ * (kv_stats_out_cov_blocks, as decompose calls it) are timed too, so the report can say
  * what the time outside LAPACK is spent on. The three measurements are
  * interleaved, best of 3 each; a method already over three times its
  * target after a run is not run again.
@@ -83,7 +83,7 @@ static struct plan eigh_plan(const struct row *r, const struct kv_config *c) {
     return p;
 }
 
-/* The kv_stats_out_cov calls of one method per layer: `calls` of nh heads
+/* The output covariances of one method per layer: `calls` units of nh heads
  * of K/V/Q (which 0/1/2), up to three kinds. */
 struct cov_call {
     int which;
@@ -175,7 +175,8 @@ static const char *rest_what(enum kv_method m) {
     }
 }
 
-/* Seconds of one pass of the method's kv_stats_out_cov calls. */
+/* Seconds of one pass of the method's output covariances: per layer and
+ * side, one kv_stats_out_cov_blocks call in blocks of the unit's heads. */
 static int cov_time(const struct row *r, const struct kv_model *m, const struct kv_stats *s,
                     double *secs, struct kv_err *err) {
     const struct kv_config *c = kv_model_config(m);
@@ -188,8 +189,7 @@ static int cov_time(const struct row *r, const struct kv_model *m, const struct 
     double t0 = kv_now();
     for (int64_t l = 0; l < c->n_layers && !rc; l++)
         for (int i = 0; i < nc && !rc; i++)
-            for (int64_t k = 0; k < cc[i].calls && !rc; k++)
-                rc = kv_stats_out_cov(s, m, l, cc[i].which, k * cc[i].nh, cc[i].nh, out, err);
+            rc = kv_stats_out_cov_blocks(s, m, l, cc[i].which, cc[i].nh, out, err);
     *secs = kv_now() - t0;
     free(out);
     return rc;
@@ -280,7 +280,7 @@ int main(void) {
            "decompose / LAPACK alone; target: decompose <= 20 x LAPACK alone + 1 s.\n\n");
 
     printf("where the time goes: the output covariances W C_x W^T are timed by the same\n"
-           "kv_stats_out_cov calls (best of the same runs); the rest is decompose minus\n"
+           "kv_stats_out_cov_blocks calls (best of the same runs); the rest is decompose minus\n"
            "eigh minus covariances:\n");
     printf("%-14s %8s %14s %8s  %s\n", "method", "eigh s", "covariances s", "rest s", "dominant");
     for (int i = 0; i < nrows; i++) {
