@@ -78,7 +78,6 @@ struct dctx {
     int64_t n_slots;
     double lapack_s;
     struct kv_err *err;
-    char fingerprint[65]; /* of m, computed once when there are no stats */
 };
 
 static void *xcalloc(int64_t n, size_t sz) { return calloc((size_t)(n > 0 ? n : 1), sz); }
@@ -670,8 +669,7 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
     lr->kv_bits = x->o->kv_bits;
     int rc = KV_OK;
     if (x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->s->fingerprint);
-    else if (!x->fingerprint[0]) rc = kv_model_fingerprint(m, x->fingerprint, x->err);
-    if (!x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->fingerprint);
+    else rc = kv_model_fingerprint(m, lr->model_fingerprint, x->err); /* memoised in m */
     if (!rc && !(lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers)))
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t i = 0; i < x->n_slots && !rc; i++) {
@@ -924,7 +922,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
                               "statistics", NULL, err))
         return KV_EINVAL;
 
-    struct dctx x = {m, s, o, NULL, 0, 0, err, ""};
+    struct dctx x = {m, s, o, NULL, 0, 0, err};
     int rc = build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && o->fisher))) rc = fisher_scores(&x);

@@ -59,6 +59,10 @@ struct fp_item {
 };
 
 int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *err) {
+    if (m->fingerprint[0]) {
+        memcpy(hex, m->fingerprint, 65);
+        return KV_OK;
+    }
     const struct kv_config *c = &m->cfg;
     int64_t cap = 3 + c->n_layers * (KV_W_COUNT - KV_W_FIRST_LAYER), n = 0;
     struct fp_item *it = calloc((size_t)cap, sizeof *it);
@@ -114,5 +118,7 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
     }
     free(it);
     hex_digest(&ctx, hex);
+    /* the weights are immutable once loaded: remember it for the next call */
+    memcpy(((struct kv_model *)m)->fingerprint, hex, 65);
     return KV_OK;
 }

@@ -280,7 +280,8 @@ void kv_sha256_hex(const void *data, size_t len, char hex[65]);
  * forward pass uses, kvcal's name for it ("blk.3.k projection"), its shape
  * and its f32 data. It does not depend on the container, so the same weights
  * in GGUF and in safetensors share a fingerprint. One parallel pass over the
- * weights; fails only for lack of memory. */
+ * weights, on the first call only (the model remembers it); fails only for
+ * lack of memory. */
 int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *err);
 
 /* ---------------------------------------------------------------- calibration data */

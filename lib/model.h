@@ -53,6 +53,8 @@ struct kv_model {
     void **owned;                              /* malloc'd blocks (converted weights) */
     int64_t n_owned, cap_owned;
     struct kv_cleanup *cleanups;               /* e.g. munmap of source files */
+    char fingerprint[65];                      /* kv_model_fingerprint, once computed
+                                                  ("" before); weights never change */
     int64_t n_cleanups, cap_cleanups;
 };
 
