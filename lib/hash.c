@@ -64,7 +64,7 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
         return KV_OK;
     }
     const struct kv_config *c = &m->cfg;
-    int64_t cap = 3 + c->n_layers * (KV_W_COUNT - KV_W_FIRST_LAYER), n = 0;
+    int64_t cap = KV_W_FIRST_LAYER + c->n_layers * (KV_W_COUNT - KV_W_FIRST_LAYER), n = 0;
     struct fp_item *it = calloc((size_t)cap, sizeof *it);
     if (!it) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     struct sha256_ctx ctx;
@@ -87,10 +87,8 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
         for (int64_t l = 0; l < nl; l++) {
-            const float *w = k == KV_W_TOK_EMB   ? m->tok_emb
-                             : k == KV_W_OUT_NORM ? m->out_norm
-                             : k == KV_W_LM_HEAD  ? (c->tied_embeddings ? NULL : m->lm_head)
-                                                  : m->layers[l].w[k];
+            const float *w = k == KV_W_LM_HEAD && c->tied_embeddings ? NULL
+                                                                     : kv_model_weight(m, k, l);
             if (!w) continue; /* absent biases; a tied head is the embedding */
             struct fp_item *p = &it[n++];
             p->nd = kv_model_expected_shape(c, k, p->shape);

@@ -100,7 +100,11 @@ int64_t kv_tensor_numel(const struct kv_tensor *t);
 
 /* ---------------------------------------------------------------- models */
 
-enum kv_arch { KV_ARCH_LLAMA = 0 };
+enum kv_arch {
+    KV_ARCH_LLAMA = 0, /* RMSNorm, RoPE, GQA, SwiGLU */
+    KV_ARCH_GPT2 = 1,  /* LayerNorm, learned positions, MHA, GELU(tanh), biases */
+};
+const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
 
 /* How RoPE pairs dimensions within a head of size d_h. */
 enum kv_rope_layout {
@@ -120,9 +124,10 @@ struct kv_config {
     int64_t n_kv_heads;   /* g */
     int64_t head_dim;     /* d_h */
     int64_t vocab_size;
-    int64_t max_seq_len;  /* trained context (informational) */
-    float norm_eps;
-    float rope_theta;
+    int64_t max_seq_len;  /* trained context (informational for llama; gpt2's
+                             learned positions: the forward's context limit) */
+    float norm_eps;       /* RMSNorm (llama) or LayerNorm (gpt2) epsilon */
+    float rope_theta;     /* llama only */
     enum kv_rope_layout rope_layout;
     int tied_embeddings;  /* output head shares the embedding matrix */
     int has_qkv_bias;
@@ -245,6 +250,36 @@ double kv_now(void);
 /* Set the thread count for BLAS and OpenMP (<= 0 leaves the default). */
 void kv_set_threads(int n);
 
+/* ---------------------------------------------------------------- gradients */
+
+/* Training forward and backward pass (lib/backward.c), both architectures.
+ * One run takes a window of n+1 tokens: inputs tokens[0..n) at positions
+ * 0..n-1, targets tokens[1..n]. The loss is the mean next-token
+ * cross-entropy over the n targets (float64). Activations are fp32 and the
+ * whole window is kept, so memory is O(L·n·(d + hidden) + h·n²). */
+struct kv_grad;
+int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
+                 struct kv_err *err);
+void kv_grad_free(struct kv_grad *g);
+/* Forward + backward of one window; overwrites every gradient buffer. */
+int kv_grad_run(struct kv_grad *g, const int32_t *tokens, int64_t n, double *loss,
+                struct kv_err *err);
+/* Forward only (the same code path as kv_grad_run): mean loss of the window. */
+int kv_grad_loss(struct kv_grad *g, const int32_t *tokens, int64_t n, double *loss,
+                 struct kv_err *err);
+/* Parameter tensors of the model, in a fixed order (globals, then per layer):
+ * kvcal's name ("blk.2.k projection"), element count, the weight and its
+ * gradient from the last run. A tied head has no entry of its own (its
+ * gradient is added into the embedding's). i in 0 .. kv_grad_n_tensors-1. */
+int64_t kv_grad_n_tensors(const struct kv_grad *g);
+const char *kv_grad_tensor(const struct kv_grad *g, int64_t i, int64_t *count,
+                           const float **weight, const float **grad);
+/* ∂loss/∂(key projection output) [n, g*d_h] of layer l from the last run:
+ * the gradient with respect to k = x W_kᵀ + b_k before RoPE (equal to the
+ * post-projection output for gpt2); the same for values. */
+const float *kv_grad_k(const struct kv_grad *g, int64_t layer);
+const float *kv_grad_v(const struct kv_grad *g, int64_t layer);
+
 /* ---------------------------------------------------------------- perplexity */
 
 /* Windows protocol (DESIGN §8): tokens are one document with BOS at its
@@ -335,6 +370,16 @@ struct kv_stats_layer {
     double *xsum;   /* [d]           Σ x */
     double *q_cov;  /* [h, d_h, d_h] Σ qᵀq per query head, post-RoPE */
     double *k_cov;  /* [g, d_h, d_h] Σ kᵀk per KV head, post-RoPE */
+    /* Fisher statistics (collect --fisher), NULL when absent. Sums over
+     * windows of the squared gradient of that window's mean loss:
+     * fisher_k[r] = Σ_w Σ_j (∂L_w/∂W_k[r, j])² for output row r (Palu §3.3
+     * scores any group of heads by summing its rows); the same for W_v. */
+    double *fisher_k;  /* [g*d_h] */
+    double *fisher_v;  /* [g*d_h] */
+    /* Σ gᵀg over tokens per KV head of g = ∂L_w/∂k (pre-RoPE key output,
+     * kv_grad_k) and ∂L_w/∂v. */
+    double *grad_k_cov; /* [g, d_h, d_h] */
+    double *grad_v_cov; /* [g, d_h, d_h] */
 };
 
 struct kv_stats_input {
@@ -352,6 +397,7 @@ struct kv_stats {
     int64_t seq_len;
     int64_t tokens;        /* tokens accumulated */
     int64_t windows;       /* windows accumulated */
+    int has_fisher;        /* every layer has fisher_k/v and grad_k/v_cov */
     /* the plan that produced the sums ("sequential", "random" or "merged") */
     char sampling[16];
     uint64_t seed;

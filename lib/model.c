@@ -40,8 +40,39 @@ static const char *const wkind_names[KV_W_COUNT] = {
     [KV_W_BQ] = "q bias",               [KV_W_BK] = "k bias",
     [KV_W_BV] = "v bias",               [KV_W_FFN_NORM] = "ffn norm",
     [KV_W_GATE] = "ffn gate",           [KV_W_DOWN] = "ffn down",
-    [KV_W_UP] = "ffn up",
+    [KV_W_UP] = "ffn up",               [KV_W_POS_EMB] = "position embedding",
+    [KV_W_OUT_NORM_B] = "output norm bias", [KV_W_ATTN_NORM_B] = "attention norm bias",
+    [KV_W_BO] = "output projection bias",   [KV_W_FFN_NORM_B] = "ffn norm bias",
+    [KV_W_BUP] = "ffn up bias",             [KV_W_BDOWN] = "ffn down bias",
 };
+
+const char *kv_arch_name(enum kv_arch a) {
+    switch (a) {
+    case KV_ARCH_LLAMA: return "llama";
+    case KV_ARCH_GPT2: return "gpt2";
+    }
+    return "?";
+}
+
+int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
+    int gpt2 = c->arch == KV_ARCH_GPT2;
+    switch (k) {
+    case KV_W_LM_HEAD: return c->tied_embeddings ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
+    case KV_W_BQ:
+    case KV_W_BK:
+    case KV_W_BV: return gpt2 ? KV_WUSE_REQUIRED : KV_WUSE_OPTIONAL;
+    case KV_W_GATE: return gpt2 ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
+    case KV_W_POS_EMB:
+    case KV_W_OUT_NORM_B:
+    case KV_W_ATTN_NORM_B:
+    case KV_W_BO:
+    case KV_W_FFN_NORM_B:
+    case KV_W_BUP:
+    case KV_W_BDOWN: return gpt2 ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
+    case KV_W_COUNT: return KV_WUSE_NONE;
+    default: return KV_WUSE_REQUIRED;
+    }
+}
 
 const char *kv_wkind_name(enum kv_wkind kind) {
     return (unsigned)kind < KV_W_COUNT ? wkind_names[kind] : "?";
@@ -75,6 +106,13 @@ int kv_model_expected_shape(const struct kv_config *c, enum kv_wkind kind, int64
     case KV_W_GATE:
     case KV_W_UP: s[0] = c->hidden_dim; s[1] = c->dim; return 2;
     case KV_W_DOWN: s[0] = c->dim; s[1] = c->hidden_dim; return 2;
+    case KV_W_POS_EMB: s[0] = c->max_seq_len; s[1] = c->dim; return 2;
+    case KV_W_OUT_NORM_B:
+    case KV_W_ATTN_NORM_B:
+    case KV_W_BO:
+    case KV_W_FFN_NORM_B:
+    case KV_W_BDOWN: s[0] = c->dim; return 1;
+    case KV_W_BUP: s[0] = c->hidden_dim; return 1;
     case KV_W_COUNT: break;
     }
     KV_ASSERT(0);
@@ -100,16 +138,26 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "n_heads %lld is not a multiple of n_kv_heads %lld",
                        (long long)c->n_heads, (long long)c->n_kv_heads);
-    if (c->head_dim % 2)
+    if (c->arch != KV_ARCH_LLAMA && c->arch != KV_ARCH_GPT2)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "architecture %d is unknown", (int)c->arch);
+    if (c->arch == KV_ARCH_LLAMA && c->head_dim % 2)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "head_dim %lld is odd, rope needs pairs",
                        (long long)c->head_dim);
+    if (c->arch == KV_ARCH_GPT2 && c->n_kv_heads != c->n_heads)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "gpt2 has %lld kv heads for %lld heads, expected them equal",
+                       (long long)c->n_kv_heads, (long long)c->n_heads);
+    if (c->arch == KV_ARCH_GPT2 && (c->max_seq_len <= 0 || c->max_seq_len > KV_MAX_CTX))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "gpt2 n_positions %lld is outside 1..%d", (long long)c->max_seq_len,
+                       KV_MAX_CTX);
     if (c->n_heads * c->head_dim > KV_MAX_DIM)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "n_heads*head_dim exceeds %d",
                        KV_MAX_DIM);
     if (!(c->norm_eps > 0) || !isfinite(c->norm_eps))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "norm epsilon %g must be positive",
                        (double)c->norm_eps);
-    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
+    if (c->arch == KV_ARCH_LLAMA && (!(c->rope_theta > 0) || !isfinite(c->rope_theta)))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "rope theta %g must be positive",
                        (double)c->rope_theta);
     return KV_OK;
@@ -223,8 +271,21 @@ static const float **slot(struct kv_model *m, enum kv_wkind kind, int64_t layer)
     case KV_W_TOK_EMB: return &m->tok_emb;
     case KV_W_OUT_NORM: return &m->out_norm;
     case KV_W_LM_HEAD: return &m->lm_head;
+    case KV_W_POS_EMB: return &m->pos_emb;
+    case KV_W_OUT_NORM_B: return &m->out_norm_b;
     default: return &m->layers[layer].w[kind];
     }
+}
+
+const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+    if ((unsigned)kind >= KV_W_COUNT) return NULL;
+    if (kind < KV_W_FIRST_LAYER) return *slot((struct kv_model *)m, kind, 0);
+    if (layer < 0 || layer >= m->cfg.n_layers) return NULL;
+    return m->layers[layer].w[kind];
+}
+
+float *kv_model_weight_mut(struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+    return (float *)kv_model_weight(m, kind, layer);
 }
 
 int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
@@ -269,18 +330,13 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
 int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err) {
     if (m->cfg.tied_embeddings && !m->lm_head) m->lm_head = m->tok_emb;
     if (!m->tok_emb && m->lm_head && m->cfg.tied_embeddings) m->tok_emb = m->lm_head;
-    const struct {
-        const float *p;
-        enum kv_wkind k;
-    } glob[] = {{m->tok_emb, KV_W_TOK_EMB}, {m->out_norm, KV_W_OUT_NORM}, {m->lm_head, KV_W_LM_HEAD}};
-    for (size_t i = 0; i < 3; i++)
-        if (!glob[i].p)
+    for (int k = 0; k < KV_W_FIRST_LAYER; k++)
+        if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !*slot(m, k, 0))
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing tensor for the %s",
-                           kv_wkind_name(glob[i].k));
+                           kv_wkind_name(k));
     for (int64_t l = 0; l < m->cfg.n_layers; l++)
         for (int k = KV_W_FIRST_LAYER; k < KV_W_COUNT; k++) {
-            int optional = k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV;
-            if (!m->layers[l].w[k] && !optional)
+            if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !m->layers[l].w[k])
                 return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                                "missing tensor for the %s of layer %lld", kv_wkind_name(k),
                                (long long)l);
@@ -319,14 +375,12 @@ const struct kv_tensor *kv_model_tensor(const struct kv_model *m, int64_t i) {
 int64_t kv_model_n_params(const struct kv_model *m) {
     const struct kv_config *c = &m->cfg;
     int64_t s[2], n = 0;
-    for (int k = KV_W_FIRST_LAYER; k < KV_W_COUNT; k++) {
-        if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !m->layers[0].w[k]) continue;
+    for (int k = 0; k < KV_W_COUNT; k++) {
+        if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
+        if (kv_wkind_use(c, k) == KV_WUSE_OPTIONAL && !kv_model_weight(m, k, 0)) continue;
         int nd = kv_model_expected_shape(c, k, s);
-        n += nd == 2 ? s[0] * s[1] : s[0];
+        n += (nd == 2 ? s[0] * s[1] : s[0]) * (k < KV_W_FIRST_LAYER ? 1 : c->n_layers);
     }
-    n *= c->n_layers;
-    n += c->vocab_size * c->dim + c->dim;
-    if (!c->tied_embeddings) n += c->vocab_size * c->dim;
     return n;
 }
 
@@ -356,8 +410,8 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
     int64_t shp[2];
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : cfg->n_layers;
-        if (k == KV_W_LM_HEAD && cfg->tied_embeddings) continue;
-        if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !cfg->has_qkv_bias) continue;
+        int use = kv_wkind_use(cfg, k);
+        if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !cfg->has_qkv_bias)) continue;
         int nd = kv_model_expected_shape(cfg, k, shp);
         int64_t n = nd == 2 ? shp[0] * shp[1] : shp[0];
         for (int64_t l = 0; l < nl; l++) {
@@ -367,6 +421,7 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
                 return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
             }
             int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM;
+            /* GPT-2 keeps every weight random (biases included) so tests see them */
             if (is_norm)
                 for (int64_t i = 0; i < n; i++) p[i] = 1.0f;
             else

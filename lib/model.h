@@ -6,7 +6,13 @@
  * and converts it to f32, as a view when the stored bytes already are aligned
  * little-endian f32), and finish with kv_model_finish.
  *
- * Every linear weight is [out, in] row-major (HF layout), so y = x Wᵀ. */
+ * Every linear weight is [out, in] row-major (HF layout), so y = x Wᵀ.
+ *
+ * Architectures share one forward pass and one weight table:
+ *   llama: RMSNorm, RoPE, GQA, SwiGLU (gate, up, down), optional q/k/v biases;
+ *   gpt2:  LayerNorm with bias (norm + norm_b), learned positions (pos_emb),
+ *          MHA with q/k/v/o biases, MLP up (c_fc) + GELU(tanh) + down
+ *          (c_proj) with biases, no gate. */
 #ifndef KV_MODEL_H
 #define KV_MODEL_H
 
@@ -16,6 +22,8 @@ enum kv_wkind {
     KV_W_TOK_EMB = 0, /* [vocab, d] */
     KV_W_OUT_NORM,    /* [d] */
     KV_W_LM_HEAD,     /* [vocab, d]; absent when tied */
+    KV_W_POS_EMB,     /* [max_seq_len, d] learned positions (GPT-2) */
+    KV_W_OUT_NORM_B,  /* [d] final LayerNorm bias (GPT-2) */
     /* per layer: */
     KV_W_ATTN_NORM,   /* [d] */
     KV_W_Q,           /* [h*d_h, d] */
@@ -28,7 +36,12 @@ enum kv_wkind {
     KV_W_FFN_NORM,    /* [d] */
     KV_W_GATE,        /* w1: [hidden, d] */
     KV_W_DOWN,        /* w2: [d, hidden] */
-    KV_W_UP,          /* w3: [hidden, d] */
+    KV_W_UP,          /* w3: [hidden, d]; GPT-2's c_fc */
+    KV_W_ATTN_NORM_B, /* [d] LayerNorm biases, output projection bias and MLP */
+    KV_W_BO,          /* [d]      biases: GPT-2 only */
+    KV_W_FFN_NORM_B,  /* [d] */
+    KV_W_BUP,         /* [hidden] c_fc bias */
+    KV_W_BDOWN,       /* [d]      c_proj bias */
     KV_W_COUNT
 };
 #define KV_W_FIRST_LAYER KV_W_ATTN_NORM
@@ -46,6 +59,7 @@ struct kv_model {
     struct kv_config cfg;
     enum kv_format format;
     const float *tok_emb, *out_norm, *lm_head; /* lm_head == tok_emb when tied */
+    const float *pos_emb, *out_norm_b;         /* GPT-2 only, else NULL */
     struct kv_layer *layers;                   /* [n_layers] */
     struct kv_tokenizer *tok;                  /* owned, may be NULL */
     struct kv_tensor *tensors;                 /* source tensor table */
@@ -93,6 +107,15 @@ const char *kv_shape_str(char *buf, size_t cap, const int64_t *shape, int nd);
 
 /* Expected row-major shape of a weight kind; returns ndim. */
 int kv_model_expected_shape(const struct kv_config *cfg, enum kv_wkind kind, int64_t shape[2]);
+/* Whether cfg's architecture uses weight `kind`: KV_WUSE_NONE, KV_WUSE_REQUIRED
+ * or KV_WUSE_OPTIONAL (Llama's q/k/v biases; the head when tied is NONE). */
+enum { KV_WUSE_NONE = 0, KV_WUSE_REQUIRED = 1, KV_WUSE_OPTIONAL = 2 };
+int kv_wkind_use(const struct kv_config *cfg, enum kv_wkind kind);
+/* The bound weight of kind (layer ignored for global kinds), or NULL. */
+const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer);
+/* Mutable weight of a model whose weights kvcal allocated (kv_model_init_random,
+ * the trainer); NULL when absent. Never use on a loaded (mapped) model. */
+float *kv_model_weight_mut(struct kv_model *m, enum kv_wkind kind, int64_t layer);
 const char *kv_wkind_name(enum kv_wkind kind);
 
 /* Convert n elements of dtype src to f32 (little-endian source bytes). */
