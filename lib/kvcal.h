@@ -551,7 +551,8 @@ int64_t kv_lr_hadamard(int64_t n, double *h);
 enum kv_lr_mode {
     KV_LR_FULL = 0,          /* not compressed: the original projection */
     KV_LR_PREROPE_LATENT,    /* z = x downᵀ + c; k = RoPE(z upᵀ) per head */
-    KV_LR_FUSED_QUERY,       /* non-RoPE keys folded into the query (not produced yet) */
+    KV_LR_FUSED_QUERY,       /* non-RoPE keys: z = x downᵀ + c; q' = x q_fusedᵀ + q_fused_bias;
+                                score q'·z (up folded into the query, gpt2) */
     KV_LR_FUSED_OUTPUT,      /* values: z = x downᵀ + c; out = (P z) o_fusedᵀ */
     KV_LR_POSTROPE_ROTATION, /* z = RoPE(x W_kᵀ + b) rotᵀ per KV head; q' = q rotᵀ */
 };
@@ -586,6 +587,13 @@ struct kv_lr_layer {
      * query heads in order. NULL otherwise. */
     float *o_fused;
     int64_t o_cols;
+    /* fused_query keys: the query projection folded with each query head's
+     * unit up-block, q'_i = q_i up_i = x (up_iᵀ W_q,i)ᵀ + up_iᵀ b_q,i, stored
+     * [q_cols, d] weight layout (+ bias [q_cols], NULL when the model has no
+     * q bias) with q_cols = Σ over query heads i of rank(unit of i), query
+     * heads in order. NULL otherwise. */
+    float *q_fused, *q_fused_bias;
+    int64_t q_cols;
 };
 
 /* A compressed model's attention: what kvcal decompose builds, what the

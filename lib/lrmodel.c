@@ -32,6 +32,7 @@ void kv_lowrank_free(struct kv_lowrank *lr) {
             side_free(&lr->layers[l].k);
             side_free(&lr->layers[l].v);
             free(lr->layers[l].o_fused);
+            free(lr->layers[l].q_fused), free(lr->layers[l].q_fused_bias);
         }
     free(lr->layers);
     free(lr);
