@@ -1,0 +1,505 @@
+/* Training forward and backward pass for the Llama and GPT-2 families.
+ *
+ * The forward keeps every activation of one window (positions 0..n-1) and
+ * the backward walks the layers in reverse, writing the gradient of the mean
+ * next-token cross-entropy with respect to every weight. All matrix products
+ * are OpenBLAS sgemm; row reductions (norms, softmax) accumulate in double.
+ *
+ * Shapes (row-major, n tokens): x [n, d]; q, att [n, h*d_h]; k, v [n, g*d_h];
+ * probabilities P [h, n, n] (row i is query position i, zero above the
+ * diagonal); ffn a, b, act [n, hidden]; logits [n, vocab].
+ *
+ * Linear y = x Wᵀ + b with W [out, in] has dW += dyᵀ x, dx += dy W and
+ * db += Σ_rows dy. RoPE is a rotation per pair, so its backward rotates by
+ * the opposite angle. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backward.h"
+#include "err.h"
+#include "limits.h"
+#include "model.h"
+
+struct gtensor {
+    enum kv_wkind kind;
+    int64_t layer;  /* -1 for globals */
+    int64_t count;
+    float *grad;    /* into g->gbuf */
+    char name[48];
+};
+
+struct glayer { /* saved activations of one layer */
+    float *x_in, *xn1, *mu1, *rs1; /* residual input, normed input, norm stats [n] */
+    float *q, *k, *v;              /* post-RoPE q, k; v */
+    float *P;                      /* [h, n, n] */
+    float *att;                    /* [n, h*d_h] attention output before W_o */
+    float *x_mid, *xn2, *mu2, *rs2;
+    float *a, *b, *act;            /* ffn pre-activations and activation [n, hidden] */
+    float *gk, *gv;                /* ∂L/∂k, ∂L/∂v before RoPE [n, g*d_h] */
+};
+
+struct kv_grad {
+    const struct kv_model *m;
+    int64_t max_n, n;
+    struct glayer *ly;
+    float *xf, *xnf, *muf, *rsf, *logits;
+    float *rope_cos, *rope_sin;   /* [max_n][d_h/2] */
+    /* backward scratch */
+    float *dx, *dxn, *dq, *dk, *dv, *datt, *dh, *da, *db, *dP; /* dP: [threads][n][n] */
+    float *gbuf;                  /* every gradient, contiguous */
+    int64_t n_gbuf;
+    struct gtensor *t;
+    int64_t n_t;
+    int n_threads;
+};
+
+static float *falloc(int64_t n) { return malloc((size_t)(n > 0 ? n : 1) * sizeof(float)); }
+
+void kv_grad_free(struct kv_grad *g) {
+    if (!g) return;
+    if (g->ly)
+        for (int64_t l = 0; l < g->m->cfg.n_layers; l++) {
+            struct glayer *y = &g->ly[l];
+            float *p[] = {y->x_in, y->xn1, y->mu1, y->rs1, y->q, y->k, y->v, y->P, y->att,
+                          y->x_mid, y->xn2, y->mu2, y->rs2, y->a, y->b, y->act, y->gk, y->gv};
+            for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+        }
+    free(g->ly);
+    float *p[] = {g->xf, g->xnf, g->muf, g->rsf, g->logits, g->rope_cos, g->rope_sin, g->dx,
+                  g->dxn, g->dq, g->dk, g->dv, g->datt, g->dh, g->da, g->db, g->dP, g->gbuf};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+    free(g->t);
+    free(g);
+}
+
+int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
+                 struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t lim = c->arch == KV_ARCH_GPT2 ? c->max_seq_len : KV_MAX_CTX;
+    if (max_n <= 0 || max_n > lim)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "window of %lld tokens is outside 1..%lld",
+                       (long long)max_n, (long long)lim);
+    struct kv_grad *g = calloc(1, sizeof *g);
+    if (!g) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    g->m = m, g->max_n = max_n;
+    g->n_threads = omp_get_max_threads();
+    int64_t n = max_n, d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim;
+    int64_t qd = h * dh, kd = c->n_kv_heads * dh, L = c->n_layers;
+    int ok = (g->ly = calloc((size_t)L, sizeof *g->ly)) != NULL;
+    for (int64_t l = 0; ok && l < L; l++) {
+        struct glayer *y = &g->ly[l];
+        y->x_in = falloc(n * d), y->xn1 = falloc(n * d), y->mu1 = falloc(n), y->rs1 = falloc(n);
+        y->q = falloc(n * qd), y->k = falloc(n * kd), y->v = falloc(n * kd);
+        y->P = falloc(h * n * n), y->att = falloc(n * qd);
+        y->x_mid = falloc(n * d), y->xn2 = falloc(n * d), y->mu2 = falloc(n), y->rs2 = falloc(n);
+        y->a = falloc(n * hid), y->b = falloc(n * hid), y->act = falloc(n * hid);
+        y->gk = falloc(n * kd), y->gv = falloc(n * kd);
+        ok = y->x_in && y->xn1 && y->mu1 && y->rs1 && y->q && y->k && y->v && y->P && y->att &&
+             y->x_mid && y->xn2 && y->mu2 && y->rs2 && y->a && y->b && y->act && y->gk && y->gv;
+    }
+    if (ok) {
+        g->xf = falloc(n * d), g->xnf = falloc(n * d), g->muf = falloc(n), g->rsf = falloc(n);
+        g->logits = falloc(n * c->vocab_size);
+        g->rope_cos = falloc(n * (dh / 2 + 1)), g->rope_sin = falloc(n * (dh / 2 + 1));
+        g->dx = falloc(n * d), g->dxn = falloc(n * d), g->dq = falloc(n * qd);
+        g->dk = falloc(n * kd), g->dv = falloc(n * kd), g->datt = falloc(n * qd);
+        g->dh = falloc(n * hid), g->da = falloc(n * hid), g->db = falloc(n * hid);
+        g->dP = falloc((int64_t)g->n_threads * n * n);
+        ok = g->xf && g->xnf && g->muf && g->rsf && g->logits && g->rope_cos && g->rope_sin &&
+             g->dx && g->dxn && g->dq && g->dk && g->dv && g->datt && g->dh && g->da && g->db &&
+             g->dP;
+    }
+    /* the parameter table: every bound weight, globals first */
+    int64_t cap = KV_W_FIRST_LAYER + L * (KV_W_COUNT - KV_W_FIRST_LAYER);
+    if (ok) ok = (g->t = calloc((size_t)cap, sizeof *g->t)) != NULL;
+    for (int k = 0; ok && k < KV_W_COUNT; k++) {
+        int64_t nl = k < KV_W_FIRST_LAYER ? 1 : L;
+        for (int64_t l = 0; l < nl; l++) {
+            if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
+            if (!kv_model_weight(m, k, l)) continue;
+            int64_t s[2];
+            int nd = kv_model_expected_shape(c, k, s);
+            struct gtensor *t = &g->t[g->n_t++];
+            t->kind = k, t->layer = k < KV_W_FIRST_LAYER ? -1 : l;
+            t->count = nd == 2 ? s[0] * s[1] : s[0];
+            if (t->layer < 0)
+                snprintf(t->name, sizeof t->name, "%s", kv_wkind_name(k));
+            else
+                snprintf(t->name, sizeof t->name, "blk.%lld.%s", (long long)l, kv_wkind_name(k));
+            g->n_gbuf += t->count;
+        }
+    }
+    if (ok) ok = (g->gbuf = falloc(g->n_gbuf)) != NULL;
+    if (!ok) {
+        kv_grad_free(g);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
+                       "out of memory for the activations of a %lld-token window", (long long)n);
+    }
+    int64_t off = 0;
+    for (int64_t i = 0; i < g->n_t; i++) g->t[i].grad = g->gbuf + off, off += g->t[i].count;
+    if (c->arch == KV_ARCH_LLAMA) /* the same angles as the inference forward */
+        for (int64_t p = 0; p < n; p++)
+            for (int64_t i = 0; i < dh / 2; i++) {
+                double ang = (double)p * pow((double)c->rope_theta, -2.0 * (double)i / (double)dh);
+                g->rope_cos[p * (dh / 2) + i] = (float)cos(ang);
+                g->rope_sin[p * (dh / 2) + i] = (float)sin(ang);
+            }
+    *out = g;
+    return KV_OK;
+}
+
+int64_t kv_grad_n_tensors(const struct kv_grad *g) { return g->n_t; }
+
+const char *kv_grad_tensor(const struct kv_grad *g, int64_t i, int64_t *count,
+                           const float **weight, const float **grad) {
+    if (i < 0 || i >= g->n_t) return NULL;
+    const struct gtensor *t = &g->t[i];
+    if (count) *count = t->count;
+    if (weight) *weight = kv_model_weight(g->m, t->kind, t->layer);
+    if (grad) *grad = t->grad;
+    return t->name;
+}
+
+float *kv_grad_of(const struct kv_grad *g, enum kv_wkind kind, int64_t layer) {
+    if (kind == KV_W_LM_HEAD && g->m->cfg.tied_embeddings) kind = KV_W_TOK_EMB;
+    for (int64_t i = 0; i < g->n_t; i++)
+        if (g->t[i].kind == kind && (kind < KV_W_FIRST_LAYER || g->t[i].layer == layer))
+            return g->t[i].grad;
+    return NULL;
+}
+
+const float *kv_grad_k(const struct kv_grad *g, int64_t layer) {
+    return layer >= 0 && layer < g->m->cfg.n_layers ? g->ly[layer].gk : NULL;
+}
+const float *kv_grad_v(const struct kv_grad *g, int64_t layer) {
+    return layer >= 0 && layer < g->m->cfg.n_layers ? g->ly[layer].gv : NULL;
+}
+
+/* ---------------------------------------------------------------- building blocks */
+
+/* y [n, outd] = x [n, in] Wᵀ (+ bias) */
+static void lin_fwd(float *y, const float *x, const float *w, const float *bias, int64_t n,
+                    int64_t in, int64_t outd) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)outd, (int)in, 1.0f, x,
+                (int)in, w, (int)in, 0.0f, y, (int)outd);
+    if (bias)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < outd; j++) y[i * outd + j] += bias[j];
+}
+
+/* dW += dyᵀ x; db += Σ dy; dx = dy W (+ dx when accum). Any of dW, db, dx may be NULL. */
+static void lin_bwd(const float *dy, const float *x, const float *w, int64_t n, int64_t in,
+                    int64_t outd, float *dw, float *db, float *dx, int accum) {
+    if (dw)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)outd, (int)in, (int)n, 1.0f, dy,
+                    (int)outd, x, (int)in, 1.0f, dw, (int)in);
+    if (db)
+        for (int64_t j = 0; j < outd; j++) {
+            double s = 0;
+            for (int64_t i = 0; i < n; i++) s += dy[i * outd + j];
+            db[j] += (float)s;
+        }
+    if (dx)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)in, (int)outd, 1.0f,
+                    dy, (int)outd, w, (int)in, accum ? 1.0f : 0.0f, dx, (int)in);
+}
+
+/* RMSNorm (bias NULL, mu unused) or LayerNorm of rows x [n, d] into y; saves
+ * the per-row mean (LayerNorm) and reciprocal deviation. */
+static void norm_fwd(const struct kv_config *c, float *y, float *mu, float *rs, const float *x,
+                     const float *w, const float *bias, int64_t n, int64_t d) {
+    int ln = c->arch == KV_ARCH_GPT2;
+#pragma omp parallel for if (n * d > 65536) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * d;
+        double m = 0, ss = 0;
+        if (ln) {
+            for (int64_t j = 0; j < d; j++) m += xi[j];
+            m /= (double)d;
+        }
+        for (int64_t j = 0; j < d; j++) ss += ((double)xi[j] - m) * ((double)xi[j] - m);
+        float r = (float)(1.0 / sqrt(ss / (double)d + (double)c->norm_eps));
+        mu[i] = (float)m, rs[i] = r;
+        float *o = y + i * d;
+        for (int64_t j = 0; j < d; j++)
+            o[j] = ((xi[j] - (float)m) * r) * w[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+
+/* Backward of norm_fwd: dx += ∂/∂x, dw += Σ dy x̂, db += Σ dy. */
+static void norm_bwd(const struct kv_config *c, const float *dy, const float *x, const float *mu,
+                     const float *rs, const float *w, int64_t n, int64_t d, float *dx, float *dw,
+                     float *db) {
+    int ln = c->arch == KV_ARCH_GPT2;
+#pragma omp parallel for if (n * d > 65536) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * d, *gi = dy + i * d;
+        double r = rs[i], m = ln ? mu[i] : 0.0, s1 = 0, s2 = 0;
+        for (int64_t j = 0; j < d; j++) {
+            double gw = (double)gi[j] * w[j], xh = ((double)xi[j] - m) * r;
+            s1 += gw, s2 += gw * xh;
+        }
+        s1 /= (double)d, s2 /= (double)d;
+        float *o = dx + i * d;
+        for (int64_t j = 0; j < d; j++) {
+            double gw = (double)gi[j] * w[j], xh = ((double)xi[j] - m) * r;
+            o[j] += (float)(r * (gw - (ln ? s1 : 0.0) - xh * s2));
+        }
+    }
+    for (int64_t j = 0; j < d; j++) {
+        double sw = 0, sb = 0;
+        for (int64_t i = 0; i < n; i++) {
+            double xh = ((double)x[i * d + j] - (ln ? mu[i] : 0.0)) * rs[i];
+            sw += (double)dy[i * d + j] * xh, sb += dy[i * d + j];
+        }
+        dw[j] += (float)sw;
+        if (db) db[j] += (float)sb;
+    }
+}
+
+/* Rotate (sign +1) or un-rotate (sign -1) every head of rows [n, nh*d_h]. */
+static void rope_apply(const struct kv_grad *g, float *v, int64_t n, int64_t nh, float sign) {
+    const struct kv_config *c = &g->m->cfg;
+    int64_t dh = c->head_dim, half = dh / 2;
+    int il = c->rope_layout == KV_ROPE_INTERLEAVED;
+    for (int64_t i = 0; i < n; i++) {
+        const float *cs = g->rope_cos + i * half, *sn = g->rope_sin + i * half;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            float *p = v + (i * nh + hh) * dh;
+            for (int64_t j = 0; j < half; j++) {
+                int64_t a = il ? 2 * j : j, b = il ? 2 * j + 1 : j + half;
+                float x0 = p[a], x1 = p[b], s = sign * sn[j];
+                p[a] = x0 * cs[j] - x1 * s;
+                p[b] = x0 * s + x1 * cs[j];
+            }
+        }
+    }
+}
+
+static const float GELU_C = 0.7978845608028654f; /* sqrt(2/pi) */
+
+/* ---------------------------------------------------------------- forward */
+
+static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
+                   struct kv_err *err) {
+    const struct kv_model *m = g->m;
+    const struct kv_config *c = &m->cfg;
+    if (n <= 0 || n > g->max_n)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "window of %lld tokens is outside 1..%lld", (long long)n,
+                       (long long)g->max_n);
+    for (int64_t i = 0; i <= n; i++)
+        if (tok[i] < 0 || tok[i] >= c->vocab_size)
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "token id %d at position %lld is outside the vocabulary of %lld", tok[i],
+                           (long long)i, (long long)c->vocab_size);
+    g->n = n;
+    int gpt2 = c->arch == KV_ARCH_GPT2;
+    int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
+    int64_t qd = h * dh, kd = c->n_kv_heads * dh, grp = h / c->n_kv_heads;
+    float scale = (float)(1.0 / sqrt((double)dh));
+    float *x = g->dx; /* the running residual (dx is free during the forward) */
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < d; j++)
+            x[i * d + j] = m->tok_emb[(int64_t)tok[i] * d + j] + (gpt2 ? m->pos_emb[i * d + j] : 0.0f);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const float *const *w = m->layers[l].w;
+        struct glayer *y = &g->ly[l];
+        memcpy(y->x_in, x, (size_t)(n * d) * sizeof(float));
+        norm_fwd(c, y->xn1, y->mu1, y->rs1, x, w[KV_W_ATTN_NORM], w[KV_W_ATTN_NORM_B], n, d);
+        lin_fwd(y->q, y->xn1, w[KV_W_Q], w[KV_W_BQ], n, d, qd);
+        lin_fwd(y->k, y->xn1, w[KV_W_K], w[KV_W_BK], n, d, kd);
+        lin_fwd(y->v, y->xn1, w[KV_W_V], w[KV_W_BV], n, d, kd);
+        if (!gpt2) {
+            rope_apply(g, y->q, n, h, 1.0f);
+            rope_apply(g, y->k, n, c->n_kv_heads, 1.0f);
+        }
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t hh = 0; hh < h; hh++) {
+            float *P = y->P + hh * n * n;
+            const float *K = y->k + (hh / grp) * dh, *Vv = y->v + (hh / grp) * dh;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)dh, scale,
+                        y->q + hh * dh, (int)qd, K, (int)kd, 0.0f, P, (int)n);
+            for (int64_t i = 0; i < n; i++) {
+                float *s = P + i * n, mx = s[0];
+                for (int64_t j = 1; j <= i; j++) mx = s[j] > mx ? s[j] : mx;
+                double sum = 0;
+                for (int64_t j = 0; j <= i; j++) sum += (s[j] = expf(s[j] - mx));
+                float inv = (float)(1.0 / sum);
+                for (int64_t j = 0; j <= i; j++) s[j] *= inv;
+                for (int64_t j = i + 1; j < n; j++) s[j] = 0.0f;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)dh, (int)n, 1.0f,
+                        P, (int)n, Vv, (int)kd, 0.0f, y->att + hh * dh, (int)qd);
+        }
+        /* x += att W_oᵀ + b_o */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)qd, 1.0f, y->att,
+                    (int)qd, w[KV_W_O], (int)qd, 1.0f, x, (int)d);
+        if (w[KV_W_BO])
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BO][j];
+        memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
+        norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+        int64_t nh = n * hid;
+        if (gpt2) {
+            lin_fwd(y->a, y->xn2, w[KV_W_UP], w[KV_W_BUP], n, d, hid);
+            for (int64_t i = 0; i < nh; i++) {
+                float a = y->a[i];
+                y->act[i] = 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a)));
+            }
+        } else {
+            lin_fwd(y->a, y->xn2, w[KV_W_GATE], NULL, n, d, hid);
+            lin_fwd(y->b, y->xn2, w[KV_W_UP], NULL, n, d, hid);
+            for (int64_t i = 0; i < nh; i++) y->act[i] = y->a[i] / (1.0f + expf(-y->a[i])) * y->b[i];
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)hid, 1.0f,
+                    y->act, (int)hid, w[KV_W_DOWN], (int)hid, 1.0f, x, (int)d);
+        if (w[KV_W_BDOWN])
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BDOWN][j];
+    }
+    memcpy(g->xf, x, (size_t)(n * d) * sizeof(float));
+    norm_fwd(c, g->xnf, g->muf, g->rsf, x, m->out_norm, m->out_norm_b, n, d);
+    lin_fwd(g->logits, g->xnf, m->lm_head, NULL, n, d, V);
+    double nll = 0;
+    for (int64_t i = 0; i < n; i++) nll += kv_nll_row(g->logits + i * V, V, tok[i + 1]);
+    *loss = nll / (double)n;
+    if (!isfinite(*loss))
+        return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET, "the window's loss is %s",
+                       isnan(*loss) ? "nan" : "inf");
+    return KV_OK;
+}
+
+int kv_grad_loss(struct kv_grad *g, const int32_t *tokens, int64_t n, double *loss,
+                 struct kv_err *err) {
+    return forward(g, tokens, n, loss, err);
+}
+
+/* ---------------------------------------------------------------- backward */
+
+/* Attention backward of one layer: datt [n, h*d_h] → dq, dk, dv (post-RoPE). */
+static void attn_bwd(struct kv_grad *g, const struct glayer *y, int64_t n) {
+    const struct kv_config *c = &g->m->cfg;
+    int64_t h = c->n_heads, gk = c->n_kv_heads, dh = c->head_dim, grp = h / gk;
+    int64_t qd = h * dh, kd = gk * dh;
+    float scale = (float)(1.0 / sqrt((double)dh));
+    memset(g->dk, 0, (size_t)(n * kd) * sizeof(float));
+    memset(g->dv, 0, (size_t)(n * kd) * sizeof(float));
+    int nt = omp_get_max_threads() < g->n_threads ? omp_get_max_threads() : g->n_threads;
+    /* one KV head per task: its query heads write only its dk, dv columns */
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+    for (int64_t j = 0; j < gk; j++) {
+        float *dP = g->dP + (int64_t)omp_get_thread_num() * n * n;
+        const float *K = y->k + j * dh, *Vv = y->v + j * dh;
+        for (int64_t hh = j * grp; hh < (j + 1) * grp; hh++) {
+            const float *P = y->P + hh * n * n, *dO = g->datt + hh * dh;
+            /* dP = dO Vᵀ; dV += Pᵀ dO */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)dh, 1.0f, dO,
+                        (int)qd, Vv, (int)kd, 0.0f, dP, (int)n);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)dh, (int)n, 1.0f, P,
+                        (int)n, dO, (int)qd, 1.0f, g->dv + j * dh, (int)kd);
+            /* dS = P ∘ (dP − Σ_j dP∘P) */
+            for (int64_t i = 0; i < n; i++) {
+                const float *p = P + i * n;
+                float *s = dP + i * n;
+                double dot = 0;
+                for (int64_t t = 0; t <= i; t++) dot += (double)p[t] * s[t];
+                for (int64_t t = 0; t <= i; t++) s[t] = p[t] * (s[t] - (float)dot);
+                for (int64_t t = i + 1; t < n; t++) s[t] = 0.0f;
+            }
+            /* dQ = scale dS K; dK += scale dSᵀ Q */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)dh, (int)n, scale,
+                        dP, (int)n, K, (int)kd, 0.0f, g->dq + hh * dh, (int)qd);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)dh, (int)n, scale,
+                        dP, (int)n, y->q + hh * dh, (int)qd, 1.0f, g->dk + j * dh, (int)kd);
+        }
+    }
+}
+
+int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
+                struct kv_err *err) {
+    int rc = forward(g, tok, n, loss, err);
+    if (rc) return rc;
+    const struct kv_model *m = g->m;
+    const struct kv_config *c = &m->cfg;
+    int gpt2 = c->arch == KV_ARCH_GPT2;
+    int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
+    int64_t qd = h * dh, kd = c->n_kv_heads * dh;
+    memset(g->gbuf, 0, (size_t)g->n_gbuf * sizeof(float));
+
+    /* dlogits = (softmax − onehot) / n, in place */
+    float *dl = g->logits;
+#pragma omp parallel for if (n * V > 65536) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *r = dl + i * V, mx = r[0];
+        for (int64_t j = 1; j < V; j++) mx = r[j] > mx ? r[j] : mx;
+        double s = 0;
+        for (int64_t j = 0; j < V; j++) s += exp((double)r[j] - mx);
+        for (int64_t j = 0; j < V; j++) r[j] = (float)(exp((double)r[j] - mx) / s / (double)n);
+        r[tok[i + 1]] -= 1.0f / (float)n;
+    }
+    float *dhead = kv_grad_of(g, KV_W_LM_HEAD, 0);
+    lin_bwd(dl, g->xnf, m->lm_head, n, d, V, dhead, NULL, g->dxn, 0);
+    float *dx = g->dx;
+    memset(dx, 0, (size_t)(n * d) * sizeof(float));
+    norm_bwd(c, g->dxn, g->xf, g->muf, g->rsf, m->out_norm, n, d, dx, kv_grad_of(g, KV_W_OUT_NORM, 0),
+             gpt2 ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
+
+    for (int64_t l = c->n_layers - 1; l >= 0; l--) {
+        const float *const *w = m->layers[l].w;
+        struct glayer *y = &g->ly[l];
+#define GW(kind) kv_grad_of(g, kind, l)
+        /* ffn: x_out = x_mid + act W_downᵀ + b_down; dx carries ∂/∂x_out */
+        lin_bwd(dx, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN), gpt2 ? GW(KV_W_BDOWN) : NULL,
+                g->dh, 0);
+        int64_t nh = n * hid;
+        if (gpt2) {
+            for (int64_t i = 0; i < nh; i++) {
+                float a = y->a[i], u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
+                float dg = 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * GELU_C *
+                                                   (1.0f + 3.0f * 0.044715f * a * a);
+                g->da[i] = g->dh[i] * dg;
+            }
+            lin_bwd(g->da, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), GW(KV_W_BUP), g->dxn, 0);
+        } else {
+            for (int64_t i = 0; i < nh; i++) {
+                float a = y->a[i], s = 1.0f / (1.0f + expf(-a));
+                g->db[i] = g->dh[i] * a * s;
+                g->da[i] = g->dh[i] * y->b[i] * s * (1.0f + a * (1.0f - s));
+            }
+            lin_bwd(g->da, y->xn2, w[KV_W_GATE], n, d, hid, GW(KV_W_GATE), NULL, g->dxn, 0);
+            lin_bwd(g->db, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), NULL, g->dxn, 1);
+        }
+        norm_bwd(c, g->dxn, y->x_mid, y->mu2, y->rs2, w[KV_W_FFN_NORM], n, d, dx,
+                 GW(KV_W_FFN_NORM), gpt2 ? GW(KV_W_FFN_NORM_B) : NULL);
+        /* attention: x_mid = x_in + att W_oᵀ + b_o */
+        lin_bwd(dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), gpt2 ? GW(KV_W_BO) : NULL, g->datt, 0);
+        attn_bwd(g, y, n);
+        if (!gpt2) {
+            rope_apply(g, g->dq, n, h, -1.0f);
+            rope_apply(g, g->dk, n, c->n_kv_heads, -1.0f);
+        }
+        memcpy(y->gk, g->dk, (size_t)(n * kd) * sizeof(float));
+        memcpy(y->gv, g->dv, (size_t)(n * kd) * sizeof(float));
+        lin_bwd(g->dq, y->xn1, w[KV_W_Q], n, d, qd, GW(KV_W_Q), w[KV_W_BQ] ? GW(KV_W_BQ) : NULL,
+                g->dxn, 0);
+        lin_bwd(g->dk, y->xn1, w[KV_W_K], n, d, kd, GW(KV_W_K), w[KV_W_BK] ? GW(KV_W_BK) : NULL,
+                g->dxn, 1);
+        lin_bwd(g->dv, y->xn1, w[KV_W_V], n, d, kd, GW(KV_W_V), w[KV_W_BV] ? GW(KV_W_BV) : NULL,
+                g->dxn, 1);
+        norm_bwd(c, g->dxn, y->x_in, y->mu1, y->rs1, w[KV_W_ATTN_NORM], n, d, dx,
+                 GW(KV_W_ATTN_NORM), gpt2 ? GW(KV_W_ATTN_NORM_B) : NULL);
+#undef GW
+    }
+    /* embeddings: x0 = tok_emb[tok] (+ pos_emb) */
+    float *de = kv_grad_of(g, KV_W_TOK_EMB, 0), *dpos = gpt2 ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < d; j++) {
+            de[(int64_t)tok[i] * d + j] += dx[i * d + j];
+            if (dpos) dpos[i * d + j] += dx[i * d + j];
+        }
+    return KV_OK;
+}
