@@ -1,5 +1,6 @@
 #include "hfdir.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +35,71 @@ static int get_token_id(const json_t *root, const char *key, const char *path, i
     return KV_OK;
 }
 
+/* 1 when the string array "architectures" lists name. */
+static int lists_architecture(const json_t *root, const char *name) {
+    size_t i;
+    json_t *a;
+    json_array_foreach(json_object_get(root, "architectures"), i, a)
+        if (json_is_string(a) && strcmp(json_string_value(a), name) == 0) return 1;
+    return 0;
+}
+
+/* GPT2Config: its keys, and its defaults where real checkpoints omit them. */
+static int parse_gpt2_config(const json_t *root, const char *path, struct kv_config *cfg,
+                             struct kv_err *err) {
+    cfg->arch = KV_ARCH_GPT2;
+    const char *act = "gelu_new";
+    int rc = kv_json_get_str(root, "activation_function", path, 0, &act, err);
+    if (rc) return rc;
+    if (strcmp(act, "gelu_new") != 0 && strcmp(act, "gelu_pytorch_tanh") != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "activation_function '%.64s' is not supported, expected 'gelu_new' or "
+                       "'gelu_pytorch_tanh'",
+                       act);
+    int scale = 1, by_layer = 0;
+    if ((rc = kv_json_get_bool(root, "scale_attn_weights", path, 0, &scale, err)) ||
+        (rc = kv_json_get_bool(root, "scale_attn_by_inverse_layer_idx", path, 0, &by_layer, err)))
+        return rc;
+    if (!scale)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "scale_attn_weights false is not supported");
+    if (by_layer)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "scale_attn_by_inverse_layer_idx true is not supported");
+    int64_t dim = 0, layers = 0, heads = 0, vocab = 0, ctx = 0, inner = 0;
+    if ((rc = kv_json_get_int(root, "n_embd", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
+        (rc = kv_json_get_int(root, "n_layer", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
+        (rc = kv_json_get_int(root, "n_head", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
+        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
+        (rc = kv_json_get_int(root, "n_inner", path, 1, KV_MAX_DIM, 0, &inner, err)) ||
+        (rc = kv_json_get_int(root, "n_positions", path, 1, INT32_MAX, 0, &ctx, err)))
+        return rc;
+    if (!ctx && (rc = kv_json_get_int(root, "n_ctx", path, 1, INT32_MAX, 0, &ctx, err))) return rc;
+    if (!ctx) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key 'n_positions'");
+    if (dim % heads)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "n_embd %lld is not a multiple of n_head %lld", (long long)dim,
+                       (long long)heads);
+    double eps = 1e-5;
+    int tied = 1;
+    if ((rc = kv_json_get_num(root, "layer_norm_epsilon", path, 1, 0, &eps, err)) ||
+        (rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
+        (rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
+        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
+        return rc;
+    cfg->dim = dim;
+    cfg->hidden_dim = inner ? inner : 4 * dim;
+    cfg->n_layers = layers;
+    cfg->n_heads = cfg->n_kv_heads = heads;
+    cfg->head_dim = dim / heads;
+    cfg->vocab_size = vocab;
+    cfg->max_seq_len = ctx;
+    cfg->norm_eps = (float)eps;
+    cfg->tied_embeddings = tied;
+    cfg->has_qkv_bias = 1;
+    return KV_OK;
+}
+
 static int parse_config(const json_t *root, const char *path, struct kv_config *cfg,
                         struct kv_err *err) {
     if (!json_is_object(root))
@@ -45,11 +111,14 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     cfg->bos_id = cfg->eos_id = -1;
 
     const char *s = NULL;
-    int rc = kv_json_get_str(root, "model_type", path, 1, &s, err);
+    int rc = kv_json_get_str(root, "model_type", path, 0, &s, err);
     if (rc) return rc;
+    if (s ? strcmp(s, "gpt2") == 0 : lists_architecture(root, "GPT2LMHeadModel"))
+        return parse_gpt2_config(root, path, cfg, err);
+    if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
     if (strcmp(s, "llama") != 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model_type '%.64s' is not supported, expected 'llama'", s);
+                       "model_type '%.64s' is not supported, expected 'llama' or 'gpt2'", s);
     s = "silu";
     if ((rc = kv_json_get_str(root, "hidden_act", path, 0, &s, err))) return rc;
     if (strcmp(s, "silu") != 0)
@@ -726,25 +795,66 @@ static void weights_free(struct hf_weights *w) {
     free(w->refs);
 }
 
-struct hf_bind {
-    const char *suffix;
-    enum kv_wkind kind;
+#define ONE(k) {k}, 1
+
+static const struct kv_hf_name llama_globals[] = {
+    {"model.embed_tokens.weight", ONE(KV_W_TOK_EMB), 0},
+    {"model.norm.weight", ONE(KV_W_OUT_NORM), 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
 };
 
-static const struct hf_bind layer_names[] = {
-    {"input_layernorm.weight", KV_W_ATTN_NORM},
-    {"self_attn.q_proj.weight", KV_W_Q},
-    {"self_attn.k_proj.weight", KV_W_K},
-    {"self_attn.v_proj.weight", KV_W_V},
-    {"self_attn.o_proj.weight", KV_W_O},
-    {"self_attn.q_proj.bias", KV_W_BQ},
-    {"self_attn.k_proj.bias", KV_W_BK},
-    {"self_attn.v_proj.bias", KV_W_BV},
-    {"post_attention_layernorm.weight", KV_W_FFN_NORM},
-    {"mlp.gate_proj.weight", KV_W_GATE},
-    {"mlp.up_proj.weight", KV_W_UP},
-    {"mlp.down_proj.weight", KV_W_DOWN},
+static const struct kv_hf_name layer_names[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
+    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
 };
+
+#define GPT2_PREFIX "transformer."
+
+static const struct kv_hf_name gpt2_globals[] = {
+    {GPT2_PREFIX "wte.weight", ONE(KV_W_TOK_EMB), 0},
+    {GPT2_PREFIX "wpe.weight", ONE(KV_W_POS_EMB), 0},
+    {GPT2_PREFIX "ln_f.weight", ONE(KV_W_OUT_NORM), 0},
+    {GPT2_PREFIX "ln_f.bias", ONE(KV_W_OUT_NORM_B), 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
+};
+
+static const struct kv_hf_name gpt2_layer[] = {
+    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
+    {"attn.c_attn.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 1},
+    {"attn.c_attn.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0},
+    {"attn.c_proj.weight", ONE(KV_W_O), 1},
+    {"attn.c_proj.bias", ONE(KV_W_BO), 0},
+    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
+    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
+    {"mlp.c_fc.weight", ONE(KV_W_UP), 1},
+    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
+    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 1},
+    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
+};
+
+#define COUNT(a) ((int64_t)(sizeof a / sizeof a[0]))
+
+const struct kv_hf_name *kv_hf_names(enum kv_arch arch, int per_layer, int64_t *n) {
+    int gpt2 = arch == KV_ARCH_GPT2;
+    *n = per_layer ? (gpt2 ? COUNT(gpt2_layer) : COUNT(layer_names))
+                   : (gpt2 ? COUNT(gpt2_globals) : COUNT(llama_globals));
+    return per_layer ? (gpt2 ? gpt2_layer : layer_names) : (gpt2 ? gpt2_globals : llama_globals);
+}
+
+const char *kv_hf_layer_prefix(enum kv_arch arch) {
+    return arch == KV_ARCH_GPT2 ? GPT2_PREFIX "h." : "model.layers.";
+}
 
 /* Biases HF Llama can carry but kvcal's forward pass has no place for. */
 static const char *const unsupported_biases[] = {
@@ -786,8 +896,8 @@ static int bind_weights(struct kv_model *m, const struct hf_weights *w, int attn
                                "tensor '%s': this bias is not supported", name);
         }
         for (size_t i = 0; i < sizeof layer_names / sizeof layer_names[0]; i++) {
-            enum kv_wkind k = layer_names[i].kind;
-            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, layer_names[i].suffix);
+            enum kv_wkind k = layer_names[i].kinds[0];
+            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, layer_names[i].name);
             const struct kv_tensor *t = find(w, name);
             int optional = (k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !attn_bias;
             if (!t && optional) continue;
@@ -800,6 +910,114 @@ static int bind_weights(struct kv_model *m, const struct hf_weights *w, int attn
             if ((rc = bind_one(m, w, k, l, t, err))) return rc;
         }
     }
+    return KV_OK;
+}
+
+/* Bind stored tensor t as the weights e->kinds of layer (see struct
+ * kv_hf_name). A Conv1D weight is converted to f32 and transposed into a
+ * block the model owns; the pieces of a stacked tensor are bound as slices. */
+static int bind_entry(struct kv_model *m, const struct hf_weights *w, const struct kv_hf_name *e,
+                      int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
+    const char *path = w->shards[t->file].path;
+    if (e->n_kinds == 1 && !e->conv) return kv_model_bind(m, e->kinds[0], layer, t, path, err);
+    int64_t rows[3], s[2], total = 0, cols = 1;
+    int nd = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(&m->cfg, e->kinds[k], s);
+        rows[k] = s[0];
+        total += s[0];
+        if (nd == 2) cols = s[1];
+    }
+    int64_t want[2] = {e->conv ? cols : total, e->conv ? total : cols};
+    if (t->ndim != nd || t->shape[0] != want[0] || (nd == 2 && t->shape[1] != want[1])) {
+        char got[96], exp[64];
+        kv_shape_str(got, sizeof got, t->shape, t->ndim);
+        kv_shape_str(exp, sizeof exp, want, nd);
+        return kv_fail(err, KV_EFORMAT, path, t->offset,
+                       "tensor '%s' has shape %s but the config implies %s%s", t->name, got, exp,
+                       e->conv ? " (Conv1D, stored [in, out])" : "");
+    }
+    struct kv_tensor piece = *t;
+    const uint8_t *base = t->data;
+    if (e->conv) {
+        if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
+            return kv_model_bind(m, e->kinds[0], layer, t, path, err); /* refuses the dtype */
+        int64_t n = total * cols;
+        float *in = malloc((size_t)n * sizeof *in), *out = malloc((size_t)n * sizeof *out);
+        if (!in || !out || kv_model_on_free(m, free, out, err)) {
+            free(in), free(out);
+            return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory transposing '%s'", t->name);
+        }
+        kv_convert_to_f32(t->dtype, t->data, in, n);
+        for (int64_t i = 0; i < n; i++) /* here, where the element's offset is known */
+            if (!isfinite(in[i])) {
+                free(in);
+                return kv_fail(err, KV_ENUMERIC, path,
+                               t->offset + (uint64_t)i * kv_dtype_size(t->dtype),
+                               "tensor '%s' element %lld is %s", t->name, (long long)i,
+                               isnan(in[i]) ? "nan" : "inf");
+            }
+        for (int64_t i = 0; i < cols; i++) /* in [cols, total] -> out [total, cols] */
+            for (int64_t o = 0; o < total; o++) out[o * cols + i] = in[i * total + o];
+        free(in);
+        piece.dtype = KV_DTYPE_F32;
+        base = (const uint8_t *)out;
+    }
+    size_t es = kv_dtype_size(piece.dtype);
+    int64_t r0 = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        piece.ndim = nd;
+        piece.shape[0] = rows[k];
+        piece.shape[1] = cols;
+        piece.data = base + (size_t)(r0 * cols) * es;
+        piece.nbytes = (uint64_t)(rows[k] * cols) * es;
+        /* a transposed piece is scattered through the file: name its start */
+        piece.offset = e->conv ? t->offset : t->offset + (uint64_t)(r0 * cols) * es;
+        int rc = kv_model_bind(m, e->kinds[k], layer, &piece, path, err);
+        if (rc) return rc;
+        r0 += rows[k];
+    }
+    return KV_OK;
+}
+
+/* GPT-2's tensor name, with the "transformer." prefix or without it. */
+static const struct kv_tensor *find_gpt2(const struct hf_weights *w, const char *name) {
+    const struct kv_tensor *t = find(w, name);
+    size_t np = strlen(GPT2_PREFIX);
+    if (!t && strncmp(name, GPT2_PREFIX, np) == 0) t = find(w, name + np);
+    return t;
+}
+
+static int bind_gpt2(struct kv_model *m, const struct hf_weights *w, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t n;
+    const struct kv_hf_name *g = kv_hf_names(KV_ARCH_GPT2, 0, &n);
+    const struct kv_tensor *head = find(w, "lm_head.weight");
+    for (int64_t i = 0; i < n; i++) {
+        enum kv_wkind k = g[i].kinds[0];
+        if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
+        const struct kv_tensor *t = find_gpt2(w, g[i].name);
+        if (!t && k == KV_W_TOK_EMB && c->tied_embeddings) t = head;
+        if (!t)
+            return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET, "missing tensor '%s'%s",
+                           g[i].name,
+                           k == KV_W_LM_HEAD ? " (tie_word_embeddings is false)" : "");
+        int rc = bind_entry(m, w, &g[i], 0, t, err);
+        if (rc) return rc;
+    }
+    const struct kv_hf_name *ln = kv_hf_names(KV_ARCH_GPT2, 1, &n);
+    char name[KV_MAX_NAME_LEN + 64];
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int64_t i = 0; i < n; i++) {
+            snprintf(name, sizeof name, "%s%lld.%s", kv_hf_layer_prefix(KV_ARCH_GPT2),
+                     (long long)l, ln[i].name);
+            const struct kv_tensor *t = find_gpt2(w, name);
+            if (!t)
+                return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
+                               "missing tensor '%s'", name);
+            int rc = bind_entry(m, w, &ln[i], l, t, err);
+            if (rc) return rc;
+        }
     return KV_OK;
 }
 
@@ -833,7 +1051,8 @@ static int load_dir(const char *dir, struct kv_model **out, char **paths, struct
         rc = open_index(&w, dir, m, err);
     else if (!(rc = add_shard(&w, dir, "model.safetensors", single, err)))
         rc = open_shards(&w, m, err);
-    if (!rc) rc = bind_weights(m, &w, attn_bias, err);
+    if (!rc)
+        rc = cfg.arch == KV_ARCH_GPT2 ? bind_gpt2(m, &w, err) : bind_weights(m, &w, attn_bias, err);
     weights_free(&w);
 
     if (!rc && kv_path_kind(paths[3]) == 0) {

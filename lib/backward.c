@@ -346,6 +346,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         int64_t nh = n * hid;
         if (gpt2) {
             lin_fwd(y->a, y->xn2, w[KV_W_UP], w[KV_W_BUP], n, d, hid);
+#pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i];
                 y->act[i] = 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a)));
@@ -353,6 +354,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         } else {
             lin_fwd(y->a, y->xn2, w[KV_W_GATE], NULL, n, d, hid);
             lin_fwd(y->b, y->xn2, w[KV_W_UP], NULL, n, d, hid);
+#pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) y->act[i] = y->a[i] / (1.0f + expf(-y->a[i])) * y->b[i];
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)hid, 1.0f,
@@ -457,6 +459,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
                 g->dh, 0);
         int64_t nh = n * hid;
         if (gpt2) {
+#pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i], u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
                 float dg = 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * GELU_C *
@@ -465,6 +468,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
             }
             lin_bwd(g->da, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), GW(KV_W_BUP), g->dxn, 0);
         } else {
+#pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i], s = 1.0f / (1.0f + expf(-a));
                 g->db[i] = g->dh[i] * a * s;

@@ -1,4 +1,8 @@
-/* Reference forward pass for the Llama family (fp32 activations).
+/* Reference forward pass for every architecture (fp32 activations).
+ *
+ * One pass serves Llama and GPT-2: the differences (norm, positions, MLP)
+ * come from the fwd_arch table below and from which weights the model binds
+ * (biases absent from an architecture are NULL and add nothing).
  *
  * One call runs n tokens at positions pos0.. against a per-layer KV cache.
  * Every projection is one OpenBLAS sgemm over the whole window; attention is
@@ -17,6 +21,16 @@
 #include "model.h"
 
 #define QBLOCK 128 /* query rows per attention block */
+
+/* What the forward pass does differently per architecture (DESIGN §9). */
+static const struct fwd_arch {
+    int layernorm; /* LayerNorm with bias (mean removed) instead of RMSNorm */
+    int rope;      /* rotary q/k; otherwise learned positions added to the embedding */
+    int gelu_mlp;  /* up(+bias) -> GELU(tanh) -> down(+bias) instead of SwiGLU */
+} fwd_arch[] = {
+    [KV_ARCH_LLAMA] = {.layernorm = 0, .rope = 1, .gelu_mlp = 0},
+    [KV_ARCH_GPT2] = {.layernorm = 1, .rope = 0, .gelu_mlp = 1},
+};
 
 /* Where attention reads and writes, per query head i: scores use
  * q[:, qoff[i] .. +kw[i]] · k[:, koff[i] .. +kw[i]]ᵀ, the output
@@ -37,11 +51,12 @@ struct lr_plan {
 
 struct kv_fwd {
     const struct kv_model *m;
+    const struct fwd_arch *arch;
     int64_t max_ctx;
     struct kv_fwd_hooks hooks;
     float *x, *xn, *q, *att, *a, *b, *logits;
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
-    float *rope_cos, *rope_sin; /* [max_ctx][d_h/2] */
+    float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
     const float *last_logits; /* where the last run wrote its logits */
     int n_threads;
@@ -52,7 +67,7 @@ struct kv_fwd {
     struct lr_plan *plan;   /* [n_layers] */
     float *zk, *zv;         /* latent caches, layer l at plan[l].zk_at / zv_at */
     float *kfull;           /* [max_ctx][g*d_h] reconstructed or fresh keys */
-    float *qrot;            /* [max_ctx][Σ_i r(i)] rotated queries */
+    float *qrot;            /* [max_ctx][Σ_i r(i)] rotated or fused queries */
     float *attl;            /* [max_ctx][o_cols] latent attention outputs */
 };
 
@@ -106,13 +121,19 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     if (max_ctx <= 0 || max_ctx > KV_MAX_CTX)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "context length %lld is outside 1..%d",
                        (long long)max_ctx, KV_MAX_CTX);
+    const struct fwd_arch *arch = &fwd_arch[c->arch];
+    if (!arch->rope && max_ctx > c->max_seq_len)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "context length %lld exceeds the %lld learned positions of this %s model",
+                       (long long)max_ctx, (long long)c->max_seq_len, kv_arch_name(c->arch));
     struct kv_fwd *f = calloc(1, sizeof *f);
     if (!f) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     f->m = m;
+    f->arch = arch;
     f->max_ctx = max_ctx;
     f->n_threads = omp_get_max_threads();
     int64_t d = c->dim, qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
-    int64_t half = c->head_dim / 2;
+    int64_t half = arch->rope ? c->head_dim / 2 : 0;
     f->x = falloc(max_ctx * d);
     f->xn = falloc(max_ctx * d);
     f->q = falloc(max_ctx * qd);
@@ -147,7 +168,8 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
             bd->kw[i] = bd->vw[i] = dh;
         }
     }
-    /* Angles in double: theta^(-2i/d_h) * pos, rounded once to float. */
+    /* Angles in double: theta^(-2i/d_h) * pos, rounded once to float (none
+     * without rope: half is 0). */
     for (int64_t p = 0; p < max_ctx; p++)
         for (int64_t i = 0; i < half; i++) {
             double freq = pow((double)c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
@@ -194,8 +216,49 @@ static void add_bias(float *y, const float *bias, int64_t n, int64_t dd) {
         for (int64_t j = 0; j < dd; j++) y[i * dd + j] += bias[j];
 }
 
-/* Rotate every head of rows [n, nh*d_h] at positions pos0.. */
+/* y[i,:] += r[i,:] for n rows of dd (both contiguous). */
+static void add_rows(float *y, const float *r, int64_t n, int64_t dd) {
+    for (int64_t i = 0; i < n * dd; i++) y[i] += r[i];
+}
+
+/* GELU, tanh approximation (GPT-2's "gelu_new"). */
+static float gelu_tanh(float a) {
+    return 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+}
+
+/* out[i,:] = (x[i,:] - mean) / sqrt(var + eps) * w + b (biased variance),
+ * mean and variance accumulated in double. */
+static void layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
+                      int64_t d, float eps) {
+#pragma omp parallel for if (n * d > 65536) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * d;
+        double s = 0, ss = 0;
+        for (int64_t j = 0; j < d; j++) s += xi[j];
+        double mean = s / (double)d;
+        for (int64_t j = 0; j < d; j++) ss += ((double)xi[j] - mean) * ((double)xi[j] - mean);
+        float mu = (float)mean, r = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+        float *o = out + i * d;
+        for (int64_t j = 0; j < d; j++) o[j] = (xi[j] - mu) * r * w[j] + b[j];
+    }
+}
+
+/* The architecture's norm of n rows: weight of kind wk, bias of kind bk
+ * (layer l; global kinds ignore it). */
+static void norm(const struct kv_fwd *f, float *out, const float *x, enum kv_wkind wk,
+                 enum kv_wkind bk, int64_t l, int64_t n) {
+    const struct kv_config *c = &f->m->cfg;
+    const float *w = kv_model_weight(f->m, wk, l);
+    if (f->arch->layernorm)
+        layernorm(out, x, w, kv_model_weight(f->m, bk, l), n, c->dim, c->norm_eps);
+    else
+        rmsnorm(out, x, w, n, c->dim, c->norm_eps);
+}
+
+/* Rotate every head of rows [n, nh*d_h] at positions pos0.. (nothing for an
+ * architecture without rope: its queries and keys are used as projected). */
 static void rope(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, int64_t pos0) {
+    if (!f->arch->rope) return;
     const struct kv_config *c = &f->m->cfg;
     int64_t dh = c->head_dim, half = dh / 2;
     int interleaved = c->rope_layout == KV_ROPE_INTERLEAVED;
@@ -317,8 +380,11 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
         P->zvw = Y->v.mode == KV_LR_FULL ? 0 : P->vunit_off[Y->v.n_units];
         P->zk_at = zk_tot, P->zv_at = zv_tot;
         zk_tot += P->zkw * f->max_ctx, zv_tot += P->zvw * f->max_ctx;
+        /* fused_query folds up into W_q, exact only when nothing acts
+         * between the key projection and the score (no rope) */
         if (Y->k.mode != KV_LR_FULL && Y->k.mode != KV_LR_PREROPE_LATENT &&
-            Y->k.mode != KV_LR_POSTROPE_ROTATION) {
+            Y->k.mode != KV_LR_POSTROPE_ROTATION &&
+            !(Y->k.mode == KV_LR_FUSED_QUERY && !f->arch->rope)) {
             plan_free(f);
             return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                            "layer %lld: key mode %s is not supported for this architecture",
@@ -330,19 +396,20 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
                            "layer %lld: value mode %s is not supported", (long long)l,
                            kv_lr_mode_name(Y->v.mode));
         }
-        /* keys: full and prerope_latent score full post-RoPE q·k */
-        int rot = Y->k.mode == KV_LR_POSTROPE_ROTATION;
+        /* keys: full and prerope_latent score full post-RoPE q·k; rotation
+         * and fused_query score a latent query against the latent cache */
+        int rot = Y->k.mode == KV_LR_POSTROPE_ROTATION, fq = Y->k.mode == KV_LR_FUSED_QUERY;
         D->ldq = qd, D->ldk = kd, D->qw_total = qd;
         int64_t qo = 0, oo = 0;
         for (int64_t i = 0; i < h; i++) {
             int64_t j = i / grp;
-            if (rot) {
+            if (rot || fq) {
                 int64_t u = unit_of(&Y->k, j);
-                if (u < 0 || Y->k.units[u].n_heads != 1 || !Y->k.units[u].rot) {
+                if (u < 0 || (rot && (Y->k.units[u].n_heads != 1 || !Y->k.units[u].rot))) {
                     plan_free(f);
                     return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                                   "layer %lld: kv head %lld has no key rotation unit", (long long)l,
-                                   (long long)j);
+                                   "layer %lld: kv head %lld has no key %s unit", (long long)l,
+                                   (long long)j, rot ? "rotation" : "latent");
                 }
                 D->qoff[i] = qo, D->koff[i] = P->kunit_off[u], D->kw[i] = Y->k.units[u].rank;
                 qo += Y->k.units[u].rank;
@@ -369,7 +436,19 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
                 oo += dh;
             }
         }
-        if (rot) D->ldq = qo, D->qw_total = qo, D->ldk = P->zkw;
+        if (fq && !Y->q_fused) {
+            plan_free(f);
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "layer %lld: fused query keys have no fused query projection",
+                           (long long)l);
+        }
+        if (fq && qo != Y->q_cols) {
+            plan_free(f);
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "layer %lld: fused query has %lld rows, the units need %lld",
+                           (long long)l, (long long)Y->q_cols, (long long)qo);
+        }
+        if (rot || fq) D->ldq = qo, D->qw_total = qo, D->ldk = P->zkw;
         if (Y->v.mode == KV_LR_FUSED_OUTPUT) {
             if (oo != Y->o_cols) {
                 plan_free(f);
@@ -393,7 +472,25 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
     return KV_OK;
 }
 
-/* One layer's attention from the latent cache: x += attention output. */
+/* Latents of rows pos0.. of every unit of side S: z = xn downᵀ + down_bias
+ * into columns unit_off[u].. of the cache zc (row width ld), quantized as
+ * they enter it when kv_bits < 16. */
+static void lr_latents(const struct kv_fwd *f, const struct kv_lr_side *S, float *zc, int64_t ld,
+                       const int64_t *unit_off, int64_t n, int64_t pos0) {
+    int64_t d = f->m->cfg.dim;
+    for (int64_t u = 0; u < S->n_units; u++) {
+        const struct kv_lr_unit *un = &S->units[u];
+        float *z = zc + pos0 * ld + unit_off[u];
+        linear(z, ld, f->xn, un->down, n, d, un->rank, 0.0f);
+        if (un->down_bias)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < un->rank; j++) z[i * ld + j] += un->down_bias[j];
+        if (f->kv_bits < 16) quantize_rows(z, n, ld, 0, un->rank, f->kv_bits);
+    }
+}
+
+/* One layer's attention from the latent cache: x += attention output
+ * (without the output projection's bias). */
 static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     const struct kv_config *c = &f->m->cfg;
     const float *const *w = f->m->layers[l].w;
@@ -406,6 +503,15 @@ static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     const float *qb = f->q, *kb = kc, *vb = vc;
     float *ob = f->att;
 
+    /* queries: fused_query computes q' from xn directly, q is never formed */
+    if (Y->k.mode == KV_LR_FUSED_QUERY) {
+        linear(f->qrot, P->desc.ldq, f->xn, Y->q_fused, n, d, Y->q_cols, 0.0f);
+        add_bias(f->qrot, Y->q_fused_bias, n, Y->q_cols);
+    } else {
+        linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
+        add_bias(f->q, w[KV_W_BQ], n, qd);
+        rope(f, f->q, n, h, pos0);
+    }
     /* keys */
     if (Y->k.mode == KV_LR_FULL) {
         float *k = kc + pos0 * kd;
@@ -413,21 +519,19 @@ static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         add_bias(k, w[KV_W_BK], n, kd);
         rope(f, k, n, g, pos0);
     } else if (Y->k.mode == KV_LR_PREROPE_LATENT) {
+        lr_latents(f, &Y->k, zk, P->zkw, P->kunit_off, n, pos0);
+        /* reconstruct every cached position, then RoPE: k = z upᵀ */
         for (int64_t u = 0; u < Y->k.n_units; u++) {
             const struct kv_lr_unit *un = &Y->k.units[u];
-            float *z = zk + pos0 * P->zkw + P->kunit_off[u];
-            linear(z, P->zkw, f->xn, un->down, n, d, un->rank, 0.0f);
-            if (un->down_bias)
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t j = 0; j < un->rank; j++) z[i * P->zkw + j] += un->down_bias[j];
-            if (f->kv_bits < 16) quantize_rows(z, n, P->zkw, 0, un->rank, f->kv_bits);
-            /* reconstruct every cached position, then RoPE: k = z upᵀ */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)(un->n_heads * dh),
                         (int)un->rank, 1.0f, zk + P->kunit_off[u], (int)P->zkw, un->up,
                         (int)un->rank, 0.0f, f->kfull + un->head0 * dh, (int)kd);
         }
         rope(f, f->kfull, T, g, 0);
         kb = f->kfull;
+    } else if (Y->k.mode == KV_LR_FUSED_QUERY) { /* score q'·z, no reconstruction */
+        lr_latents(f, &Y->k, zk, P->zkw, P->kunit_off, n, pos0);
+        qb = f->qrot, kb = zk;
     } else { /* post-RoPE rotation: z = RoPE(k) rotᵀ, q' = q rotᵀ */
         float *k = f->kfull;
         linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
@@ -454,15 +558,7 @@ static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         linear(v, kd, f->xn, w[KV_W_V], n, d, kd, 0.0f);
         add_bias(v, w[KV_W_BV], n, kd);
     } else {
-        for (int64_t u = 0; u < Y->v.n_units; u++) {
-            const struct kv_lr_unit *un = &Y->v.units[u];
-            float *z = zv + pos0 * P->zvw + P->vunit_off[u];
-            linear(z, P->zvw, f->xn, un->down, n, d, un->rank, 0.0f);
-            if (un->down_bias)
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t j = 0; j < un->rank; j++) z[i * P->zvw + j] += un->down_bias[j];
-            if (f->kv_bits < 16) quantize_rows(z, n, P->zvw, 0, un->rank, f->kv_bits);
-        }
+        lr_latents(f, &Y->v, zv, P->zvw, P->vunit_off, n, pos0);
         vb = zv, ob = f->attl;
     }
     attention(f, &P->desc, qb, kb, vb, ob, n, pos0);
@@ -489,49 +585,56 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                            tokens[i], (long long)(pos0 + i), (long long)c->vocab_size);
         memcpy(f->x + i * d, m->tok_emb + (int64_t)tokens[i] * d, (size_t)d * sizeof(float));
     }
+    if (m->pos_emb) add_rows(f->x, m->pos_emb + pos0 * d, n, d); /* learned positions */
     const struct kv_fwd_hooks *hk = &f->hooks;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = m->layers[l].w;
         float *kc = f->kc + l * f->max_ctx * kd, *vc = f->vc + l * f->max_ctx * kd;
         float *k = kc + pos0 * kd, *v = vc + pos0 * kd;
-        rmsnorm(f->xn, f->x, w[KV_W_ATTN_NORM], n, d, c->norm_eps);
+        norm(f, f->xn, f->x, KV_W_ATTN_NORM, KV_W_ATTN_NORM_B, l, n);
         int rc;
         if (hk->attn_in && (rc = hk->attn_in(hk->ctx, l, f->xn, n, pos0))) return rc;
         if (f->lr) {
-            linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
-            add_bias(f->q, w[KV_W_BQ], n, qd);
-            rope(f, f->q, n, c->n_heads, pos0);
             lr_attention(f, l, n, pos0);
-            goto ffn;
+        } else {
+            linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
+            linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
+            linear(v, kd, f->xn, w[KV_W_V], n, d, kd, 0.0f);
+            add_bias(f->q, w[KV_W_BQ], n, qd);
+            add_bias(k, w[KV_W_BK], n, kd);
+            add_bias(v, w[KV_W_BV], n, kd);
+            rope(f, f->q, n, c->n_heads, pos0);
+            rope(f, k, n, c->n_kv_heads, pos0);
+            if (hk->qk_rope && (rc = hk->qk_rope(hk->ctx, l, f->q, k, n, pos0))) return rc;
+            if (hk->kv_replace && (rc = hk->kv_replace(hk->ctx, l, f->xn, k, v, n, pos0)))
+                return rc;
+            if (hk->hooks_only && l == c->n_layers - 1) {
+                f->last_logits = NULL;
+                return KV_OK;
+            }
+            attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0);
+            linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f); /* residual: x += att Woᵀ */
         }
-        linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
-        linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
-        linear(v, kd, f->xn, w[KV_W_V], n, d, kd, 0.0f);
-        add_bias(f->q, w[KV_W_BQ], n, qd);
-        add_bias(k, w[KV_W_BK], n, kd);
-        add_bias(v, w[KV_W_BV], n, kd);
-        rope(f, f->q, n, c->n_heads, pos0);
-        rope(f, k, n, c->n_kv_heads, pos0);
-        if (hk->qk_rope && (rc = hk->qk_rope(hk->ctx, l, f->q, k, n, pos0))) return rc;
-        if (hk->kv_replace && (rc = hk->kv_replace(hk->ctx, l, f->xn, k, v, n, pos0))) return rc;
-        if (hk->hooks_only && l == c->n_layers - 1) {
-            f->last_logits = NULL;
-            return KV_OK;
-        }
-        attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0);
-        linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f); /* residual: x += att Woᵀ */
-    ffn:
-        rmsnorm(f->xn, f->x, w[KV_W_FFN_NORM], n, d, c->norm_eps);
-        linear(f->a, hid, f->xn, w[KV_W_GATE], n, d, hid, 0.0f);
-        linear(f->b, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);
+        add_bias(f->x, w[KV_W_BO], n, d);
+        norm(f, f->xn, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);
         int64_t nh = n * hid;
         float *a = f->a, *b = f->b;
+        if (f->arch->gelu_mlp) {
+            linear(a, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);
+            add_bias(a, w[KV_W_BUP], n, hid);
 #pragma omp parallel for if (nh > 65536) schedule(static)
-        for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
-        linear(f->x, d, f->a, w[KV_W_DOWN], n, hid, d, 1.0f); /* x += silu(a)*b W2ᵀ */
+            for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
+        } else {
+            linear(a, hid, f->xn, w[KV_W_GATE], n, d, hid, 0.0f);
+            linear(b, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);
+#pragma omp parallel for if (nh > 65536) schedule(static)
+            for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+        }
+        linear(f->x, d, a, w[KV_W_DOWN], n, hid, d, 1.0f); /* x += act(a) W2ᵀ */
+        add_bias(f->x, w[KV_W_BDOWN], n, d);
         if (hk->layer_out && (rc = hk->layer_out(hk->ctx, l, f->x, n, pos0))) return rc;
     }
-    rmsnorm(f->xn, f->x, m->out_norm, n, d, c->norm_eps);
+    norm(f, f->xn, f->x, KV_W_OUT_NORM, KV_W_OUT_NORM_B, 0, n);
     float *lg = logits ? logits : f->logits;
     linear(lg, c->vocab_size, f->xn, m->lm_head, n, d, c->vocab_size, 0.0f);
     f->last_logits = lg;
@@ -542,7 +645,8 @@ double kv_fwd_flops(const struct kv_model *m, int64_t n, int64_t pos0) {
     const struct kv_config *c = &m->cfg;
     double d = (double)c->dim, qd = (double)(c->n_heads * c->head_dim);
     double kd = (double)(c->n_kv_heads * c->head_dim), hid = (double)c->hidden_dim;
-    double per_tok = 2.0 * (d * (qd + 2 * kd) + qd * d + 3 * d * hid) * (double)c->n_layers +
+    double mlp = fwd_arch[c->arch].gelu_mlp ? 2 : 3; /* matrices of d x hidden */
+    double per_tok = 2.0 * (d * (qd + 2 * kd) + qd * d + mlp * d * hid) * (double)c->n_layers +
                      2.0 * d * (double)c->vocab_size;
     /* causal attention: row at position p scores p+1 keys, QKᵀ and PV */
     double keys = (double)n * (double)pos0 + (double)n * (double)(n + 1) / 2.0;

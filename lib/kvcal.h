@@ -280,6 +280,76 @@ const char *kv_grad_tensor(const struct kv_grad *g, int64_t i, int64_t *count,
 const float *kv_grad_k(const struct kv_grad *g, int64_t layer);
 const float *kv_grad_v(const struct kv_grad *g, int64_t layer);
 
+/* ---------------------------------------------------------------- training */
+
+/* `kvcal train` (calib/train.c): a fresh model of cfg trained from scratch
+ * on a text file with AdamW (decoupled weight decay on matrices only), a
+ * linear warmup and a cosine decay to min_lr, gradient-norm clipping, and
+ * batches of random windows drawn from a seeded stream. Checkpoints
+ * (weights, Adam moments, step, the random stream and the loss log) go to
+ * ckpt_path atomically; a resumed run continues bit-identically. At the end
+ * the model is written as an HF directory (out_dir) in out_dtype. */
+struct kv_train_log {
+    int64_t step, steps;
+    int64_t tokens;        /* training tokens seen */
+    int64_t run_tokens;    /* of them, seen by this run (not before a resume) */
+    double loss;           /* mean training loss of this step's batch */
+    double lr;
+    double grad_norm;      /* before clipping */
+    double eval_loss;      /* mean held-out loss, NaN when not evaluated at this step */
+    double seconds;        /* wall time of this run's steps so far */
+};
+
+struct kv_train_opts {
+    struct kv_config cfg;           /* architecture; vocab comes from the tokenizer */
+    const char *train_path;         /* training text (.txt or .gz) */
+    const char *eval_path;          /* held-out text, NULL for none */
+    const char *tokenizer_path;     /* HF tokenizer.json; NULL: kvcal's byte-level one */
+    const char *out_dir;            /* HF directory written at the end */
+    const char *ckpt_path;          /* checkpoint file */
+    int resume;                     /* continue from ckpt_path */
+    int64_t seq_len;                /* tokens per window (inputs) */
+    int64_t batch;                  /* windows per step */
+    int64_t steps, warmup;
+    double lr, min_lr, weight_decay, beta1, beta2, adam_eps, grad_clip;
+    double bos_fraction;            /* fraction of windows that start with BOS */
+    uint64_t seed;
+    int64_t eval_every, eval_windows, ckpt_every;
+    enum kv_dtype out_dtype;        /* F16, BF16 or F32 */
+    /* Called after each step; non-zero stops the run after a checkpoint
+     * (KV_EINVAL "interrupted"). */
+    int (*log)(void *ctx, const struct kv_train_log *l);
+    void *log_ctx;
+    /* out */
+    double unigram_eval_loss;       /* held-out loss of the training text's unigram model */
+    double final_eval_loss;
+    int64_t tokens_seen;
+};
+
+/* Defaults for every field but cfg and the paths. */
+void kv_train_defaults(struct kv_train_opts *o);
+int kv_train(struct kv_train_opts *o, struct kv_err *err);
+
+/* ---------------------------------------------------------------- hf writer */
+
+/* Write m as an HF model directory that kv_model_open reads back:
+ * config.json (LlamaForCausalLM or GPT2LMHeadModel fields), model.safetensors
+ * with HF tensor names in dtype (KV_DTYPE_F32, F16 or BF16; GPT-2's Conv1D
+ * weights stored [in, out] with c_attn concatenated, as HF does) and, when
+ * tokenizer_json_path is non-NULL, that file copied as tokenizer.json. dir
+ * is created when absent (its parent must exist); each file is written
+ * atomically (kv_write_atomic) and other files in dir are left alone.
+ * Errors: KV_EINVAL (dtype, a model HF cannot describe), KV_EIO naming the
+ * file, KV_ENOMEM. */
+int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
+                const char *tokenizer_json_path, struct kv_err *err);
+
+/* Write (atomically) an HF tokenizer.json of a byte-level vocabulary: a BPE
+ * model with byte_fallback whose ids 0..255 are the pieces "<0x00>".."<0xFF>"
+ * and no merges, plus the special tokens "<s>" = 256 (bos) and "</s>" = 257
+ * (eos): 258 ids, every byte string encodes. Errors: KV_EIO naming path. */
+int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err);
+
 /* ---------------------------------------------------------------- perplexity */
 
 /* Windows protocol (DESIGN §8): tokens are one document with BOS at its
@@ -412,6 +482,10 @@ struct kv_stats {
 
 /* Zeroed sums shaped for cfg (no inputs, empty plan). */
 int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_err *err);
+/* Add zeroed Fisher sums (fisher_k/v, grad_k/v_cov) to every layer and set
+ * has_fisher, before any window is summed (KV_EINVAL once s has windows);
+ * nothing changes when s has them already. */
+int kv_stats_add_fisher(struct kv_stats *s, struct kv_err *err);
 void kv_stats_free(struct kv_stats *s);
 /* Append an input record (path copied). */
 int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[65],
@@ -435,7 +509,8 @@ int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err);
 int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
                            struct kv_err *err);
 /* acc += b, exactly as sums. Refuses a different fingerprint, shape or
- * seq_len, and an unfinished checkpoint, naming b_path. acc's plan becomes
+ * seq_len, Fisher statistics in one but not the other, and an unfinished
+ * checkpoint, naming b_path. acc's plan becomes
  * "merged"; inputs are appended (windows added when the same sha256 and
  * path appear in both). */
 int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
@@ -443,13 +518,19 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
 
 /* Streaming accumulation: one forward pass per window with hooks that add
  * each window's float64 contribution (dsyrk on a float64 copy of its
- * activations) to s. Memory is O(L·d²) plus one window's activations. */
+ * activations) to s. Memory is O(L·d²) plus one window's activations.
+ * When s has Fisher sums (kv_stats_add_fisher), each window also runs
+ * kv_grad_run on inputs ids[0..seq_len-1) with targets ids[1..seq_len) and
+ * adds the squared W_k/W_v gradients and the ∂L/∂k, ∂L/∂v Grams; that
+ * keeps the whole window's training activations (see kv_grad). */
 struct kv_accum;
 int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
                   struct kv_accum **out, struct kv_err *err);
 void kv_accum_free(struct kv_accum *a);
 /* Run seq_len tokens (one window, positions 0..) and add their statistics. */
 int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err);
+/* Mean loss of the last window's backward pass (with Fisher sums), else 0. */
+double kv_accum_loss(const struct kv_accum *a);
 /* Copy each upper triangle to its lower half (before s is written or read). */
 void kv_accum_sync(struct kv_accum *a);
 
@@ -458,17 +539,19 @@ void kv_accum_sync(struct kv_accum *a);
  * when progress asks to stop (a checkpoint, then KV_EINVAL "interrupted"),
  * and at the end. s is either fresh from kv_stats_init (its plan and inputs
  * are filled here from c and data) or a checkpoint read back for a resume:
- * then the model fingerprint, seq_len, plan options and every input's sha256
- * must match, else KV_EINVAL names the first difference. */
+ * then the model fingerprint, seq_len, plan options, fisher and every
+ * input's sha256 must match, else KV_EINVAL names the first difference. */
 struct kv_collect_opts {
     const char *out_path;
     const struct kv_calib_opts *data; /* the options c was opened with */
     int resume;                       /* s is a checkpoint read back (else fresh) */
+    int fisher;                       /* Fisher statistics too: a backward pass per window */
     int64_t checkpoint_every;
     kv_progress_fn progress;  /* done/total count this run's windows */
     void *progress_ctx;
     int64_t checkpoints_written; /* out: checkpoint files written */
     double seconds;              /* out: wall time of the windows and writes */
+    double loss;                 /* out: mean window loss of this run (fisher), else 0 */
 };
 int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
                    struct kv_collect_opts *opts, struct kv_err *err);
@@ -650,11 +733,12 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
                     const struct kv_lr_dir_info *info, const char *dir, struct kv_err *err);
 
 /* Read dir/kvcal.json and the weights file it names, for base model m: the
- * format and version, every dimension against m's config, m's fingerprint
- * against the recorded one (KV_EINVAL), every unit's heads (contiguous, in
- * range, each KV head exactly once), ranks (1..s*d_h), each named tensor's
- * presence and exact shape (F32, or F16/BF16 converted), o_cols, and that
- * kv_bytes_per_token is what the ranks give. On success *out owns copies of
+ * format and version, the architecture and every dimension against m's
+ * config, m's fingerprint against the recorded one (KV_EINVAL), every unit's
+ * heads (contiguous, in range, each KV head exactly once), ranks (1..s*d_h),
+ * each named tensor's presence and exact shape (F32, or F16/BF16 converted),
+ * o_cols and q_cols (fused_query keys only on a model without rope), and
+ * that kv_bytes_per_token is what the ranks give. On success *out owns copies of
  * every factor; release with kv_lowrank_free. Errors name the file and the
  * key or tensor (with its byte offset when known): KV_EIO, KV_EFORMAT,
  * KV_EINVAL (another model), KV_EUNSUPPORTED (a newer version, a mode kvcal
@@ -663,8 +747,8 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
                    struct kv_err *err);
 
 /* Read and validate the manifest at path alone (no weights, no model): *out
- * gets the shapes, modes, units, ranks, energies, o_cols and latent format,
- * with every factor pointer NULL. Errors as kv_lr_dir_open, naming path. */
+ * gets the shapes, modes, units, ranks, energies, o_cols, q_cols and latent
+ * format, with every factor pointer NULL. Errors as kv_lr_dir_open, naming path. */
 int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err *err);
 
 /* ---------------------------------------------------------------- dense export */
@@ -673,7 +757,8 @@ int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err
  * own format, with every compressed K/V weight replaced by up·down: an
  * ordinary model that any engine loads, as a quality proxy (same numbers, no
  * memory saving). HF directories become a directory, GGUF and llama2.c a
- * file; only the K/V tensors' bytes change. postrope_rotation keys have no
+ * file; only the K/V tensors' bytes change (for gpt2 the K and V columns of
+ * each Conv1D c_attn and its bias). postrope_rotation keys have no
  * dense form: KV_EUNSUPPORTED naming the layer, before anything is written.
  * Atomic; see formats/export.h for every rule. */
 int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
@@ -699,7 +784,8 @@ enum kv_alloc {
     KV_ALLOC_PROGRESSIVE, /* LoRC eqs. 12–13 */
     KV_ALLOC_REMOVAL,     /* one singular-value removal rate (ZACK eq. 6 / FDC eq. 1) */
     KV_ALLOC_LAYER_BUDGET,/* Eigen §4.4: per-layer eps lowered by 0.02 under a measured error */
-    KV_ALLOC_GLOBAL,      /* greedy: least relative error per byte saved */
+    KV_ALLOC_GLOBAL,      /* greedy: least relative error per byte saved (each slot's error
+                             weighted by its Fisher score / the mean when there are scores) */
     KV_ALLOC_COUNT
 };
 const char *kv_method_name(enum kv_method m);
@@ -723,7 +809,8 @@ struct kv_decompose_opts {
     double cond_skip;      /* lorc: keep layers whose log10 cumulative condition number
                               exceeds this (0 = never skip) */
     double error_budget;   /* layer-budget: e_b, normalised layer output error */
-    const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats) */
+    const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats: Σ of
+                              fisher_k/v over the rows of the slot's units, when they have it) */
     int kv_bits;           /* latent storage bits: 16, 8, 4, 3 or 2 (byte accounting) */
     int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
     /* layer-budget measures real layer outputs on these windows */

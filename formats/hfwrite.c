@@ -1,0 +1,258 @@
+#include "hfwrite.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "hfdir.h"
+#include "mapfile.h"
+#include "model.h"
+#include "stwrite.h"
+
+/* ================================================================ config.json */
+
+/* The shortest decimal that reads back as f, as a double (so config.json
+ * says 1e-05, not 9.9999997473787516e-06). */
+static double short_float(float f) {
+    char buf[32];
+    for (int p = 1; p <= 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
+        if (strtof(buf, NULL) == f) break;
+    }
+    return strtod(buf, NULL);
+}
+
+static int jset(json_t *o, const char *key, json_t *v) { return json_object_set_new(o, key, v); }
+
+int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err) {
+    int gpt2 = c->arch == KV_ARCH_GPT2;
+    if (gpt2 && c->head_dim * c->n_heads != c->dim)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "gpt2 with %lld heads of %lld for dim %lld has no HF config (n_embd / "
+                       "n_head is the head size)",
+                       (long long)c->n_heads, (long long)c->head_dim, (long long)c->dim);
+    json_t *o = json_object(), *arch = json_array();
+    int bad = !o || !arch || json_array_append_new(arch, json_string(gpt2 ? "GPT2LMHeadModel"
+                                                                          : "LlamaForCausalLM"));
+    bad |= jset(o, "architectures", arch);
+    bad |= jset(o, "model_type", json_string(gpt2 ? "gpt2" : "llama"));
+    if (gpt2) {
+        bad |= jset(o, "n_embd", json_integer(c->dim));
+        bad |= jset(o, "n_layer", json_integer(c->n_layers));
+        bad |= jset(o, "n_head", json_integer(c->n_heads));
+        bad |= jset(o, "n_inner", json_integer(c->hidden_dim));
+        bad |= jset(o, "n_positions", json_integer(c->max_seq_len));
+        bad |= jset(o, "n_ctx", json_integer(c->max_seq_len));
+        bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
+        bad |= jset(o, "layer_norm_epsilon", json_real(short_float(c->norm_eps)));
+        bad |= jset(o, "activation_function", json_string("gelu_new"));
+    } else {
+        bad |= jset(o, "hidden_size", json_integer(c->dim));
+        bad |= jset(o, "intermediate_size", json_integer(c->hidden_dim));
+        bad |= jset(o, "num_hidden_layers", json_integer(c->n_layers));
+        bad |= jset(o, "num_attention_heads", json_integer(c->n_heads));
+        bad |= jset(o, "num_key_value_heads", json_integer(c->n_kv_heads));
+        bad |= jset(o, "head_dim", json_integer(c->head_dim));
+        bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
+        if (c->max_seq_len > 0)
+            bad |= jset(o, "max_position_embeddings", json_integer(c->max_seq_len));
+        bad |= jset(o, "rms_norm_eps", json_real(short_float(c->norm_eps)));
+        bad |= jset(o, "rope_theta", json_real(short_float(c->rope_theta)));
+        bad |= jset(o, "rope_scaling", json_null());
+        bad |= jset(o, "hidden_act", json_string("silu"));
+        bad |= jset(o, "attention_bias", json_boolean(c->has_qkv_bias));
+        bad |= jset(o, "mlp_bias", json_false());
+    }
+    bad |= jset(o, "tie_word_embeddings", json_boolean(c->tied_embeddings));
+    bad |= jset(o, "bos_token_id", c->bos_id >= 0 ? json_integer(c->bos_id) : json_null());
+    bad |= jset(o, "eos_token_id", c->eos_id >= 0 ? json_integer(c->eos_id) : json_null());
+    char *text = bad ? NULL : json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
+    json_decref(o);
+    char *t2 = text ? realloc(text, strlen(text) + 2) : NULL;
+    if (!t2) {
+        free(text);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    strcat(t2, "\n");
+    *out = t2;
+    return KV_OK;
+}
+
+/* kv_write_atomic's fill: a NUL-terminated text. */
+static int fill_text(int fd, const char *path, const char *tmp, void *ctx, struct kv_err *err) {
+    const char *s = ctx;
+    size_t n = strlen(s);
+    while (n) {
+        ssize_t w = write(fd, s, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            char eb[128];
+            return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
+                           kv_errtext(w < 0 ? errno : EIO, eb, sizeof eb));
+        }
+        s += w, n -= (size_t)w;
+    }
+    return KV_OK;
+}
+
+/* ================================================================ weights */
+
+/* HF row of kvcal's q/k row r: rotate-half order within each head of d_h
+ * for a model with interleaved rope pairs, else r itself. */
+static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
+    int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
+    if (c->arch != KV_ARCH_LLAMA || c->rope_layout != KV_ROPE_INTERLEAVED || !qk) return r;
+    int64_t dh = c->head_dim, j = r % dh, half = dh / 2;
+    return r - j + (j % 2 ? half + j / 2 : j / 2);
+}
+
+/* Add table entry e of layer (global entries: layer 0) under name: its
+ * kinds stacked along the output axis, then transposed for a Conv1D. An
+ * absent optional weight (a Llama bias some layer lacks) is written as
+ * zeros. */
+static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv_hf_name *e,
+                     int64_t layer, const char *name, enum kv_dtype dtype, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t rows[3], s[2], total = 0, cols = 1;
+    int nd = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(c, e->kinds[k], s);
+        rows[k] = s[0];
+        total += s[0];
+        if (nd == 2) cols = s[1];
+    }
+    float *buf = malloc((size_t)(total * cols) * sizeof *buf);
+    if (!buf) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for '%s'", name);
+    int64_t r0 = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        const float *src = kv_model_weight(m, e->kinds[k], layer);
+        for (int64_t r = 0; r < rows[k]; r++) {
+            float *dst = e->conv ? buf + r0 + r : buf + (r0 + hf_row(c, e->kinds[k], r)) * cols;
+            int64_t step = e->conv ? total : 1; /* Conv1D: element (r, i) at [i, r0 + r] */
+            for (int64_t i = 0; i < cols; i++) dst[i * step] = src ? src[r * cols + i] : 0.0f;
+        }
+        r0 += rows[k];
+    }
+    int64_t shape[2] = {e->conv ? cols : total, e->conv ? total : cols};
+    int rc = kv_stw_add_f32(w, name, dtype, nd, shape, buf, err);
+    free(buf);
+    return rc;
+}
+
+/* Every weight the model's forward pass uses, under its HF name. */
+static int add_weights(struct kv_stw *w, const struct kv_model *m, enum kv_dtype dtype,
+                       struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t n;
+    const struct kv_hf_name *g = kv_hf_names(c->arch, 0, &n);
+    int rc = KV_OK;
+    for (int64_t i = 0; !rc && i < n; i++)
+        if (kv_wkind_use(c, g[i].kinds[0]) != KV_WUSE_NONE)
+            rc = add_entry(w, m, &g[i], 0, g[i].name, dtype, err);
+    const struct kv_hf_name *ln = kv_hf_names(c->arch, 1, &n);
+    char name[512];
+    for (int64_t l = 0; !rc && l < c->n_layers; l++)
+        for (int64_t i = 0; !rc && i < n; i++) {
+            int use = kv_wkind_use(c, ln[i].kinds[0]);
+            if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !c->has_qkv_bias)) continue;
+            snprintf(name, sizeof name, "%s%lld.%s", kv_hf_layer_prefix(c->arch), (long long)l,
+                     ln[i].name);
+            rc = add_entry(w, m, &ln[i], l, name, dtype, err);
+        }
+    return rc;
+}
+
+/* ================================================================ directory */
+
+int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
+                const char *tokenizer_json_path, struct kv_err *err) {
+    if (dtype != KV_DTYPE_F32 && dtype != KV_DTYPE_F16 && dtype != KV_DTYPE_BF16)
+        return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                       "cannot write weights as %s, expected F32, F16 or BF16", kv_dtype_name(dtype));
+    char *config = NULL;
+    int rc = kv_hf_config_text(&m->cfg, &config, err);
+    if (rc) return rc;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        char eb[128];
+        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot create the directory: %s",
+                     kv_errtext(errno, eb, sizeof eb));
+    } else if (kv_path_kind(dir) != 1) {
+        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "not a directory");
+    }
+    char *wpath = kv_path_join(dir, "model.safetensors");
+    char *tpath = kv_path_join(dir, "tokenizer.json");
+    char *cpath = kv_path_join(dir, "config.json");
+    if (!rc && (!wpath || !tpath || !cpath))
+        rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    struct kv_stw *w = NULL;
+    if (!rc) rc = kv_stw_init(&w, err);
+    if (!rc) rc = kv_stw_add_meta(w, "format", "pt", err);
+    if (!rc) rc = add_weights(w, m, dtype, err);
+    if (!rc) rc = kv_stw_write(w, wpath, err);
+    kv_stw_free(w);
+    if (!rc && tokenizer_json_path) rc = kv_file_copy(tokenizer_json_path, tpath, err);
+    if (!rc) rc = kv_write_atomic(cpath, fill_text, config, err); /* last: the directory is whole */
+    free(config), free(wpath), free(tpath), free(cpath);
+    return rc;
+}
+
+/* ================================================================ byte tokenizer */
+
+int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err) {
+    json_t *root = json_object(), *model = json_object(), *vocab = json_object();
+    json_t *added = json_array(), *pp = json_object(), *dec = json_object();
+    int bad = !root || !model || !vocab || !added || !pp || !dec;
+    char piece[8];
+    for (int b = 0; !bad && b < 256; b++) {
+        snprintf(piece, sizeof piece, "<0x%02X>", b);
+        bad |= jset(vocab, piece, json_integer(b));
+    }
+    static const char *const specials[] = {"<s>", "</s>"};
+    for (int i = 0; !bad && i < 2; i++)
+        bad |= json_array_append_new(added, json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id",
+                                                      256 + i, "content", specials[i], "single_word",
+                                                      0, "lstrip", 0, "rstrip", 0, "normalized", 0,
+                                                      "special", 1));
+    /* HF adds BOS on encode, as kvcal's windows expect */
+    bad |= jset(pp, "type", json_string("TemplateProcessing"));
+    bad |= jset(pp, "single", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}]", "SpecialToken", "id",
+                                        "<s>", "type_id", 0, "Sequence", "id", "A", "type_id", 0));
+    bad |= jset(pp, "pair", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}, {s:{s:s, s:i}}]",
+                                      "SpecialToken", "id", "<s>", "type_id", 0, "Sequence", "id",
+                                      "A", "type_id", 0, "Sequence", "id", "B", "type_id", 1));
+    bad |= jset(pp, "special_tokens",
+                json_pack("{s:{s:s, s:[i], s:[s]}}", "<s>", "id", "<s>", "ids", 256, "tokens", "<s>"));
+    bad |= jset(dec, "type", json_string("Sequence"));
+    bad |= jset(dec, "decoders",
+                json_pack("[{s:s}, {s:s}]", "type", "ByteFallback", "type", "Fuse"));
+    bad |= jset(model, "type", json_string("BPE"));
+    bad |= jset(model, "dropout", json_null());
+    bad |= jset(model, "unk_token", json_null());
+    bad |= jset(model, "continuing_subword_prefix", json_null());
+    bad |= jset(model, "end_of_word_suffix", json_null());
+    bad |= jset(model, "fuse_unk", json_false());
+    bad |= jset(model, "byte_fallback", json_true());
+    bad |= jset(model, "ignore_merges", json_false());
+    bad |= jset(model, "vocab", vocab);
+    bad |= jset(model, "merges", json_array());
+    bad |= jset(root, "version", json_string("1.0"));
+    bad |= jset(root, "truncation", json_null());
+    bad |= jset(root, "padding", json_null());
+    bad |= jset(root, "added_tokens", added);
+    bad |= jset(root, "normalizer", json_null());
+    bad |= jset(root, "pre_tokenizer", json_null());
+    bad |= jset(root, "post_processor", pp);
+    bad |= jset(root, "decoder", dec);
+    bad |= jset(root, "model", model);
+    char *text = bad ? NULL : json_dumps(root, JSON_INDENT(2));
+    json_decref(root);
+    if (!text) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    int rc = kv_write_atomic(path, fill_text, text, err);
+    free(text);
+    return rc;
+}
