@@ -6,6 +6,12 @@
  *   x [n, d]        -> xtx += xᵀx, xsum += Σ rows
  *   q [n, h*d_h]    -> q_cov[i] += q_iᵀ q_i  (column block i, lda h*d_h)
  *   k [n, g*d_h]    -> k_cov[j] += k_jᵀ k_j
+ * With Fisher sums, one training pass (kv_grad_run) per window over inputs
+ * ids[0..n) and targets ids[1..n], n = seq_len - 1, then per layer:
+ *   ∂L/∂W_k [g*d_h, d]  -> fisher_k[r] += Σ_j (∂L/∂W_k[r, j])²
+ *   ∂L/∂k [n, g*d_h]    -> grad_k_cov[j] += G_jᵀ G_j  (dsyrk as above)
+ * and the same for V. Each window's row sums are formed whole and then
+ * added, so a resumed run adds in the same order as an uninterrupted one.
  * Only upper triangles are updated; kv_accum_sync mirrors them before the
  * sums are written, so the lower halves never feed back into a sum. */
 #include <cblas.h>
@@ -13,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backward.h"
 #include "err.h"
 #include "kvstats.h"
 #include "model.h"
@@ -23,7 +30,9 @@ struct kv_accum {
     int64_t seq_len;
     struct kv_fwd *f;
     double *buf;        /* [seq_len, max(d, h*d_h)] float64 copy of one activation */
-    double *colsum;     /* [d] */
+    double *colsum;     /* [max(d, g*d_h)] one window's column or row sums */
+    struct kv_grad *g;  /* the training pass, with Fisher sums only */
+    double loss;        /* its last window's mean loss */
     const char *bad_what; /* set when a hook found a non-finite activation */
     int64_t bad_layer, bad_row;
 };
@@ -91,8 +100,48 @@ static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64
     return KV_OK;
 }
 
+/* One window's Fisher sums (see the top of the file). */
+static int add_fisher(struct kv_accum *a, const int32_t *ids, struct kv_err *err) {
+    struct kv_stats *s = a->s;
+    int64_t n = a->seq_len - 1, d = s->dim, g = s->n_kv_heads, dh = s->head_dim, kd = g * dh;
+    int rc = kv_grad_run(a->g, ids, n, &a->loss, err);
+    if (rc) return rc;
+    if (!isfinite(a->loss))
+        return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET, "non-finite loss %g", a->loss);
+    double *rs = a->colsum;
+    for (int64_t l = 0; l < s->n_layers; l++)
+        for (int side = 0; side < 2; side++) {
+            struct kv_stats_layer *L = &s->layers[l];
+            const float *gw = kv_grad_of(a->g, side ? KV_W_V : KV_W_K, l); /* [kd, d] */
+            KV_ASSERT(gw);
+            int64_t bad = INT64_MAX;
+#pragma omp parallel for if (kd * d > 65536) schedule(static) reduction(min : bad)
+            for (int64_t r = 0; r < kd; r++) {
+                double t = 0;
+                for (int64_t j = 0; j < d; j++) t += (double)gw[r * d + j] * (double)gw[r * d + j];
+                rs[r] = t;
+                if (!isfinite(t) && r < bad) bad = r;
+            }
+            if (bad != INT64_MAX)
+                return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
+                               "non-finite gradient of the %s projection in layer %lld (row %lld)",
+                               side ? "v" : "k", (long long)l, (long long)bad);
+            double *fs = side ? L->fisher_v : L->fisher_k;
+            for (int64_t r = 0; r < kd; r++) fs[r] += rs[r];
+            const float *gy = side ? kv_grad_v(a->g, l) : kv_grad_k(a->g, l); /* [n, kd] */
+            int64_t row = widen(a->buf, gy, n, kd);
+            if (row >= 0)
+                return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
+                               "non-finite %s gradient in layer %lld at window position %lld",
+                               side ? "value" : "key", (long long)l, (long long)row);
+            head_grams(side ? L->grad_v_cov : L->grad_k_cov, a->buf, n, g, dh);
+        }
+    return KV_OK;
+}
+
 void kv_accum_free(struct kv_accum *a) {
     if (!a) return;
+    kv_grad_free(a->g);
     kv_fwd_free(a->f);
     free(a->buf);
     free(a->colsum);
@@ -117,10 +166,20 @@ int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
         kv_accum_free(a);
         return rc;
     }
-    int64_t w = c->dim;
+    if (s->has_fisher && seq_len < 2) {
+        kv_accum_free(a);
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "fisher statistics need windows of at least 2 tokens, got %lld",
+                       (long long)seq_len);
+    }
+    if (s->has_fisher && (rc = kv_grad_init(m, seq_len - 1, &a->g, err))) {
+        kv_accum_free(a);
+        return rc;
+    }
+    int64_t w = c->dim, kd = c->n_kv_heads * c->head_dim;
     if (c->n_heads * c->head_dim > w) w = c->n_heads * c->head_dim;
     a->buf = malloc((size_t)(seq_len * w) * sizeof *a->buf);
-    a->colsum = malloc((size_t)c->dim * sizeof *a->colsum);
+    a->colsum = malloc((size_t)(c->dim > kd ? c->dim : kd) * sizeof *a->colsum);
     if (!a->buf || !a->colsum) {
         kv_accum_free(a);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -142,8 +201,11 @@ int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err) 
         return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
                        "non-finite %s in layer %lld at window position %lld", a->bad_what,
                        (long long)a->bad_layer, (long long)a->bad_row);
+    if (!rc && a->g) rc = add_fisher(a, ids, err);
     return rc;
 }
+
+double kv_accum_loss(const struct kv_accum *a) { return a->g ? a->loss : 0; }
 
 static void mirror(double *a, int64_t n) {
     for (int64_t i = 0; i < n; i++)
@@ -157,6 +219,10 @@ void kv_accum_sync(struct kv_accum *a) {
         mirror(s->layers[l].xtx, s->dim);
         for (int64_t i = 0; i < s->n_heads; i++) mirror(s->layers[l].q_cov + i * dh * dh, dh);
         for (int64_t i = 0; i < s->n_kv_heads; i++) mirror(s->layers[l].k_cov + i * dh * dh, dh);
+        for (int64_t i = 0; i < s->n_kv_heads && s->has_fisher; i++) {
+            mirror(s->layers[l].grad_k_cov + i * dh * dh, dh);
+            mirror(s->layers[l].grad_v_cov + i * dh * dh, dh);
+        }
     }
 }
 
@@ -174,6 +240,11 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
                        "shaped for another model (dim %lld, %lld layers; the first shard has dim "
                        "%lld, %lld layers)", (long long)b->dim, (long long)b->n_layers,
                        (long long)acc->dim, (long long)acc->n_layers);
+    if (acc->has_fisher != b->has_fisher)
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "%s fisher statistics and the first shard %s; collect every shard with "
+                       "--fisher, or none", b->has_fisher ? "has" : "has no",
+                       acc->has_fisher ? "has them" : "has none");
     if (acc->seq_len != b->seq_len)
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "seq-len %lld differs from the first shard's %lld; statistics of different "
@@ -236,7 +307,7 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
             if (pass) acc->inputs[j].windows = w;
         }
     for (int64_t l = 0; l < acc->n_layers; l++)
-        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+        for (int t = 0; t < kv_stats_layer_tensors(acc); t++) {
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(acc, l, t, name, sizeof name, shape);

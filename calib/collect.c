@@ -37,7 +37,8 @@ static int start_fresh(struct kv_stats *s, const char *fp, struct kv_calib *c,
 
 /* A resumed s must describe exactly the run c and o would make. */
 static int check_resume(const struct kv_stats *s, const char *fp, struct kv_calib *c,
-                        const struct kv_calib_opts *o, const char *path, struct kv_err *err) {
+                        const struct kv_calib_opts *o, int fisher, const char *path,
+                        struct kv_err *err) {
     if (strcmp(s->fingerprint, fp))
         return DIFFER("the model fingerprint", "%.12s", s->fingerprint, fp);
     if (s->seq_len != o->seq_len)
@@ -72,6 +73,8 @@ static int check_resume(const struct kv_stats *s, const char *fp, struct kv_cali
     if (s->plan_windows != kv_calib_n_windows(c))
         return DIFFER("the planned window count", "%lld", (long long)s->plan_windows,
                       (long long)kv_calib_n_windows(c));
+    if (s->has_fisher != (fisher != 0))
+        return DIFFER("--fisher", "%s", s->has_fisher ? "on" : "off", fisher ? "on" : "off");
     return KV_OK;
 }
 
@@ -86,16 +89,17 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     if (fresh && (s->windows || s->n_inputs))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "a fresh run needs empty statistics from kv_stats_init");
-    if (fresh)
-        rc = start_fresh(s, fp, c, o, err);
-    else
-        rc = check_resume(s, fp, c, o, out, err);
+    if (fresh && !(rc = start_fresh(s, fp, c, o, err)) && opts->fisher)
+        rc = kv_stats_add_fisher(s, err);
+    else if (!fresh)
+        rc = check_resume(s, fp, c, o, opts->fisher, out, err);
     if (rc) return rc;
     struct kv_accum *a;
     if ((rc = kv_accum_init(m, s, o->seq_len, &a, err))) return rc;
     double t0 = kv_now();
     int64_t n = s->plan_windows, start = s->next_window, since_write = 0;
     int stop = 0;
+    double loss_sum = 0;
     opts->checkpoints_written = 0;
     for (int64_t i = start; i < n && !rc && !stop; i++) {
         const int32_t *ids;
@@ -107,6 +111,7 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
             snprintf(err->msg + l, sizeof err->msg - l, " (window %lld of this input)", (long long)win);
             break;
         }
+        loss_sum += kv_accum_loss(a);
         s->tokens += o->seq_len;
         s->windows++;
         s->inputs[input].windows++;
@@ -136,6 +141,7 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
             rc = kv_stats_write(s, out, err);
     }
     opts->seconds = kv_now() - t0;
+    opts->loss = s->next_window > start ? loss_sum / (double)(s->next_window - start) : 0;
     kv_accum_free(a);
     return rc;
 }

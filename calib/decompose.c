@@ -222,13 +222,17 @@ static int rotation_key_slots(struct dctx *x, int64_t l) {
     return rc;
 }
 
-/* Eigen Attention keys: one pre-RoPE basis from Σ C_q + Σ C_k shared by all
- * heads (paper §4.3); values: a basis per head, one rank per layer. */
+/* Eigen Attention keys: with RoPE one pre-RoPE basis from Σ C_q + Σ C_k
+ * shared by all heads (paper §4.3); without RoPE (gpt2, the paper's OPT/MPT
+ * form) a basis per head from its own C_q + C_k, which queries and keys
+ * share, so attention runs in the low-rank space (fused_query). Values: a
+ * basis per head, one rank per layer. */
 static int eigen_slots(struct dctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, h = c->n_heads, dh = c->head_dim, n2 = dh * dh;
+    int per_head = c->arch != KV_ARCH_LLAMA; /* then h == g */
     double *gram = xcalloc(n2, sizeof *gram), *qc = NULL, *kc = NULL, *vc = NULL;
-    struct slot *sk = new_slot(x, l, 0, dh, g, 1);
+    struct slot *sk = new_slot(x, l, 0, dh, g, per_head ? g : 1);
     int rc = KV_OK;
     if (!gram || !sk) {
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -237,15 +241,27 @@ static int eigen_slots(struct dctx *x, int64_t l) {
     if ((rc = out_covs(x, l, 2, 1, &qc)) || (rc = out_covs(x, l, 0, 1, &kc)) ||
         (rc = out_covs(x, l, 1, 1, &vc)))
         goto done;
-    for (int64_t i = 0; i < h; i++) add_to(gram, qc + i * n2, n2);
-    for (int64_t j = 0; j < g; j++) {
-        sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs;
-        memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
-        add_to(gram, kc + j * n2, n2);
-    }
     char what[96];
-    snprintf(what, sizeof what, "layer %lld shared key basis", (long long)l);
-    if ((rc = eigh(x, gram, dh, sk->lam, sk->vecs, what))) goto done;
+    if (per_head) {
+        for (int64_t j = 0; j < g && !rc; j++) {
+            sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs + j * n2;
+            memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
+            memcpy(gram, qc + j * n2, (size_t)n2 * sizeof *gram);
+            add_to(gram, kc + j * n2, n2);
+            snprintf(what, sizeof what, "layer %lld q-k basis of head %lld", (long long)l, (long long)j);
+            rc = eigh(x, gram, dh, sk->lam + j * dh, sk->vecs + j * n2, what);
+        }
+        if (rc) goto done;
+    } else {
+        for (int64_t i = 0; i < h; i++) add_to(gram, qc + i * n2, n2);
+        for (int64_t j = 0; j < g; j++) {
+            sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs;
+            memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
+            add_to(gram, kc + j * n2, n2);
+        }
+        snprintf(what, sizeof what, "layer %lld shared key basis", (long long)l);
+        if ((rc = eigh(x, gram, dh, sk->lam, sk->vecs, what))) goto done;
+    }
     struct slot *sv = new_slot(x, l, 1, dh, g, g);
     if (!sv) {
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -540,17 +556,33 @@ done:
     return rc;
 }
 
+/* Per-slot Fisher scores: o->fisher when given, else from the statistics,
+ * Palu §3.3: Σ of fisher_k (or fisher_v) over the output rows of the slot's
+ * units (its KV heads × d_h). */
 static int fisher_scores(struct dctx *x) {
-    if (!x->o->fisher)
+    const struct kv_stats *s = x->s;
+    if (!x->o->fisher && !(s && s->has_fisher))
         return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "--alloc fisher needs fisher statistics (blk.N.fisher.k/v), which this "
                        "stats file does not have");
+    int64_t dh = x->m->cfg.head_dim;
     for (int64_t i = 0; i < x->n_slots; i++) {
-        double f = x->o->fisher[i];
+        const struct slot *sl = &x->slots[i];
+        double f = 0;
+        if (x->o->fisher) {
+            f = x->o->fisher[i];
+        } else {
+            const struct kv_stats_layer *L = &s->layers[sl->layer];
+            const double *rows = sl->side ? L->fisher_v : L->fisher_k;
+            for (int64_t u = 0; u < sl->n_units; u++) {
+                const struct unit *un = &sl->units[u];
+                for (int64_t r = un->head0 * dh; r < (un->head0 + un->nh) * dh; r++) f += rows[r];
+            }
+        }
         if (!isfinite(f) || f < 0)
             return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
                            "fisher score %lld (layer %lld %s) is %g, expected a finite value >= 0",
-                           (long long)i, (long long)x->slots[i].layer, x->slots[i].side ? "v" : "k", f);
+                           (long long)i, (long long)sl->layer, sl->side ? "v" : "k", f);
         x->slots[i].fisher = f;
     }
     return KV_OK;
@@ -657,6 +689,51 @@ static int fuse_output(const struct kv_model *m, int64_t l, struct kv_lr_layer *
     return KV_OK;
 }
 
+/* Non-RoPE keys (fused_query): the query projection folded with each query
+ * head's unit up-block U_i [d_h, r] (the d_h rows of its KV head):
+ * q_fused rows [r, d] = U_iᵀ W_q,i and bias U_iᵀ b_q,i, query heads in
+ * order, so q'_i · z = q_i · (U_i z) with no key ever rebuilt. */
+static int fuse_query(const struct kv_model *m, int64_t l, struct kv_lr_layer *L,
+                      struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    int64_t d = c->dim, dh = c->head_dim, h = c->n_heads, grp = h / c->n_kv_heads;
+    const struct kv_lr_side *k = &L->k;
+    const float *wq = m->layers[l].w[KV_W_Q], *bq = m->layers[l].w[KV_W_BQ];
+    const struct kv_lr_unit **of = calloc((size_t)h, sizeof *of);
+    if (!of) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int64_t cols = 0;
+    for (int64_t i = 0; i < h; i++) {
+        for (int64_t u = 0; u < k->n_units; u++)
+            if (i / grp >= k->units[u].head0 && i / grp < k->units[u].head0 + k->units[u].n_heads)
+                of[i] = &k->units[u];
+        KV_ASSERT(of[i]);
+        cols += of[i]->rank;
+    }
+    L->q_cols = cols;
+    L->q_fused = malloc((size_t)(cols * d) * sizeof(float));
+    L->q_fused_bias = bq ? calloc((size_t)cols, sizeof(float)) : NULL;
+    if (!L->q_fused || (bq && !L->q_fused_bias)) {
+        free(of);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    int64_t off = 0;
+    for (int64_t i = 0; i < h; i++) {
+        const struct kv_lr_unit *un = of[i];
+        const float *up = un->up + (i / grp - un->head0) * dh * un->rank; /* [d_h, r] */
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)un->rank, (int)d, (int)dh, 1.0f,
+                    up, (int)un->rank, wq + i * dh * d, (int)d, 0.0f, L->q_fused + off * d, (int)d);
+        if (bq)
+            for (int64_t a = 0; a < un->rank; a++) {
+                double acc = 0;
+                for (int64_t b = 0; b < dh; b++) acc += (double)up[b * un->rank + a] * bq[i * dh + b];
+                L->q_fused_bias[off + a] = (float)acc;
+            }
+        off += un->rank;
+    }
+    free(of);
+    return KV_OK;
+}
+
 static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
     const struct kv_model *m = x->m;
     const struct kv_config *c = &m->cfg;
@@ -676,8 +753,9 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
         const struct slot *sl = &x->slots[i];
         struct kv_lr_side *sd = sl->side ? &lr->layers[sl->layer].v : &lr->layers[sl->layer].k;
         if (sl->skip) continue;
-        sd->mode = sl->side ? KV_LR_FUSED_OUTPUT
-                            : (sl->rotation ? KV_LR_POSTROPE_ROTATION : KV_LR_PREROPE_LATENT);
+        /* keys without RoPE fold their up projection into the query */
+        enum kv_lr_mode kmode = c->arch == KV_ARCH_LLAMA ? KV_LR_PREROPE_LATENT : KV_LR_FUSED_QUERY;
+        sd->mode = sl->side ? KV_LR_FUSED_OUTPUT : (sl->rotation ? KV_LR_POSTROPE_ROTATION : kmode);
         struct kv_lr_unit *nu = realloc(sd->units, (size_t)(sd->n_units + sl->n_units) * sizeof *nu);
         if (!nu) {
             rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -691,8 +769,11 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
             rc = build_unit(x, sl, &sl->units[u], un);
         }
     }
-    for (int64_t l = 0; l < c->n_layers && !rc; l++)
+    for (int64_t l = 0; l < c->n_layers && !rc; l++) {
         if (lr->layers[l].v.mode == KV_LR_FUSED_OUTPUT) rc = fuse_output(m, l, &lr->layers[l], x->err);
+        if (!rc && lr->layers[l].k.mode == KV_LR_FUSED_QUERY)
+            rc = fuse_query(m, l, &lr->layers[l], x->err);
+    }
     if (!rc && x->o->hadamard) rc = kv_lowrank_hadamard(lr, x->err);
     if (rc) {
         kv_lowrank_free(lr);
@@ -925,7 +1006,8 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     struct dctx x = {m, s, o, NULL, 0, 0, err};
     int rc = build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = lorc_conditions(&x);
-    if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && o->fisher))) rc = fisher_scores(&x);
+    if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->has_fisher)))))
+        rc = fisher_scores(&x);
     int64_t base = kv_lowrank_base_bytes(c);
     int64_t target = o->ratio > 0 ? (int64_t)llround(o->ratio * (double)base) : 0;
     if (!rc && target > 0) {

@@ -1,5 +1,6 @@
 /* kvcal collect: float64 calibration statistics into a .kvstats file. */
 #include <jansson.h>
+#include <math.h>
 #include <omp.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -101,7 +102,7 @@ int cmd_collect(int argc, char **argv) {
     const char *model = NULL, *tokenizer = NULL, *output = NULL, *shard = NULL;
     static struct cli_list texts;
     int64_t seq_len = 256, samples = 0, seed = 0, every = 0, threads = 0;
-    int sequential = 0, resume = 0, json = 0, quiet = 0;
+    int sequential = 0, resume = 0, json = 0, quiet = 0, fisher = 0;
     const struct cli_opt opts[] = {
         {"model", 'm', OPT_STR, &model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
@@ -114,6 +115,9 @@ int cmd_collect(int argc, char **argv) {
         {"seed", 0, OPT_INT, &seed, "S", "seed of the random window draw (default 0)"},
         {"sequential", 0, OPT_FLAG, &sequential, NULL,
          "take the first --samples windows instead of a random draw"},
+        {"fisher", 0, OPT_FLAG, &fisher, NULL,
+         "also Fisher statistics for --alloc fisher: a backward pass per window\n"
+         "(about 3.5x the time)"},
         {"shard", 0, OPT_STR, &shard, "I/N",
          "keep every N-th planned window starting at I (0-based), for merging later"},
         {"checkpoint-every", 0, OPT_INT, &every, "K",
@@ -136,6 +140,14 @@ int cmd_collect(int argc, char **argv) {
         "a blank line. With --samples N, N windows are drawn at random (--seed) from all\n"
         "inputs, or the first N are taken with --sequential, and run in file order.\n"
         "\n"
+        "--fisher also runs a forward and backward pass per window (its first seq-len - 1\n"
+        "tokens predicting the next ones) and sums, per layer, the squared gradient of\n"
+        "the window's mean loss for every row of W_k and W_v, the Fisher information\n"
+        "that 'kvcal decompose --alloc fisher' allocates ranks by and '--alloc global'\n"
+        "weights errors by, and the Gram of the loss gradient with respect to each KV\n"
+        "head's keys and values. The backward pass keeps the window's activations and\n"
+        "makes a run about 3.5x as long. Shards merge only with shards collected alike.\n"
+        "\n"
         "the output is a GGUF file (general.type kvcal.stats) of float64 sums plus the\n"
         "model fingerprint and each input's sha256. Sums merge exactly: collect shards\n"
         "(different files, or --shard I/N of the same plan) on several machines and\n"
@@ -148,6 +160,7 @@ int cmd_collect(int argc, char **argv) {
         "  kvcal collect -m tinystories-656K -t c4-part1.jsonl.gz -t c4-part2.jsonl.gz \\\n"
         "      --samples 512 --seed 1 --seq-len 256 --checkpoint-every 64 -o 656K.kvstats\n"
         "  kvcal collect ... --shard 0/2 -o a.kvstats   # and --shard 1/2 -o b.kvstats\n"
+        "  kvcal collect -m tinystories-656K -t val1k.txt --samples 256 --fisher -o f.kvstats\n"
         "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 0};
     const char *pos[1];
@@ -209,7 +222,7 @@ int cmd_collect(int argc, char **argv) {
     struct cli_progress bar;
     cli_progress_start(&bar, "windows", quiet || json);
     struct kv_collect_opts o = {.out_path = output, .data = &copt, .resume = resumed_from >= 0,
-                                .checkpoint_every = every, .progress = progress,
+                                .fisher = fisher, .checkpoint_every = every, .progress = progress,
                                 .progress_ctx = &bar};
     rc = kv_collect_run(m, c, s, &o, &err);
     cli_progress_end(&bar);
@@ -239,6 +252,11 @@ int cmd_collect(int argc, char **argv) {
             (json_int_t)o.checkpoints_written, "tokens_per_s", cli_json_real(tps), "seconds",
             cli_json_real(o.seconds), "threads", nthreads, "peak_rss_mib",
             cli_json_real(cli_peak_rss_mib()));
+        if (out) {
+            json_object_set_new(out, "fisher", json_boolean(s->has_fisher));
+            json_object_set_new(out, "mean_loss", s->has_fisher && run_windows > 0
+                                                      ? cli_json_real(o.loss) : json_null());
+        }
         rc = cli_print_json(out, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
         char desc[512];
@@ -261,6 +279,13 @@ int cmd_collect(int argc, char **argv) {
         printf("summed    %lld tokens in %lld windows", (long long)s->tokens, (long long)s->windows);
         if (resumed_from >= 0) printf(" (resumed at window %lld)", (long long)resumed_from);
         printf("\n");
+        if (s->has_fisher) {
+            printf("fisher    a backward pass per window");
+            if (run_windows > 0)
+                printf(", mean loss %.4f (ppl %.2f) over %lld windows", o.loss, exp(o.loss),
+                       (long long)run_windows);
+            printf("\n");
+        }
         if (run_windows > 0)
             printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
                    o.seconds, cli_peak_rss_mib());

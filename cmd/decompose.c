@@ -149,12 +149,15 @@ int cmd_decompose(int argc, char **argv) {
         "\nallocations (default in brackets):\n"
         "  eps          per unit, the smallest rank keeping E of the energy [eigen]\n"
         "  uniform      the same fraction of every unit [svd, palu]\n"
-        "  fisher       ranks in proportion to Fisher information (needs fisher statistics)\n"
+        "  fisher       ranks in proportion to each unit's Fisher information, Σ (∂L/∂W)²\n"
+        "               over its rows of W_k or W_v (needs 'kvcal collect --fisher' stats)\n"
         "  progressive  LoRC eqs. 12-13, --d-min/--d-max, --cond-skip [lorc]\n"
         "  removal      one singular-value removal rate for all units [fdc, zack]\n"
         "  layer-budget Eigen Attention §4.4: per layer, eps drops by 0.02 while the layer's\n"
         "               measured output error stays under --error-budget (needs --text)\n"
         "  global       greedy: drop the direction with the least relative error per byte\n"
+        "               (each unit's error weighted by its Fisher information when the stats\n"
+        "               have it)\n"
         "With --ratio the allocation's parameter is searched for the smallest cache of at\n"
         "least R of the base KV bytes per token (global stops at the first at or below R);\n"
         "the achieved ratio is printed and recorded, with a warning when the allocation\n"
@@ -181,6 +184,8 @@ int cmd_decompose(int argc, char **argv) {
     if (alloc_s && (alloc = kv_alloc_parse(alloc_s)) < 0)
         return cli_usage_error(&cmd, "unknown --alloc '%s' (eps, uniform, fisher, progressive, "
                                      "removal, global)", alloc_s);
+    if (alloc == KV_ALLOC_FISHER && !stats)
+        return cli_usage_error(&cmd, "--alloc fisher needs --stats from 'kvcal collect --fisher'");
     if (alloc == KV_ALLOC_LAYER_BUDGET && !text)
         return cli_usage_error(&cmd, "--alloc layer-budget needs --text (calibration windows)");
     if (budget < 0) return cli_usage_error(&cmd, "--error-budget must be positive");
@@ -240,10 +245,9 @@ int cmd_decompose(int argc, char **argv) {
         return cli_usage_error(&cmd, "--group-size %lld does not divide the model's %lld kv heads",
                                (long long)group, (long long)g);
     }
-    if (alloc == KV_ALLOC_FISHER) {
-        /* the stats format has no Fisher tensors yet */
+    if (alloc == KV_ALLOC_FISHER && !s->has_fisher) {
         fprintf(stderr, "kvcal: %s: has no fisher statistics (blk.N.fisher.k/v), which --alloc fisher needs\n",
-                stats ? stats : model);
+                stats);
         kv_stats_free(s);
         kv_model_free(m);
         return EXIT_ERR;
@@ -327,9 +331,10 @@ int cmd_decompose(int argc, char **argv) {
     }
     json_t *js = json_null();
     if (s)
-        js = json_pack("{s:o, s:s, s:I, s:I, s:I}", "path", cli_json_text(stats), "model_fingerprint",
-                       s->fingerprint, "tokens", (json_int_t)s->tokens, "windows",
-                       (json_int_t)s->windows, "seq_len", (json_int_t)s->seq_len);
+        js = json_pack("{s:o, s:s, s:I, s:I, s:I, s:b}", "path", cli_json_text(stats),
+                       "model_fingerprint", s->fingerprint, "tokens", (json_int_t)s->tokens,
+                       "windows", (json_int_t)s->windows, "seq_len", (json_int_t)s->seq_len,
+                       "fisher", s->has_fisher);
     char *opts_txt = json_dumps(jo, JSON_COMPACT), *stats_txt = json_dumps(js, JSON_COMPACT | JSON_ENCODE_ANY);
     struct kv_lr_dir_info info = {model, tokenizer, opts_txt, stats_txt};
     double tw = cli_now();
@@ -375,8 +380,9 @@ int cmd_decompose(int argc, char **argv) {
         cli_describe_config(c, desc, sizeof desc);
         printf("model     %s\n          %s\n", model, desc);
         if (s)
-            printf("stats     %s: %lld tokens in %lld windows of %lld\n", stats, (long long)s->tokens,
-                   (long long)s->windows, (long long)s->seq_len);
+            printf("stats     %s: %lld tokens in %lld windows of %lld%s\n", stats,
+                   (long long)s->tokens, (long long)s->windows, (long long)s->seq_len,
+                   s->has_fisher ? ", with fisher statistics" : "");
         printf("method    %s, alloc %s", method_s, kv_alloc_name(o.alloc));
         if (eps > 0) printf(", eps %g", eps);
         if (ratio > 0) printf(", ratio %g (searched parameter %.4f)", ratio, o.param);

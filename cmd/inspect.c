@@ -22,6 +22,14 @@ static void rank_text(int64_t a, int64_t b, char *buf, size_t cap) {
         snprintf(buf, cap, "%lld/%lld", (long long)a, (long long)b);
 }
 
+/* Σ of a layer's fisher_k (side 0) or fisher_v (side 1). */
+static double fisher_total(const struct kv_stats *s, int64_t l, int side) {
+    const double *f = side ? s->layers[l].fisher_v : s->layers[l].fisher_k;
+    double t = 0;
+    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) t += f[r];
+    return t;
+}
+
 static int inspect_stats(const char *path, const char *model, const char *tokenizer, int json) {
     struct kv_err err;
     kv_err_clear(&err);
@@ -60,6 +68,12 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
             printf("input      %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows\n",
                    s->inputs[i].path, (unsigned long long)s->inputs[i].bytes, s->inputs[i].sha256,
                    (long long)s->inputs[i].tokens, (long long)s->inputs[i].windows);
+        if (s->has_fisher)
+            printf("fisher     yes: squared W_k/W_v gradients and ∂L/∂k, ∂L/∂v Grams of %lld "
+                   "windows (per layer below)\n", (long long)s->windows);
+        else
+            printf("fisher     none ('kvcal collect --fisher' adds them; --alloc fisher needs "
+                   "them)\n");
         printf("\neffective rank = fewest eigen-directions keeping 90%%/99%% of the energy\n");
         printf("%-6s %12s %12s %14s   per kv head 0..%lld: K|V|K post-rope, of %lld\n", "layer",
                "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(g - 1), (long long)s->head_dim);
@@ -84,14 +98,18 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
                 }
                 json_array_append_new(hs, h);
             }
-            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o}",
+            json_t *fi = s->has_fisher ? json_pack("{s:o, s:o}", "k",
+                                                   cli_json_real(fisher_total(s, l, 0)), "v",
+                                                   cli_json_real(fisher_total(s, l, 1)))
+                                       : json_null();
+            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o, s:o}",
                                                     "layer", (json_int_t)l, "trace",
                                                     cli_json_real(sp.trace), "lambda_max",
                                                     cli_json_real(sp.lambda_max), "lambda_min",
                                                     cli_json_real(sp.lambda_min), "cond",
                                                     cli_json_real(sp.cond), "xtx_rank",
                                                     (json_int_t)sp.x90, (json_int_t)sp.x99,
-                                                    "heads", hs));
+                                                    "heads", hs, "fisher", fi));
         } else {
             char xr[32], cond[32];
             snprintf(xr, sizeof xr, "%lld/%lld of %lld", (long long)sp.x90, (long long)sp.x99,
@@ -123,10 +141,22 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
                               (json_int_t)s->tokens, "windows", (json_int_t)s->windows, "sampling",
                               s->sampling, "plan_windows", (json_int_t)s->plan_windows,
                               "next_window", (json_int_t)s->next_window, "inputs", ins, "layers", layers);
+        if (o) json_object_set_new(o, "fisher", json_boolean(s->has_fisher));
         layers = NULL;
         rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else if (!json && rc == EXIT_OK && !m) {
         printf("\n(K and V output ranks need the model: add --model PATH)\n");
+    }
+    if (!json && rc == EXIT_OK && s->has_fisher) {
+        double all = 0;
+        for (int64_t l = 0; l < s->n_layers; l++) all += fisher_total(s, l, 0) + fisher_total(s, l, 1);
+        printf("\nfisher information Σ (∂L/∂W)² of each layer's K and V projection, and its "
+               "share of the total\n%-6s %12s %12s %8s %8s\n", "layer", "K", "V", "K %", "V %");
+        for (int64_t l = 0; l < s->n_layers; l++) {
+            double k = fisher_total(s, l, 0), v = fisher_total(s, l, 1);
+            printf("%-6lld %12.4e %12.4e %7.2f%% %7.2f%%\n", (long long)l, k, v,
+                   all > 0 ? 100 * k / all : 0.0, all > 0 ? 100 * v / all : 0.0);
+        }
     }
     json_decref(layers);
     free(heads);

@@ -17,7 +17,8 @@ int cmd_merge(int argc, char **argv) {
         "Add statistics shards into one file. Every tensor is a float64 sum, so merging\n"
         "is exact addition: the result equals one run over the union of the shards'\n"
         "windows up to float64 rounding. Shards must come from the same model (the\n"
-        "fingerprint) and --seq-len, and be complete (no unfinished checkpoint).",
+        "fingerprint) and --seq-len, and be complete (no unfinished checkpoint); either\n"
+        "every shard has Fisher statistics (collect --fisher) or none does.",
         "examples:\n"
         "  kvcal merge a.kvstats b.kvstats -o ab.kvstats\n"
         "  kvcal merge shard-*.kvstats -o all.kvstats --json\n",
@@ -56,16 +57,17 @@ int cmd_merge(int argc, char **argv) {
     }
     if (json) {
         json_t *ins = cli_json_stats_inputs(acc);
-        rc = cli_print_json(json_pack("{s:o, s:i, s:s, s:I, s:I, s:I, s:o}", "output",
+        rc = cli_print_json(json_pack("{s:o, s:i, s:s, s:I, s:I, s:I, s:b, s:o}", "output",
                                       cli_json_text(output), "shards", n_pos, "fingerprint",
                                       acc->fingerprint, "seq_len", (json_int_t)acc->seq_len,
                                       "tokens", (json_int_t)acc->tokens, "windows",
-                                      (json_int_t)acc->windows, "inputs", ins),
+                                      (json_int_t)acc->windows, "fisher", acc->has_fisher,
+                                      "inputs", ins),
                             JSON_INDENT(2));
     } else {
-        printf("merged    %d shard%s: %lld tokens in %lld windows of %lld\n", n_pos,
+        printf("merged    %d shard%s: %lld tokens in %lld windows of %lld%s\n", n_pos,
                n_pos > 1 ? "s" : "", (long long)acc->tokens, (long long)acc->windows,
-               (long long)acc->seq_len);
+               (long long)acc->seq_len, acc->has_fisher ? ", with fisher statistics" : "");
         for (int64_t i = 0; i < acc->n_inputs; i++)
             printf("input     %s: sha256 %.16s…, %lld windows\n", acc->inputs[i].path,
                    acc->inputs[i].sha256, (long long)acc->inputs[i].windows);

@@ -16,23 +16,34 @@
 
 _Static_assert(sizeof(double) == 8, "float64 is 8 bytes");
 
-static const char *const tensor_suffix[KV_STATS_PER_LAYER] = {
-    "attn_in.xtx", "attn_in.sum", "q_rope.cov", "k_rope.cov"};
+static const char *const tensor_suffix[KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER] = {
+    "attn_in.xtx", "attn_in.sum", "q_rope.cov", "k_rope.cov",
+    "fisher.k",    "fisher.v",    "grad_k.cov", "grad_v.cov"};
+
+int kv_stats_layer_tensors(const struct kv_stats *s) {
+    return KV_STATS_PER_LAYER + (s->has_fisher ? KV_STATS_FISHER_PER_LAYER : 0);
+}
 
 int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *name, size_t cap,
                          int64_t shape[3]) {
+    KV_ASSERT(t >= 0 && t < KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER);
     snprintf(name, cap, "blk.%lld.%s", (long long)layer, tensor_suffix[t]);
     switch (t) {
     case 0: shape[0] = s->dim, shape[1] = s->dim; return 2;
     case 1: shape[0] = s->dim; return 1;
     case 2: shape[0] = s->n_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
+    case 4:
+    case 5: shape[0] = s->n_kv_heads * s->head_dim; return 1;
     default: shape[0] = s->n_kv_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
     }
 }
 
 double *kv_stats_tensor_data(const struct kv_stats *s, int64_t layer, int t) {
     struct kv_stats_layer *l = &s->layers[layer];
-    return t == 0 ? l->xtx : t == 1 ? l->xsum : t == 2 ? l->q_cov : l->k_cov;
+    double *const p[KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER] = {
+        l->xtx, l->xsum, l->q_cov, l->k_cov, l->fisher_k, l->fisher_v, l->grad_k_cov, l->grad_v_cov};
+    KV_ASSERT(t >= 0 && t < kv_stats_layer_tensors(s));
+    return p[t];
 }
 
 static int64_t numel(const int64_t *shape, int nd) {
@@ -41,10 +52,33 @@ static int64_t numel(const int64_t *shape, int nd) {
     return n;
 }
 
+/* The first element of tensor t's data p [n] that no stats file holds, or
+ * -1: a non-finite value anywhere, or a negative one where a sum of squares
+ * belongs (the Fisher sums, the gradient covariances' diagonals). */
+static int64_t bad_element(const struct kv_stats *s, int t, const double *p, int64_t n,
+                           int *negative) {
+    int64_t dh = s->head_dim;
+    int squares = t == 4 || t == 5, diagonals = t == 6 || t == 7;
+    for (int64_t i = 0; i < n; i++) {
+        *negative = 0;
+        if (!isfinite(p[i])) return i;
+        /* element i of a [.., d_h, d_h] tensor is diagonal when its offset
+         * within its matrix is a multiple of d_h + 1 */
+        if (p[i] < 0 && (squares || (diagonals && i % (dh * dh) % (dh + 1) == 0))) {
+            *negative = 1;
+            return i;
+        }
+    }
+    return -1;
+}
+
 void kv_stats_free(struct kv_stats *s) {
     if (!s) return;
     if (s->layers)
-        for (int64_t l = 0; l < s->n_layers; l++) free(s->layers[l].xtx);
+        for (int64_t l = 0; l < s->n_layers; l++) {
+            free(s->layers[l].xtx);
+            free(s->layers[l].fisher_k);
+        }
     free(s->layers);
     for (int64_t i = 0; i < s->n_inputs; i++) free(s->inputs[i].path);
     free(s->inputs);
@@ -69,6 +103,36 @@ static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err
         s->layers[l].k_cov = p + d * d + d + s->n_heads * hd * hd;
     }
     return KV_OK;
+}
+
+/* Zeroed Fisher sums in every layer (one block per layer, owned by fisher_k). */
+static int alloc_fisher(struct kv_stats *s, const char *path, struct kv_err *err) {
+    int64_t kd = s->n_kv_heads * s->head_dim, hd = s->head_dim;
+    int64_t per = 2 * kd + 2 * s->n_kv_heads * hd * hd;
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        struct kv_stats_layer *y = &s->layers[l];
+        if (y->fisher_k) continue;
+        double *p = calloc((size_t)per, sizeof *p);
+        if (!p)
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
+                           "out of memory for the fisher statistics of %lld layers",
+                           (long long)s->n_layers);
+        y->fisher_k = p;
+        y->fisher_v = p + kd;
+        y->grad_k_cov = p + 2 * kd;
+        y->grad_v_cov = p + 2 * kd + s->n_kv_heads * hd * hd;
+    }
+    s->has_fisher = 1;
+    return KV_OK;
+}
+
+int kv_stats_add_fisher(struct kv_stats *s, struct kv_err *err) {
+    /* Fisher sums over fewer windows than the rest would be misread */
+    if (!s->has_fisher && s->windows > 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "statistics of %lld windows have no fisher sums to extend; fisher sums "
+                       "start with the first window", (long long)s->windows);
+    return alloc_fisher(s, NULL, err);
 }
 
 static void set_defaults(struct kv_stats *s) {
@@ -134,7 +198,8 @@ static int is_hex64(const char *s) {
 /* ------------------------------------------------------------------ write */
 
 int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err) {
-    int64_t nt = s->n_layers * KV_STATS_PER_LAYER;
+    int per = kv_stats_layer_tensors(s);
+    int64_t nt = s->n_layers * per;
     uint32_t *crc = malloc((size_t)(nt ? nt : 1) * sizeof *crc);
     const char **names = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *names);
     const char **shas = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *shas);
@@ -158,20 +223,24 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         goto done;
     }
     for (int64_t l = 0; l < s->n_layers; l++)
-        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+        for (int t = 0; t < per; t++) {
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
             const double *p = kv_stats_tensor_data(s, l, t);
             int64_t n = numel(shape, nd);
-            for (int64_t i = 0; i < n; i++)
-                if (!isfinite(p[i])) {
-                    rc = kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
-                                 "tensor '%s': non-finite value %g at element %lld; not written",
-                                 name, p[i], (long long)i);
-                    goto done;
-                }
-            crc[l * KV_STATS_PER_LAYER + t] = crc_of(p, (uint64_t)n * 8);
+            int neg;
+            int64_t i = bad_element(s, t, p, n, &neg);
+            if (i >= 0) {
+                rc = neg ? kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
+                                   "tensor '%s': negative value %g at element %lld, where a sum "
+                                   "of squares belongs; not written", name, p[i], (long long)i)
+                         : kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
+                                   "tensor '%s': non-finite value %g at element %lld; not written",
+                                   name, p[i], (long long)i);
+                goto done;
+            }
+            crc[l * per + t] = crc_of(p, (uint64_t)n * 8);
         }
     for (int64_t i = 0; i < s->n_inputs; i++) {
         names[i] = s->inputs[i].path;
@@ -208,7 +277,7 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         (rc = kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)nt, err)))
         goto done;
     for (int64_t l = 0; l < s->n_layers; l++)
-        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+        for (int t = 0; t < per; t++) {
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
@@ -398,9 +467,28 @@ static void shape_text(const int64_t *shape, int nd, char *buf, size_t cap) {
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
+/* 1 when the file holds any Fisher tensor: then every layer must have all
+ * four, and a partial set is reported as the first one missing. */
+static int file_has_fisher(const struct kv_gguf_file *f) {
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        const char *name = f->tensors[i].t.name;
+        size_t n = strlen(name);
+        if (strncmp(name, "blk.", 4)) continue;
+        for (int t = KV_STATS_PER_LAYER; t < KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER; t++) {
+            size_t k = strlen(tensor_suffix[t]);
+            if (n > k && name[n - k - 1] == '.' && !strcmp(name + n - k, tensor_suffix[t])) return 1;
+        }
+    }
+    return 0;
+}
+
 static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
     const char *path = f->path;
-    int64_t want = s->n_layers * KV_STATS_PER_LAYER;
+    int per = kv_stats_layer_tensors(s);
+    int64_t want = s->n_layers * per;
+    /* why a missing Fisher tensor is an error at all */
+    static const char fisher_why[] =
+        "; fisher statistics are fisher.k, fisher.v, grad_k.cov and grad_v.cov in every layer";
     uint64_t *crc64 = NULL, ncrc;
     const struct kv_gguf_kv *kc = kv_gguf_find(f, "kvcal.crc32");
     int rc = kv_gguf_get_arr_u64(f, "kvcal.crc32", &crc64, &ncrc, err);
@@ -414,8 +502,8 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
     for (int64_t i = 0; i < f->n_tensors; i++) {
         const struct kv_gguf_tensor *gt = &f->tensors[i];
         /* every tensor must be one we expect, at its place */
-        int64_t l = i / KV_STATS_PER_LAYER;
-        int t = (int)(i % KV_STATS_PER_LAYER);
+        int64_t l = i / per;
+        int t = (int)(i % per);
         char name[64], got[64], exp[64];
         int64_t shape[3];
         if (i >= want) {
@@ -431,7 +519,8 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
                              "tensor '%s' is at position %lld, expected '%s' there", gt->t.name,
                              (long long)i, name)
                    : kv_fail(err, KV_EFORMAT, path, gt->info_off,
-                             "missing tensor '%s' (found '%s' in its place)", name, gt->t.name);
+                             "missing tensor '%s' (found '%s' in its place)%s", name, gt->t.name,
+                             t >= KV_STATS_PER_LAYER ? fisher_why : "");
             goto done;
         }
         if (gt->ggml_type != 28) {
@@ -464,22 +553,26 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
         }
         double *dst = kv_stats_tensor_data(s, l, t);
         memcpy(dst, gt->t.data, nb); /* little-endian host and file */
-        int64_t ne = numel(shape, nd);
-        for (int64_t k = 0; k < ne; k++)
-            if (!isfinite(dst[k])) {
-                rc = kv_fail(err, KV_EFORMAT, path, gt->t.offset + (uint64_t)k * 8,
-                             "tensor '%s': non-finite value at element %lld", name, (long long)k);
-                goto done;
-            }
+        int neg;
+        int64_t k = bad_element(s, t, dst, numel(shape, nd), &neg);
+        if (k >= 0) {
+            rc = neg ? kv_fail(err, KV_EFORMAT, path, gt->t.offset + (uint64_t)k * 8,
+                               "tensor '%s': negative value %g at element %lld, expected a sum "
+                               "of squares >= 0", name, dst[k], (long long)k)
+                     : kv_fail(err, KV_EFORMAT, path, gt->t.offset + (uint64_t)k * 8,
+                               "tensor '%s': non-finite value at element %lld", name, (long long)k);
+            goto done;
+        }
     }
     if (f->n_tensors < want) {
         char name[64];
         int64_t shape[3];
-        kv_stats_tensor_desc(s, f->n_tensors / KV_STATS_PER_LAYER,
-                             (int)(f->n_tensors % KV_STATS_PER_LAYER), name, sizeof name, shape);
+        int t = (int)(f->n_tensors % per);
+        kv_stats_tensor_desc(s, f->n_tensors / per, t, name, sizeof name, shape);
         rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                     "missing tensor '%s': %lld layers need %lld tensors, the file has %lld", name,
-                     (long long)s->n_layers, (long long)want, (long long)f->n_tensors);
+                     "missing tensor '%s': %lld layers need %lld tensors, the file has %lld%s", name,
+                     (long long)s->n_layers, (long long)want, (long long)f->n_tensors,
+                     t >= KV_STATS_PER_LAYER ? fisher_why : "");
     }
 done:
     free(crc64);
@@ -498,22 +591,27 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
     }
     set_defaults(s);
     if (!(rc = read_header(&f, s, err))) {
+        int fisher = file_has_fisher(&f);
         /* bound the allocation by what the file can hold before making it */
         uint64_t per, all;
         uint64_t d = (uint64_t)s->dim, hd = (uint64_t)s->head_dim;
+        uint64_t g = (uint64_t)s->n_kv_heads;
         int ok = kv_mul_u64(d, d, &per) && kv_add_u64(per, d, &per);
-        uint64_t hh;
+        uint64_t hh, fs;
         ok = ok && kv_mul_u64(hd, hd, &hh) &&
              kv_mul_u64(hh, (uint64_t)(s->n_heads + s->n_kv_heads), &hh) &&
-             kv_add_u64(per, hh, &per) && kv_mul_u64(per, (uint64_t)s->n_layers, &all) &&
-             kv_mul_u64(all, 8, &all);
+             kv_add_u64(per, hh, &per);
+        /* Fisher: 2 g*d_h rows and 2 g*d_h*d_h covariances */
+        ok = ok && kv_mul_u64(hd + 1, hd * g * 2, &fs) && kv_add_u64(per, fisher ? fs : 0, &per);
+        ok = ok && kv_mul_u64(per, (uint64_t)s->n_layers, &all) && kv_mul_u64(all, 8, &all);
         if (!ok || all > len)
             rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                          "truncated or inconsistent: %lld layers of dim %lld need %s bytes of "
                          "tensors, the file has %llu bytes",
                          (long long)s->n_layers, (long long)s->dim, ok ? "more" : "too many",
                          (unsigned long long)len);
-        else if (!(rc = alloc_layers(s, path, err)) && !(rc = read_inputs(&f, s, err)))
+        else if (!(rc = alloc_layers(s, path, err)) && (!fisher || !(rc = alloc_fisher(s, path, err))) &&
+                 !(rc = read_inputs(&f, s, err)))
             rc = read_tensors(&f, s, err);
     }
     kv_gguf_release(&f);

@@ -33,7 +33,20 @@
  *   blk.N.q_rope.cov    [h, d_h, d_h]
  *   blk.N.k_rope.cov    [g, d_h, d_h]
  *
- * in that order. Matrices are stored in full (both triangles). */
+ * followed, in a file with Fisher statistics (collect --fisher), by four
+ * more per layer, sums over windows of one backward pass each (the window's
+ * mean loss over its seq_len - 1 next-token targets):
+ *
+ *   blk.N.fisher.k      [g*d_h]        Σ_j (∂L/∂W_k[r, j])² per output row r
+ *   blk.N.fisher.v      [g*d_h]        the same for W_v
+ *   blk.N.grad_k.cov    [g, d_h, d_h]  Σ gᵀg per KV head, g = ∂L/∂k (pre-RoPE)
+ *   blk.N.grad_v.cov    [g, d_h, d_h]  Σ gᵀg per KV head, g = ∂L/∂v
+ *
+ * in that order, layer after layer (blk.0's eight, then blk.1's). Either
+ * every layer has all four or none does. Fisher sums and the covariances'
+ * diagonals are sums of squares, so never negative. Matrices are stored in
+ * full (both triangles). A file without the Fisher tensors is the same
+ * version 1 file as before they existed. */
 #ifndef KV_KVSTATS_H
 #define KV_KVSTATS_H
 
@@ -41,9 +54,14 @@
 
 #define KV_STATS_TYPE "kvcal.stats"
 #define KV_STATS_FORMAT_VERSION 1
-#define KV_STATS_PER_LAYER 4
+#define KV_STATS_PER_LAYER 4        /* tensors per layer without Fisher statistics */
+#define KV_STATS_FISHER_PER_LAYER 4 /* added per layer with them */
 
-/* Name and row-major shape of tensor t (0..3) of a layer; returns ndim. */
+/* Tensors per layer of s: KV_STATS_PER_LAYER, plus KV_STATS_FISHER_PER_LAYER
+ * when s->has_fisher. */
+int kv_stats_layer_tensors(const struct kv_stats *s);
+/* Name and row-major shape of tensor t (0 .. kv_stats_layer_tensors - 1) of a
+ * layer, in file order; returns ndim. */
 int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *name, size_t cap,
                          int64_t shape[3]);
 /* Data pointer of tensor t of a layer. */

@@ -201,6 +201,72 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
     snprintf(args, sizeof args, "decompose %s --method palu --ratio 0.5 -o '%s/x'", ma, workdir());
     snprintf(want, sizeof want, "kvcal decompose: --method palu needs --stats (run 'kvcal collect' first)\n%s", usage);
     expect_cli(args, 2, want);
+    snprintf(args, sizeof args, "decompose %s --method svd --alloc fisher --ratio 0.5 -o '%s/x'", ma,
+             workdir());
+    snprintf(want, sizeof want,
+             "kvcal decompose: --alloc fisher needs --stats from 'kvcal collect --fisher'\n%s", usage);
+    expect_cli(args, 2, want);
+}
+
+/* Every unit's rank from decompose --json, in layer, K, V order. */
+static int64_t json_ranks(const char *text, int64_t *out, int64_t cap) {
+    json_t *o = json_loads(text, 0, NULL);
+    cr_assert(o, "not JSON: %s", text);
+    json_t *layers = json_object_get(o, "layers"), *ly;
+    size_t i;
+    int64_t n = 0;
+    json_array_foreach(layers, i, ly) {
+        for (int side = 0; side < 2; side++) {
+            json_t *rs = json_object_get(json_object_get(ly, side ? "v" : "k"), "ranks"), *r;
+            size_t j;
+            json_array_foreach(rs, j, r) {
+                cr_assert(n < cap);
+                out[n++] = json_integer_value(r);
+            }
+        }
+    }
+    json_decref(o);
+    return n;
+}
+
+/* collect --fisher, then --alloc fisher: other ranks than uniform at the
+ * same ratio, a cache at the target, and a model verify runs. */
+Test(cmd_decompose, fisher_allocation_differs_from_uniform_260K, .timeout = 120) {
+    char ma[2400], args[8192], st[1200], *out;
+    model_args(0, ma, sizeof ma);
+    KVT_NEED_SHARED(t, TEXT);
+    snprintf(st, sizeof st, "%s/fisher260.kvstats", workdir());
+    snprintf(args, sizeof args,
+             "collect %s -t '%s' --seq-len 128 --samples 24 --sequential --fisher --threads 2 -q "
+             "-o '%s'", ma, t, st);
+    run_ok(args, NULL);
+    int64_t rf[64], ru[64], nf, nu;
+    double comp[2], base = 0;
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "decompose %s -s '%s' --alloc %s --ratio 0.5 -o '%s/%s' -q --json",
+                 ma, st, k ? "uniform" : "fisher", workdir(), k ? "uni260" : "fisher260");
+        run_ok(args, &out);
+        if (k) nu = json_ranks(out, ru, 64);
+        else nf = json_ranks(out, rf, 64);
+        json_t *o = json_loads(out, 0, NULL);
+        json_t *kb = json_object_get(o, "kv_bytes_per_token");
+        base = json_number_value(json_object_get(kb, "base"));
+        comp[k] = json_number_value(json_object_get(kb, "compressed"));
+        cr_assert(json_is_true(json_object_get(json_object_get(o, "options"), "hadamard")) == 0);
+        json_decref(o);
+        free(out);
+    }
+    cr_assert_eq(nf, nu);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < nf; i++) differ += rf[i] != ru[i];
+    cr_assert_gt(differ, 0, "--alloc fisher gave the uniform ranks");
+    /* the smallest cache of at least the target: within one rank step (2 bytes) of each unit */
+    cr_assert(comp[0] >= 0.5 * base && comp[0] <= 0.5 * base + 2.0 * (double)nf,
+              "fisher: %g of %g bytes", comp[0], base);
+    char part[4096];
+    snprintf(part, sizeof part, "%s --compressed '%s/fisher260'", ma, workdir());
+    double b, p = verify_ppl(part, "", &b);
+    cr_assert(isfinite(p) && p > b, "fisher at 0.5: ppl %g, base %g", p, b);
 }
 
 Test(cmd_decompose, mismatches_are_errors_naming_the_file) {

@@ -332,3 +332,104 @@ Test(collect_cli, refuses_to_overwrite_inputs_checkpoints_or_merge_a_shard_twice
     unlink(txt), unlink(out), rmdir(dir);
     free(txt), free(out), free(twice), free(dir);
 }
+
+/* --fisher: two runs with the same seed and threads give the same bytes,
+ * inspect shows the Fisher sums, and merge keeps them. */
+Test(collect_cli, fisher_twice_is_bitwise_identical_and_inspect_shows_it, .timeout = 240) {
+    char base[4096];
+    base_args(base, sizeof base);
+    char *dir = kvt_temp_dir();
+    char *a = kvt_path(dir, "a.kvstats"), *b = kvt_path(dir, "b.kvstats");
+    char *c = kvt_path(dir, "c.kvstats"), *ac = kvt_path(dir, "ac.kvstats");
+    char args[8192];
+    snprintf(args, sizeof args, "%s --samples 16 --seed 3 --fisher -o %s", base, a);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "%s --samples 16 --seed 3 --fisher -o %s", base, b);
+    expect_cli(args, 0, "");
+    cr_assert(same_file(a, b), "two --fisher runs with the same seed and threads differ");
+    struct kv_stats *s;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_open(a, &s, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(s->has_fisher, 1);
+    double fk = 0;
+    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) fk += s->layers[0].fisher_k[r];
+    cr_assert_gt(fk, 0, "layer 0 fisher.k sums to %g", fk);
+    kv_stats_free(s);
+
+    char *o, *e;
+    snprintf(args, sizeof args, "inspect %s", a);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "fisher     yes: squared W_k/W_v gradients and ∂L/∂k, ∂L/∂v Grams of 16 "
+                        "windows"), "%s", o);
+    cr_assert(strstr(o, "\nfisher information Σ (∂L/∂W)² of each layer's K and V projection"), "%s", o);
+    free(o), free(e);
+    snprintf(args, sizeof args, "inspect %s --json", a);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "\"fisher\": true") && strstr(o, "\"fisher\": {"), "%s", o);
+    free(o), free(e);
+
+    /* a plain run says it has none; merge keeps fisher with fisher */
+    snprintf(args, sizeof args, "%s --samples 16 --seed 4 --fisher --json -o %s", base, c);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "\"fisher\": true") && strstr(o, "\"mean_loss\": "), "%s", o);
+    free(o), free(e);
+    snprintf(args, sizeof args, "merge %s %s -o %s", a, c, ac);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "merged    2 shards: 8192 tokens in 32 windows of 256, with fisher "
+                        "statistics\n"), "%s", o);
+    free(o), free(e);
+    cr_assert_eq(kv_stats_open(ac, &s, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(s->has_fisher, 1);
+    cr_assert_eq(s->windows, 32);
+    kv_stats_free(s);
+    unlink(a), unlink(b), unlink(c), unlink(ac), rmdir(dir);
+    free(a), free(b), free(c), free(ac), free(dir);
+}
+
+/* The messages users see for mixing runs with and without --fisher. */
+Test(collect_cli, fisher_misuse_messages) {
+    char base[4096];
+    base_args(base, sizeof base);
+    char *dir = kvt_temp_dir();
+    char *plain = kvt_path(dir, "plain.kvstats"), *fi = kvt_path(dir, "fisher.kvstats");
+    char *out = kvt_path(dir, "m.kvstats");
+    char args[8192], want[4096];
+    snprintf(args, sizeof args, "%s --samples 4 --seed 1 -o %s", base, plain);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "%s --samples 4 --seed 2 --fisher -o %s", base, fi);
+    expect_cli(args, 0, "");
+    /* a resume must keep --fisher as it was */
+    snprintf(args, sizeof args, "%s --samples 4 --seed 1 --fisher --resume -o %s", base, plain);
+    snprintf(want, sizeof want,
+             "kvcal: %s: checkpoint does not match this run: --fisher is off there and on here; "
+             "rerun with the same options, or drop --resume to start over\n", plain);
+    expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "%s --samples 4 --seed 2 --resume -o %s", base, fi);
+    snprintf(want, sizeof want,
+             "kvcal: %s: checkpoint does not match this run: --fisher is on there and off here; "
+             "rerun with the same options, or drop --resume to start over\n", fi);
+    expect_cli(args, 1, want);
+    /* shards are merged only with shards collected alike */
+    snprintf(args, sizeof args, "merge %s %s -o %s", plain, fi, out);
+    snprintf(want, sizeof want,
+             "kvcal: %s: has fisher statistics and the first shard has none; collect every "
+             "shard with --fisher, or none\n", fi);
+    expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "merge %s %s -o %s", fi, plain, out);
+    snprintf(want, sizeof want,
+             "kvcal: %s: has no fisher statistics and the first shard has them; collect every "
+             "shard with --fisher, or none\n", plain);
+    expect_cli(args, 1, want);
+    struct stat st;
+    cr_assert_neq(stat(out, &st), 0, "a refused merge wrote %s", out);
+    /* inspect says which files have them */
+    char *o, *e;
+    snprintf(args, sizeof args, "inspect %s", plain);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "\nfisher     none ('kvcal collect --fisher' adds them; --alloc fisher "
+                        "needs them)\n"), "%s", o);
+    free(o), free(e);
+    unlink(plain), unlink(fi), rmdir(dir);
+    free(plain), free(fi), free(out), free(dir);
+}

@@ -1415,6 +1415,108 @@ Test(decompose_alloc, fisher_gives_larger_scores_larger_ranks, .timeout = 120) {
     alloc_env_free(&e);
 }
 
+/* Fisher rows of e.s: per layer and side, a value per KV head (rows of a
+ * head share it, times a small per-row ripple), far apart between heads. */
+static void set_fisher_rows(struct kv_stats *s) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    int64_t windows = s->windows;
+    s->windows = 0; /* the library adds fisher sums only before the first window */
+    cr_assert_eq(kv_stats_add_fisher(s, &err), KV_OK, "%s", fmt_err(&err));
+    s->windows = windows;
+    int64_t dh = s->head_dim;
+    for (int64_t l = 0; l < s->n_layers; l++)
+        for (int64_t r = 0; r < s->n_kv_heads * dh; r++) {
+            double head = (double)(1 + (l * 5 + r / dh * 3) % 7);
+            s->layers[l].fisher_k[r] = head * head * head * (1.0 + 0.01 * (double)(r % dh));
+            s->layers[l].fisher_v[r] = head * (1.0 + 0.02 * (double)(r % dh));
+        }
+}
+
+/* Σ of fisher_k (side 0) or fisher_v over KV heads h0 .. h0+nh-1 of layer l. */
+static double fisher_rows(const struct kv_stats *s, int64_t l, int side, int64_t h0, int64_t nh) {
+    const double *f = side ? s->layers[l].fisher_v : s->layers[l].fisher_k;
+    double t = 0;
+    for (int64_t r = h0 * s->head_dim; r < (h0 + nh) * s->head_dim; r++) t += f[r];
+    return t;
+}
+
+/* With Fisher statistics, --alloc fisher (and global's weighting) reads each
+ * slot's score as the sum of its heads' rows: the same ranks as those
+ * scores given explicitly, and not the ranks without them. */
+Test(decompose_alloc, fisher_scores_from_stats_are_row_sums_of_the_units, .timeout = 120) {
+    struct alloc_env e = alloc_env_656K();
+    const struct kv_config *c = kv_model_config(e.sh.m);
+    int64_t g = c->n_kv_heads, L = c->n_layers;
+    /* global before the stats have fisher: unweighted */
+    struct kv_lowrank *gu =
+        decompose_ok(e.sh.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_GLOBAL, 0, 0.5, 1), "global");
+    struct kv_decompose_opts nofisher = opts_of(KV_METHOD_PALU, KV_ALLOC_FISHER, 0, 0.5, 1);
+    struct kv_lowrank *lr = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_decompose(e.sh.m, e.s, &nofisher, &lr, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--alloc fisher needs fisher statistics (blk.N.fisher.k/v), which "
+                              "this stats file does not have");
+    set_fisher_rows(e.s);
+    /* palu with units of 1 and 2 heads, eigen (one K slot of every head, one V
+     * slot of g units): slot order is layer, K slots, V slots */
+    struct { enum kv_method method; int64_t group; } cases[] = {
+        {KV_METHOD_PALU, 1}, {KV_METHOD_PALU, 2}, {KV_METHOD_EIGEN, 1}};
+    for (int ci = 0; ci < 3; ci++) {
+        double f[64];
+        int64_t ns = 0, grp = cases[ci].method == KV_METHOD_EIGEN ? g : cases[ci].group;
+        for (int64_t l = 0; l < L; l++)
+            for (int side = 0; side < 2; side++)
+                for (int64_t h0 = 0; h0 < g; h0 += grp) f[ns++] = fisher_rows(e.s, l, side, h0, grp);
+        cr_assert(ns <= 64);
+        char what[64];
+        snprintf(what, sizeof what, "%s group %lld", kv_method_name(cases[ci].method),
+                 (long long)cases[ci].group);
+        struct kv_decompose_opts o = opts_of(cases[ci].method, KV_ALLOC_FISHER, 0, 0.5, cases[ci].group);
+        struct kv_lowrank *from_stats = decompose_ok(e.sh.m, e.s, o, what);
+        o.fisher = f;
+        struct kv_lowrank *given = decompose_ok(e.sh.m, e.s, o, what);
+        struct kv_lowrank *uni = decompose_ok(
+            e.sh.m, e.s, opts_of(cases[ci].method, KV_ALLOC_UNIFORM, 0, 0.5, cases[ci].group), what);
+        int64_t ra[64], rb[64], rc[64];
+        int64_t n = unit_ranks(from_stats, ra);
+        cr_assert_eq(unit_ranks(given, rb), n);
+        cr_assert_eq(unit_ranks(uni, rc), n);
+        int64_t differ = 0;
+        for (int64_t u = 0; u < n; u++) {
+            cr_assert_eq(ra[u], rb[u], "%s: unit %lld has rank %lld from the stats, %lld from the "
+                         "scores", what, (long long)u, (long long)ra[u], (long long)rb[u]);
+            differ += ra[u] != rc[u];
+        }
+        cr_assert_gt(differ, 0, "%s: fisher ranks equal uniform ranks", what);
+        kv_lowrank_free(from_stats), kv_lowrank_free(given), kv_lowrank_free(uni);
+    }
+    /* global weights by the same scores */
+    double f[64];
+    int64_t ns = 0;
+    for (int64_t l = 0; l < L; l++)
+        for (int side = 0; side < 2; side++)
+            for (int64_t h = 0; h < g; h++) f[ns++] = fisher_rows(e.s, l, side, h, 1);
+    struct kv_decompose_opts o = opts_of(KV_METHOD_PALU, KV_ALLOC_GLOBAL, 0, 0.5, 1);
+    struct kv_lowrank *gs = decompose_ok(e.sh.m, e.s, o, "global with fisher");
+    o.fisher = f;
+    struct kv_lowrank *gg = decompose_ok(e.sh.m, e.s, o, "global with scores");
+    int64_t ra[64], rb[64], rc[64];
+    int64_t n = unit_ranks(gs, ra);
+    cr_assert_eq(unit_ranks(gg, rb), n);
+    cr_assert_eq(unit_ranks(gu, rc), n);
+    int64_t differ = 0;
+    for (int64_t u = 0; u < n; u++) {
+        cr_assert_eq(ra[u], rb[u], "global: unit %lld has rank %lld from the stats, %lld from the "
+                     "scores", (long long)u, (long long)ra[u], (long long)rb[u]);
+        differ += ra[u] != rc[u];
+    }
+    cr_assert_gt(differ, 0, "global ranks ignore the fisher statistics");
+    kv_lowrank_free(gs), kv_lowrank_free(gg), kv_lowrank_free(gu);
+    alloc_env_free(&e);
+}
+
 /* LoRC eqs. 12–13 recomputed from the singular values of W_k and W_v:
  * log κ^cum_l = Σ_{j>=l} (log κ(W_k^j) + log κ(W_v^j)),
  * d_c^l = d_min + (d_max − d_min)·(log κ^cum_l − min)/(max − min),

@@ -67,12 +67,26 @@ static double sym_val(int64_t id, int64_t m, int64_t a, int64_t b, double scale)
     return scale * (double)(((id * 64 + m) * 64 + lo) * 64 + hi + 1) / 3.0;
 }
 
-/* Every tensor of s gets distinct deterministic values (matrices symmetric). */
+/* Every tensor of s gets distinct deterministic values (matrices symmetric;
+ * Fisher sums positive, and so the gradient covariances' diagonals). */
 static void fill(struct kv_stats *s, double scale) {
-    int64_t d = s->dim, hd = s->head_dim;
+    int64_t d = s->dim, hd = s->head_dim, kd = s->n_kv_heads * hd;
     for (int64_t l = 0; l < s->n_layers; l++) {
         struct kv_stats_layer *y = &s->layers[l];
-        int64_t id = l * KV_STATS_PER_LAYER;
+        int64_t id = l * (KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER);
+        if (s->has_fisher) {
+            for (int64_t r = 0; r < kd; r++) {
+                y->fisher_k[r] = fabs(scale) * (double)((id + 4) * 4096 + r + 1) / 11.0;
+                y->fisher_v[r] = fabs(scale) * (double)((id + 5) * 4096 + r + 1) / 13.0;
+            }
+            for (int64_t m = 0; m < s->n_kv_heads; m++)
+                for (int64_t i = 0; i < hd; i++)
+                    for (int64_t j = 0; j < hd; j++) {
+                        double sg = i == j ? fabs(scale) : -scale; /* negative off-diagonals */
+                        y->grad_k_cov[(m * hd + i) * hd + j] = sg * sym_val(id + 6, m, i, j, 1.0);
+                        y->grad_v_cov[(m * hd + i) * hd + j] = sg * sym_val(id + 7, m, i, j, 1.0);
+                    }
+        }
         for (int64_t i = 0; i < d; i++)
             for (int64_t j = 0; j < d; j++) y->xtx[i * d + j] = sym_val(id, 0, i, j, scale);
         for (int64_t i = 0; i < d; i++) y->xsum[i] = -scale * (double)((id + 1) * 4096 + i) / 7.0;
@@ -110,6 +124,20 @@ static struct kv_stats *make_stats(const struct kv_config *c, double scale) {
     return s;
 }
 
+/* make_stats with Fisher statistics. */
+static struct kv_stats *make_fisher_stats(const struct kv_config *c, double scale) {
+    struct kv_stats *s = make_stats(c, scale);
+    struct kv_err err;
+    kv_err_clear(&err);
+    int64_t windows = s->windows;
+    s->windows = 0; /* fisher sums start with the first window */
+    cr_assert_eq(kv_stats_add_fisher(s, &err), KV_OK, "%s", fmt_err(&err));
+    s->windows = windows;
+    cr_assert_eq(s->has_fisher, 1);
+    fill(s, scale);
+    return s;
+}
+
 /* Every field and every tensor of a and b agree bit for bit. */
 static void assert_stats_eq(const struct kv_stats *a, const struct kv_stats *b) {
     cr_assert_eq(a->n_layers, b->n_layers);
@@ -129,6 +157,7 @@ static void assert_stats_eq(const struct kv_stats *a, const struct kv_stats *b) 
     cr_assert_eq(a->shard_count, b->shard_count);
     cr_assert_eq(a->plan_windows, b->plan_windows);
     cr_assert_eq(a->next_window, b->next_window);
+    cr_assert_eq(a->has_fisher, b->has_fisher);
     cr_assert_eq(a->n_inputs, b->n_inputs);
     for (int64_t i = 0; i < a->n_inputs; i++) {
         cr_assert_str_eq(a->inputs[i].path, b->inputs[i].path, "input %lld", (long long)i);
@@ -138,7 +167,7 @@ static void assert_stats_eq(const struct kv_stats *a, const struct kv_stats *b) 
         cr_assert_eq(a->inputs[i].windows, b->inputs[i].windows, "input %lld", (long long)i);
     }
     for (int64_t l = 0; l < a->n_layers; l++)
-        for (int t = 0; t < KV_STATS_PER_LAYER; t++) {
+        for (int t = 0; t < kv_stats_layer_tensors(a); t++) {
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(a, l, t, name, sizeof name, shape);
@@ -212,6 +241,7 @@ struct hspec {
     int crc_extra;            /* extra 0 entries at the end of kvcal.crc32 */
     int crc_wide;             /* kvcal.crc32 as uint64 with 2^32 added to entry 0 */
     int short_sha;            /* kvcal.datasets.sha256 one entry short */
+    int64_t drop_fisher_of;   /* layer N-1's four Fisher tensors left out; 0 = none */
 };
 
 static struct hspec hspec_default(void) { return (struct hspec){.format_version = 1}; }
@@ -225,14 +255,18 @@ struct htensor {
     uint64_t nbytes;
 };
 
-static const char *const suffix[KV_STATS_PER_LAYER] = {"attn_in.xtx", "attn_in.sum",
-                                                       "q_rope.cov", "k_rope.cov"};
+static const char *const suffix[8] = {"attn_in.xtx", "attn_in.sum", "q_rope.cov", "k_rope.cov",
+                                      "fisher.k",    "fisher.v",    "grad_k.cov", "grad_v.cov"};
+
+/* Tensors per layer per kvstats.h: four, and four more with Fisher sums. */
+static int hper(const struct kv_stats *s) { return s->has_fisher ? 8 : 4; }
 
 /* Tensor k of layer l per kvstats.h: name, row-major shape, a copy of the data. */
 static void htensor_make(const struct kv_stats *s, int64_t l, int k, struct htensor *t) {
     int64_t d = s->dim, h = s->n_heads, g = s->n_kv_heads, dh = s->head_dim;
     const struct kv_stats_layer *y = &s->layers[l];
-    const double *src[KV_STATS_PER_LAYER] = {y->xtx, y->xsum, y->q_cov, y->k_cov};
+    const double *src[8] = {y->xtx,      y->xsum,     y->q_cov,      y->k_cov,
+                            y->fisher_k, y->fisher_v, y->grad_k_cov, y->grad_v_cov};
     memset(t, 0, sizeof *t);
     snprintf(t->name, sizeof t->name, "blk.%lld.%s", (long long)l, suffix[k]);
     t->type = GGML_F64;
@@ -240,6 +274,8 @@ static void htensor_make(const struct kv_stats *s, int64_t l, int k, struct hten
     case 0: t->nd = 2, t->shape[0] = d, t->shape[1] = d; break;
     case 1: t->nd = 1, t->shape[0] = d; break;
     case 2: t->nd = 3, t->shape[0] = h, t->shape[1] = dh, t->shape[2] = dh; break;
+    case 4:
+    case 5: t->nd = 1, t->shape[0] = g * dh; break;
     default: t->nd = 3, t->shape[0] = g, t->shape[1] = dh, t->shape[2] = dh; break;
     }
     t->nbytes = (uint64_t)numel(t->shape, t->nd) * 8;
@@ -252,14 +288,15 @@ static char *hand_write(const struct kv_stats *s, const struct hspec *h, const c
                         const char *name) {
     struct kv_err err;
     kv_err_clear(&err);
-    int64_t cap = s->n_layers * KV_STATS_PER_LAYER + 1, nt = 0;
+    int64_t cap = s->n_layers * hper(s) + 1, nt = 0;
     struct htensor *t = calloc((size_t)cap, sizeof *t);
     cr_assert(t);
     for (int64_t l = 0; l < s->n_layers; l++)
-        for (int k = 0; k < KV_STATS_PER_LAYER; k++) {
+        for (int k = 0; k < hper(s); k++) {
             struct htensor *x = &t[nt];
             htensor_make(s, l, k, x);
-            if (h->drop_tensor && !strcmp(x->name, h->drop_tensor)) {
+            if ((h->drop_tensor && !strcmp(x->name, h->drop_tensor)) ||
+                (k >= 4 && l == h->drop_fisher_of - 1)) {
                 free(x->data);
                 continue;
             }
@@ -395,6 +432,16 @@ static void fx_init(struct fx *f) {
     free(path);
 }
 
+/* The valid file becomes one with Fisher statistics. */
+static void fx_fisher(struct fx *f) {
+    struct kv_config c = small_cfg();
+    kv_stats_free(f->s);
+    f->s = make_fisher_stats(&c, 1.0);
+    char *path = write_stats(f->s, f->dir, "fisher.kvstats");
+    fx_load(f, path);
+    free(path);
+}
+
 /* Replace the bytes with a file from the independent writer. */
 static void fx_hand(struct fx *f, const struct hspec *h) {
     char *path = hand_write(f->s, h, f->dir, "hand.kvstats");
@@ -498,6 +545,72 @@ Test(kvstats_write, layout_matches_an_independent_writer_byte_for_byte) {
     rm_tree(dir);
 }
 
+Test(kvstats_write, round_trips_fisher_statistics_and_matches_an_independent_writer) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *s = make_fisher_stats(&c, 1.0);
+    /* an empty sum of squares is 0, and off-diagonals of a Gram may be negative */
+    s->layers[1].fisher_v[0] = 0.0;
+    cr_assert_lt(s->layers[0].grad_k_cov[1], 0);
+    char *dir = kvt_temp_dir();
+    char *path = write_stats(s, dir, "f.kvstats");
+    struct kv_stats *r = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_open(path, &r, &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(r->has_fisher, 1);
+    assert_stats_eq(s, r);
+    kv_stats_free(r);
+
+    struct hspec h = hspec_default();
+    char *b = hand_write(s, &h, dir, "hand.kvstats");
+    size_t la, lb;
+    char *pa = kvt_read_file(path, &la), *pb = kvt_read_file(b, &lb);
+    cr_assert_eq(la, lb, "sizes %zu and %zu", la, lb);
+    size_t i = 0;
+    while (i < la && pa[i] == pb[i]) i++;
+    cr_assert_eq(i, la, "first difference at byte %zu", i);
+    free(pa), free(pb), free(b), free(path);
+    kv_stats_free(s);
+    rm_tree(dir);
+}
+
+Test(kvstats_write, a_file_without_fisher_reads_as_none) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *s = make_stats(&c, 1.0);
+    cr_assert_eq(s->has_fisher, 0);
+    char *dir = kvt_temp_dir();
+    char *path = write_stats(s, dir, "old.kvstats");
+    struct kv_stats *r = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_open(path, &r, &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(r->has_fisher, 0);
+    cr_assert_eq(kv_stats_layer_tensors(r), 4);
+    for (int64_t l = 0; l < r->n_layers; l++)
+        cr_assert(!r->layers[l].fisher_k && !r->layers[l].fisher_v && !r->layers[l].grad_k_cov &&
+                  !r->layers[l].grad_v_cov, "layer %lld has fisher pointers", (long long)l);
+    /* its 7 windows have no fisher sums, and none can be added after them */
+    cr_assert_eq(kv_stats_add_fisher(r, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "statistics of 7 windows have no fisher sums to extend; fisher sums "
+                              "start with the first window");
+    cr_assert_eq(r->has_fisher, 0);
+    cr_assert_null(r->layers[0].fisher_k);
+    kv_stats_free(r), kv_stats_free(s);
+
+    /* fresh statistics take zeroed sums, once */
+    cr_assert_eq(kv_stats_init(&c, &r, &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(kv_stats_add_fisher(r, &err), KV_OK, "%s", fmt_err(&err));
+    double *fk = r->layers[0].fisher_k;
+    cr_assert_eq(kv_stats_add_fisher(r, &err), KV_OK, "a second call is a no-op");
+    cr_assert_eq(r->layers[0].fisher_k, fk);
+    cr_assert_eq(kv_stats_layer_tensors(r), 8);
+    for (int64_t k = 0; k < c.n_kv_heads * c.head_dim; k++)
+        cr_assert(r->layers[1].fisher_v[k] == 0 && r->layers[0].grad_v_cov[k] == 0);
+    kv_stats_free(r);
+    free(path);
+    rm_tree(dir);
+}
+
 Test(kvstats_write, probe_recognises_only_stats_files) {
     struct kv_config c = small_cfg();
     struct kv_stats *s = make_stats(&c, 1.0);
@@ -546,6 +659,36 @@ Test(kvstats_write, refuses_non_finite_sums_and_writes_nothing) {
     expect_no_write_of_nonfinite(1, 2, 7, NAN, "blk.1.q_rope.cov");
     expect_no_write_of_nonfinite(0, 0, 16 * 3 + 5, INFINITY, "blk.0.attn_in.xtx");
     expect_no_write_of_nonfinite(1, 3, 31, -INFINITY, "blk.1.k_rope.cov");
+}
+
+/* A negative value where a sum of squares belongs: KV_ENUMERIC, nothing written. */
+static void expect_no_write_of_negative(int64_t layer, int t, int64_t k, const char *name) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *s = make_fisher_stats(&c, 1.0);
+    kv_stats_tensor_data(s, layer, t)[k] = -0.25;
+    char *dir = kvt_temp_dir();
+    char *path = kvt_path(dir, "neg.kvstats");
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_write(s, path, &err), KV_ENUMERIC, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.path, path);
+    char want[256];
+    snprintf(want, sizeof want,
+             "tensor '%s': negative value -0.25 at element %lld, where a sum of squares belongs; "
+             "not written", name, (long long)k);
+    cr_assert_str_eq(err.msg, want);
+    cr_assert_eq(dir_entries(dir), 0, "neither the file nor a .tmp may exist");
+    free(path);
+    kv_stats_free(s);
+    rm_tree(dir);
+}
+
+Test(kvstats_write, refuses_negative_sums_of_squares_and_writes_nothing) {
+    expect_no_write_of_negative(0, 4, 5, "blk.0.fisher.k");
+    expect_no_write_of_negative(1, 5, 0, "blk.1.fisher.v");
+    expect_no_write_of_negative(1, 6, 4 * 4 * 1 + 3 * 5, "blk.1.grad_k.cov"); /* head 1 (3, 3) */
+    expect_no_write_of_negative(0, 7, 0, "blk.0.grad_v.cov");
+    expect_no_write_of_nonfinite(1, 3, 31, NAN, "blk.1.k_rope.cov");
 }
 
 Test(kvstats_write, refused_write_keeps_the_previous_file) {
@@ -809,6 +952,49 @@ static void m_no_seq_len(struct fx *f, struct want *w) {
     w->off = KV_NO_OFFSET;
 }
 
+/* Fisher statistics */
+static void m_fisher_missing_last(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    struct hspec h = hspec_default();
+    h.drop_tensor = "blk.1.grad_v.cov";
+    fx_hand(f, &h);
+    w->off = KV_NO_OFFSET;
+}
+static void m_fisher_missing_first_layer(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    struct hspec h = hspec_default();
+    h.drop_tensor = "blk.0.grad_v.cov";
+    fx_hand(f, &h);
+    w->off = fx_tensor(f, "blk.1.attn_in.xtx")->info_off;
+}
+static void m_fisher_one_layer_only(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    struct hspec h = hspec_default();
+    h.drop_fisher_of = 2;
+    fx_hand(f, &h);
+    w->off = KV_NO_OFFSET;
+}
+static void m_fisher_nan(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    w->off = fx_poke_f64(f, "blk.0.fisher.k", 3, NAN);
+}
+static void m_fisher_negative(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    w->off = fx_poke_f64(f, "blk.1.fisher.v", 6, -1.5);
+}
+static void m_grad_cov_negative_diagonal(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    /* head 1, diagonal element (2, 2) of a 4x4 */
+    w->off = fx_poke_f64(f, "blk.1.grad_k.cov", 16 + 2 * 4 + 2, -2.0);
+}
+static void m_grad_cov_f32(struct fx *f, struct want *w) {
+    fx_fisher(f);
+    struct hspec h = hspec_default();
+    h.f32_tensor = "blk.0.grad_v.cov";
+    fx_hand(f, &h);
+    w->off = fx_tensor(f, "blk.0.grad_v.cov")->type_off;
+}
+
 struct row {
     const char *name;
     mutate_fn fn;
@@ -876,6 +1062,22 @@ static const struct row rows[] = {
      "key 'kvcal.datasets.sha256' has 1 entries but 'kvcal.datasets' has 2"},
     {"dataset windows whose sum wraps", m_windows_wrap, KV_EFORMAT, "the datasets' windows"},
     {"seq_len missing", m_no_seq_len, KV_EFORMAT, "missing key 'kvcal.seq_len'"},
+    {"fisher: last layer's grad_v.cov missing", m_fisher_missing_last, KV_EFORMAT,
+     "missing tensor 'blk.1.grad_v.cov': 2 layers need 16 tensors, the file has 15; fisher "
+     "statistics are fisher.k, fisher.v, grad_k.cov and grad_v.cov in every layer"},
+    {"fisher: first layer's grad_v.cov missing", m_fisher_missing_first_layer, KV_EFORMAT,
+     "missing tensor 'blk.0.grad_v.cov' (found 'blk.1.attn_in.xtx' in its place); fisher "
+     "statistics are fisher.k, fisher.v, grad_k.cov and grad_v.cov in every layer"},
+    {"fisher: in one layer only", m_fisher_one_layer_only, KV_EFORMAT,
+     "missing tensor 'blk.1.fisher.k': 2 layers need 16 tensors, the file has 12"},
+    {"fisher: nan with a matching crc", m_fisher_nan, KV_EFORMAT,
+     "tensor 'blk.0.fisher.k': non-finite value at element 3"},
+    {"fisher: negative sum of squares", m_fisher_negative, KV_EFORMAT,
+     "tensor 'blk.1.fisher.v': negative value -1.5 at element 6, expected a sum of squares >= 0"},
+    {"fisher: negative gradient covariance diagonal", m_grad_cov_negative_diagonal, KV_EFORMAT,
+     "tensor 'blk.1.grad_k.cov': negative value -2 at element 26, expected a sum of squares >= 0"},
+    {"fisher: gradient covariance as F32", m_grad_cov_f32, KV_EFORMAT,
+     "tensor 'blk.0.grad_v.cov' has type F32, expected F64"},
 };
 #define N_ROWS (sizeof rows / sizeof rows[0])
 
@@ -1125,6 +1327,53 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
     free(path);
     rm_tree(dir);
     kv_stats_free(acc), kv_stats_free(a), kv_stats_free(b);
+}
+
+Test(kvstats_merge, adds_fisher_sums_exactly) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *acc = make_fisher_stats(&c, 1.0), *a = make_fisher_stats(&c, 1.0);
+    struct kv_stats *b = make_fisher_stats(&c, -0.7);
+    b->shard_index = 2;
+    struct kv_err err;
+    kv_err_clear(&err);
+    /* b's inputs are a's (same windows again), so make room for them */
+    for (int64_t i = 0; i < b->n_inputs; i++) acc->inputs[i].tokens = b->inputs[i].tokens = 1 << 20;
+    cr_assert_eq(kv_stats_merge(acc, b, "b.kvstats", &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(acc->has_fisher, 1);
+    cr_assert_eq(kv_stats_layer_tensors(acc), 8);
+    for (int64_t l = 0; l < c.n_layers; l++)
+        for (int t = 0; t < 8; t++) {
+            char name[64];
+            int64_t shape[3];
+            int64_t n = numel(shape, kv_stats_tensor_desc(acc, l, t, name, sizeof name, shape));
+            const double *x = kv_stats_tensor_data(a, l, t), *y = kv_stats_tensor_data(b, l, t);
+            const double *got = kv_stats_tensor_data(acc, l, t);
+            for (int64_t i = 0; i < n; i++)
+                cr_assert(got[i] == x[i] + y[i], "tensor '%s' element %lld: %.17g, expected %.17g",
+                          name, (long long)i, got[i], x[i] + y[i]);
+        }
+    kv_stats_free(acc), kv_stats_free(a), kv_stats_free(b);
+}
+
+Test(kvstats_merge, refuses_fisher_with_non_fisher_either_way) {
+    struct kv_config c = small_cfg();
+    for (int k = 0; k < 2; k++) {
+        struct kv_stats *acc = k ? make_fisher_stats(&c, 1.0) : make_stats(&c, 1.0);
+        struct kv_stats *b = k ? make_stats(&c, 2.0) : make_fisher_stats(&c, 2.0);
+        b->shard_index = 2;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_stats_merge(acc, b, "shards/b.kvstats", &err), KV_EINVAL, "%s",
+                     fmt_err(&err));
+        cr_assert_str_eq(err.path, "shards/b.kvstats");
+        cr_assert_str_eq(err.msg, k ? "has no fisher statistics and the first shard has them; "
+                                      "collect every shard with --fisher, or none"
+                                    : "has fisher statistics and the first shard has none; "
+                                      "collect every shard with --fisher, or none");
+        cr_assert_eq(acc->windows, 7, "a refusal changes nothing");
+        cr_assert_eq(acc->has_fisher, k);
+        kv_stats_free(acc), kv_stats_free(b);
+    }
 }
 
 typedef struct kv_stats *(*make_b_fn)(void);
