@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "hfdir.h"
 #include "json.h"
 #include "limits.h"
 #include "mapfile.h"
@@ -21,16 +22,21 @@
 #include "safetensors.h"
 
 #define EXPORT_CHUNK ((size_t)4 << 20) /* copy buffer */
+#define GPT2_PREFIX "transformer." /* optional in gpt2 checkpoints' names */
 
-/* One stored tensor to overwrite. */
+/* One K/V weight (or bias) to overwrite inside a stored tensor. */
 struct target {
     int64_t layer;
     enum kv_wkind kind; /* KV_W_K, KV_W_V, KV_W_BK or KV_W_BV */
     int file;           /* index into struct job's files */
     char name[KV_MAX_NAME_LEN + 1];
     enum kv_dtype dtype;
-    uint64_t off, nbytes;
-    int64_t n;
+    uint64_t off, nbytes; /* the whole stored tensor */
+    int64_t stored_n;     /* its elements */
+    int64_t rows, cols;   /* the weight: [g*d_h, d], or [g*d_h] with cols 1 for a bias */
+    /* element (o, i) of the weight is stored element base + o*os + i*is:
+     * the whole tensor [out, in] for llama, columns of gpt2's c_attn */
+    int64_t base, os, is;
 };
 
 struct job {
@@ -190,24 +196,36 @@ static int check_output(const char *model_path, const char *out, int is_dir,
 
 /* ================================================================ targets */
 
+/* Add the target for weight `kind` of `layer`, stored in tensor t (of
+ * files[file]), checking t's dtype and shape. A gpt2 source stores K and V
+ * inside the Conv1D c_attn, weight [d, qd + 2 kd] ([in, out]) and bias
+ * [qd + 2 kd], q, k and v along the output axis; any other source stores
+ * each as its own [kd, d] / [kd] tensor. */
 static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file,
                       const struct kv_tensor *t, const char *path, struct kv_err *err) {
     const struct kv_config *c = &j->m->cfg;
-    int64_t rows = c->n_kv_heads * c->head_dim;
-    int is_bias = kind == KV_W_BK || kind == KV_W_BV;
+    const int64_t kd = c->n_kv_heads * c->head_dim, qd = c->n_heads * c->head_dim, d = c->dim;
+    const int is_bias = kind == KV_W_BK || kind == KV_W_BV;
+    const int c_attn = c->arch == KV_ARCH_GPT2, is_v = kind == KV_W_V || kind == KV_W_BV;
     if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
                        "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",
                        t->name, kv_dtype_name(t->dtype));
-    int ok = is_bias ? t->ndim == 1 && t->shape[0] == rows
-                     : t->ndim == 2 && t->shape[0] == rows && t->shape[1] == c->dim;
-    int64_t n = is_bias ? rows : rows * c->dim;
-    if (!ok || t->nbytes != (uint64_t)n * kv_dtype_size(t->dtype))
+    int64_t out = c_attn ? qd + 2 * kd : kd, want[2] = {out, 0};
+    int nd = is_bias ? 1 : 2;
+    if (!is_bias) want[0] = c_attn ? d : kd, want[1] = c_attn ? out : d;
+    int ok = t->ndim == nd;
+    for (int i = 0; i < nd && ok; i++) ok = t->shape[i] == want[i];
+    int64_t stored_n = want[0] * (is_bias ? 1 : want[1]);
+    if (!ok || t->nbytes != (uint64_t)stored_n * kv_dtype_size(t->dtype)) {
+        char a[96], b[96];
+        kv_shape_str(a, sizeof a, t->shape, t->ndim);
+        kv_shape_str(b, sizeof b, want, nd);
         return kv_fail(err, KV_EFORMAT, path, t->offset,
-                       "tensor '%s' is not the [%lld%s%lld] %s of layer %lld the model was "
-                       "loaded with",
-                       t->name, (long long)rows, is_bias ? "" : ", ",
-                       is_bias ? 0LL : (long long)c->dim, kv_wkind_name(kind), (long long)layer);
+                       "tensor '%s' has shape %s, expected %s: it is not the %s of layer %lld "
+                       "the model was loaded with",
+                       t->name, a, b, kv_wkind_name(kind), (long long)layer);
+    }
     struct target *x = &j->t[j->n_t++];
     x->layer = layer;
     x->kind = kind;
@@ -216,18 +234,35 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     x->dtype = t->dtype;
     x->off = t->offset;
     x->nbytes = t->nbytes;
-    x->n = n;
+    x->stored_n = stored_n;
+    x->rows = kd;
+    x->cols = is_bias ? 1 : d;
+    x->base = c_attn ? qd + (is_v ? kd : 0) : 0;
+    x->os = c_attn ? 1 : x->cols;
+    x->is = c_attn ? out : 1;
     return KV_OK;
 }
 
-/* Stored name of a K/V weight in the source's format. */
-static void stored_name(enum kv_format f, int64_t l, enum kv_wkind k, char *buf, size_t cap) {
+/* Stored element index of element e (row-major in [rows, cols]) of t. */
+static int64_t stored_at(const struct target *t, int64_t e) {
+    return t->base + (e / t->cols) * t->os + (e % t->cols) * t->is;
+}
+
+/* Stored name of a K/V weight in the source's format (gpt2: the c_attn
+ * holding it, under its full name; the loader also takes it without the
+ * "transformer." prefix). */
+static void stored_name(enum kv_format f, enum kv_arch arch, int64_t l, enum kv_wkind k,
+                        char *buf, size_t cap) {
     const char *s = side_name(k);
     int bias = k == KV_W_BK || k == KV_W_BV;
     switch (f) {
     case KV_FORMAT_HF:
-        snprintf(buf, cap, "model.layers.%lld.self_attn.%s_proj.%s", (long long)l, s,
-                 bias ? "bias" : "weight");
+        if (arch == KV_ARCH_GPT2)
+            snprintf(buf, cap, "%s%lld.attn.c_attn.%s", kv_hf_layer_prefix(arch), (long long)l,
+                     bias ? "bias" : "weight");
+        else
+            snprintf(buf, cap, "%s%lld.self_attn.%s_proj.%s", kv_hf_layer_prefix(arch),
+                     (long long)l, s, bias ? "bias" : "weight");
         break;
     case KV_FORMAT_GGUF:
         snprintf(buf, cap, "blk.%lld.attn_%s.%s", (long long)l, s, bias ? "bias" : "weight");
@@ -260,7 +295,7 @@ static int targets_from_table(struct job *j, const char *path, struct kv_err *er
             enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
             for (int b = 0; b < 2; b++) {
                 if (b && !m->layers[l].w[kinds[1]]) continue;
-                stored_name(m->format, l, kinds[b], name, sizeof name);
+                stored_name(m->format, m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
                 for (int64_t i = 0; i < m->n_tensors && !t; i++)
                     if (!strcmp(m->tensors[i].name, name)) t = &m->tensors[i];
@@ -399,10 +434,14 @@ static int targets_from_shards(struct job *j, const char *dir, struct kv_err *er
             enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
             for (int b = 0; b < 2 && !rc; b++) {
                 if (b && !j->m->layers[l].w[kinds[1]]) continue;
-                stored_name(KV_FORMAT_HF, l, kinds[b], name, sizeof name);
+                stored_name(KV_FORMAT_HF, j->m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
+                size_t np = strlen(GPT2_PREFIX);
                 int s = 0;
-                for (; s < n_shards && !t; s++) t = kv_st_find(st[s], name);
+                for (; s < n_shards && !t; s++) {
+                    t = kv_st_find(st[s], name);
+                    if (!t && j->m->cfg.arch == KV_ARCH_GPT2) t = kv_st_find(st[s], name + np);
+                }
                 if (!t)
                     rc = kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,
                                  "missing tensor '%s' (it must be stored under its own name "
@@ -484,10 +523,13 @@ static int verify_sources(const struct job *j, struct kv_err *err) {
                                  t->name, kv_errtext(e, eb, sizeof eb));
             break;
         }
-        kv_convert_to_f32(t->dtype, raw, f, t->n);
-        const float *w = j->m->layers[t->layer].w[t->kind];
+        kv_convert_to_f32(t->dtype, raw, f, t->stored_n);
+        const float *w = kv_model_weight(j->m, t->kind, t->layer);
         KV_ASSERT(w);
-        if (memcmp(f, w, (size_t)t->n * sizeof *f) != 0)
+        int same = 1;
+        for (int64_t x = 0; x < t->rows * t->cols && same; x++)
+            same = !memcmp(&f[stored_at(t, x)], &w[x], sizeof *f);
+        if (!same)
             rc = kv_fail(err, KV_EINVAL, path, t->off,
                          "tensor '%s' differs from the %s of layer %lld of the loaded model; "
                          "pass the model the factors were loaded with",
@@ -549,32 +591,47 @@ static int dense_rows(const struct job *j, const struct target *t, float *out,
     return KV_OK;
 }
 
-/* Compute target t and write it at its offset in fd. */
-static int write_target(const struct job *j, const struct target *t, int fd, const char *path,
-                        const char *tmp, struct kv_err *err) {
+/* Stored tensor of target first into fd: its source bytes (read from in)
+ * with every target inside it replaced by its dense product, each element
+ * rounded to the stored dtype once. Several targets share a tensor when K
+ * and V live in gpt2's c_attn. */
+static int write_tensor(const struct job *j, int64_t first, int in, const char *src, int fd,
+                        const char *path, const char *tmp, struct kv_err *err) {
     char eb[128];
-    float *f = malloc((size_t)t->n * sizeof *f);
-    float *back = malloc((size_t)t->n * sizeof *back);
-    uint8_t *raw = malloc((size_t)t->nbytes);
+    const struct target *t0 = &j->t[first];
+    const size_t es = kv_dtype_size(t0->dtype);
+    const int64_t n = t0->rows * t0->cols; /* the same for every target of a tensor */
+    uint8_t *raw = malloc((size_t)t0->nbytes), *cvt = malloc((size_t)n * es);
+    float *f = malloc((size_t)n * sizeof *f), *back = malloc((size_t)n * sizeof *back);
     int rc = KV_OK;
-    if (!f || !back || !raw) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    if (!rc) rc = dense_rows(j, t, f, err);
-    if (!rc) {
-        kv_convert_from_f32(t->dtype, f, raw, t->n);
-        kv_convert_to_f32(t->dtype, raw, back, t->n);
-        for (int64_t i = 0; i < t->n && !rc; i++)
+    if (!raw || !cvt || !f || !back)
+        rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    int e = rc ? 0 : pread_all(in, raw, t0->nbytes, t0->off);
+    if (e)
+        rc = e < 0 ? kv_fail(err, KV_EFORMAT, src, t0->off,
+                             "tensor '%s' extends past the end of the file", t0->name)
+                   : kv_fail(err, KV_EIO, src, t0->off, "cannot read tensor '%s': %s", t0->name,
+                             kv_errtext(e, eb, sizeof eb));
+    for (int64_t k = first; k < j->n_t && !rc; k++) {
+        const struct target *t = &j->t[k];
+        if (t->file != t0->file || t->off != t0->off) continue;
+        KV_ASSERT(t->rows * t->cols == n && t->dtype == t0->dtype);
+        if ((rc = dense_rows(j, t, f, err))) break;
+        kv_convert_from_f32(t->dtype, f, cvt, n);
+        kv_convert_to_f32(t->dtype, cvt, back, n);
+        for (int64_t i = 0; i < n && !rc; i++)
             if (!isfinite(back[i]))
                 rc = kv_fail(err, KV_ENUMERIC, path, t->off,
-                             "tensor '%s': dense element %lld is %g, beyond the range of %s",
-                             t->name, (long long)i, (double)f[i], kv_dtype_name(t->dtype));
+                             "tensor '%s': dense %s element %lld is %g, beyond the range of %s",
+                             t->name, kv_wkind_name(t->kind), (long long)i, (double)f[i],
+                             kv_dtype_name(t->dtype));
+        for (int64_t i = 0; i < n && !rc; i++)
+            memcpy(raw + (size_t)stored_at(t, i) * es, cvt + (size_t)i * es, es);
     }
-    if (!rc) {
-        int e = pwrite_all(fd, raw, t->nbytes, t->off);
-        if (e)
-            rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
-                         kv_errtext(e, eb, sizeof eb));
-    }
-    free(f), free(back), free(raw);
+    if (!rc && (e = pwrite_all(fd, raw, t0->nbytes, t0->off)))
+        rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
+                     kv_errtext(e, eb, sizeof eb));
+    free(raw), free(cvt), free(f), free(back);
     return rc;
 }
 
@@ -583,7 +640,7 @@ struct fill_ctx {
     int file;
 };
 
-/* kv_write_atomic's fill: the source file's bytes, then its targets. */
+/* kv_write_atomic's fill: the source file's bytes, then its patched tensors. */
 static int fill_file(int fd, const char *path, const char *tmp, void *vctx, struct kv_err *err) {
     const struct fill_ctx *ctx = vctx;
     const struct job *j = ctx->j;
@@ -610,16 +667,21 @@ static int fill_file(int fd, const char *path, const char *tmp, void *vctx, stru
                          kv_errtext(e, eb, sizeof eb));
         off += (uint64_t)r;
     }
-    close(in);
     free(buf);
-    for (int64_t i = 0; i < j->n_t && !rc; i++)
-        if (j->t[i].file == ctx->file) {
-            if (j->t[i].off + j->t[i].nbytes > off)
-                rc = kv_fail(err, KV_EFORMAT, src, j->t[i].off,
-                             "tensor '%s' extends past the end of the file", j->t[i].name);
-            else
-                rc = write_target(j, &j->t[i], fd, path, tmp, err);
-        }
+    for (int64_t i = 0; i < j->n_t && !rc; i++) {
+        const struct target *t = &j->t[i];
+        if (t->file != ctx->file) continue;
+        int done = 0; /* an earlier target of the same tensor wrote it */
+        for (int64_t k = 0; k < i && !done; k++)
+            done = j->t[k].file == t->file && j->t[k].off == t->off;
+        if (done) continue;
+        if (t->off + t->nbytes > off)
+            rc = kv_fail(err, KV_EFORMAT, src, t->off,
+                         "tensor '%s' extends past the end of the file", t->name);
+        else
+            rc = write_tensor(j, i, in, src, fd, path, tmp, err);
+    }
+    close(in);
     return rc;
 }
 

@@ -15,12 +15,18 @@
  *                 the source directory (symbolic links are followed;
  *                 subdirectories are not copied), the safetensors file(s)
  *                 patched: model.safetensors, or every shard named by
- *                 model.safetensors.index.json
+ *                 model.safetensors.index.json. Llama: the tensors
+ *                 model.layers.N.self_attn.{k,v}_proj.{weight,bias}. GPT-2:
+ *                 the K and V parts of transformer.h.N.attn.c_attn.weight,
+ *                 a Conv1D stored [in, out] = [d, qd + 2 kd] whose columns
+ *                 qd.. are K and qd+kd.. are V (so W'ᵀ goes there), and of
+ *                 c_attn.bias [qd + 2 kd]; the Q columns keep their bytes
  *   GGUF file     OUT is one file; blk.N.attn_{k,v}.{weight,bias} patched
  *   llama2.c .bin OUT is one file; layers.N.w{k,v} patched
  *
- * No loader permutes or transposes these tensors (GGUF's ne[] = {in, out}
- * is the row-major [out, in] kvcal uses), so W' is written as computed. */
+ * No other loader permutes or transposes these tensors (GGUF's ne[] =
+ * {in, out} is the row-major [out, in] kvcal uses), so W' is written as
+ * computed. */
 #ifndef KV_EXPORT_H
 #define KV_EXPORT_H
 
@@ -41,7 +47,8 @@
  *                                       RoPE: no dense weight expresses it)
  * Values in fused_output mode keep the ORIGINAL o_proj: out = P (x W_v'ᵀ) W_oᵀ
  * is exactly what the fused form (P z) o_fusedᵀ computes, so lr->layers[].o_fused
- * is not used.
+ * is not used. Likewise fused_query keys keep the original q projection:
+ * q·(x W_k'ᵀ) = (up_iᵀ q)·z is what q_fused scores, so q_fused is not used.
  *
  * Biases: the compressed side computes z = x downᵀ + c, y = z upᵀ, so
  * y = x (up·down)ᵀ + up·c. When the model has a K (V) bias, the bias rows of

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "hfdir.h"
 #include "json.h"
 #include "limits.h"
 #include "mapfile.h"
@@ -24,6 +25,7 @@
 #define WEIGHTS_NAME "model.safetensors"
 #define MANIFEST_FORMAT "kvcal.manifest"
 #define MANIFEST_VERSION 1
+#define WEIGHT_LAYOUT "linear [out, in]" /* every matrix of the weights file */
 #define TNAME_CAP (KV_MAX_NAME_LEN + 1)
 
 /* Files of an HF source directory that the output keeps, untouched. */
@@ -38,16 +40,30 @@ static struct kv_lr_side *side_of(const struct kv_lowrank *lr, int64_t l, int wh
     return which ? &lr->layers[l].v : &lr->layers[l].k;
 }
 
-/* "model.layers.L.self_attn.<k|v><rest>" */
-static void attn_name(char *buf, int64_t l, int which, const char *rest) {
-    snprintf(buf, TNAME_CAP, "model.layers.%lld.self_attn.%c%s", (long long)l, side_char[which],
-             rest);
+/* The attention module's name inside a layer. */
+static const char *attn_module(enum kv_arch arch) {
+    return arch == KV_ARCH_GPT2 ? "attn." : "self_attn.";
 }
 
-static void unit_name(char *buf, int64_t l, int which, const char *kind, int64_t u) {
-    snprintf(buf, TNAME_CAP, "model.layers.%lld.self_attn.%c_%s.%lld.weight", (long long)l,
-             side_char[which], kind, (long long)u);
+/* "<layer prefix>L.<rest>": model.layers.L. (llama), transformer.h.L. (gpt2) */
+static void layer_name(char *buf, enum kv_arch arch, int64_t l, const char *rest) {
+    snprintf(buf, TNAME_CAP, "%s%lld.%s", kv_hf_layer_prefix(arch), (long long)l, rest);
 }
+
+/* "<layer prefix>L.<attn module><c><rest>", c one of q, k, v, o */
+static void attn_name(char *buf, enum kv_arch arch, int64_t l, char c, const char *rest) {
+    snprintf(buf, TNAME_CAP, "%s%lld.%s%c%s", kv_hf_layer_prefix(arch), (long long)l,
+             attn_module(arch), c, rest);
+}
+
+static void unit_name(char *buf, enum kv_arch arch, int64_t l, int which, const char *kind,
+                      int64_t u) {
+    snprintf(buf, TNAME_CAP, "%s%lld.%s%c_%s.%lld.weight", kv_hf_layer_prefix(arch),
+             (long long)l, attn_module(arch), side_char[which], kind, (long long)u);
+}
+
+/* Whether a layer's keys pass through RoPE between projection and score. */
+static int has_rope(enum kv_arch arch) { return arch != KV_ARCH_GPT2; }
 
 /* dropped/energy, 0 when there is no energy. */
 static double rel_error(double dropped, double energy) {
@@ -71,13 +87,15 @@ static int in_ctx(int rc, struct kv_err *err, const char *ctx) {
 
 static int mode_allowed(enum kv_lr_mode mode, int which) {
     if (which == 0)
-        return mode == KV_LR_FULL || mode == KV_LR_PREROPE_LATENT ||
+        return mode == KV_LR_FULL || mode == KV_LR_PREROPE_LATENT || mode == KV_LR_FUSED_QUERY ||
                mode == KV_LR_POSTROPE_ROTATION;
     return mode == KV_LR_FULL || mode == KV_LR_FUSED_OUTPUT;
 }
 
+/* Modes that cache z = x downᵀ + down_bias and carry up. */
 static int has_down(enum kv_lr_mode mode) {
-    return mode == KV_LR_PREROPE_LATENT || mode == KV_LR_FUSED_OUTPUT;
+    return mode == KV_LR_PREROPE_LATENT || mode == KV_LR_FUSED_QUERY ||
+           mode == KV_LR_FUSED_OUTPUT;
 }
 
 /* Σ rank over the units of a side. */
@@ -87,8 +105,9 @@ static int64_t side_rank(const struct kv_lr_side *s) {
     return r;
 }
 
-/* Columns of the fused output projection: Σ over query heads i of the rank
- * of the unit holding i's KV head. The side must have passed check_side. */
+/* Columns of the fused output projection (rows of the fused query one): Σ
+ * over query heads i of the rank of the unit holding i's KV head. The side
+ * must have passed check_side. */
 static int64_t fused_cols(const struct kv_lowrank *lr, const struct kv_lr_side *s) {
     int64_t per = lr->n_heads / lr->n_kv_heads, cols = 0;
     for (int64_t u = 0; u < s->n_units; u++) cols += s->units[u].rank * s->units[u].n_heads * per;
@@ -177,9 +196,20 @@ static int valid_bits(int64_t bits) {
     return bits == 16 || bits == 8 || bits == 4 || bits == 3 || bits == 2;
 }
 
-/* The whole of lr against model config c, as kv_lr_dir_write needs it. */
-static int check_lowrank(const struct kv_lowrank *lr, const struct kv_config *c, const char *dir,
+/* A fused_query key side needs a model without rope (up folds into the
+ * query only when nothing acts between projection and score). */
+static int check_fused_query_arch(enum kv_arch arch, int64_t l, int code, const char *path,
+                                  struct kv_err *err) {
+    if (!has_rope(arch)) return KV_OK;
+    return kv_fail(err, code, path, KV_NO_OFFSET,
+                   "layer %lld k: mode 'fused_query' needs a model without rope, found arch '%s'",
+                   (long long)l, kv_arch_name(arch));
+}
+
+/* The whole of lr against model m, as kv_lr_dir_write needs it. */
+static int check_lowrank(const struct kv_lowrank *lr, const struct kv_model *m, const char *dir,
                          struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
     if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
                          "factors", dir, err))
         return KV_EINVAL;
@@ -205,6 +235,26 @@ static int check_lowrank(const struct kv_lowrank *lr, const struct kv_config *c,
             return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
                            "layer %lld v: a fused output projection is set but the mode is '%s'",
                            (long long)l, kv_lr_mode_name(y->v.mode));
+        }
+        if (y->k.mode == KV_LR_FUSED_QUERY) {
+            if ((rc = check_fused_query_arch(c->arch, l, KV_EINVAL, dir, err))) return rc;
+            int64_t want = fused_cols(lr, &y->k);
+            if (!y->q_fused || y->q_cols != want)
+                return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                               "layer %lld k: fused query projection is %s with %lld rows, "
+                               "expected %lld",
+                               (long long)l, y->q_fused ? "set" : "NULL", (long long)y->q_cols,
+                               (long long)want);
+            int qb = kv_model_weight(m, KV_W_BQ, l) != NULL;
+            if ((y->q_fused_bias != NULL) != qb)
+                return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                               "layer %lld k: fused query bias is %s but the model has %s",
+                               (long long)l, y->q_fused_bias ? "set" : "NULL",
+                               qb ? "a q bias" : "no q bias");
+        } else if (y->q_fused || y->q_fused_bias) {
+            return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                           "layer %lld k: a fused query projection is set but the mode is '%s'",
+                           (long long)l, kv_lr_mode_name(y->k.mode));
         }
     }
     return KV_OK;
@@ -264,7 +314,8 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
                          int64_t l, int which) {
     const struct kv_lr_side *s = side_of(lr, l, which);
     const struct kv_lr_layer *y = &lr->layers[l];
-    char name[TNAME_CAP];
+    enum kv_arch arch = m->cfg.arch;
+    char c = side_char[which], name[TNAME_CAP];
     json_t *o = json_object();
     double en = 0, dr = 0;
     for (int64_t u = 0; u < s->n_units; u++) en += s->units[u].energy, dr += s->units[u].dropped;
@@ -272,14 +323,14 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
     jset(b, o, "rank", json_integer(side_rank(s)));
     jset(b, o, "predicted_error", json_real(rel_error(dr, en)));
     int down = has_down(s->mode), proj = !down;
-    attn_name(name, l, which, "_down.weight");
+    attn_name(name, arch, l, c, "_down.weight");
     jset(b, o, "down", name_or_null(down ? name : NULL));
-    attn_name(name, l, which, "_down.bias");
+    attn_name(name, arch, l, c, "_down.bias");
     jset(b, o, "down_bias", name_or_null(down && s->units[0].down_bias ? name : NULL));
-    attn_name(name, l, which, "_proj.weight");
+    attn_name(name, arch, l, c, "_proj.weight");
     jset(b, o, "proj", name_or_null(proj ? name : NULL));
-    attn_name(name, l, which, "_proj.bias");
-    const float *bias = m->layers[l].w[which ? KV_W_BV : KV_W_BK];
+    attn_name(name, arch, l, c, "_proj.bias");
+    const float *bias = kv_model_weight(m, which ? KV_W_BV : KV_W_BK, l);
     jset(b, o, "proj_bias", name_or_null(proj && bias ? name : NULL));
     json_t *units = jset(b, o, "units", json_array());
     int64_t off = 0;
@@ -290,9 +341,9 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
         jset(b, uo, "heads", heads);
         jset(b, uo, "rank", json_integer(x->rank));
         jset(b, uo, "latent_offset", json_integer(off));
-        unit_name(name, l, which, "up", u);
+        unit_name(name, arch, l, which, "up", u);
         jset(b, uo, "up", name_or_null(down ? name : NULL));
-        unit_name(name, l, which, "rot", u);
+        unit_name(name, arch, l, which, "rot", u);
         jset(b, uo, "rot", name_or_null(s->mode == KV_LR_POSTROPE_ROTATION ? name : NULL));
         jset(b, uo, "energy", json_real(x->energy));
         jset(b, uo, "dropped", json_real(x->dropped));
@@ -301,9 +352,15 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
         off += x->rank;
     }
     if (which) {
-        snprintf(name, sizeof name, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+        attn_name(name, arch, l, 'o', "_proj.weight");
         jset(b, o, "o_proj", json_string(name));
         if (s->mode == KV_LR_FUSED_OUTPUT) jset(b, o, "o_cols", json_integer(y->o_cols));
+    } else if (s->mode == KV_LR_FUSED_QUERY) {
+        attn_name(name, arch, l, 'q', "_fused.weight");
+        jset(b, o, "q_proj", json_string(name));
+        attn_name(name, arch, l, 'q', "_fused.bias");
+        jset(b, o, "q_proj_bias", name_or_null(y->q_fused_bias ? name : NULL));
+        jset(b, o, "q_cols", json_integer(y->q_cols));
     }
     return o;
 }
@@ -364,7 +421,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "source", json_text(info->model_path));
     jset(&b, mo, "format",
          json_string(m->format == KV_FORMAT_HF ? "hf" : kv_format_name(m->format)));
-    jset(&b, mo, "arch", json_string("llama"));
+    jset(&b, mo, "arch", json_string(kv_arch_name(c->arch)));
     jset(&b, mo, "dim", json_integer(c->dim));
     jset(&b, mo, "hidden_dim", json_integer(c->hidden_dim));
     jset(&b, mo, "n_layers", json_integer(c->n_layers));
@@ -381,12 +438,16 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "tokenizer", json_text(tok_name));
 
     jset(&b, root, "stats", stats);
-    json_t *ro = jset(&b, root, "rope", json_object());
-    int half = c->rope_layout == KV_ROPE_HALF;
-    jset(&b, ro, "layout", json_string(half ? "half" : "interleaved"));
-    jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
-    jset(&b, ro, "theta", json_float(c->rope_theta));
-    jset(&b, ro, "scaling", json_null());
+    if (has_rope(c->arch)) {
+        json_t *ro = jset(&b, root, "rope", json_object());
+        int half = c->rope_layout == KV_ROPE_HALF;
+        jset(&b, ro, "layout", json_string(half ? "half" : "interleaved"));
+        jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
+        jset(&b, ro, "theta", json_float(c->rope_theta));
+        jset(&b, ro, "scaling", json_null());
+    } else {
+        jset(&b, root, "rope", json_null());
+    }
 
     json_t *lo = jset(&b, root, "latent", json_object());
     jset(&b, lo, "dtype", json_string(lr->kv_bits >= 16 ? "f16" : "int"));
@@ -394,6 +455,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, lo, "quantization", quant_json(&b, lr->kv_bits));
     jset(&b, lo, "hadamard", json_boolean(lr->hadamard));
     jset(&b, root, "weights", json_string(WEIGHTS_NAME));
+    jset(&b, root, "weight_layout", json_string(WEIGHT_LAYOUT));
 
     int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, lr->kv_bits);
     json_t *bo = jset(&b, root, "kv_bytes_per_token", json_object());
@@ -575,17 +637,17 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
     const struct kv_lr_side *s = side_of(lr, l, which);
     const struct kv_config *c = &m->cfg;
     int64_t d = c->dim, dh = c->head_dim, kvd = c->n_kv_heads * dh;
-    char name[TNAME_CAP];
+    char sc = side_char[which], name[TNAME_CAP];
     int rc = KV_OK;
     if (!has_down(s->mode)) {
-        const float *wt = m->layers[l].w[which ? KV_W_V : KV_W_K];
-        const float *bias = m->layers[l].w[which ? KV_W_BV : KV_W_BK];
-        attn_name(name, l, which, "_proj.weight");
+        const float *wt = kv_model_weight(m, which ? KV_W_V : KV_W_K, l);
+        const float *bias = kv_model_weight(m, which ? KV_W_BV : KV_W_BK, l);
+        attn_name(name, c->arch, l, sc, "_proj.weight");
         if ((rc = add_f32(w, name, wt, kvd, d, err))) return rc;
-        attn_name(name, l, which, "_proj.bias");
+        attn_name(name, c->arch, l, sc, "_proj.bias");
         if (bias && (rc = add_f32(w, name, bias, kvd, 0, err))) return rc;
         for (int64_t u = 0; u < s->n_units && !rc; u++) {
-            unit_name(name, l, which, "rot", u);
+            unit_name(name, c->arch, l, which, "rot", u);
             rc = add_f32(w, name, s->units[u].rot, s->units[u].rank, dh, err);
         }
         return rc;
@@ -602,57 +664,93 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
         if (bias) memcpy(bias + off, x->down_bias, (size_t)x->rank * sizeof *bias);
         off += x->rank;
     }
-    attn_name(name, l, which, "_down.weight");
+    attn_name(name, c->arch, l, sc, "_down.weight");
     if ((rc = add_f32(w, name, down, r, d, err))) return rc;
-    attn_name(name, l, which, "_down.bias");
+    attn_name(name, c->arch, l, sc, "_down.bias");
     if (bias && (rc = add_f32(w, name, bias, r, 0, err))) return rc;
     for (int64_t u = 0; u < s->n_units && !rc; u++) {
-        unit_name(name, l, which, "up", u);
+        unit_name(name, c->arch, l, which, "up", u);
         rc = add_f32(w, name, s->units[u].up, s->units[u].n_heads * dh, s->units[u].rank, err);
     }
     return rc;
 }
 
-/* Every tensor of model.safetensors (data borrowed from m, lr and bufs). */
+/* The per-layer tensors besides K and V, in file order: kvcal's kind and
+ * its name after the layer prefix for llama and for gpt2 (NULL where the
+ * architecture has no such tensor). KV_W_K stands for both K/V sides. */
+static const struct {
+    enum kv_wkind kind;
+    const char *llama, *gpt2;
+} layer_tensors[] = {
+    {KV_W_ATTN_NORM, "input_layernorm.weight", "ln_1.weight"},
+    {KV_W_ATTN_NORM_B, NULL, "ln_1.bias"},
+    {KV_W_Q, "self_attn.q_proj.weight", "attn.q_proj.weight"},
+    {KV_W_BQ, "self_attn.q_proj.bias", "attn.q_proj.bias"},
+    {KV_W_K, NULL, NULL},
+    {KV_W_O, "self_attn.o_proj.weight", "attn.o_proj.weight"},
+    {KV_W_BO, NULL, "attn.o_proj.bias"},
+    {KV_W_FFN_NORM, "post_attention_layernorm.weight", "ln_2.weight"},
+    {KV_W_FFN_NORM_B, NULL, "ln_2.bias"},
+    {KV_W_GATE, "mlp.gate_proj.weight", NULL},
+    {KV_W_UP, "mlp.up_proj.weight", "mlp.c_fc.weight"},
+    {KV_W_BUP, NULL, "mlp.c_fc.bias"},
+    {KV_W_DOWN, "mlp.down_proj.weight", "mlp.c_proj.weight"},
+    {KV_W_BDOWN, NULL, "mlp.c_proj.bias"},
+};
+
+/* Weight kind of m (layer l) as a tensor [rows, cols] (cols 0: a vector);
+ * absent optional weights are skipped. */
+static int add_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind kind, int64_t l,
+                      const char *name, struct kv_err *err) {
+    const float *data = kv_model_weight(m, kind, l);
+    if (!data) return KV_OK;
+    int64_t shape[2];
+    int nd = kv_model_expected_shape(&m->cfg, kind, shape);
+    return add_f32(w, name, data, shape[0], nd == 2 ? shape[1] : 0, err);
+}
+
+/* Every tensor of model.safetensors (data borrowed from m, lr and bufs):
+ * the globals under their HF names, then each layer's. */
 static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
                        const struct kv_lowrank *lr, const char *dir, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t d = c->dim, qd = c->n_heads * c->head_dim, ff = c->hidden_dim;
+    int64_t d = c->dim, n_glob = 0;
     char name[TNAME_CAP];
     int rc = kv_stw_add_meta(w, "format", "pt", err);
-    if (!rc) rc = add_f32(w, "model.embed_tokens.weight", m->tok_emb, c->vocab_size, d, err);
-    for (int64_t l = 0; l < c->n_layers && !rc; l++) {
-        const struct kv_layer *y = &m->layers[l];
-        const struct kv_lr_layer *z = &lr->layers[l];
-#define LNAME(suffix) snprintf(name, sizeof name, "model.layers.%lld." suffix, (long long)l)
-        LNAME("input_layernorm.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_ATTN_NORM], d, 0, err))) break;
-        LNAME("self_attn.q_proj.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_Q], qd, d, err))) break;
-        LNAME("self_attn.q_proj.bias");
-        if (y->w[KV_W_BQ] && (rc = add_f32(w, name, y->w[KV_W_BQ], qd, 0, err))) break;
-        if ((rc = add_side(w, bufs, m, lr, l, 0, dir, err)) ||
-            (rc = add_side(w, bufs, m, lr, l, 1, dir, err)))
-            break;
-        LNAME("self_attn.o_proj.weight");
-        if (z->v.mode == KV_LR_FUSED_OUTPUT)
-            rc = add_f32(w, name, z->o_fused, d, z->o_cols, err);
-        else
-            rc = add_f32(w, name, y->w[KV_W_O], d, qd, err);
-        if (rc) break;
-        LNAME("post_attention_layernorm.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_FFN_NORM], d, 0, err))) break;
-        LNAME("mlp.gate_proj.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_GATE], ff, d, err))) break;
-        LNAME("mlp.up_proj.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_UP], ff, d, err))) break;
-        LNAME("mlp.down_proj.weight");
-        if ((rc = add_f32(w, name, y->w[KV_W_DOWN], d, ff, err))) break;
-#undef LNAME
+    const struct kv_hf_name *glob = kv_hf_names(c->arch, 0, &n_glob);
+    for (int64_t i = 0; i < n_glob && !rc; i++) {
+        enum kv_wkind k = glob[i].kinds[0];
+        KV_ASSERT(glob[i].n_kinds == 1 && !glob[i].conv);
+        if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
+        rc = add_weight(w, m, k, 0, glob[i].name, err);
     }
-    if (!rc) rc = add_f32(w, "model.norm.weight", m->out_norm, d, 0, err);
-    if (!rc && !c->tied_embeddings)
-        rc = add_f32(w, "lm_head.weight", m->lm_head, c->vocab_size, d, err);
+    for (int64_t l = 0; l < c->n_layers && !rc; l++) {
+        const struct kv_lr_layer *z = &lr->layers[l];
+        int fq = z->k.mode == KV_LR_FUSED_QUERY, fo = z->v.mode == KV_LR_FUSED_OUTPUT;
+        for (size_t i = 0; i < sizeof layer_tensors / sizeof layer_tensors[0] && !rc; i++) {
+            enum kv_wkind k = layer_tensors[i].kind;
+            const char *rest = c->arch == KV_ARCH_GPT2 ? layer_tensors[i].gpt2
+                                                       : layer_tensors[i].llama;
+            if (k == KV_W_K) {
+                if (!(rc = add_side(w, bufs, m, lr, l, 0, dir, err)))
+                    rc = add_side(w, bufs, m, lr, l, 1, dir, err);
+            } else if (!rest) {
+                continue;
+            } else if (k == KV_W_Q && fq) {
+                attn_name(name, c->arch, l, 'q', "_fused.weight");
+                rc = add_f32(w, name, z->q_fused, z->q_cols, d, err);
+            } else if (k == KV_W_BQ && fq) {
+                attn_name(name, c->arch, l, 'q', "_fused.bias");
+                if (z->q_fused_bias) rc = add_f32(w, name, z->q_fused_bias, z->q_cols, 0, err);
+            } else if (k == KV_W_O && fo) {
+                layer_name(name, c->arch, l, rest);
+                rc = add_f32(w, name, z->o_fused, d, z->o_cols, err);
+            } else {
+                layer_name(name, c->arch, l, rest);
+                rc = add_weight(w, m, k, l, name, err);
+            }
+        }
+    }
     return rc;
 }
 
@@ -763,7 +861,7 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     if (!info) info = &none;
     char eb[128];
     if (!dir[0]) return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "empty output directory name");
-    int rc = check_lowrank(lr, &m->cfg, dir, err);
+    int rc = check_lowrank(lr, m, dir, err);
     if (rc) return rc;
     char fp[65];
     if ((rc = kv_model_fingerprint(m, fp, err))) return rc;
@@ -892,6 +990,42 @@ static int copy_label(const json_t *root, const char *key, const char *path, cha
     return KV_OK;
 }
 
+/* "rope": an object for an architecture with rope, null for gpt2. */
+static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
+                      struct kv_err *err) {
+    if (!has_rope(c->arch)) {
+        json_t *v = json_object_get(root, "rope");
+        if (!v) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key 'rope'");
+        if (json_is_null(v)) return KV_OK;
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key 'rope' must be null for arch '%s' (no rope), found %s",
+                       kv_arch_name(c->arch), found);
+    }
+    json_t *ro;
+    int rc = get_obj(root, "rope", path, &ro, err);
+    if (rc) return rc;
+    const char *layout;
+    double theta = 0;
+    if ((rc = kv_json_get_str(ro, "layout", path, 1, &layout, err)) ||
+        (rc = kv_json_get_num(ro, "theta", path, 1, 1, &theta, err)))
+        return in_ctx(rc, err, "rope");
+    if (!strcmp(layout, "half"))
+        c->rope_layout = KV_ROPE_HALF;
+    else if (!strcmp(layout, "interleaved"))
+        c->rope_layout = KV_ROPE_INTERLEAVED;
+    else
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rope: layout '%.64s' is not 'half' or 'interleaved'", layout);
+    json_t *sc = json_object_get(ro, "scaling");
+    if (sc && !json_is_null(sc))
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope: scaling is not supported, expected null");
+    c->rope_theta = (float)theta;
+    return KV_OK;
+}
+
 static int parse_model(const json_t *root, const char *path, struct mf_model *mm,
                        struct kv_err *err) {
     json_t *mo;
@@ -910,9 +1044,11 @@ static int parse_model(const json_t *root, const char *path, struct mf_model *mm
                        fp);
     memcpy(mm->fingerprint, fp, 65);
     if ((rc = kv_json_get_str(mo, "arch", path, 1, &arch, err))) return in_ctx(rc, err, "model");
-    if (strcmp(arch, "llama") != 0)
+    if (!strcmp(arch, kv_arch_name(KV_ARCH_GPT2)))
+        c->arch = KV_ARCH_GPT2;
+    else if (strcmp(arch, kv_arch_name(KV_ARCH_LLAMA)) != 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model: arch '%.64s' is not supported, expected 'llama'", arch);
+                       "model: arch '%.64s' is not supported, expected 'llama' or 'gpt2'", arch);
     double eps = 0;
     if ((rc = kv_json_get_int(mo, "dim", path, 1, KV_MAX_DIM, 1, &c->dim, err)) ||
         (rc = kv_json_get_int(mo, "hidden_dim", path, 1, KV_MAX_DIM, 1, &c->hidden_dim, err)) ||
@@ -931,32 +1067,20 @@ static int parse_model(const json_t *root, const char *path, struct mf_model *mm
                        "model: n_heads %lld is not a multiple of n_kv_heads %lld",
                        (long long)c->n_heads, (long long)c->n_kv_heads);
 
-    json_t *ro;
-    if ((rc = get_obj(root, "rope", path, &ro, err))) return rc;
-    const char *layout;
-    double theta = 0;
-    if ((rc = kv_json_get_str(ro, "layout", path, 1, &layout, err)) ||
-        (rc = kv_json_get_num(ro, "theta", path, 1, 1, &theta, err)))
-        return in_ctx(rc, err, "rope");
-    if (!strcmp(layout, "half"))
-        c->rope_layout = KV_ROPE_HALF;
-    else if (!strcmp(layout, "interleaved"))
-        c->rope_layout = KV_ROPE_INTERLEAVED;
-    else
-        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                       "rope: layout '%.64s' is not 'half' or 'interleaved'", layout);
-    json_t *sc = json_object_get(ro, "scaling");
-    if (sc && !json_is_null(sc))
-        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "rope: scaling is not supported, expected null");
-    c->rope_theta = (float)theta;
+    if ((rc = parse_rope(root, path, c, err))) return rc;
 
-    const char *w;
+    const char *w, *layout = NULL;
     if ((rc = kv_json_get_str(root, "weights", path, 1, &w, err))) return rc;
     if (!w[0] || strchr(w, '/') || !strcmp(w, ".") || !strcmp(w, ".."))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "key 'weights' must be a file name in the directory, found '%.128s'", w);
     mm->weights = w;
+    /* optional: the first version-1 manifests had no other layout and no key */
+    if ((rc = kv_json_get_str(root, "weight_layout", path, 0, &layout, err))) return rc;
+    if (layout && strcmp(layout, WEIGHT_LAYOUT) != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "weight_layout '%.64s' is not supported, expected '" WEIGHT_LAYOUT "'",
+                       layout);
     return KV_OK;
 }
 
@@ -989,15 +1113,14 @@ static int parse_mode(const char *s, int which, const char *path, const char *ct
                                             KV_LR_FUSED_OUTPUT, KV_LR_POSTROPE_ROTATION};
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         if (strcmp(s, kv_lr_mode_name(modes[i])) != 0) continue;
-        if (modes[i] == KV_LR_FUSED_QUERY)
-            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                           "%s: mode 'fused_query' is not supported", ctx);
         if (!mode_allowed(modes[i], which)) break;
         *out = modes[i];
         return KV_OK;
     }
     return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: mode '%.64s' is not one of %s", ctx,
-                   s, which ? "full, fused_output" : "full, prerope_latent, postrope_rotation");
+                   s,
+                   which ? "full, fused_output"
+                         : "full, prerope_latent, fused_query, postrope_rotation");
 }
 
 /* One unit: heads, rank, latent offset, the names its mode needs, energies. */
@@ -1055,8 +1178,43 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
     return KV_OK;
 }
 
-static int parse_side(const json_t *yo, int64_t l, int which, struct kv_lowrank *lr,
-                      const char *path, struct kv_err *err) {
+/* The fused query keys of a key side: q_proj, q_proj_bias (present exactly
+ * when the model has q biases) and q_cols, or all three null for another
+ * mode. */
+static int parse_fused_query(const json_t *so, int64_t l, const struct kv_config *c,
+                             struct kv_lowrank *lr, const char *path, const char *ctx,
+                             struct kv_err *err) {
+    struct kv_lr_layer *y = &lr->layers[l];
+    const char *mn = kv_lr_mode_name(y->k.mode), *name, *bias;
+    int rc;
+    if (y->k.mode != KV_LR_FUSED_QUERY) {
+        if ((rc = want_null(so, "q_proj", mn, path, err)) ||
+            (rc = want_null(so, "q_proj_bias", mn, path, err)) ||
+            (rc = want_null(so, "q_cols", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+        return KV_OK;
+    }
+    if ((rc = check_fused_query_arch(c->arch, l, KV_EFORMAT, path, err))) return rc;
+    if ((rc = get_name(so, "q_proj", path, 1, &name, err)) ||
+        (rc = get_name(so, "q_proj_bias", path, 0, &bias, err)))
+        return in_ctx(rc, err, ctx);
+    if (!bias != !c->has_qkv_bias)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'q_proj_bias' is %s, but the model has %s", ctx,
+                       bias ? "a tensor name" : "null", c->has_qkv_bias ? "q biases" : "none");
+    int64_t cols = 0, want = fused_cols(lr, &y->k);
+    if ((rc = kv_json_get_int(so, "q_cols", path, 1, INT64_MAX, 1, &cols, err)))
+        return in_ctx(rc, err, ctx);
+    if (cols != want)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: q_cols is %lld, expected %lld (each query head's unit rank)", ctx,
+                       (long long)cols, (long long)want);
+    y->q_cols = cols;
+    return KV_OK;
+}
+
+static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_config *c,
+                      struct kv_lowrank *lr, const char *path, struct kv_err *err) {
     char ctx[96];
     snprintf(ctx, sizeof ctx, "layer %lld %c", (long long)l, side_char[which]);
     char key[2] = {side_char[which], 0};
@@ -1120,6 +1278,7 @@ static int parse_side(const json_t *yo, int64_t l, int which, struct kv_lowrank 
                            (long long)cols, (long long)want);
         lr->layers[l].o_cols = cols;
     }
+    if (!which) return parse_fused_query(so, l, c, lr, path, ctx, err);
     return KV_OK;
 }
 
@@ -1183,8 +1342,8 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
                          ctx, (long long)index, (long long)l);
             goto fail;
         }
-        if ((rc = parse_side(yo, l, 0, lr, path, err)) ||
-            (rc = parse_side(yo, l, 1, lr, path, err)))
+        if ((rc = parse_side(yo, l, 0, c, lr, path, err)) ||
+            (rc = parse_side(yo, l, 1, c, lr, path, err)))
             goto fail;
     }
 
@@ -1361,6 +1520,14 @@ static int load_weights(const struct kv_st_file *f, const char *wpath, const jso
             rc = load_tensor(f, wpath, oname, what, d, y->o_cols, &y->o_fused, err);
         else
             rc = load_tensor(f, wpath, oname, what, d, qd, NULL, err);
+        if (rc || y->k.mode != KV_LR_FUSED_QUERY) continue;
+        const json_t *ko = json_object_get(yo, "k");
+        const char *bname = jname(ko, "q_proj_bias");
+        snprintf(what, sizeof what, "layer %lld k 'q_proj', q_cols", (long long)l);
+        rc = load_tensor(f, wpath, jname(ko, "q_proj"), what, y->q_cols, d, &y->q_fused, err);
+        snprintf(what, sizeof what, "layer %lld k 'q_proj_bias', q_cols", (long long)l);
+        if (!rc && bname)
+            rc = load_tensor(f, wpath, bname, what, y->q_cols, 0, &y->q_fused_bias, err);
     }
     return rc;
 }
@@ -1385,6 +1552,12 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
     if (rc) goto done;
 
     const struct kv_config *c = &m->cfg, *r = &mm.cfg;
+    if (r->arch != c->arch) {
+        rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET,
+                     "made from a %s model, but the given model is %s", kv_arch_name(r->arch),
+                     kv_arch_name(c->arch));
+        goto done;
+    }
     const struct {
         const char *key;
         int64_t file, model;
@@ -1398,7 +1571,7 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
         {"vocab_size", r->vocab_size, c->vocab_size},
         {"tied_embeddings", r->tied_embeddings, c->tied_embeddings},
         {"qkv_bias", r->has_qkv_bias, c->has_qkv_bias},
-        {"rope layout (1 = half)", r->rope_layout, c->rope_layout},
+        {"rope layout (1 = half)", r->rope_layout, has_rope(c->arch) ? c->rope_layout : 0},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].file != dims[i].model) {
@@ -1422,10 +1595,7 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
     if ((rc = kv_st_open(wpath, &f, err))) goto done;
     if ((rc = load_weights(f, wpath, root, lr, err))) goto done;
     /* what the reader built is what a writer accepts */
-    for (int64_t l = 0; l < lr->n_layers; l++) {
-        KV_ASSERT(check_side(lr, l, 0, 1, KV_EFORMAT, mpath, err) == KV_OK);
-        KV_ASSERT(check_side(lr, l, 1, 1, KV_EFORMAT, mpath, err) == KV_OK);
-    }
+    KV_ASSERT(check_lowrank(lr, m, mpath, err) == KV_OK);
     *out = lr;
     lr = NULL;
 done:

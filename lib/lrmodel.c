@@ -81,6 +81,14 @@ static void left_mul_t(float *b, int64_t r, int64_t cols, const double *H, doubl
     for (int64_t i = 0; i < r * cols; i++) b[i] = (float)out[i];
 }
 
+/* The unit of side s holding KV head j, or NULL. */
+static const struct kv_lr_unit *unit_of_head(const struct kv_lr_side *s, int64_t j) {
+    for (int64_t u = 0; u < s->n_units; u++)
+        if (j >= s->units[u].head0 && j < s->units[u].head0 + s->units[u].n_heads)
+            return &s->units[u];
+    return NULL;
+}
+
 int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
     if (lr->hadamard)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a hadamard rotation is already fused in");
@@ -113,19 +121,19 @@ int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
                 if (un->rot) left_mul_t(un->rot, r, dh, H, tmp);
                 if (un->up) right_mul(un->up, un->n_heads * dh, r, r, H, tmp);
             }
-            if (s == 1 && L->o_fused) {
-                /* each query head's block of the fused output reads z: O' = O H */
-                int64_t off = 0;
-                for (int64_t i = 0; i < lr->n_heads; i++) {
-                    const struct kv_lr_unit *un = NULL;
-                    for (int64_t u = 0; u < sd->n_units; u++)
-                        if (i / grp >= sd->units[u].head0 && i / grp < sd->units[u].head0 + sd->units[u].n_heads)
-                            un = &sd->units[u];
-                    if (!un) break;
-                    kv_lr_hadamard(un->rank, H);
+            float *fused = s ? L->o_fused : L->q_fused;
+            int64_t off = 0;
+            for (int64_t i = 0; fused && i < lr->n_heads; i++) {
+                const struct kv_lr_unit *un = unit_of_head(sd, i / grp);
+                if (!un) break;
+                kv_lr_hadamard(un->rank, H);
+                if (s) { /* each query head's block of the fused output reads z: O' = O H */
                     right_mul(L->o_fused + off, d, L->o_cols, un->rank, H, tmp);
-                    off += un->rank;
+                } else { /* q'·z = (q' H)·(z H): block' [r, d] = Hᵀ block, bias' = Hᵀ bias */
+                    left_mul_t(L->q_fused + off * d, un->rank, d, H, tmp);
+                    if (L->q_fused_bias) left_mul_t(L->q_fused_bias + off, un->rank, 1, H, tmp);
                 }
+                off += un->rank;
             }
         }
     }

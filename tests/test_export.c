@@ -4,7 +4,10 @@
  * reloaded: the K/V weights must equal up·down computed here with naive
  * float64 loops (within the stored dtype's rounding), every other weight and
  * every byte outside the overwritten tensors must equal the source, and file
- * names and sizes must match. Then the refusals: postrope_rotation keys,
+ * names and sizes must match. GPT-2 directories (Conv1D c_attn holding q, k
+ * and v) get fused_query and prerope_latent keys: only the K/V columns of
+ * c_attn may change, and the F32 export's ordinary forward pass must give
+ * the compressed model's latent-cache logits. Then the refusals: postrope_rotation keys,
  * OUT naming the source, a non-empty directory, mismatched factors or model,
  * with nothing written. Last, `kvcal export` on directories written by
  * kv_lr_dir_write: usage errors, a success, and the exact refusal line. */
@@ -133,7 +136,7 @@ static void export_fails(const struct kv_model *m, const char *path, const struc
 
 /* ---------------------------------------------------------------- factors */
 
-enum { K_LATENT = 1, K_FULL = 0, K_POSTROPE = 2 };
+enum { K_LATENT = 1, K_FULL = 0, K_POSTROPE = 2, K_FUSED_QUERY = 3 };
 
 static void fill_unit(struct kv_lr_unit *x, int64_t head0, int64_t nh, int64_t rank, int64_t d,
                       int64_t dh, int bias, struct rng *g) {
@@ -147,11 +150,41 @@ static void fill_unit(struct kv_lr_unit *x, int64_t head0, int64_t nh, int64_t r
     x->down_bias = bias ? randn_f(g, rank, 0.5) : NULL;
 }
 
-/* Factors for m: per layer, K is k_mode (latent: 2-head units of rank
- * 3 + l, the first unit with a down bias when k_bias) and V is fused_output
- * with one unit per head of rank 2 unless v_full has bit l set. o_fused
- * follows struct kv_lr_layer: [d, Σ_i rank(unit of i)] with query head i's
- * columns W_o^(i) · up_u restricted to that head's KV head. */
+/* q_fused of layer l (see make_lr), in float64. */
+static void fuse_query(const struct kv_model *m, int64_t l, struct kv_lr_layer *ly) {
+    const struct kv_config *c = kv_model_config(m);
+    const int64_t d = c->dim, dh = c->head_dim, h = c->n_heads, grp = h / c->n_kv_heads;
+    const float *wq = kv_model_weight(m, KV_W_Q, l), *bq = kv_model_weight(m, KV_W_BQ, l);
+    ly->q_cols = 0;
+    for (int64_t i = 0; i < h; i++) ly->q_cols += ly->k.units[i / grp / 2].rank;
+    ly->q_fused = calloc((size_t)(ly->q_cols * d), sizeof *ly->q_fused);
+    ly->q_fused_bias = bq ? calloc((size_t)ly->q_cols, sizeof *ly->q_fused_bias) : NULL;
+    int64_t row = 0;
+    for (int64_t i = 0; i < h; i++) {
+        const struct kv_lr_unit *x = &ly->k.units[i / grp / 2];
+        const float *up = x->up + (i / grp - x->head0) * dh * x->rank; /* [dh, rank] */
+        for (int64_t k = 0; k < x->rank; k++, row++) {
+            for (int64_t col = 0; col < d; col++) {
+                double acc = 0;
+                for (int64_t e = 0; e < dh; e++)
+                    acc += (double)up[e * x->rank + k] * wq[(i * dh + e) * d + col];
+                ly->q_fused[row * d + col] = (float)acc;
+            }
+            double acc = 0;
+            for (int64_t e = 0; bq && e < dh; e++) acc += (double)up[e * x->rank + k] * bq[i * dh + e];
+            if (bq) ly->q_fused_bias[row] = (float)acc;
+        }
+    }
+}
+
+/* Factors for m: per layer, K is k_mode (latent or fused_query: 2-head
+ * units of rank 3 + l, the first unit with a down bias when k_bias) and V
+ * is fused_output with one unit per head of rank 2 unless v_full has bit l
+ * set. o_fused and q_fused follow struct kv_lr_layer: [d, Σ_i rank(unit of
+ * i)] with query head i's columns W_o^(i) · up_i, and [Σ_i rank, d] with
+ * query head i's rows up_iᵀ W_q^(i) (bias up_iᵀ b_q^(i)), up_i being the
+ * rows of up_u of i's KV head; so the compressed forward computes exactly
+ * the attention of the dense export. */
 static struct kv_lowrank *make_lr(const struct kv_model *m, const int *k_mode, unsigned v_full,
                                   int k_bias, uint64_t seed) {
     const struct kv_config *c = kv_model_config(m);
@@ -168,12 +201,13 @@ static struct kv_lowrank *make_lr(const struct kv_model *m, const int *k_mode, u
     cr_assert(lr->layers);
     for (int64_t l = 0; l < L; l++) {
         struct kv_lr_layer *ly = &lr->layers[l];
-        if (k_mode[l] == K_LATENT) {
-            ly->k.mode = KV_LR_PREROPE_LATENT;
+        if (k_mode[l] == K_LATENT || k_mode[l] == K_FUSED_QUERY) {
+            ly->k.mode = k_mode[l] == K_LATENT ? KV_LR_PREROPE_LATENT : KV_LR_FUSED_QUERY;
             ly->k.n_units = g / 2;
             ly->k.units = calloc((size_t)(g / 2), sizeof *ly->k.units);
             for (int64_t u = 0; u < g / 2; u++)
                 fill_unit(&ly->k.units[u], 2 * u, 2, 3 + l, d, dh, k_bias && u == 0, &r);
+            if (k_mode[l] == K_FUSED_QUERY) fuse_query(m, l, ly);
         } else if (k_mode[l] == K_POSTROPE) {
             ly->k.mode = KV_LR_POSTROPE_ROTATION;
             ly->k.n_units = g;
@@ -242,21 +276,19 @@ static double dtype_atol(enum kv_dtype t) {
     return t == KV_DTYPE_F16 ? 0x1p-25 : 1e-40; /* f16 subnormal spacing 2^-24 */
 }
 
-static const float *weight(const struct kv_model *m, enum kv_wkind k, int64_t l) {
-    switch (k) {
-    case KV_W_TOK_EMB: return m->tok_emb;
-    case KV_W_LM_HEAD: return m->lm_head;
-    case KV_W_OUT_NORM: return m->out_norm;
-    default: return m->layers[l].w[k];
-    }
-}
-
 /* Stored dtype of a K/V tensor of m2 (looked up by the name the format uses). */
 static enum kv_dtype stored_dtype(const struct kv_model *m, int64_t l, enum kv_wkind k) {
     char name[128];
     const char *s = k == KV_W_K || k == KV_W_BK ? "k" : "v";
     int bias = k == KV_W_BK || k == KV_W_BV;
-    if (m->format == KV_FORMAT_HF)
+    if (m->format == KV_FORMAT_HF && m->cfg.arch == KV_ARCH_GPT2) { /* K and V in c_attn */
+        for (int pre = 0; pre < 2; pre++) {
+            snprintf(name, sizeof name, "%sh.%lld.attn.c_attn.%s", pre ? "transformer." : "",
+                     (long long)l, bias ? "bias" : "weight");
+            for (int64_t i = 0; i < m->n_tensors; i++)
+                if (!strcmp(m->tensors[i].name, name)) return m->tensors[i].dtype;
+        }
+    } else if (m->format == KV_FORMAT_HF)
         snprintf(name, sizeof name, "model.layers.%lld.self_attn.%s_proj.%s", (long long)l, s,
                  bias ? "bias" : "weight");
     else if (m->format == KV_FORMAT_GGUF)
@@ -289,7 +321,8 @@ static int check_weights(const struct kv_model *m, const struct kv_model *m2,
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t reps = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
         for (int64_t l = 0; l < reps; l++) {
-            const float *a = weight(m, (enum kv_wkind)k, l), *b = weight(m2, (enum kv_wkind)k, l);
+            const float *a = kv_model_weight(m, (enum kv_wkind)k, l);
+            const float *b = kv_model_weight(m2, (enum kv_wkind)k, l);
             cr_assert_eq(!a, !b, "%s of layer %lld present in one model only",
                          kv_wkind_name((enum kv_wkind)k), (long long)l);
             if (!a) continue;
@@ -359,6 +392,22 @@ static void check_bytes(const char *src, const char *dst, const struct kv_tensor
             if (k != KV_W_COUNT && l < m->cfg.n_layers && side(lr, l, k)->mode != KV_LR_FULL)
                 memset(allow + tab[i].offset, 1, tab[i].nbytes);
         }
+        /* gpt2's c_attn [d, qd + 2 kd] (bias [qd + 2 kd]): only the K or V
+         * columns of a compressed side */
+        if (sscanf(nm, "transformer.h.%lld.attn.c_attn.%31s", &l, what) == 2 ||
+            sscanf(nm, "h.%lld.attn.c_attn.%31s", &l, what) == 2) {
+            const struct kv_config *c = &m->cfg;
+            int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+            int64_t out = qd + 2 * kd, in = strcmp(what, "bias") ? c->dim : 1;
+            size_t es = kv_dtype_size(tab[i].dtype);
+            for (int s = 0; s < 2; s++) {
+                if (l >= c->n_layers || side(lr, l, s ? KV_W_V : KV_W_K)->mode == KV_LR_FULL)
+                    continue;
+                for (int64_t r = 0; r < in; r++)
+                    memset(allow + tab[i].offset + (size_t)(r * out + qd + s * kd) * es, 1,
+                           (size_t)kd * es);
+            }
+        }
     }
     for (size_t i = 0; i < ns; i++)
         cr_assert(a[i] == b[i] || allow[i],
@@ -393,9 +442,30 @@ static void roundtrip_file(const char *src, const char *ext, const int *k_mode, 
     free(dir);
 }
 
+/* Logits of tokens 0..n-1 (malloc'd), through lr's latent cache when lr is
+ * non-NULL. */
+static float *logits_of(const struct kv_model *m, const struct kv_lowrank *lr, int64_t n) {
+    int64_t V = kv_model_config(m)->vocab_size;
+    int32_t *tok = malloc((size_t)n * sizeof *tok);
+    for (int64_t i = 0; i < n; i++) tok[i] = (int32_t)((i * 7 + 3) % V);
+    struct kv_fwd *f;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
+    if (lr) cr_assert_eq(kv_fwd_set_lowrank(f, lr, 16, &err), KV_OK, "%s", err.msg);
+    float *out = malloc((size_t)(n * V) * sizeof *out);
+    cr_assert_eq(kv_fwd_run(f, tok, n, 0, out, &err), KV_OK, "%s", err.msg);
+    kv_fwd_free(f);
+    free(tok);
+    return out;
+}
+
 /* Directory source: export to a fresh dir/out, check the file list, every
- * file's bytes and the reloaded weights. */
-static void roundtrip_dir(const char *src, const int *k_mode, unsigned v_full, int k_bias) {
+ * file's bytes and the reloaded weights; with same_logits, the exported
+ * model's ordinary forward pass must also give the compressed model's
+ * logits (for an F32 source, where the dense weights are not rounded). */
+static void roundtrip_dir(const char *src, const int *k_mode, unsigned v_full, int k_bias,
+                          int same_logits) {
     struct kv_model *m = open_ok(src);
     struct kv_lowrank *lr = make_lr(m, k_mode, v_full, k_bias, 11);
     char *dir = kvt_temp_dir();
@@ -406,6 +476,16 @@ static void roundtrip_dir(const char *src, const int *k_mode, unsigned v_full, i
     cr_assert_eq(kv_model_format(m2), KV_FORMAT_HF);
     int products = check_weights(m, m2, lr);
     cr_assert_gt(products, 0);
+    if (same_logits) {
+        int64_t n = 12, nv = n * kv_model_config(m)->vocab_size;
+        float *comp = logits_of(m, lr, n), *dense = logits_of(m2, NULL, n);
+        float *base = logits_of(m, NULL, n);
+        kvt_assert_close_f32(dense, comp, nv, 1e-5, 1e-4, "dense export vs compressed logits");
+        double diff = 0;
+        for (int64_t i = 0; i < nv; i++) diff = fmax(diff, fabs((double)base[i] - comp[i]));
+        cr_assert_gt(diff, 1e-3, "the factors left the logits unchanged (max diff %g)", diff);
+        free(comp), free(dense), free(base);
+    }
 
     DIR *d = opendir(src);
     cr_assert(d);
@@ -574,13 +654,69 @@ static char *make_hf_bias_dir(void) {
     return dir;
 }
 
+/* ---------------------------------------------------------------- a gpt2 model */
+
+/* d 16, 4 heads of 4, n_inner 4d, 2 layers, vocab 24, 16 positions, tied:
+ * Conv1D weights stored [in, out], c_attn holding q, k and v. Names with
+ * the "transformer." prefix or without (as the hub's gpt2 has them); every
+ * tensor F32, or alternately F16 and BF16. */
+#define G_DIM 16
+#define G_FFN 64
+#define G_VOCAB 24
+#define G_POS 16
+
+static char *make_gpt2_dir(int prefixed, int half) {
+    char *dir = kvt_temp_dir();
+    char text[512];
+    snprintf(text, sizeof text,
+             "{\"model_type\": \"gpt2\", \"n_embd\": %d, \"n_layer\": 2, \"n_head\": 4, "
+             "\"n_positions\": %d, \"vocab_size\": %d, \"layer_norm_epsilon\": 1e-05}\n",
+             G_DIM, G_POS, G_VOCAB);
+    char *p = kvt_path(dir, "config.json");
+    write_bytes(p, text, strlen(text));
+    free(p);
+    const struct {
+        const char *suffix;
+        int64_t a, b;
+    } glob[] = {{"wte.weight", G_VOCAB, G_DIM}, {"wpe.weight", G_POS, G_DIM},
+                {"ln_f.weight", G_DIM, 0},      {"ln_f.bias", G_DIM, 0}},
+      per_layer[] = {
+          {"ln_1.weight", G_DIM, 0},          {"ln_1.bias", G_DIM, 0},
+          {"attn.c_attn.weight", G_DIM, 3 * G_DIM}, {"attn.c_attn.bias", 3 * G_DIM, 0},
+          {"attn.c_proj.weight", G_DIM, G_DIM}, {"attn.c_proj.bias", G_DIM, 0},
+          {"ln_2.weight", G_DIM, 0},          {"ln_2.bias", G_DIM, 0},
+          {"mlp.c_fc.weight", G_DIM, G_FFN},  {"mlp.c_fc.bias", G_FFN, 0},
+          {"mlp.c_proj.weight", G_FFN, G_DIM}, {"mlp.c_proj.bias", G_DIM, 0},
+      };
+    const char *pre = prefixed ? "transformer." : "";
+    struct st_entry all[40];
+    int n = 0;
+    for (size_t i = 0; i < sizeof glob / sizeof glob[0]; i++, n++) {
+        snprintf(all[n].name, sizeof all[n].name, "%s%s", pre, glob[i].suffix);
+        all[n].shape[0] = glob[i].a, all[n].shape[1] = glob[i].b, all[n].nd = glob[i].b ? 2 : 1;
+    }
+    for (int l = 0; l < 2; l++)
+        for (size_t i = 0; i < sizeof per_layer / sizeof per_layer[0]; i++, n++) {
+            snprintf(all[n].name, sizeof all[n].name, "%sh.%d.%s", pre, l, per_layer[i].suffix);
+            all[n].shape[0] = per_layer[i].a, all[n].shape[1] = per_layer[i].b;
+            all[n].nd = per_layer[i].b ? 2 : 1;
+        }
+    for (int i = 0; i < n; i++)
+        all[i].dtype = !half ? KV_DTYPE_F32 : i % 2 ? KV_DTYPE_BF16 : KV_DTYPE_F16;
+    struct rng g = {prefixed * 2 + half + 5};
+    p = kvt_path(dir, "model.safetensors");
+    write_st(p, all, n, &g);
+    free(p);
+    return dir;
+}
+
 /* ---------------------------------------------------------------- tests */
 
 Test(export_dense, hf_shared_model_roundtrips) {
     KVT_NEED_SHARED(src, "models/tinystories-656K");
     char *s = strdup(src);
     int k_mode[2] = {K_LATENT, K_LATENT};
-    roundtrip_dir(s, k_mode, 0, 0);
+    roundtrip_dir(s, k_mode, 0, 0, 0);
     free(s);
 }
 
@@ -589,7 +725,27 @@ Test(export_dense, hf_sharded_f16_bf16_with_biases_roundtrips) {
     /* layer 0: both compressed, K bias from a down bias on unit 0 and 0 on
      * unit 1, V bias 0 (no down bias); layer 1: K full; layer 2: V full */
     int k_mode[H_LAYERS] = {K_LATENT, K_FULL, K_LATENT};
-    roundtrip_dir(src, k_mode, 1u << 2, 1);
+    roundtrip_dir(src, k_mode, 1u << 2, 1, 0);
+    rm_tree(src);
+    free(src);
+}
+
+Test(export_dense, gpt2_c_attn_k_and_v_columns_roundtrip_with_the_compressed_logits) {
+    /* layer 0: fused_query keys with a down bias, fused_output values;
+     * layer 1: keys full, values fused_output */
+    char *src = make_gpt2_dir(0, 0);
+    int k_mode[2] = {K_FUSED_QUERY, K_FULL};
+    roundtrip_dir(src, k_mode, 0, 1, 1);
+    rm_tree(src);
+    free(src);
+}
+
+Test(export_dense, gpt2_prefixed_f16_bf16_roundtrips) {
+    /* layer 0: fused_query keys, values full; layer 1: prerope_latent keys
+     * and fused_output values, in F16 and BF16 tensors */
+    char *src = make_gpt2_dir(1, 1);
+    int k_mode[2] = {K_FUSED_QUERY, K_LATENT};
+    roundtrip_dir(src, k_mode, 1u << 0, 1, 0);
     rm_tree(src);
     free(src);
 }

@@ -3,14 +3,15 @@
  * kvdir_write: a hand-made kv_lowrank with every mode (prerope_latent K in
  *   units of 2 heads with a latent bias, postrope_rotation K, fused_output V
  *   with o_fused, full) on a random GQA model, with and without qkv biases,
- *   written and read back factor for factor; the safetensors holds exactly
+ *   and fused_query K with q_fused (+ fused_output V) on a random gpt2
+ *   model, written and read back factor for factor; the safetensors holds exactly
  *   the tensors the layout names, each equal to the model's or the factors'
  *   bytes (checked against a list built here); the manifest's fields, order,
  *   byte counts and errors are recomputed here; what the output path may
  *   already hold; and the writer's refusals.
- * kvdir_open: a corruption table over a valid directory (each row a clean
- *   error naming the file, the key or tensor, the offset when known) and
- *   models that are not the one the directory was made from.
+ * kvdir_open: a corruption table over a valid llama or gpt2 directory (each
+ *   row a clean error naming the file, the key or tensor, the offset when
+ *   known) and models that are not the one the directory was made from.
  * kvdir_hf: an all-full directory from the shared HF model is itself a
  *   loadable HF checkpoint with the same fingerprint.
  * kvdir_inspect: `kvcal inspect DIR` in text and JSON. */
@@ -41,6 +42,17 @@ static struct kv_config small_cfg(int bias) {
     c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF, c.bos_id = 1, c.eos_id = 2;
     c.has_qkv_bias = bias;
     c.tied_embeddings = !bias; /* cover both heads */
+    return c;
+}
+
+/* gpt2: dim 32, 3 layers, 8 heads (n_kv_heads = n_heads), head_dim 4, biases. */
+static struct kv_config gpt2_cfg(void) {
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_GPT2;
+    c.dim = 32, c.hidden_dim = 40, c.n_layers = 3, c.n_heads = 8, c.n_kv_heads = 8;
+    c.head_dim = 4, c.vocab_size = 50, c.max_seq_len = 64, c.norm_eps = 1e-5f;
+    c.rope_layout = KV_ROPE_HALF, c.bos_id = 1, c.eos_id = 2;
+    c.has_qkv_bias = 1, c.tied_embeddings = 1;
     return c;
 }
 
@@ -99,10 +111,24 @@ static int64_t o_cols_of(const struct kv_lr_side *s, const struct kv_config *c) 
     return cols;
 }
 
-/* Layer 0: K prerope_latent, units {0,1} r5 and {2,3} r3 with a latent bias;
+/* fused_query keys: q_fused [q_cols, d] and its bias (the model has q biases). */
+static void make_q_fused(struct kv_lr_layer *y, const struct kv_config *c, uint64_t *seed) {
+    y->q_cols = o_cols_of(&y->k, c);
+    y->q_fused = rand_floats(y->q_cols * c->dim, seed);
+    if (c->has_qkv_bias) y->q_fused_bias = rand_floats(y->q_cols, seed);
+}
+
+/* llama (GQA, 4 kv heads):
+ * Layer 0: K prerope_latent, units {0,1} r5 and {2,3} r3 with a latent bias;
  *          V fused_output, one head per unit, r 2,3,4,1.
  * Layer 1: K postrope_rotation, r 4,2,3,1; V full.
- * Layer 2: K full; V fused_output, one unit of all heads, r 6, biased. */
+ * Layer 2: K full; V fused_output, one unit of all heads, r 6, biased.
+ * gpt2 (8 kv heads):
+ * Layer 0: K fused_query, units {0,1} r5, {2,3} r3, {4..7} r6, biased, with
+ *          q_fused; V fused_output, one head per unit, r 1,2,3,4,4,3,2,1.
+ * Layer 1: K prerope_latent, units {0..3} r7, {4..7} r2, biased; V full.
+ * Layer 2: K fused_query, one unit of all heads r 9, no latent bias; V
+ *          fused_output, units of 2 heads r 3,5,2,4, biased. */
 static struct kv_lowrank *make_lr(const struct kv_model *m, int kv_bits, int hadamard,
                                   uint64_t seed) {
     const struct kv_config *c = kv_model_config(m);
@@ -121,12 +147,26 @@ static struct kv_lowrank *make_lr(const struct kv_model *m, int kv_bits, int had
     static const int64_t two[] = {2, 2}, one[] = {1, 1, 1, 1}, four[] = {4};
     static const int64_t r0k[] = {5, 3}, r0v[] = {2, 3, 4, 1}, r1k[] = {4, 2, 3, 1}, r2v[] = {6};
     struct kv_lr_layer *y = lr->layers;
-    make_side(&y[0].k, KV_LR_PREROPE_LATENT, 2, two, r0k, 1, c, &s);
-    make_side(&y[0].v, KV_LR_FUSED_OUTPUT, 4, one, r0v, 0, c, &s);
-    make_side(&y[1].k, KV_LR_POSTROPE_ROTATION, 4, one, r1k, 0, c, &s);
-    make_side(&y[1].v, KV_LR_FULL, 0, NULL, NULL, 0, c, &s);
-    make_side(&y[2].k, KV_LR_FULL, 0, NULL, NULL, 0, c, &s);
-    make_side(&y[2].v, KV_LR_FUSED_OUTPUT, 1, four, r2v, 1, c, &s);
+    if (c->arch == KV_ARCH_GPT2) {
+        static const int64_t g0k[] = {2, 2, 4}, g0kr[] = {5, 3, 6}, ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+        static const int64_t g0vr[] = {1, 2, 3, 4, 4, 3, 2, 1}, g1k[] = {4, 4}, g1kr[] = {7, 2};
+        static const int64_t g2k[] = {8}, g2kr[] = {9}, g2v[] = {2, 2, 2, 2}, g2vr[] = {3, 5, 2, 4};
+        make_side(&y[0].k, KV_LR_FUSED_QUERY, 3, g0k, g0kr, 1, c, &s);
+        make_side(&y[0].v, KV_LR_FUSED_OUTPUT, 8, ones, g0vr, 0, c, &s);
+        make_side(&y[1].k, KV_LR_PREROPE_LATENT, 2, g1k, g1kr, 1, c, &s);
+        make_side(&y[1].v, KV_LR_FULL, 0, NULL, NULL, 0, c, &s);
+        make_side(&y[2].k, KV_LR_FUSED_QUERY, 1, g2k, g2kr, 0, c, &s);
+        make_side(&y[2].v, KV_LR_FUSED_OUTPUT, 4, g2v, g2vr, 1, c, &s);
+        make_q_fused(&y[0], c, &s);
+        make_q_fused(&y[2], c, &s);
+    } else {
+        make_side(&y[0].k, KV_LR_PREROPE_LATENT, 2, two, r0k, 1, c, &s);
+        make_side(&y[0].v, KV_LR_FUSED_OUTPUT, 4, one, r0v, 0, c, &s);
+        make_side(&y[1].k, KV_LR_POSTROPE_ROTATION, 4, one, r1k, 0, c, &s);
+        make_side(&y[1].v, KV_LR_FULL, 0, NULL, NULL, 0, c, &s);
+        make_side(&y[2].k, KV_LR_FULL, 0, NULL, NULL, 0, c, &s);
+        make_side(&y[2].v, KV_LR_FUSED_OUTPUT, 1, four, r2v, 1, c, &s);
+    }
     for (int l = 0; l < 3; l++)
         if (y[l].v.mode == KV_LR_FUSED_OUTPUT) {
             y[l].o_cols = o_cols_of(&y[l].v, c);
@@ -135,14 +175,15 @@ static struct kv_lowrank *make_lr(const struct kv_model *m, int kv_bits, int had
     return lr;
 }
 
-static struct kv_model *make_model(int bias, uint64_t seed) {
-    struct kv_config c = small_cfg(bias);
+static struct kv_model *model_of(struct kv_config c, uint64_t seed) {
     struct kv_model *m = NULL;
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_model_init_random(&c, seed, &m, &err), KV_OK, "%s", fmt_err(&err));
     return m;
 }
+
+static struct kv_model *make_model(int bias, uint64_t seed) { return model_of(small_cfg(bias), seed); }
 
 static const char *OPTIONS = "{\"ratio\": 0.5, \"rank_multiple\": 1, \"eps\": null}";
 static const char *STATS = "{\"fingerprint\": \"abc\", \"tokens\": 4096}";
@@ -237,17 +278,21 @@ static void assert_lr_eq(const struct kv_lowrank *a, const struct kv_lowrank *b,
             }
         }
         cr_assert_eq(x->o_cols, y->o_cols, "layer %lld", (long long)l);
-        if (factors)
+        cr_assert_eq(x->q_cols, y->q_cols, "layer %lld", (long long)l);
+        if (factors) {
             assert_floats_eq(x->o_fused, y->o_fused, d * x->o_cols, "o_fused");
-        else
-            cr_assert_null(y->o_fused);
+            assert_floats_eq(x->q_fused, y->q_fused, x->q_cols * d, "q_fused");
+            assert_floats_eq(x->q_fused_bias, y->q_fused_bias, x->q_cols, "q_fused_bias");
+        } else {
+            cr_assert(!y->o_fused && !y->q_fused && !y->q_fused_bias, "layer %lld", (long long)l);
+        }
     }
 }
 
 /* ------------------------------------------------------------ round trip */
 
-static void round_trip(int bias, int kv_bits, int hadamard) {
-    struct kv_model *m = make_model(bias, 7);
+static void round_trip(struct kv_config cfg, int kv_bits, int hadamard) {
+    struct kv_model *m = model_of(cfg, 7);
     struct kv_lowrank *lr = make_lr(m, kv_bits, hadamard, 99);
     char *parent, *dir = out_dir(&parent);
     write_dir(m, lr, dir);
@@ -283,8 +328,12 @@ static void round_trip(int bias, int kv_bits, int hadamard) {
     free(dir), free(parent);
 }
 
-Test(kvdir_write, round_trip_every_mode_without_bias) { round_trip(0, 16, 0); }
-Test(kvdir_write, round_trip_every_mode_with_qkv_bias_quantized) { round_trip(1, 4, 1); }
+Test(kvdir_write, round_trip_every_mode_without_bias) { round_trip(small_cfg(0), 16, 0); }
+Test(kvdir_write, round_trip_every_mode_with_qkv_bias_quantized) {
+    round_trip(small_cfg(1), 4, 1);
+}
+Test(kvdir_write, round_trip_gpt2_fused_query_and_fused_output) { round_trip(gpt2_cfg(), 16, 0); }
+Test(kvdir_write, round_trip_gpt2_quantized) { round_trip(gpt2_cfg(), 3, 1); }
 
 /* ------------------------------------------------------------ safetensors */
 
@@ -315,42 +364,72 @@ static void expected_tensors(const struct kv_model *m, const struct kv_lowrank *
     const struct kv_config *c = kv_model_config(m);
     int64_t d = c->dim, dh = c->head_dim, qd = c->n_heads * dh, kvd = c->n_kv_heads * dh;
     int64_t ff = c->hidden_dim;
+    int gpt2 = c->arch == KV_ARCH_GPT2;
+    const char *P = gpt2 ? "transformer.h" : "model.layers", *A = gpt2 ? "attn" : "self_attn";
     char nm[128];
-    want(w, "model.embed_tokens.weight", c->vocab_size, d, m->tok_emb);
-    want(w, "model.norm.weight", d, 0, m->out_norm);
+    if (gpt2) {
+        want(w, "transformer.wte.weight", c->vocab_size, d, m->tok_emb);
+        want(w, "transformer.wpe.weight", c->max_seq_len, d, m->pos_emb);
+        want(w, "transformer.ln_f.weight", d, 0, m->out_norm);
+        want(w, "transformer.ln_f.bias", d, 0, m->out_norm_b);
+    } else {
+        want(w, "model.embed_tokens.weight", c->vocab_size, d, m->tok_emb);
+        want(w, "model.norm.weight", d, 0, m->out_norm);
+    }
     if (!c->tied_embeddings) want(w, "lm_head.weight", c->vocab_size, d, m->lm_head);
+    /* per-layer tensors that are neither attention projections nor K/V */
+    static const struct {
+        const char *name;
+        enum kv_wkind kind;
+        int gpt2;
+    } plain[] = {
+        {"input_layernorm.weight", KV_W_ATTN_NORM, 0},
+        {"post_attention_layernorm.weight", KV_W_FFN_NORM, 0},
+        {"mlp.gate_proj.weight", KV_W_GATE, 0},
+        {"mlp.up_proj.weight", KV_W_UP, 0},
+        {"mlp.down_proj.weight", KV_W_DOWN, 0},
+        {"ln_1.weight", KV_W_ATTN_NORM, 1},
+        {"ln_1.bias", KV_W_ATTN_NORM_B, 1},
+        {"attn.o_proj.bias", KV_W_BO, 1},
+        {"ln_2.weight", KV_W_FFN_NORM, 1},
+        {"ln_2.bias", KV_W_FFN_NORM_B, 1},
+        {"mlp.c_fc.weight", KV_W_UP, 1},
+        {"mlp.c_fc.bias", KV_W_BUP, 1},
+        {"mlp.c_proj.weight", KV_W_DOWN, 1},
+        {"mlp.c_proj.bias", KV_W_BDOWN, 1},
+    };
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *W = m->layers[l].w;
         const struct kv_lr_layer *y = &lr->layers[l];
-#define N(...) (snprintf(nm, sizeof nm, __VA_ARGS__), nm)
-        want(w, N("model.layers.%lld.input_layernorm.weight", (long long)l), d, 0,
-             W[KV_W_ATTN_NORM]);
-        want(w, N("model.layers.%lld.post_attention_layernorm.weight", (long long)l), d, 0,
-             W[KV_W_FFN_NORM]);
-        want(w, N("model.layers.%lld.self_attn.q_proj.weight", (long long)l), qd, d, W[KV_W_Q]);
-        if (c->has_qkv_bias)
-            want(w, N("model.layers.%lld.self_attn.q_proj.bias", (long long)l), qd, 0, W[KV_W_BQ]);
-        want(w, N("model.layers.%lld.mlp.gate_proj.weight", (long long)l), ff, d, W[KV_W_GATE]);
-        want(w, N("model.layers.%lld.mlp.up_proj.weight", (long long)l), ff, d, W[KV_W_UP]);
-        want(w, N("model.layers.%lld.mlp.down_proj.weight", (long long)l), d, ff, W[KV_W_DOWN]);
+#define N(fmt, ...) (snprintf(nm, sizeof nm, "%s.%lld." fmt, P, (long long)l, __VA_ARGS__), nm)
+        for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++) {
+            if (plain[i].gpt2 != gpt2) continue;
+            enum kv_wkind k = plain[i].kind;
+            int64_t rows = k == KV_W_GATE || k == KV_W_UP || k == KV_W_BUP ? ff : d;
+            int64_t cols = k == KV_W_GATE || k == KV_W_UP ? d : k == KV_W_DOWN ? ff : 0;
+            want(w, N("%s", plain[i].name), rows, cols, W[k]);
+        }
+        if (y->k.mode == KV_LR_FUSED_QUERY) {
+            want(w, N("%s.q_fused.weight", A), y->q_cols, d, y->q_fused);
+            if (c->has_qkv_bias) want(w, N("%s.q_fused.bias", A), y->q_cols, 0, y->q_fused_bias);
+        } else {
+            want(w, N("%s.q_proj.weight", A), qd, d, W[KV_W_Q]);
+            if (c->has_qkv_bias) want(w, N("%s.q_proj.bias", A), qd, 0, W[KV_W_BQ]);
+        }
         if (y->v.mode == KV_LR_FUSED_OUTPUT)
-            want(w, N("model.layers.%lld.self_attn.o_proj.weight", (long long)l), d, y->o_cols,
-                 y->o_fused);
+            want(w, N("%s.o_proj.weight", A), d, y->o_cols, y->o_fused);
         else
-            want(w, N("model.layers.%lld.self_attn.o_proj.weight", (long long)l), d, qd, W[KV_W_O]);
+            want(w, N("%s.o_proj.weight", A), d, qd, W[KV_W_O]);
         for (int s = 0; s < 2; s++) {
             const struct kv_lr_side *sd = s ? &y->v : &y->k;
             char p = "kv"[s];
             if (sd->mode == KV_LR_FULL || sd->mode == KV_LR_POSTROPE_ROTATION) {
-                want(w, N("model.layers.%lld.self_attn.%c_proj.weight", (long long)l, p), kvd, d,
-                     W[s ? KV_W_V : KV_W_K]);
+                want(w, N("%s.%c_proj.weight", A, p), kvd, d, W[s ? KV_W_V : KV_W_K]);
                 if (c->has_qkv_bias)
-                    want(w, N("model.layers.%lld.self_attn.%c_proj.bias", (long long)l, p), kvd, 0,
-                         W[s ? KV_W_BV : KV_W_BK]);
+                    want(w, N("%s.%c_proj.bias", A, p), kvd, 0, W[s ? KV_W_BV : KV_W_BK]);
                 for (int64_t u = 0; u < sd->n_units; u++)
-                    want(w, N("model.layers.%lld.self_attn.%c_rot.%lld.weight", (long long)l, p,
-                              (long long)u),
-                         sd->units[u].rank, dh, sd->units[u].rot);
+                    want(w, N("%s.%c_rot.%lld.weight", A, p, (long long)u), sd->units[u].rank, dh,
+                         sd->units[u].rot);
                 continue;
             }
             /* stacked down (and bias) in unit order */
@@ -363,23 +442,22 @@ static void expected_tensors(const struct kv_model *m, const struct kv_lowrank *
                 for (int64_t i = 0; bias && i < sd->units[u].rank; i++)
                     bias[off + i] = sd->units[u].down_bias[i];
                 off += sd->units[u].rank;
-                want(w, N("model.layers.%lld.self_attn.%c_up.%lld.weight", (long long)l, p,
-                          (long long)u),
-                     sd->units[u].n_heads * dh, sd->units[u].rank, sd->units[u].up);
+                want(w, N("%s.%c_up.%lld.weight", A, p, (long long)u), sd->units[u].n_heads * dh,
+                     sd->units[u].rank, sd->units[u].up);
             }
             w->bufs[w->nb++] = down;
-            want(w, N("model.layers.%lld.self_attn.%c_down.weight", (long long)l, p), r, d, down);
+            want(w, N("%s.%c_down.weight", A, p), r, d, down);
             if (bias) {
                 w->bufs[w->nb++] = bias;
-                want(w, N("model.layers.%lld.self_attn.%c_down.bias", (long long)l, p), r, 0, bias);
+                want(w, N("%s.%c_down.bias", A, p), r, 0, bias);
             }
         }
 #undef N
     }
 }
 
-static void check_safetensors(int bias) {
-    struct kv_model *m = make_model(bias, 11);
+static void check_safetensors(struct kv_config cfg) {
+    struct kv_model *m = model_of(cfg, 11);
     struct kv_lowrank *lr = make_lr(m, 16, 0, 5);
     char *parent, *dir = out_dir(&parent);
     write_dir(m, lr, dir);
@@ -416,8 +494,18 @@ static void check_safetensors(int bias) {
     free(dir), free(parent);
 }
 
-Test(kvdir_write, safetensors_holds_exactly_the_layout_without_bias) { check_safetensors(0); }
-Test(kvdir_write, safetensors_holds_exactly_the_layout_with_bias) { check_safetensors(1); }
+Test(kvdir_write, safetensors_holds_exactly_the_layout_without_bias) {
+    check_safetensors(small_cfg(0));
+}
+Test(kvdir_write, safetensors_holds_exactly_the_layout_with_bias) {
+    check_safetensors(small_cfg(1));
+}
+Test(kvdir_write, safetensors_holds_exactly_the_gpt2_layout) { check_safetensors(gpt2_cfg()); }
+Test(kvdir_write, safetensors_holds_exactly_the_untied_gpt2_layout) {
+    struct kv_config c = gpt2_cfg();
+    c.tied_embeddings = 0;
+    check_safetensors(c);
+}
 
 /* ------------------------------------------------------------ manifest */
 
@@ -464,9 +552,10 @@ static int64_t unit_bytes(int64_t rank, int bits) {
     return bits >= 16 ? 2 * rank : (rank * bits + 7) / 8 + 2 + 2;
 }
 
-static void check_manifest(int bias, int bits) {
-    struct kv_model *m = make_model(bias, 3);
+static void check_manifest(struct kv_config cfg, int bits) {
+    struct kv_model *m = model_of(cfg, 3);
     const struct kv_config *c = kv_model_config(m);
+    int bias = c->has_qkv_bias, gpt2 = c->arch == KV_ARCH_GPT2;
     struct kv_lowrank *lr = make_lr(m, bits, bits < 16, 21);
     char *parent, *dir = out_dir(&parent);
     write_dir(m, lr, dir);
@@ -474,13 +563,15 @@ static void check_manifest(int bias, int bits) {
 
     static const char *const top[] = {
         "format", "version", "kvcal_version", "method", "alloc", "options", "model", "stats",
-        "rope", "latent", "weights", "kv_bytes_per_token", "predicted_error", "layers"};
+        "rope", "latent", "weights", "weight_layout", "kv_bytes_per_token", "predicted_error",
+        "layers"};
     assert_keys(root, top, sizeof top / sizeof top[0], "manifest");
     cr_assert_str_eq(jstr(root, "format"), "kvcal.manifest");
     cr_assert_eq(jint(root, "version"), 1);
     cr_assert_str_eq(jstr(root, "method"), "palu");
     cr_assert_str_eq(jstr(root, "alloc"), "uniform");
     cr_assert_str_eq(jstr(root, "weights"), "model.safetensors");
+    cr_assert_str_eq(jstr(root, "weight_layout"), "linear [out, in]");
     json_t *opt = json_loads(OPTIONS, 0, NULL), *st = json_loads(STATS, 0, NULL);
     cr_assert(json_equal(json_object_get(root, "options"), opt), "options not copied verbatim");
     cr_assert(json_equal(json_object_get(root, "stats"), st), "stats not copied verbatim");
@@ -501,6 +592,7 @@ static void check_manifest(int bias, int bits) {
     cr_assert_str_eq(jstr(mo, "fingerprint"), lr->model_fingerprint);
     cr_assert_str_eq(jstr(mo, "source"), "models/base");
     cr_assert_str_eq(jstr(mo, "format"), "synthetic");
+    cr_assert_str_eq(jstr(mo, "arch"), gpt2 ? "gpt2" : "llama");
     cr_assert_eq(jint(mo, "dim"), c->dim);
     cr_assert_eq(jint(mo, "n_kv_heads"), c->n_kv_heads);
     cr_assert_eq(jint(mo, "head_dim"), c->head_dim);
@@ -509,10 +601,14 @@ static void check_manifest(int bias, int bits) {
     cr_assert_eq(json_is_true(json_object_get(mo, "tied_embeddings")), c->tied_embeddings);
 
     json_t *ro = json_object_get(root, "rope");
-    cr_assert_str_eq(jstr(ro, "layout"), "half");
-    cr_assert_str_eq(jstr(ro, "pairs"), "(i, i + d_h/2)");
-    cr_assert_eq(jnum(ro, "theta"), 10000.0);
-    cr_assert(json_is_null(json_object_get(ro, "scaling")));
+    if (gpt2) {
+        cr_assert(json_is_null(ro), "gpt2 has no rope: 'rope' must be null");
+    } else {
+        cr_assert_str_eq(jstr(ro, "layout"), "half");
+        cr_assert_str_eq(jstr(ro, "pairs"), "(i, i + d_h/2)");
+        cr_assert_eq(jnum(ro, "theta"), 10000.0);
+        cr_assert(json_is_null(json_object_get(ro, "scaling")));
+    }
 
     json_t *lo = json_object_get(root, "latent");
     cr_assert_eq(jint(lo, "bits"), bits);
@@ -538,12 +634,15 @@ static void check_manifest(int bias, int bits) {
         for (int s = 0; s < 2; s++) {
             const struct kv_lr_side *sd = s ? &lr->layers[l].v : &lr->layers[l].k;
             json_t *so = json_object_get(yo, s ? "v" : "k");
-            char pre[96];
-            snprintf(pre, sizeof pre, "model.layers.%lld.self_attn.%c", (long long)l, "kv"[s]);
+            char attn[96], pre[100];
+            snprintf(attn, sizeof attn, gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
+                     (long long)l);
+            snprintf(pre, sizeof pre, "%s%c", attn, "kv"[s]);
             char nm[160];
             cr_assert_str_eq(jstr(so, "mode"), kv_lr_mode_name(sd->mode));
             cr_assert_eq(jint(so, "rank"), side_rank(sd));
-            int latent = sd->mode == KV_LR_PREROPE_LATENT || sd->mode == KV_LR_FUSED_OUTPUT;
+            int latent = sd->mode == KV_LR_PREROPE_LATENT || sd->mode == KV_LR_FUSED_QUERY ||
+                         sd->mode == KV_LR_FUSED_OUTPUT;
             snprintf(nm, sizeof nm, "%s_down.weight", pre);
             if (latent)
                 cr_assert_str_eq(jstr(so, "down"), nm);
@@ -560,12 +659,22 @@ static void check_manifest(int bias, int bits) {
             else
                 cr_assert(json_is_null(json_object_get(so, "proj")));
             if (s) {
-                snprintf(nm, sizeof nm, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+                snprintf(nm, sizeof nm, "%so_proj.weight", attn);
                 cr_assert_str_eq(jstr(so, "o_proj"), nm);
                 if (sd->mode == KV_LR_FUSED_OUTPUT)
                     cr_assert_eq(jint(so, "o_cols"), o_cols_of(sd, c));
                 else
                     cr_assert_null(json_object_get(so, "o_cols"));
+            } else if (sd->mode == KV_LR_FUSED_QUERY) {
+                /* the query heads' unit ranks, as for o_cols */
+                cr_assert_eq(jint(so, "q_cols"), o_cols_of(sd, c));
+                snprintf(nm, sizeof nm, "%sq_fused.weight", attn);
+                cr_assert_str_eq(jstr(so, "q_proj"), nm);
+                snprintf(nm, sizeof nm, "%sq_fused.bias", attn);
+                cr_assert_str_eq(jstr(so, "q_proj_bias"), nm);
+            } else {
+                cr_assert(!json_object_get(so, "q_proj") && !json_object_get(so, "q_proj_bias") &&
+                          !json_object_get(so, "q_cols"));
             }
             json_t *units = json_object_get(so, "units");
             cr_assert_eq((int64_t)json_array_size(units), sd->n_units);
@@ -619,8 +728,9 @@ static void check_manifest(int bias, int bits) {
     free(dir), free(parent);
 }
 
-Test(kvdir_write, manifest_fields_f16) { check_manifest(0, 16); }
-Test(kvdir_write, manifest_fields_quantized) { check_manifest(1, 3); }
+Test(kvdir_write, manifest_fields_f16) { check_manifest(small_cfg(0), 16); }
+Test(kvdir_write, manifest_fields_quantized) { check_manifest(small_cfg(1), 3); }
+Test(kvdir_write, manifest_fields_gpt2) { check_manifest(gpt2_cfg(), 16); }
 
 Test(kvdir_write, copies_the_tokenizer_of_a_non_hf_source) {
     struct kv_model *m = make_model(0, 1);
@@ -765,6 +875,47 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
         cr_assert_neq(access(dir, F_OK), 0, "%s: the directory was created", rows[i].what);
         kv_lowrank_free(lr);
     }
+    /* fused query keys: on gpt2 only, with q_fused of the units' rows and a
+     * bias exactly when the model has a q bias */
+    struct kv_model *g2 = model_of(gpt2_cfg(), 1);
+    static const struct {
+        const char *what, *needle;
+    } qrows[] = {
+        {"q_cols", "layer 0 k: fused query projection is set with 39 rows, expected 40"},
+        {"q_fused", "layer 2 k: fused query projection is NULL"},
+        {"q bias", "layer 0 k: fused query bias is NULL but the model has a q bias"},
+        {"stray q_fused", "layer 1 k: a fused query projection is set but the mode is "
+                          "'prerope_latent'"},
+        {"llama", "layer 0 k: mode 'fused_query' needs a model without rope"},
+    };
+    for (size_t i = 0; i < sizeof qrows / sizeof qrows[0]; i++) {
+        struct kv_lowrank *lr = make_lr(g2, 16, 0, 2);
+        struct kv_lr_layer *y = lr->layers;
+        struct kv_model *llama = NULL;
+        const struct kv_model *target = g2;
+        switch (i) {
+        case 0: y[0].q_cols--; break;
+        case 1: free(y[2].q_fused), y[2].q_fused = NULL; break;
+        case 2: free(y[0].q_fused_bias), y[0].q_fused_bias = NULL; break;
+        case 3: y[1].q_fused = malloc(sizeof(float)); break;
+        case 4: { /* the same factors for a llama model of gpt2's shapes */
+            struct kv_config lc = gpt2_cfg();
+            lc.arch = KV_ARCH_LLAMA, lc.rope_theta = 10000.0f;
+            target = llama = model_of(lc, 1);
+            cr_assert_eq(kv_model_fingerprint(llama, lr->model_fingerprint, &err), KV_OK);
+            break;
+        }
+        }
+        kv_err_clear(&err);
+        cr_assert_eq(kv_lr_dir_write(target, lr, NULL, dir, &err), KV_EINVAL, "%s: %s",
+                     qrows[i].what, fmt_err(&err));
+        cr_assert(strstr(err.msg, qrows[i].needle), "%s: '%s' lacks '%s'", qrows[i].what,
+                  err.msg, qrows[i].needle);
+        cr_assert_neq(access(dir, F_OK), 0, "%s: the directory was created", qrows[i].what);
+        kv_lowrank_free(lr);
+        kv_model_free(llama);
+    }
+    kv_model_free(g2);
     /* options that are not an object */
     struct kv_lowrank *lr = make_lr(m, 16, 0, 2);
     struct kv_lr_dir_info info = {NULL, NULL, "[1, 2]", NULL};
@@ -787,14 +938,16 @@ struct fx {
     char *parent, *dir, *mpath, *wpath;
 };
 
-static void fx_init(struct fx *f) {
-    f->m = make_model(0, 17);
+static void fx_init_arch(struct fx *f, int gpt2) {
+    f->m = gpt2 ? model_of(gpt2_cfg(), 17) : make_model(0, 17);
     f->lr = make_lr(f->m, 16, 0, 23);
     f->dir = out_dir(&f->parent);
     write_dir(f->m, f->lr, f->dir);
     f->mpath = kvt_path(f->dir, "kvcal.json");
     f->wpath = kvt_path(f->dir, "model.safetensors");
 }
+
+static void fx_init(struct fx *f) { fx_init_arch(f, 0); }
 
 static void fx_free(struct fx *f) {
     kv_lowrank_free(f->lr);
@@ -899,7 +1052,22 @@ static void j_offset(json_t *r) {
 static void j_o_cols(json_t *r) { bump(side_json(r, 2, "v"), "o_cols", 1); }
 static void j_mode(json_t *r) { set(side_json(r, 1, "v"), "mode", json_string("prerope_latent")); }
 static void j_fused_query(json_t *r) {
-    set(side_json(r, 2, "k"), "mode", json_string("fused_query"));
+    set(side_json(r, 0, "k"), "mode", json_string("fused_query"));
+}
+static void j_arch(json_t *r) { set(json_object_get(r, "model"), "arch", json_string("mamba")); }
+static void j_rope_null(json_t *r) { set(r, "rope", json_null()); }
+static void j_rope_object(json_t *r) {
+    set(r, "rope", json_pack("{s:s, s:f}", "layout", "half", "theta", 10000.0));
+}
+static void j_layout(json_t *r) { set(r, "weight_layout", json_string("linear [in, out]")); }
+static void j_q_cols(json_t *r) { bump(side_json(r, 0, "k"), "q_cols", 1); }
+static void j_q_cols_missing(json_t *r) {
+    cr_assert_eq(json_object_del(side_json(r, 2, "k"), "q_cols"), 0);
+}
+static void j_q_proj_null(json_t *r) { set(side_json(r, 2, "k"), "q_proj", json_null()); }
+static void j_q_bias_null(json_t *r) { set(side_json(r, 0, "k"), "q_proj_bias", json_null()); }
+static void j_q_proj_stray(json_t *r) {
+    set(side_json(r, 1, "k"), "q_proj", json_string("transformer.h.1.attn.q_proj.weight"));
 }
 static void j_missing_name(json_t *r) {
     set(unit_json(r, 0, "k", 1), "up", json_string("model.layers.0.self_attn.k_up.7.weight"));
@@ -928,60 +1096,99 @@ struct row {
                  4 narrow tensor, 5 json edit with the error at tensor's offset */
     const char *tensor;
     struct want_err w;
+    int gpt2; /* the directory of a gpt2 model (else llama) */
 };
 
 static const struct row rows[] = {
     {"missing manifest", NULL, 1, NULL,
-     {KV_EIO, 0, KV_NO_OFFSET, 0, "cannot open"}},
+     {KV_EIO, 0, KV_NO_OFFSET, 0, "cannot open"}, 0},
     {"bad json", NULL, 2, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 1, "invalid json"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 1, "invalid json"}, 0},
     {"wrong format", j_format, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "format 'kvcal.other'"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "format 'kvcal.other'"}, 0},
     {"newer version", j_version, 0, NULL,
-     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0, "version 2"}},
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0, "version 2"}, 0},
     {"wrong kv bytes", j_bytes, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv_bytes_per_token"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv_bytes_per_token"}, 0},
     {"heads overlap", j_overlap, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 1: kv heads 1..3 overlap"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 1: kv heads 1..3 overlap"}, 0},
     {"heads gap", j_gap, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv head 2 is in no unit"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv head 2 is in no unit"}, 0},
     {"heads out of order", j_heads_order, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "consecutive kv heads"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "consecutive kv heads"}, 0},
     {"rank above d_h", j_rank_range, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank 5 is not within 1..4"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank 5 is not within 1..4"}, 0},
     {"side rank", j_side_rank, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank is 9 but its units"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank is 9 but its units"}, 0},
     {"latent offset", j_offset, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "latent_offset is 4, expected 5"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "latent_offset is 4, expected 5"}, 0},
     {"o_cols", j_o_cols, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "o_cols"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "o_cols"}, 0},
     {"mode for values", j_mode, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "mode 'prerope_latent' is not one of"}},
-    {"fused_query", j_fused_query, 0, NULL,
-     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0, "fused_query"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "mode 'prerope_latent' is not one of"}, 0},
+    {"fused_query on llama", j_fused_query, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: mode 'fused_query' needs a model without rope, found arch 'llama'"}, 0},
+    {"unknown arch", j_arch, 0, NULL,
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
+      "model: arch 'mamba' is not supported, expected 'llama' or 'gpt2'"}, 0},
+    {"llama rope null", j_rope_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be an object, found null"}, 0},
+    {"weight layout", j_layout, 0, NULL,
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
+      "weight_layout 'linear [in, out]' is not supported, expected 'linear [out, in]'"}, 0},
+    {"gpt2 rope object", j_rope_object, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be null for arch 'gpt2' (no rope)"}, 1},
+    {"q_cols", j_q_cols, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: q_cols is 41, expected 40 (each query head's unit rank)"}, 1},
+    {"q_cols missing", j_q_cols_missing, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 2 k: missing key 'q_cols'"}, 1},
+    {"q_proj null", j_q_proj_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 2 k: key 'q_proj' must be a tensor name, found null"},
+     1},
+    {"q_proj_bias null", j_q_bias_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: key 'q_proj_bias' is null, but the model has q biases"}, 1},
+    {"q_proj on another mode", j_q_proj_stray, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 1 k: key 'q_proj' must be null for mode "
+                                      "'prerope_latent'"}, 1},
+    {"q_fused dropped", NULL, 3, "transformer.h.2.attn.q_fused.weight",
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'transformer.h.2.attn.q_fused.weight' "
+                                      "(named by kvcal.json layer 2 k 'q_proj', q_cols)"}, 1},
+    {"q_fused bias dropped", NULL, 3, "transformer.h.0.attn.q_fused.bias",
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'transformer.h.0.attn.q_fused.bias'"}, 1},
+    {"q_fused shape", NULL, 4, "transformer.h.0.attn.q_fused.weight",
+     {KV_EFORMAT, 1, 0, 0, "has shape [40, 31] but kvcal.json (layer 0 k 'q_proj', q_cols) "
+                           "implies [40, 32]"}, 1},
+    {"q_fused bias shape", NULL, 4, "transformer.h.2.attn.q_fused.bias",
+     {KV_EFORMAT, 1, 0, 0, "has shape [71] but kvcal.json (layer 2 k 'q_proj_bias', q_cols) "
+                           "implies [72]"}, 1},
+    {"gpt2 factor dropped", NULL, 3, "transformer.h.1.attn.k_up.1.weight",
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'transformer.h.1.attn.k_up.1.weight'"}, 1},
     {"named tensor absent", j_missing_name, 0, NULL,
-     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.0.self_attn.k_up.7.weight'"}},
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.0.self_attn.k_up.7.weight'"}, 0},
     {"weights outside", j_weights_path, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'weights'"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'weights'"}, 0},
     {"model dims", j_dim, 0, NULL,
-     {KV_EINVAL, 0, KV_NO_OFFSET, 0, "hidden_dim 41"}},
+     {KV_EINVAL, 0, KV_NO_OFFSET, 0, "hidden_dim 41"}, 0},
     {"energy type", j_energy, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 0: key 'energy'"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 0: key 'energy'"}, 0},
     {"layer count", j_layers, 0, NULL,
-     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "2 entries, expected n_layers 3"}},
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "2 entries, expected n_layers 3"}, 0},
     {"tensor dropped", NULL, 3, "model.layers.1.self_attn.k_rot.2.weight",
-     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.1.self_attn.k_rot.2.weight'"}},
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.1.self_attn.k_rot.2.weight'"}, 0},
     {"bias dropped", NULL, 3, "model.layers.0.self_attn.k_down.bias",
-     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.0.self_attn.k_down.bias'"}},
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0, "missing tensor 'model.layers.0.self_attn.k_down.bias'"}, 0},
     {"rank vs shape", NULL, 4, "model.layers.0.self_attn.k_up.1.weight",
      {KV_EFORMAT, 1, 0, 0,
-      "has shape [8, 2] but kvcal.json (layer 0 k unit 1 'up', rank 3) implies [8, 3]"}},
+      "has shape [8, 2] but kvcal.json (layer 0 k unit 1 'up', rank 3) implies [8, 3]"}, 0},
     {"rank vs shape in the manifest", j_rank_consistent, 5,
      "model.layers.1.self_attn.k_rot.3.weight",
      {KV_EFORMAT, 1, 0, 0, "has shape [1, 4] but kvcal.json (layer 1 k unit 3 'rot', rank 2) "
-                           "implies [2, 4]"}},
+                           "implies [2, 4]"}, 0},
     {"fused o_proj shape", NULL, 4, "model.layers.0.self_attn.o_proj.weight",
-     {KV_EFORMAT, 1, 0, 0, "o_proj"}},
+     {KV_EFORMAT, 1, 0, 0, "o_proj"}, 0},
 };
 #define N_ROWS (sizeof rows / sizeof rows[0])
 
@@ -994,7 +1201,7 @@ ParameterizedTestParameters(kvdir_open, rejects_corruption) {
 ParameterizedTest(int *ip, kvdir_open, rejects_corruption) {
     const struct row *r = &rows[*ip];
     struct fx f;
-    fx_init(&f);
+    fx_init_arch(&f, r->gpt2);
     struct want_err w = r->w;
     switch (r->kind) {
     case 0: edit_json(&f, r->json_fn); break;
@@ -1064,6 +1271,17 @@ Test(kvdir_open, refuses_another_model) {
     kv_err_clear(&err);
     cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
     cr_assert(strstr(err.msg, "tied_embeddings") || strstr(err.msg, "qkv_bias"), "%s", err.msg);
+    kv_model_free(other);
+    fx_free(&f);
+
+    /* a gpt2 directory and a llama model of the same shapes */
+    fx_init_arch(&f, 1);
+    struct kv_config lc = gpt2_cfg();
+    lc.arch = KV_ARCH_LLAMA, lc.rope_theta = 10000.0f;
+    other = model_of(lc, 17);
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.msg, "made from a gpt2 model, but the given model is llama");
     kv_model_free(other);
     fx_free(&f);
 }
