@@ -17,6 +17,7 @@ static const struct {
     {"decompose", cmd_decompose, "low-rank K/V factors under a budget, written as a latent-cache model"},
     {"export", cmd_export, "a compressed model back as an ordinary dense model (a quality proxy)"},
     {"inspect", cmd_inspect, "a model, a .kvstats file's spectra, or a compressed model's ranks"},
+    {"train", cmd_train, "a small model from scratch (maintainers: the fixture models)"},
 };
 #define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
 
