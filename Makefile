@@ -19,7 +19,7 @@ CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
 LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
-                libcriterion-dev libjansson-dev nettle-dev zlib1g-dev
+                libcriterion-dev libjansson-dev nettle-dev zlib1g-dev bible-kjv
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)
@@ -34,7 +34,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps test bench results clean install fuzz
+.PHONY: all deps test bench results clean install fuzz data fixtures demo
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/include/kvcal.h
 
 deps:
@@ -74,6 +74,8 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvcal.a
 # dropped. The closing line adds up Criterion's per-suite synthesis (a crash
 # counts as a failure) and the [SKIP] lines, which that synthesis leaves out.
 test: all $(TEST_BIN)
+	@if command -v bible >/dev/null; then $(MAKE) --no-print-directory -s data; \
+	 else echo "make test: no 'bible' command (make deps installs bible-kjv): the KJV tests will skip"; fi
 	@pass=0; fail=0; skip=0; failed=""; log=$$(mktemp); \
 	for t in $(TEST_BIN); do \
 	  echo "== $$t"; \
@@ -97,6 +99,30 @@ bench: all $(BENCH_BIN)
 # minutes of decompose and verify runs, so not part of test or bench.
 results: all
 	@KVCAL_BIN=$(BUILD)/kvcal bash tests/bench/results.sh
+
+# The King James Bible from Debian's bible-kjv, one verse per line without
+# its reference: the four Gospels held out for evaluation, the rest for
+# training and calibration (make data; not committed).
+KJV := data/kjv
+data: $(KJV)/train.txt $(KJV)/gospels.txt
+$(KJV)/%.txt:
+	@command -v bible >/dev/null || { echo "make data: the 'bible' command is missing; 'make deps' installs it (Debian package bible-kjv)" >&2; exit 1; }
+	@mkdir -p $(KJV)
+	bible -f $(if $(filter gospels,$*),'Mat1:1-Joh21:25','Gen1:1-Mal4:6' 'Act1:1-Rev22:21') \
+	  | sed -E 's/^[1-3]?[A-Za-z]+[0-9]+:[0-9]+ //' > $@.tmp && mv $@.tmp $@
+
+# The committed fixture models data/kjv-llama and data/kjv-gpt2, trained by
+# kvcal itself (one thread each, so the two can run side by side: make -j2).
+FIXTURE_ARGS := --text $(KJV)/train.txt --eval $(KJV)/gospels.txt --threads 1 --log-every 25
+fixtures: data/kjv-llama/model.safetensors data/kjv-gpt2/model.safetensors
+data/kjv-llama/model.safetensors: | data $(BUILD)/kvcal
+	$(BUILD)/kvcal train --arch llama --steps 1500 $(FIXTURE_ARGS) -o data/kjv-llama --checkpoint $(BUILD)/kjv-llama.ckpt
+data/kjv-gpt2/model.safetensors: | data $(BUILD)/kvcal
+	$(BUILD)/kvcal train --arch gpt2 --steps 1000 $(FIXTURE_ARGS) -o data/kjv-gpt2 --checkpoint $(BUILD)/kjv-gpt2.ckpt
+
+# The main job on the embedded model: collect, decompose --eps 0.9, verify.
+demo: all data
+	@bash tests/demo.sh $(BUILD)/kvcal
 
 # Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
 #   make fuzz FUZZ=safetensors|model|tokenizer|kvstats [FUZZ_SECONDS=300]

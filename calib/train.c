@@ -526,6 +526,7 @@ int kv_train(struct kv_train_opts *o, struct kv_err *err) {
     if (!rc) {
         o->final_eval_loss = t.step ? t.log[(t.step - 1) * LOG_COLS + 5] : NAN;
         o->tokens_seen = t.tokens;
+        o->run_tokens = t.tokens - tok0;
         rc = write_outputs(&t, tok_path, err);
     }
     trainer_free(&t);

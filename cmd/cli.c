@@ -305,12 +305,18 @@ void cli_human_count(double v, char *buf, size_t cap) {
 }
 
 void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
+    char pos[64];
+    if (c->arch == KV_ARCH_GPT2)
+        snprintf(pos, sizeof pos, "%lld learned positions", (long long)c->max_seq_len);
+    else
+        snprintf(pos, sizeof pos, "rope %s theta %g",
+                 c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
+                 (double)c->rope_theta);
     snprintf(buf, cap,
-             "llama, dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld, ffn %lld, "
-             "vocab %lld, rope %s theta %g, %s head",
-             (long long)c->dim, (long long)c->n_layers, (long long)c->n_heads,
-             (long long)c->n_kv_heads, (long long)c->head_dim, (long long)c->hidden_dim,
-             (long long)c->vocab_size,
-             c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
-             (double)c->rope_theta, c->tied_embeddings ? "tied" : "untied");
+             "%s, dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld, ffn %lld, "
+             "vocab %lld, %s, %s head",
+             kv_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
+             (long long)c->n_heads, (long long)c->n_kv_heads, (long long)c->head_dim,
+             (long long)c->hidden_dim, (long long)c->vocab_size, pos,
+             c->tied_embeddings ? "tied" : "untied");
 }

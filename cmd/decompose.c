@@ -44,6 +44,7 @@ static const char *mode_short(enum kv_lr_mode m) {
     case KV_LR_FULL: return "full";
     case KV_LR_PREROPE_LATENT: return "latent";
     case KV_LR_FUSED_OUTPUT: return "fused";
+    case KV_LR_FUSED_QUERY: return "query";
     case KV_LR_POSTROPE_ROTATION: return "rotate";
     default: return kv_lr_mode_name(m);
     }

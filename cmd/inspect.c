@@ -431,7 +431,7 @@ int cmd_inspect(int argc, char **argv) {
         }
         json_t *cfg = json_pack(
             "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:s, s:b, s:b, s:i, s:i}",
-            "arch", "llama", "dim", (json_int_t)c->dim, "hidden_dim", (json_int_t)c->hidden_dim,
+            "arch", kv_arch_name(c->arch), "dim", (json_int_t)c->dim, "hidden_dim", (json_int_t)c->hidden_dim,
             "n_layers", (json_int_t)c->n_layers, "n_heads", (json_int_t)c->n_heads, "n_kv_heads",
             (json_int_t)c->n_kv_heads, "head_dim", (json_int_t)c->head_dim, "vocab_size",
             (json_int_t)c->vocab_size, "max_seq_len", (json_int_t)c->max_seq_len, "norm_eps",

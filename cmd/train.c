@@ -177,9 +177,14 @@ int cmd_train(int argc, char **argv) {
         return EXIT_ERR;
     }
     double secs = cli_now() - t0;
-    printf("trained   %lld tokens in %.0f s (%.0f tok/s), peak RSS %.0f MiB\n",
-           (long long)o.tokens_seen, secs, secs > 0 ? (double)o.tokens_seen / secs : 0.0,
-           cli_peak_rss_mib());
+    if (o.run_tokens < o.tokens_seen)
+        printf("trained   %lld tokens, %lld of them in this run (%.0f s, %.0f tok/s), peak RSS %.0f MiB\n",
+               (long long)o.tokens_seen, (long long)o.run_tokens, secs,
+               secs > 0 ? (double)o.run_tokens / secs : 0.0, cli_peak_rss_mib());
+    else
+        printf("trained   %lld tokens in %.0f s (%.0f tok/s), peak RSS %.0f MiB\n",
+               (long long)o.tokens_seen, secs, secs > 0 ? (double)o.tokens_seen / secs : 0.0,
+               cli_peak_rss_mib());
     if (eval)
         printf("held-out  loss %.4f (ppl %.3f) against a unigram model's %.4f (ppl %.3f)\n",
                o.final_eval_loss, exp(o.final_eval_loss), o.unigram_eval_loss,

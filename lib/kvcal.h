@@ -323,7 +323,8 @@ struct kv_train_opts {
     /* out */
     double unigram_eval_loss;       /* held-out loss of the training text's unigram model */
     double final_eval_loss;
-    int64_t tokens_seen;
+    int64_t tokens_seen;            /* training tokens of all steps */
+    int64_t run_tokens;             /* of them, trained by this call (not before a resume) */
 };
 
 /* Defaults for every field but cfg and the paths. */

@@ -14,6 +14,7 @@
 #   THREADS        --threads of every kvcal run (default 1: these models are
 #                  too small for threads to pay, and on a shared machine
 #                  waiting threads make decompose times noise)
+#   ONLY           run only the rows of this --alloc (e.g. ONLY=fisher)
 #   JSON_TOOL      jq, python or awk (default: jq if installed, else python3,
 #                  else awk on the pretty-printed output)
 # Writes the markdown table to stdout, progress to stderr, and one JSON line per
@@ -122,6 +123,7 @@ ROWS=(
     "svd|global||svd"
     "palu|uniform|--group-size 1|palu (per head)"
     "palu|uniform|--group-size 4|palu (J-LRD, group 4)"
+    "palu|fisher|--group-size 1|palu (per head)"
     "palu|global||palu"
     "eigen|eps||eigen"
     "eigen|layer-budget|-t $CAL|eigen"
@@ -202,10 +204,12 @@ run_model() {
     local margs=("$@")
     local stats=$OUT/$tag.kvstats
     echo "results: $mlabel: collect on $CAL" >&2
-    "$BIN" collect "${margs[@]}" -t "$CAL" -o "$stats" --threads "$THREADS" -q >&2
+    "$BIN" collect "${margs[@]}" -t "$CAL" --fisher -o "$stats" --threads "$THREADS" -q >&2
     local row method alloc extra label r e
     for row in "${ROWS[@]}"; do
         IFS='|' read -r method alloc extra label <<<"$row"
+        # ONLY=ALLOC limits the run to one allocation's rows
+        [[ -z ${ONLY:-} || $alloc == "$ONLY" ]] || continue
         for r in $RATIOS; do
             echo "results: $mlabel: $label --alloc $alloc --ratio $r" >&2
             local rowjson
@@ -227,22 +231,6 @@ run_model() {
             fi
         done
     done
-    # fisher needs Fisher statistics, which collect does not gather yet
-    echo "results: $mlabel: palu --alloc fisher --ratio 0.5 (expected refusal)" >&2
-    local rowjson
-    rowjson=$(printf '"model":%s,"method":"palu","alloc":"fisher","options":"","target":0.5' \
-        "$(jstr "$mlabel")")
-    if decompose "${margs[@]}" -s "$stats" --method palu --alloc fisher --ratio 0.5; then
-        for e in "${evals[@]}"; do
-            IFS=':' read -r block tlabel text <<<"$e"
-            evaluate "$block" "$mlabel" "$tlabel" "$text" palu fisher 0.5 "$rowjson" "${margs[@]}"
-        done
-    else
-        for e in "${evals[@]}"; do
-            IFS=':' read -r block tlabel text <<<"$e"
-            refused "$block" "$mlabel" "$tlabel" palu fisher 0.5 "$rowjson"
-        done
-    fi
 }
 
 run_model 260K stories260K "260K-tinystories:TinyStories:$EVAL" -- "${M260[@]}"
@@ -250,8 +238,9 @@ run_model 656K tinystories-656K "656K-tinystories:TinyStories:$EVAL" \
     "656K-wikitext2:WikiText-2:$WIKI" -- "${M656[@]}"
 
 # quantized latents: palu per head at 0.5, rank multiple 8 in both variants
-echo "results: tinystories-656K: quantization" >&2
+[[ -n ${ONLY:-} ]] || echo "results: tinystories-656K: quantization" >&2
 for had in 0 1; do
+    [[ -z ${ONLY:-} ]] || break
     hargs=(--rank-multiple 8)
     label="palu"
     if ((had)); then hargs+=(--hadamard); label="palu + hadamard"; fi
