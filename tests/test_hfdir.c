@@ -2,7 +2,6 @@
  * checkpoint, tiny random Llama and GPT-2 checkpoints written here in
  * F32/F16/BF16 (single file and sharded), and the refusals, pinned to their
  * exact messages. */
-#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,21 +28,6 @@ static void write_text(const char *dir, const char *name, const char *text) {
     fclose(f);
 }
 
-static void rm_dir(char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
-    free(dir);
-}
 
 static void err_line(const struct kv_err *e, char *buf, size_t cap) { kv_err_format(e, buf, cap, 0); }
 
@@ -359,7 +343,7 @@ Test(hf_load, f16_and_bf16_load_equal_to_f32) {
                      i == 0 ? KV_DTYPE_F32 : i == 1 ? KV_DTYPE_F16 : KV_DTYPE_BF16);
         expect_weights(m, &r, dtypes[i]);
         kv_model_free(m);
-        rm_dir(dir);
+        kvt_rm_dir(dir);
     }
     ref_free(&r);
 }
@@ -373,7 +357,7 @@ Test(hf_load, tied_checkpoint_without_lm_head_shares_the_embedding) {
     cr_assert_eq(m->lm_head, m->tok_emb);
     expect_weights(m, &r, "tied");
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -396,7 +380,7 @@ Test(hf_load, metadata_alias_resolves_a_missing_tensor) {
     write_st(dir, "model.safetensors", &r, NULL, "F16", "{\"format\":\"pt\"}");
     load_fails(dir, KV_EFORMAT,
                "model.safetensors: missing tensor 'lm_head.weight' (tie_word_embeddings is false)");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -444,7 +428,7 @@ Test(hf_load, sharded_index_maps_each_shard_once) {
         cr_assert_eq(kv_model_tensor(m, i)->file, i < n0 ? 0 : 1, "tensor %lld", (long long)i);
     cr_assert_eq(m->n_cleanups, 2, "one mapping per shard");
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -464,7 +448,7 @@ Test(hf_load, sharded_index_names_a_tensor_its_shard_lacks) {
     load_fails(dir, KV_EFORMAT,
                "model.safetensors.index.json: tensor 'model.norm.weight' is mapped to "
                "'model-00002-of-00002.safetensors' but that file does not contain it");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -475,7 +459,7 @@ Test(hf_load, sharded_index_refuses_paths_outside_the_directory) {
     load_fails(dir, KV_EFORMAT,
                "model.safetensors.index.json: weight_map names file '../x.safetensors', "
                "expected a plain file name");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -485,7 +469,7 @@ Test(hf_load, names_the_missing_tensor) {
     char *dir = make_dir(&r, "F32", 0, 0, "model.layers.1.mlp.up_proj.weight", NULL);
     load_fails(dir, KV_EFORMAT,
                "model.safetensors: missing tensor 'model.layers.1.mlp.up_proj.weight'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -501,7 +485,7 @@ Test(hf_load, refuses_rope_scaling) {
                " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 32,"
                " \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}}");
     load_fails(dir, KV_EUNSUPPORTED, "config.json: rope_scaling type 'llama3' is not supported");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
 }
 
 /* What LlamaConfig itself accepts: rope_scaling of type "default" is plain
@@ -528,7 +512,7 @@ Test(hf_load, accepts_default_rope_scaling_and_missing_hidden_act) {
         write_config(dir, 1, 0, NULL);
         free(cfg), free(p);
     }
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 
@@ -539,7 +523,7 @@ Test(hf_load, refuses_duplicate_config_keys) {
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 16, \"hidden_size\": 16}");
     load_fails(dir, KV_EFORMAT,
                "config.json: offset 56: invalid json: duplicate object key near '\"hidden_size\"'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
 }
 
 Test(hf_load, reports_bad_config_values) {
@@ -555,7 +539,7 @@ Test(hf_load, reports_bad_config_values) {
     load_fails(dir, KV_EUNSUPPORTED, "config.json: hidden_act 'gelu' is not supported, expected 'silu'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 16}");
     load_fails(dir, KV_EFORMAT, "config.json: missing key 'intermediate_size'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
 }
 
 /* ---------------------------------------------------------------- gpt2 */
@@ -750,7 +734,7 @@ Test(hf_load, gpt2_conv1d_weights_are_transposed_and_c_attn_split) {
         cr_assert_eq(kv_model_config(m)->bos_id, 10);
         cr_assert_eq(kv_model_config(m)->eos_id, 10);
         kv_model_free(m);
-        rm_dir(dir);
+        kvt_rm_dir(dir);
         g_free(&g);
     }
 }
@@ -785,7 +769,7 @@ Test(hf_load, gpt2_n_inner_null_shapes_the_mlp_as_four_times_n_embd) {
              "the config implies [8, 32] (Conv1D, stored [in, out])",
              st_offset(dir, "h.0.mlp.c_fc.weight"));
     load_fails(dir, KV_EFORMAT, want);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     g_free(&g);
 }
 
@@ -804,7 +788,7 @@ Test(hf_load, gpt2_n_inner_null_is_four_times_n_embd) {
     cr_assert_eq(c.bos_id, -1);
     cr_assert_float_eq(c.norm_eps, 1e-5f, 0);
     free(p);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
 }
 
 Test(hf_load, gpt2_loads_unprefixed_names_and_ignores_buffers) {
@@ -818,7 +802,7 @@ Test(hf_load, gpt2_loads_unprefixed_names_and_ignores_buffers) {
     expect_gpt2(m, &g);
     cr_assert_eq(kv_model_n_tensors(m), g.n, "the buffers stay in the tensor table");
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     g_free(&g);
 }
 
@@ -835,18 +819,18 @@ Test(hf_load, gpt2_untied_head_and_a_head_standing_in_for_wte) {
                  "lm_head");
     cr_assert_neq(m->lm_head, m->tok_emb);
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     dir = g_dir(&g, cfg, KV_DTYPE_F32, "lm_head.weight");
     load_fails(dir, KV_EFORMAT,
                "model.safetensors: missing tensor 'lm_head.weight' (tie_word_embeddings is false)");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     /* tied, wte absent: the stored head is the embedding */
     dir = g_dir(&g, g_config, KV_DTYPE_F32, "transformer.wte.weight");
     m = load_ok(dir);
     expect_piece(kv_model_weight(m, KV_W_TOK_EMB, 0), g_find(&g, "lm_head.weight"), 0, 0, G_VOCAB,
                  "wte from lm_head");
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     g_free(&g);
 }
 
@@ -855,10 +839,10 @@ Test(hf_load, gpt2_names_a_missing_or_ill_shaped_tensor) {
     g_build(&g, "transformer.", 0, 0);
     char *dir = g_dir(&g, g_config, KV_DTYPE_F32, "transformer.h.1.attn.c_proj.bias");
     load_fails(dir, KV_EFORMAT, "model.safetensors: missing tensor 'transformer.h.1.attn.c_proj.bias'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     dir = g_dir(&g, g_config, KV_DTYPE_F32, "transformer.wpe.weight");
     load_fails(dir, KV_EFORMAT, "model.safetensors: missing tensor 'transformer.wpe.weight'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     /* c_attn stored [3d, d] (the Linear layout) instead of Conv1D's [d, 3d] */
     struct g_tensor *ca = g_find(&g, "h.1.attn.c_attn.weight");
     ca->shape[0] = 3 * G_DIM, ca->shape[1] = G_DIM;
@@ -869,7 +853,7 @@ Test(hf_load, gpt2_names_a_missing_or_ill_shaped_tensor) {
              "[24, 8] but the config implies [8, 24] (Conv1D, stored [in, out])",
              st_offset(dir, "transformer.h.1.attn.c_attn.weight"));
     load_fails(dir, KV_EFORMAT, want);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ca->shape[0] = G_DIM, ca->shape[1] = 3 * G_DIM;
     /* a bias of the wrong length */
     struct g_tensor *cb = g_find(&g, "h.0.attn.c_attn.bias");
@@ -880,7 +864,7 @@ Test(hf_load, gpt2_names_a_missing_or_ill_shaped_tensor) {
              "[23] but the config implies [24]",
              st_offset(dir, "transformer.h.0.attn.c_attn.bias"));
     load_fails(dir, KV_EFORMAT, want);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     cb->shape[0] = 3 * G_DIM;
     /* a NaN inside a Conv1D weight: its element index and offset as stored
      * (F16: 2 bytes an element) */
@@ -892,7 +876,7 @@ Test(hf_load, gpt2_names_a_missing_or_ill_shaped_tensor) {
              "is nan",
              st_offset(dir, "transformer.h.1.mlp.c_fc.weight") + 26);
     load_fails(dir, KV_ENUMERIC, want);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     g_free(&g);
 }
 
@@ -918,7 +902,7 @@ Test(hf_load, gpt2_refuses_unsupported_config) {
     load_fails(dir, KV_EFORMAT, "config.json: missing key 'n_positions'");
     write_text(dir, "config.json", "{\"model_type\": \"gpt2\", \"n_embd\": 8}");
     load_fails(dir, KV_EFORMAT, "config.json: missing key 'n_layer'");
-    rm_dir(dir);
+    kvt_rm_dir(dir);
 }
 
 /* ---------------------------------------------------------------- tokenizer.json */
@@ -1046,7 +1030,7 @@ Test(hf_load, config_ids_override_the_tokenizer) {
     cr_assert_eq(kv_tok_eos(kv_model_tokenizer(m)), 1);
     cr_assert_eq(kv_model_config(m)->bos_id, 2);
     kv_model_free(m);
-    rm_dir(dir);
+    kvt_rm_dir(dir);
     ref_free(&r);
 }
 

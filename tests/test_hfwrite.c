@@ -1,7 +1,6 @@
 /* HF directory writer: the byte-level tokenizer.json against the identity
  * byte <-> id map it stands for, and write -> kv_model_open -> logits round
  * trips of both architectures against the model that was written. */
-#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,21 +13,6 @@
 #include "naive_llama.h"
 #include "testutil.h"
 
-static void rm_tree(char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
-    free(dir);
-}
 
 /* ---------------------------------------------------------------- byte tokenizer */
 
@@ -71,7 +55,7 @@ Test(hf_write, byte_tokenizer_maps_every_byte_to_its_id_and_back) {
     cr_assert(memcmp(back, text, len) == 0, "decode(encode(x)) differs from x");
     free(back), free(ids), free(text);
     kv_tok_free(tok);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 }
 
 Test(hf_write, byte_tokenizer_special_tokens_match_as_literals) {
@@ -86,7 +70,7 @@ Test(hf_write, byte_tokenizer_special_tokens_match_as_literals) {
     cr_assert_eq(ids[1], 257);
     free(ids);
     kv_tok_free(tok);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 }
 
 /* ---------------------------------------------------------------- model round trips */
@@ -178,7 +162,7 @@ static void round_trip(struct kv_model *m, int exact) {
         kvt_assert_close_f32(got, ref, nv, 1e-6, 1e-5, "f32 round trip logits");
     free(got);
     kv_model_free(back);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 
     back = write_and_open(m, KV_DTYPE_F16, NULL, &dir);
     got = logits_of(back, n);
@@ -188,7 +172,7 @@ static void round_trip(struct kv_model *m, int exact) {
     kvt_assert_close_f32(got, ref16, nv, 1e-6, 1e-5, "f16 round trip against the rounded model");
     free(got), free(ref16), free(ref);
     kv_model_free(back);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 }
 
 static struct kv_model *random_model(struct kv_config c, uint64_t seed) {
@@ -243,7 +227,7 @@ Test(hf_write, gpt2_logits_match_the_naive_forward_after_the_round_trip) {
     kvt_assert_close_f32(got, reff, n * V, 2e-5, 1e-4, "loaded gpt2 against naive");
     free(ref), free(reff), free(got);
     kv_model_free(back), kv_model_free(m);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 }
 
 Test(hf_write, copies_the_tokenizer_and_writes_hf_names) {
@@ -284,7 +268,7 @@ Test(hf_write, copies_the_tokenizer_and_writes_hf_names) {
     cr_assert(strstr(cfg, "\"activation_function\": \"gelu_new\""), "%s", cfg);
     free(cfg), free(cfg_path);
     kv_model_free(back), kv_model_free(m);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
     unlink(tpath);
     free(tpath);
     rmdir(tdir);
@@ -305,5 +289,5 @@ Test(hf_write, refuses_other_dtypes_and_undescribable_models) {
     cr_assert_str_eq(e.msg, "gpt2 with 4 heads of 8 for dim 48 has no HF config (n_embd / n_head "
                             "is the head size)");
     kv_model_free(m);
-    rm_tree(dir);
+    kvt_rm_dir(dir);
 }

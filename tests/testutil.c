@@ -1,5 +1,6 @@
 #include "testutil.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,4 +123,20 @@ void kvt_assert_close_f32(const float *got, const float *ref, int64_t n, double 
 void kvt_assert_close_f64(const double *got, const double *ref, int64_t n, double atol,
                           double rtol, const char *what) {
     CLOSE_BODY(double)
+}
+
+void kvt_rm_dir(char *dir) {
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        char path[1024];
+        while ((e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+                unlink(path);
+            }
+        closedir(d);
+    }
+    rmdir(dir);
+    free(dir);
 }
