@@ -401,7 +401,8 @@ static int ckpt_read(struct trainer *t, struct kv_err *err) {
 static int log_fill(int fd, const char *path, const char *tmp, void *ctx, struct kv_err *err) {
     const struct trainer *t = ctx;
     FILE *fp = fdopen(dup(fd), "w");
-    if (!fp) return kv_fail(err, KV_EIO, tmp, KV_NO_OFFSET, "cannot write: %s", strerror(errno));
+    char eb[128];
+    if (!fp) return kv_fail(err, KV_EIO, tmp, KV_NO_OFFSET, "cannot write: %s", kv_errtext(errno, eb, sizeof eb));
     fprintf(fp, "step\ttokens\tloss\tlr\tgrad_norm\teval_loss\n");
     for (int64_t i = 0; i < t->step; i++) {
         const double *r = t->log + i * LOG_COLS;
@@ -434,9 +435,19 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
         !(o->bos_fraction >= 0 && o->bos_fraction <= 1) || o->eval_every < 0 ||
         o->eval_windows < 0 || o->ckpt_every < 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "training options are out of range");
-    if (mkdir(o->out_dir, 0755) && errno != EEXIST)
+    /* nothing is created before the inputs are known to be readable */
+    const char *ins[2] = {o->train_path, o->eval_path};
+    for (int i = 0; i < 2; i++)
+        if (ins[i] && access(ins[i], R_OK) != 0) {
+            char eb[128];
+            return kv_fail(err, KV_EIO, ins[i], KV_NO_OFFSET, "cannot open: %s",
+                           kv_errtext(errno, eb, sizeof eb));
+        }
+    if (mkdir(o->out_dir, 0755) && errno != EEXIST) {
+        char eb[128];
         return kv_fail(err, KV_EIO, o->out_dir, KV_NO_OFFSET, "cannot create the directory: %s",
-                       strerror(errno));
+                       kv_errtext(errno, eb, sizeof eb));
+    }
     if (o->tokenizer_path) {
         snprintf(tok_path, cap, "%s", o->tokenizer_path);
     } else {

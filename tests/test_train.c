@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backward.h"
 #include "model.h"
@@ -212,4 +213,35 @@ Test(train, refusals) {
     cr_assert_neq(kv_train(&o, &err), KV_OK);
     cr_assert(strstr(err.msg, "cannot open"), "%s", err.msg);
     free(text), free(dir), free(out), free(ck);
+}
+
+static void cli_says(const char *args, int code, const char *want) {
+    char *out = NULL, *err = NULL;
+    int rc = kvt_run_cli(args, &out, &err);
+    cr_assert_eq(rc, code, "kvcal %s: exit %d, expected %d (%s)", args, rc, code, err);
+    cr_assert(strstr(err, want), "kvcal %s: stderr '%s' lacks '%s'", args, err, want);
+    free(out), free(err);
+}
+
+Test(train_cli, messages) {
+    char *dir = kvt_temp_dir(), args[1024];
+    cli_says("train", 2, "kvcal train: missing --text\n");
+    cli_says("train --text t.txt", 2, "kvcal train: missing --output\n");
+    cli_says("train --text t.txt -o m --arch foo", 2, "kvcal train: unknown --arch 'foo' (llama or gpt2)\n");
+    cli_says("train --text t.txt -o m --arch gpt2 --kv-heads 2", 2,
+             "kvcal train: gpt2 has one KV head per head (--kv-heads 2, --heads 4)\n");
+    cli_says("train --text t.txt -o m --dim 250", 2,
+             "kvcal train: --dim 250 is not a positive multiple of --heads 4\n");
+    cli_says("train --text t.txt -o m --dtype f8", 2, "kvcal train: unknown --dtype 'f8' (f16, bf16 or f32)\n");
+    snprintf(args, sizeof args, "train --text t.txt -o %s/m --resume", dir);
+    char want[1100];
+    snprintf(want, sizeof want, "kvcal: %s/m.ckpt: no checkpoint to resume from\n", dir);
+    cli_says(args, 1, want);
+    snprintf(args, sizeof args, "train --text %s/absent.txt -o %s/m -q", dir, dir);
+    snprintf(want, sizeof want, "kvcal: %s/absent.txt: cannot open: no such file or directory\n", dir);
+    cli_says(args, 1, want);
+    char *m = kvt_path(dir, "m");
+    struct stat st;
+    cr_assert(stat(m, &st) != 0, "a failed run created %s", m);
+    free(m), free(dir);
 }
