@@ -22,7 +22,6 @@
 #include "safetensors.h"
 
 #define EXPORT_CHUNK ((size_t)4 << 20) /* copy buffer */
-#define GPT2_PREFIX "transformer." /* optional in gpt2 checkpoints' names */
 
 /* One K/V weight (or bias) to overwrite inside a stored tensor. */
 struct target {
@@ -436,11 +435,11 @@ static int targets_from_shards(struct job *j, const char *dir, struct kv_err *er
                 if (b && !j->m->layers[l].w[kinds[1]]) continue;
                 stored_name(KV_FORMAT_HF, j->m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
-                size_t np = strlen(GPT2_PREFIX);
+                const char *alt = kv_hf_alt_name(j->m->cfg.arch, name);
                 int s = 0;
                 for (; s < n_shards && !t; s++) {
                     t = kv_st_find(st[s], name);
-                    if (!t && j->m->cfg.arch == KV_ARCH_GPT2) t = kv_st_find(st[s], name + np);
+                    if (!t && alt) t = kv_st_find(st[s], alt);
                 }
                 if (!t)
                     rc = kv_fail(err, KV_EFORMAT, list_path, KV_NO_OFFSET,

@@ -980,11 +980,16 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
     return KV_OK;
 }
 
+const char *kv_hf_alt_name(enum kv_arch arch, const char *name) {
+    size_t np = strlen(GPT2_PREFIX);
+    return arch == KV_ARCH_GPT2 && strncmp(name, GPT2_PREFIX, np) == 0 ? name + np : NULL;
+}
+
 /* GPT-2's tensor name, with the "transformer." prefix or without it. */
 static const struct kv_tensor *find_gpt2(const struct hf_weights *w, const char *name) {
     const struct kv_tensor *t = find(w, name);
-    size_t np = strlen(GPT2_PREFIX);
-    if (!t && strncmp(name, GPT2_PREFIX, np) == 0) t = find(w, name + np);
+    const char *alt = kv_hf_alt_name(KV_ARCH_GPT2, name);
+    if (!t && alt) t = find(w, alt);
     return t;
 }
 

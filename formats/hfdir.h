@@ -78,6 +78,9 @@ struct kv_hf_name {
 const struct kv_hf_name *kv_hf_names(enum kv_arch arch, int per_layer, int64_t *n);
 /* "model.layers." (llama) or "transformer.h." (gpt2). */
 const char *kv_hf_layer_prefix(enum kv_arch arch);
+/* The other spelling of a tensor name: name without its optional gpt2
+ * "transformer." prefix, or NULL when the architecture or name has none. */
+const char *kv_hf_alt_name(enum kv_arch arch, const char *name);
 
 /* Read config.json at path into *cfg (rope layout KV_ROPE_HALF; bos/eos -1
  * when absent; has_qkv_bias mirrors attention_bias for llama). For gpt2:
