@@ -490,11 +490,9 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
         t->total += t->cnt[i];
     }
     /* AdamW decays the 2-D weights (matrices and embeddings), not gains or biases */
-    for (int k = 0, i = 0; k < KV_W_COUNT && i < t->n_t; k++) {
-        int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c.n_layers, sh[2];
-        int nd = kv_model_expected_shape(&c, k, sh);
-        for (int64_t l = 0; l < nl; l++)
-            if (kv_model_weight(t->m, k, l) == t->w[i]) t->decay[i++] = nd == 2;
+    for (int64_t i = 0; i < t->n_t; i++) {
+        int64_t sh[2];
+        t->decay[i] = kv_model_expected_shape(&c, kv_grad_tensor_kind(t->g, i, NULL), sh) == 2;
     }
     t->acc = calloc((size_t)t->total, sizeof(float));
     t->am = calloc((size_t)t->total, sizeof(float));

@@ -163,6 +163,12 @@ const char *kv_grad_tensor(const struct kv_grad *g, int64_t i, int64_t *count,
     return t->name;
 }
 
+enum kv_wkind kv_grad_tensor_kind(const struct kv_grad *g, int64_t i, int64_t *layer) {
+    KV_ASSERT(i >= 0 && i < g->n_t);
+    if (layer) *layer = g->t[i].layer;
+    return g->t[i].kind;
+}
+
 float *kv_grad_of(const struct kv_grad *g, enum kv_wkind kind, int64_t layer) {
     if (kind == KV_W_LM_HEAD && g->m->cfg.tied_embeddings) kind = KV_W_TOK_EMB;
     for (int64_t i = 0; i < g->n_t; i++)

@@ -174,15 +174,10 @@ Test(train, first_step_is_adamw) {
         const char *name = kv_grad_tensor(g, i, &cnt, &w0, &gr);
         const struct kv_config *c = kv_model_config(before);
         /* the same weight in `after`, and whether AdamW decays it (2-D) */
-        const float *w1 = NULL;
-        int decay = 0;
-        for (int k = 0; k < KV_W_COUNT && !w1; k++)
-            for (int64_t l = 0; l < (k < KV_W_FIRST_LAYER ? 1 : c->n_layers) && !w1; l++)
-                if (kv_model_weight(before, k, l) == w0 && !(k == KV_W_LM_HEAD && c->tied_embeddings)) {
-                    int64_t s2[2];
-                    w1 = kv_model_weight(after, k, l);
-                    decay = kv_model_expected_shape(c, k, s2) == 2;
-                }
+        int64_t layer, s2[2];
+        enum kv_wkind kind = kv_grad_tensor_kind(g, i, &layer);
+        const float *w1 = kv_model_weight(after, kind, layer);
+        int decay = kv_model_expected_shape(c, kind, s2) == 2;
         cr_assert_not_null(w1, "%s", name);
         float *want = malloc((size_t)cnt * sizeof *want);
         for (int64_t j = 0; j < cnt; j++) {
