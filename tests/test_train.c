@@ -240,3 +240,38 @@ Test(train_cli, messages) {
     cr_assert(stat(m, &st) != 0, "a failed run created %s", m);
     free(m), free(dir);
 }
+
+/* A damaged or foreign checkpoint is refused with its path, never resumed. */
+Test(train, corrupt_checkpoints) {
+    char *text = write_text(2000), *dir = kvt_temp_dir();
+    char *out = kvt_path(dir, "m"), *ck = kvt_path(dir, "m.ckpt");
+    struct kv_err err = {0};
+    struct kv_train_opts o;
+    tiny_opts(&o, KV_ARCH_LLAMA);
+    struct seen s = {.stop_at = 3};
+    o.steps = 6, o.train_path = text, o.out_dir = out, o.ckpt_path = ck;
+    o.log = record, o.log_ctx = &s;
+    cr_assert_eq(kv_train(&o, &err), KV_EINVAL);
+    size_t len;
+    char *bytes = kvt_read_file(ck, &len);
+    cr_assert_not_null(bytes);
+    o.resume = 1, s.stop_at = 0;
+    /* truncated: the safetensors reader names the file and the offset */
+    FILE *f = fopen(ck, "wb");
+    fwrite(bytes, 1, len / 2, f);
+    fclose(f);
+    cr_assert_eq(kv_train(&o, &err), KV_EFORMAT, "%s", err.msg);
+    cr_assert_str_eq(err.path, ck);
+    /* a model file is not a checkpoint */
+    char *model = kvt_path(dir, "other");
+    struct kv_train_opts z;
+    tiny_opts(&z, KV_ARCH_LLAMA);
+    z.steps = 1, z.train_path = text, z.out_dir = model, z.ckpt_path = ck;
+    cr_assert_eq(kv_train(&z, &err), KV_OK, "%s", err.msg);
+    char *st = kvt_path(model, "model.safetensors");
+    o.ckpt_path = st;
+    cr_assert_eq(kv_train(&o, &err), KV_EFORMAT);
+    cr_assert_str_eq(err.msg, "not a kvcal training checkpoint (version 1)");
+    cr_assert_str_eq(err.path, st);
+    free(bytes), free(st), free(model), free(text), free(dir), free(out), free(ck);
+}
