@@ -1,5 +1,6 @@
 # kvcal build. `make deps` installs Debian packages, `make` builds the
-# `kvcal` binary and `libkvcal.a`, `make test` runs every Criterion suite.
+# `kvcal` binary, `libkvcal.a` and the runtime `libkvrt.a` (with its CUDA
+# kernels when nvcc is found), `make test` runs every Criterion suite.
 CC ?= cc
 MULTIARCH := $(shell $(CC) -print-multiarch 2>/dev/null)
 ifeq ($(MULTIARCH),)
@@ -15,7 +16,7 @@ PREFIX ?= /usr/local
 BUILD  := build
 OPT    ?= -O2
 CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
-          -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -I$(BLAS_INC) -MMD -MP
+          -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -Ikernels -I$(BLAS_INC) -MMD -MP
 LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
@@ -23,6 +24,27 @@ DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)
+
+# The runtime (libkvrt, kernels/): its C files and CPU twin always; the CUDA
+# kernels when nvcc is found (make CUDA=0 to leave them out), built for
+# sm_80 and sm_90 with PTX for newer GPUs. Without CUDA a stub answers
+# "built without cuda".
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(CUDA_HOME)/bin/nvcc
+CUDA ?= $(shell test -x $(NVCC) && echo 1 || echo 0)
+KERN_SRC := $(filter-out kernels/cuda_stub.c,$(wildcard kernels/*.c))
+ifeq ($(CUDA),1)
+KERN_CU  := $(wildcard kernels/*.cu)
+KERN_OBJ := $(KERN_SRC:%.c=$(BUILD)/obj/%.o) $(KERN_CU:%.cu=$(BUILD)/obj/%.o)
+LDLIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+NVCCFLAGS := -O2 -std=c++17 -lineinfo -Werror all-warnings \
+             -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+             -gencode arch=compute_90,code=compute_90 \
+             -Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Ilib -Ikernels
+else
+KERN_OBJ := $(KERN_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/kernels/cuda_stub.o
+LDLIBS_CUDA :=
+endif
 TEST_SRC := $(wildcard tests/test_*.c)
 BENCH_SRC := $(wildcard tests/bench/*.c)
 
@@ -35,7 +57,8 @@ KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
 .PHONY: all deps test bench results clean install fuzz data fixtures demo
-all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/include/kvcal.h
+all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(BUILD)/include/kvcal.h \
+     $(BUILD)/include/kvrt.h
 
 deps:
 	apt-get update
@@ -50,24 +73,36 @@ $(BUILD)/libkvcal.a: $(LIB_OBJ)
 	rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/include/kvcal.h: lib/kvcal.h
+$(BUILD)/libkvrt.a: $(KERN_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/include/%.h: lib/%.h
+	@mkdir -p $(dir $@)
+	cp $< $@
+$(BUILD)/include/%.h: kernels/%.h
 	@mkdir -p $(dir $@)
 	cp $< $@
 
-$(BUILD)/kvcal: $(CMD_OBJ) $(BUILD)/libkvcal.a
-	$(CC) $(CMD_OBJ) $(BUILD)/libkvcal.a $(LDLIBS) -o $@
+$(BUILD)/kvcal: $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
+	$(CC) $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a $(LDLIBS) $(LDLIBS_CUDA) -o $@
 
 $(BUILD)/obj/tests/%.o: tests/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(BUILD)/obj/tests/testutil.o $(BUILD)/libkvcal.a
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(BUILD)/obj/tests/testutil.o $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
 	@mkdir -p $(dir $@)
-	$(CC) $^ $(LDLIBS) -lcriterion -o $@
+	$(CC) $^ $(LDLIBS) $(LDLIBS_CUDA) -lcriterion -o $@
 
-$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvcal.a
+$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
 	@mkdir -p $(dir $@)
-	$(CC) $^ $(LDLIBS) -o $@
+	$(CC) $^ $(LDLIBS) $(LDLIBS_CUDA) -o $@
 
 # Every suite runs even if an earlier one fails. Suites run verbose so each
 # skipped test prints its reason; the passing tests' RUN/PASS lines are
@@ -143,7 +178,9 @@ install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include
 	install -m 755 $(BUILD)/kvcal $(DESTDIR)$(PREFIX)/bin/kvcal
 	install -m 644 $(BUILD)/libkvcal.a $(DESTDIR)$(PREFIX)/lib/libkvcal.a
+	install -m 644 $(BUILD)/libkvrt.a $(DESTDIR)$(PREFIX)/lib/libkvrt.a
 	install -m 644 lib/kvcal.h $(DESTDIR)$(PREFIX)/include/kvcal.h
+	install -m 644 kernels/kvrt.h $(DESTDIR)$(PREFIX)/include/kvrt.h
 
 clean:
 	rm -rf $(BUILD) kvcal

@@ -55,6 +55,7 @@ struct kv_fwd {
     int64_t max_ctx;
     struct kv_fwd_hooks hooks;
     float *x, *xn, *q, *att, *a, *b, *logits;
+    float *y;               /* [max_ctx][d] attention output for the attn_out hook */
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
     float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
@@ -108,7 +109,7 @@ void kv_fwd_free(struct kv_fwd *f) {
     if (f->base_desc) desc_free(f->base_desc);
     free(f->base_desc);
     free(f->x), free(f->xn), free(f->q), free(f->att), free(f->a), free(f->b);
-    free(f->logits), free(f->kc), free(f->vc), free(f->rope_cos), free(f->rope_sin);
+    free(f->logits), free(f->y), free(f->kc), free(f->vc), free(f->rope_cos), free(f->rope_sin);
     free(f->scores);
     free(f);
 }
@@ -141,12 +142,13 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     f->a = falloc(max_ctx * c->hidden_dim);
     f->b = falloc(max_ctx * c->hidden_dim);
     f->logits = falloc(max_ctx * c->vocab_size);
+    f->y = falloc(max_ctx * d);
     f->kc = falloc(c->n_layers * max_ctx * kd);
     f->vc = falloc(c->n_layers * max_ctx * kd);
     f->rope_cos = falloc(max_ctx * half);
     f->rope_sin = falloc(max_ctx * half);
     f->scores = falloc((int64_t)f->n_threads * QBLOCK * max_ctx);
-    if (!f->x || !f->xn || !f->q || !f->att || !f->a || !f->b || !f->logits || !f->kc ||
+    if (!f->x || !f->xn || !f->q || !f->att || !f->a || !f->b || !f->logits || !f->y || !f->kc ||
         !f->vc || !f->rope_cos || !f->rope_sin || !f->scores) {
         kv_fwd_free(f);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
@@ -168,17 +170,20 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
             bd->kw[i] = bd->vw[i] = dh;
         }
     }
-    /* Angles in double: theta^(-2i/d_h) * pos, rounded once to float (none
-     * without rope: half is 0). */
-    for (int64_t p = 0; p < max_ctx; p++)
-        for (int64_t i = 0; i < half; i++) {
-            double freq = pow((double)c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double ang = (double)p * freq;
-            f->rope_cos[p * half + i] = (float)cos(ang);
-            f->rope_sin[p * half + i] = (float)sin(ang);
-        }
+    if (half) kv_rope_table(c->rope_theta, c->head_dim, max_ctx, f->rope_cos, f->rope_sin);
     *out = f;
     return KV_OK;
+}
+
+void kv_rope_table(float theta, int64_t head_dim, int64_t n_pos, float *cos_out, float *sin_out) {
+    int64_t half = head_dim / 2;
+    for (int64_t p = 0; p < n_pos; p++)
+        for (int64_t i = 0; i < half; i++) {
+            double freq = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+            double ang = (double)p * freq;
+            cos_out[p * half + i] = (float)cos(ang);
+            sin_out[p * half + i] = (float)sin(ang);
+        }
 }
 
 void kv_fwd_set_hooks(struct kv_fwd *f, const struct kv_fwd_hooks *hooks) {
@@ -489,9 +494,27 @@ static void lr_latents(const struct kv_fwd *f, const struct kv_lr_side *S, float
     }
 }
 
+/* x += att Woᵀ for the attention rows att [n, cols] and the output
+ * projection wo [d, cols]; through f->y when the attn_out hook wants the
+ * block's output on its own. */
+static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *wo, int64_t cols,
+                    int64_t n, int64_t pos0) {
+    int64_t d = f->m->cfg.dim;
+    const struct kv_fwd_hooks *hk = &f->hooks;
+    if (!hk->attn_out) {
+        linear(f->x, d, att, wo, n, cols, d, 1.0f);
+        return KV_OK;
+    }
+    linear(f->y, d, att, wo, n, cols, d, 0.0f);
+    int rc = hk->attn_out(hk->ctx, l, f->y, n, pos0);
+    if (rc) return rc;
+    add_rows(f->x, f->y, n, d);
+    return KV_OK;
+}
+
 /* One layer's attention from the latent cache: x += attention output
  * (without the output projection's bias). */
-static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
+static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     const struct kv_config *c = &f->m->cfg;
     const float *const *w = f->m->layers[l].w;
     const struct kv_lr_layer *Y = &f->lr->layers[l];
@@ -562,10 +585,8 @@ static void lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         vb = zv, ob = f->attl;
     }
     attention(f, &P->desc, qb, kb, vb, ob, n, pos0);
-    if (Y->v.mode == KV_LR_FULL)
-        linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f);
-    else
-        linear(f->x, d, f->attl, Y->o_fused, n, Y->o_cols, d, 1.0f);
+    if (Y->v.mode == KV_LR_FULL) return out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0);
+    return out_proj(f, l, f->attl, Y->o_fused, Y->o_cols, n, pos0);
 }
 
 int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
@@ -594,8 +615,10 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         norm(f, f->xn, f->x, KV_W_ATTN_NORM, KV_W_ATTN_NORM_B, l, n);
         int rc;
         if (hk->attn_in && (rc = hk->attn_in(hk->ctx, l, f->xn, n, pos0))) return rc;
-        if (f->lr) {
-            lr_attention(f, l, n, pos0);
+        if (hk->attn) {
+            if ((rc = hk->attn(hk->ctx, l, f->xn, n, pos0, f->x))) return rc;
+        } else if (f->lr) {
+            if ((rc = lr_attention(f, l, n, pos0))) return rc;
         } else {
             linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
             linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
@@ -613,7 +636,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                 return KV_OK;
             }
             attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0);
-            linear(f->x, d, f->att, w[KV_W_O], n, qd, d, 1.0f); /* residual: x += att Woᵀ */
+            if ((rc = out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0))) return rc; /* x += att Woᵀ */
         }
         add_bias(f->x, w[KV_W_BO], n, d);
         norm(f, f->xn, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);

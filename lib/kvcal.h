@@ -216,6 +216,16 @@ struct kv_fwd_hooks {
     /* The residual stream after layer `layer` (attention and FFN added),
      * x [n, d]. */
     int (*layer_out)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0);
+    /* Replace the attention block (an external runtime, kernels/kvrt.h):
+     * called with the attention input x [n, d] at positions pos0.., it must
+     * add the block's output (output projection applied, without its bias)
+     * to the residual res [n, d]. The forward's own attention, its cache and
+     * the qk_rope/kv_replace hooks are skipped for every layer. */
+    int (*attn)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0, float *res);
+    /* The attention block's output y [n, d] (output projection applied,
+     * without its bias) just before it is added to the residual, on the
+     * full and latent paths alike. */
+    int (*attn_out)(void *ctx, int64_t layer, const float *y, int64_t n, int64_t pos0);
     /* Non-zero when only the hooks need the pass (statistics): it stops
      * after the last layer's hooks, with no attention or FFN in that layer
      * and no logits (kv_fwd_logits is then NULL). */

@@ -102,6 +102,11 @@ int kv_shapes_match(const struct kv_config *cfg, int64_t n_layers, int64_t dim, 
                     int64_t n_kv_heads, int64_t head_dim, const char *what, const char *path,
                     struct kv_err *err);
 
+/* RoPE angles of positions 0..n_pos-1 for heads of head_dim: cos/sin
+ * [n_pos][head_dim/2] of pos·theta^(-2i/head_dim), computed in double and
+ * rounded once to float (the table every rotary path uses). */
+void kv_rope_table(float theta, int64_t head_dim, int64_t n_pos, float *cos_out, float *sin_out);
+
 /* "[d0, d1, ...]" of a row-major shape of nd dims into buf; returns buf. */
 const char *kv_shape_str(char *buf, size_t cap, const int64_t *shape, int nd);
 

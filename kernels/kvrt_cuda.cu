@@ -1,0 +1,655 @@
+/* The CUDA backend of the runtime: the five stages of kvrt_plan.h as one
+ * cuBLAS GEMV, three kernels and one more GEMV per decode step, on one
+ * stream. twin.c is the same algorithm in plain C, loop for loop: every dot
+ * product, reconstruction and accumulation below runs in the twin's order,
+ * so the two agree to fp32 rounding (the exceptions: the per-tile softmax
+ * sum, a warp reduction here, and fused multiply-adds).
+ *
+ * attn_kernel<CT, PRE>: one block per task (KV head j, sequence chunk c),
+ * launched longest first (kvrt_task). The block keeps the queries of j's
+ * query heads in shared memory and walks its chunk in tiles of KVRT_TILE
+ * (= 32, one warp lane per position): it stages the tile's keys in shared
+ * memory (prerope latents: stages z, rebuilds k = z upᵀ with up held in
+ * shared memory when it fits, applies RoPE there), scores them against every
+ * query head, updates a running max and sum per head (online softmax), and
+ * accumulates P·V (values or value latents) per head. CT is the cache
+ * element type (float or __half). */
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcal.h"
+#include "kvrt.h"
+#include "kvrt_plan.h"
+
+#define NT 128 /* threads per block */
+
+/* ---------------------------------------------------------------- errors */
+
+static int cuda_fail(struct kv_err *err, cudaError_t e, const char *what) {
+    return kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cuda: %s: %s", what, cudaGetErrorString(e));
+}
+#define CK(call, what)                                                                     \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) return cuda_fail(err, e_, what);                            \
+    } while (0)
+#define CB(call, what)                                                                     \
+    do {                                                                                   \
+        cublasStatus_t s_ = (call);                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                   \
+            return kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cublas: %s: status %d", what, \
+                           (int)s_);                                                       \
+    } while (0)
+
+/* ---------------------------------------------------------------- devices */
+
+extern "C" int kvrt_cuda_built(void) { return 1; }
+
+extern "C" int kvrt_cuda_device_count(int *count, struct kv_err *err) {
+    *count = 0;
+    cudaError_t e = cudaGetDeviceCount(count);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+        cudaGetLastError(); /* clear the sticky error for later calls */
+        *count = 0;
+        return KV_OK;
+    }
+    if (e != cudaSuccess) return cuda_fail(err, e, "counting devices");
+    return KV_OK;
+}
+
+extern "C" int kvrt_cuda_device_query(int dev, struct kvrt_device *out, struct kv_err *err) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || dev < 0 || dev >= n) {
+        cudaGetLastError();
+        return kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cuda: no device %d (%d found%s%s)", dev,
+                       e == cudaSuccess ? n : 0, e == cudaSuccess ? "" : ": ",
+                       e == cudaSuccess ? "" : cudaGetErrorString(e));
+    }
+    cudaDeviceProp pr;
+    CK(cudaGetDeviceProperties(&pr, dev), "reading device properties");
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "%s", pr.name);
+    out->cc_major = pr.major, out->cc_minor = pr.minor;
+    out->mem_bytes = (int64_t)pr.totalGlobalMem;
+    int sm = 0, clk = 0, bus = 0, optin = 0;
+    CK(cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, dev), "reading device attributes");
+    CK(cudaDeviceGetAttribute(&clk, cudaDevAttrMemoryClockRate, dev), "reading device attributes");
+    CK(cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, dev), "reading device attributes");
+    CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+       "reading device attributes");
+    out->sm_count = sm;
+    out->smem_optin = optin;
+    out->peak_gbs = 2.0 * (double)clk * 1e3 * (double)bus / 8.0 / 1e9; /* DDR: two transfers a clock */
+    return KV_OK;
+}
+
+/* ---------------------------------------------------------------- device state */
+
+/* What the kernels read of one layer (device pointers and scalars). */
+struct dlayer {
+    int kmode, vmode;
+    int64_t qrows, krows, kld, vld;
+    const float *bcat, *up, *rot;
+    const int32_t *hk, *hq, *order;
+    void *kc, *vc;
+    float *qv;
+};
+/* What every layer shares. */
+struct dglob {
+    int64_t dh, grp, g, max_chunks, vw_stride;
+    int rope, rope_half;
+    const float *cos_t, *sin_t;
+    float scale;
+};
+
+struct lstate {
+    float *wcat, *bcat, *up, *rot, *wo, *qv;
+    int32_t *hk, *hq, *order;
+    void *kc, *vc;
+    size_t smem;   /* attention kernel's dynamic shared memory */
+    int up_smem;   /* prerope up factors staged in shared memory */
+};
+
+struct kvrt_cuda {
+    const struct kvrt_plan *p;
+    int dev;
+    cudaStream_t st;
+    cublasHandle_t cb;
+    cudaEvent_t ev[4];
+    struct lstate *ls;
+    float *cos_t, *sin_t, *xn, *proj, *att, *y, *pm, *pl, *pacc;
+    int64_t vw_stride;
+};
+
+static inline __device__ float ldc(const float *c, int64_t i) { return c[i]; }
+static inline __device__ float ldc(const __half *c, int64_t i) { return __half2float(c[i]); }
+static inline __device__ void stc(float *c, int64_t i, float v) { c[i] = v; }
+static inline __device__ void stc(__half *c, int64_t i, float v) { c[i] = __float2half_rn(v); }
+
+/* RoPE of tmp [d_h] in shared memory at position pos (pairs split over the
+ * block; the caller synchronizes). */
+static __device__ void rope_shared(const struct dglob &G, float *v, int64_t pos) {
+    int64_t half = G.dh / 2;
+    const float *cs = G.cos_t + pos * half, *sn = G.sin_t + pos * half;
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+        int64_t a = G.rope_half ? i : 2 * i, b = G.rope_half ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * cs[i] - x1 * sn[i];
+        v[b] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* ---------------------------------------------------------------- stage 2: prep */
+
+/* Block j: biases, RoPE and rotations of KV head j's query heads, key and
+ * value at position pos (twin.c prep). Shared: tmp [2 d_h]. */
+template <typename CT>
+__global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, int64_t pos) {
+    extern __shared__ float tmp[];
+    int64_t j = blockIdx.x, dh = G.dh;
+    const int32_t *hk = L.hk + j * KVRT_HK_N;
+    const float *b = L.bcat;
+    int fq = L.kmode == KV_LR_FUSED_QUERY, rot = L.kmode == KV_LR_POSTROPE_ROTATION;
+    int64_t kw = hk[KVRT_HK_KW];
+    const float *R = rot ? L.rot + hk[KVRT_HK_ROTOFF] : NULL;
+    CT *kc = (CT *)L.kc, *vc = (CT *)L.vc;
+    for (int64_t gi = 0; gi < G.grp; gi++) {
+        int64_t i = j * G.grp + gi, qo = L.hq[i * KVRT_HQ_N + KVRT_HQ_QOFF];
+        if (fq) {
+            for (int64_t e = threadIdx.x; e < kw; e += blockDim.x) L.qv[qo + e] = proj[qo + e] + b[qo + e];
+            continue;
+        }
+        for (int64_t e = threadIdx.x; e < dh; e += blockDim.x) tmp[e] = proj[i * dh + e] + b[i * dh + e];
+        __syncthreads();
+        if (G.rope) rope_shared(G, tmp, pos);
+        __syncthreads();
+        if (rot) {
+            for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
+                float s = 0.0f;
+                for (int64_t e = 0; e < dh; e++) s += R[a * dh + e] * tmp[e];
+                L.qv[qo + a] = s;
+            }
+        } else {
+            for (int64_t e = threadIdx.x; e < dh; e += blockDim.x) L.qv[qo + e] = tmp[e];
+        }
+        __syncthreads();
+    }
+    int64_t kb = L.qrows, vb = L.qrows + L.krows;
+    int64_t krow = pos * L.kld, vrow = pos * L.vld, kcol = hk[KVRT_HK_KCOL];
+    if (L.kmode == KV_LR_FULL || rot) {
+        for (int64_t e = threadIdx.x; e < dh; e += blockDim.x)
+            tmp[e] = proj[kb + j * dh + e] + b[kb + j * dh + e];
+        __syncthreads();
+        if (G.rope) rope_shared(G, tmp, pos);
+        __syncthreads();
+        if (rot) {
+            for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
+                float s = 0.0f;
+                for (int64_t e = 0; e < dh; e++) s += R[a * dh + e] * tmp[e];
+                stc(kc, krow + kcol + a, s);
+            }
+        } else {
+            for (int64_t e = threadIdx.x; e < dh; e += blockDim.x) stc(kc, krow + kcol + e, tmp[e]);
+        }
+    } else if (hk[KVRT_HK_KOWN]) {
+        for (int64_t e = threadIdx.x; e < hk[KVRT_HK_KSRC]; e += blockDim.x)
+            stc(kc, krow + kcol + e, proj[kb + kcol + e] + b[kb + kcol + e]);
+    }
+    if (hk[KVRT_HK_VOWN]) {
+        int64_t vcol = hk[KVRT_HK_VCOL];
+        for (int64_t e = threadIdx.x; e < hk[KVRT_HK_VW]; e += blockDim.x)
+            stc(vc, vrow + vcol + e, proj[vb + vcol + e] + b[vb + vcol + e]);
+    }
+}
+
+/* ---------------------------------------------------------------- stage 3: attention */
+
+static inline __device__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+static inline __device__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Shared floats one block of the attention kernel needs (its layout below). */
+static size_t attn_smem_floats(int64_t grp, int64_t kw, int64_t ks, int64_t vw, int64_t dh, int pre,
+                               int up_smem) {
+    size_t f = (size_t)(grp * kw + 3 * grp + grp * vw + KVRT_TILE * (kw + 1) + grp * KVRT_TILE);
+    if (pre) f += (size_t)(KVRT_TILE * ks) + (up_smem ? (size_t)(dh * ks) : 0);
+    return f;
+}
+
+template <typename CT, bool PRE>
+__global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob G, int64_t T,
+                                                  int64_t len, int64_t n_full, int64_t rem,
+                                                  int up_smem, float *pm, float *pl, float *pacc) {
+    extern __shared__ float sm[];
+    int64_t j, c;
+    kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
+    const int32_t *hk = L.hk + j * KVRT_HK_N;
+    int64_t grp = G.grp, dh = G.dh;
+    int64_t kw = hk[KVRT_HK_KW], ks = hk[KVRT_HK_KSRC], vw = hk[KVRT_HK_VW];
+    int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw + 1;
+    const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
+    float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
+    float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *Z = s + grp * KVRT_TILE;
+    float *ups = Z + KVRT_TILE * ks;
+    const float *up = NULL;
+    int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    for (int64_t x = tid; x < grp * kw; x += nt) {
+        int64_t gi = x / kw, e = x % kw;
+        q[x] = L.qv[L.hq[(j * grp + gi) * KVRT_HQ_N + KVRT_HQ_QOFF] + e];
+    }
+    for (int64_t x = tid; x < grp; x += nt) m[x] = -INFINITY, l[x] = 0.0f;
+    for (int64_t x = tid; x < grp * vw; x += nt) acc[x] = 0.0f;
+    if (PRE) {
+        up = L.up + hk[KVRT_HK_UPOFF];
+        if (up_smem) {
+            for (int64_t x = tid; x < dh * ks; x += nt) ups[x] = up[x];
+            up = ups;
+        }
+    }
+    __syncthreads();
+    int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
+    for (int64_t s0 = t0; s0 < t1; s0 += KVRT_TILE) {
+        int64_t ts = t1 - s0 < KVRT_TILE ? t1 - s0 : KVRT_TILE;
+        if (PRE) { /* stage z, rebuild k = z upᵀ, RoPE */
+            for (int64_t x = tid; x < ts * ks; x += nt) {
+                int64_t t = x / ks, k = x % ks;
+                Z[x] = ldc(kc, (s0 + t) * L.kld + kcol + k);
+            }
+            __syncthreads();
+            for (int64_t x = tid; x < ts * dh; x += nt) {
+                int64_t t = x / dh, e = x % dh;
+                float a = 0.0f;
+                for (int64_t k = 0; k < ks; k++) a += Z[t * ks + k] * up[e * ks + k];
+                K[t * kpad + e] = a;
+            }
+            __syncthreads();
+            if (G.rope) {
+                int64_t half = dh / 2;
+                for (int64_t x = tid; x < ts * half; x += nt) {
+                    int64_t t = x / half, i = x % half;
+                    int64_t a = G.rope_half ? i : 2 * i, b = G.rope_half ? i + half : 2 * i + 1;
+                    const float cs = G.cos_t[(s0 + t) * half + i], sn = G.sin_t[(s0 + t) * half + i];
+                    float x0 = K[t * kpad + a], x1 = K[t * kpad + b];
+                    K[t * kpad + a] = x0 * cs - x1 * sn;
+                    K[t * kpad + b] = x0 * sn + x1 * cs;
+                }
+                __syncthreads();
+            }
+        } else {
+            for (int64_t x = tid; x < ts * kw; x += nt) {
+                int64_t t = x / kw, e = x % kw;
+                K[t * kpad + e] = ldc(kc, (s0 + t) * L.kld + kcol + e);
+            }
+            __syncthreads();
+        }
+        for (int64_t x = tid; x < grp * ts; x += nt) {
+            int64_t gi = x / ts, t = x % ts;
+            float a = 0.0f;
+            for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kpad + e];
+            s[gi * KVRT_TILE + t] = a * G.scale;
+        }
+        __syncthreads();
+        for (int64_t gi = warp; gi < grp; gi += nw) { /* online softmax, a lane per position */
+            float v = lane < ts ? s[gi * KVRT_TILE + lane] : -INFINITY;
+            float mt = warp_max(v), mold = m[gi];
+            float mn = fmaxf(mold, mt);
+            float pr = lane < ts ? expf(v - mn) : 0.0f;
+            float sum = warp_sum(pr);
+            if (lane < ts) s[gi * KVRT_TILE + lane] = pr;
+            if (lane == 0) {
+                float al = expf(mold - mn);
+                alpha[gi] = al;
+                l[gi] = l[gi] * al + sum;
+                m[gi] = mn;
+            }
+        }
+        __syncthreads();
+        for (int64_t x = tid; x < grp * vw; x += nt) {
+            int64_t gi = x / vw, col = x % vw;
+            float a = acc[x] * alpha[gi];
+            for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
+            acc[x] = a;
+        }
+        __syncthreads();
+    }
+    for (int64_t x = tid; x < grp * vw; x += nt) {
+        int64_t gi = x / vw, col = x % vw;
+        pacc[((j * grp + gi) * G.max_chunks + c) * G.vw_stride + col] = acc[x];
+    }
+    for (int64_t gi = tid; gi < grp; gi += nt) {
+        int64_t at = (j * grp + gi) * G.max_chunks + c;
+        pm[at] = m[gi], pl[at] = l[gi];
+    }
+}
+
+/* ---------------------------------------------------------------- stage 4: combine */
+
+__global__ void combine_kernel(struct dlayer L, struct dglob G, int64_t n, const float *pm,
+                               const float *pl, const float *pacc, float *att) {
+    int64_t i = blockIdx.x;
+    int64_t vw = L.hk[(i / G.grp) * KVRT_HK_N + KVRT_HK_VW];
+    const float *m = pm + i * G.max_chunks, *l = pl + i * G.max_chunks;
+    float M = m[0];
+    for (int64_t c = 1; c < n; c++) M = m[c] > M ? m[c] : M;
+    float Ls = 0.0f;
+    for (int64_t c = 0; c < n; c++) Ls += expf(m[c] - M) * l[c];
+    float *o = att + L.hq[i * KVRT_HQ_N + KVRT_HQ_OOFF];
+    for (int64_t col = threadIdx.x; col < vw; col += blockDim.x) {
+        float a = 0.0f;
+        for (int64_t c = 0; c < n; c++) a += expf(m[c] - M) * pacc[(i * G.max_chunks + c) * G.vw_stride + col];
+        o[col] = a / Ls;
+    }
+}
+
+/* ---------------------------------------------------------------- fill */
+
+template <typename CT>
+__global__ void fill_kernel(CT *c, int64_t n, uint64_t seed) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        stc(c, i, kvrt_fill_value(seed, (uint64_t)i));
+}
+
+/* ---------------------------------------------------------------- host side */
+
+static struct dlayer dlayer_of(const struct kvrt_cuda *c, int64_t l) {
+    const struct kvrt_lplan *lp = &c->p->layers[l];
+    const struct lstate *s = &c->ls[l];
+    struct dlayer L;
+    L.kmode = lp->kmode, L.vmode = lp->vmode;
+    L.qrows = lp->qrows, L.krows = lp->krows, L.kld = lp->kld, L.vld = lp->vld;
+    L.bcat = s->bcat, L.up = s->up, L.rot = s->rot;
+    L.hk = s->hk, L.hq = s->hq, L.order = s->order;
+    L.kc = s->kc, L.vc = s->vc, L.qv = s->qv;
+    return L;
+}
+
+static struct dglob dglob_of(const struct kvrt_cuda *c) {
+    const struct kvrt_plan *p = c->p;
+    struct dglob G;
+    G.dh = p->head_dim, G.grp = p->grp, G.g = p->n_kv_heads, G.max_chunks = p->max_chunks;
+    G.vw_stride = c->vw_stride;
+    G.rope = p->rope, G.rope_half = p->rope_half;
+    G.cos_t = c->cos_t, G.sin_t = c->sin_t;
+    G.scale = p->scale;
+    return G;
+}
+
+template <typename T>
+static int upload(T **dst, const T *src, int64_t n, struct kv_err *err, const char *what) {
+    *dst = NULL;
+    if (n <= 0 || !src) return KV_OK;
+    cudaError_t e = cudaMalloc((void **)dst, (size_t)n * sizeof(T));
+    if (e != cudaSuccess) return cuda_fail(err, e, what);
+    CK(cudaMemcpy(*dst, src, (size_t)n * sizeof(T), cudaMemcpyHostToDevice), what);
+    return KV_OK;
+}
+
+static int dalloc(void **dst, size_t bytes, struct kv_err *err, const char *what) {
+    cudaError_t e = cudaMalloc(dst, bytes ? bytes : 4);
+    if (e != cudaSuccess) {
+        *dst = NULL;
+        return kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cuda: %s (%.1f MiB): %s", what,
+                       (double)bytes / 1048576.0, cudaGetErrorString(e));
+    }
+    return KV_OK;
+}
+
+extern "C" void kvrt_cuda_close(struct kvrt_cuda *c) {
+    if (!c) return;
+    cudaSetDevice(c->dev);
+    if (c->ls)
+        for (int64_t l = 0; l < c->p->n_layers; l++) {
+            struct lstate *s = &c->ls[l];
+            cudaFree(s->wcat), cudaFree(s->bcat), cudaFree(s->up), cudaFree(s->rot), cudaFree(s->wo);
+            cudaFree(s->qv), cudaFree(s->hk), cudaFree(s->hq), cudaFree(s->order);
+            cudaFree(s->kc), cudaFree(s->vc);
+        }
+    free(c->ls);
+    cudaFree(c->cos_t), cudaFree(c->sin_t), cudaFree(c->xn), cudaFree(c->proj), cudaFree(c->att);
+    cudaFree(c->y), cudaFree(c->pm), cudaFree(c->pl), cudaFree(c->pacc);
+    for (int i = 0; i < 4; i++)
+        if (c->ev[i]) cudaEventDestroy(c->ev[i]);
+    if (c->cb) cublasDestroy(c->cb);
+    if (c->st) cudaStreamDestroy(c->st);
+    free(c);
+}
+
+static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
+    const struct kvrt_plan *p = c->p;
+    size_t es = p->f16 ? 2 : 4;
+    int rc;
+    size_t smem_max[2] = {0, 0};
+    for (int64_t l = 0; l < p->n_layers; l++) {
+        const struct kvrt_lplan *lp = &p->layers[l];
+        struct lstate *s = &c->ls[l];
+        int64_t rows = lp->qrows + lp->krows + lp->vrows;
+        if ((rc = upload(&s->wcat, lp->wcat, rows * p->dim, err, "uploading projections")) ||
+            (rc = upload(&s->bcat, lp->bcat, rows, err, "uploading biases")) ||
+            (rc = upload(&s->up, lp->up, lp->up_len, err, "uploading up factors")) ||
+            (rc = upload(&s->rot, lp->rot, lp->rot_len, err, "uploading rotations")) ||
+            (rc = upload(&s->wo, lp->wo, p->dim * lp->o_total, err, "uploading output projections")) ||
+            (rc = upload(&s->hk, lp->hk, p->n_kv_heads * KVRT_HK_N, err, "uploading tables")) ||
+            (rc = upload(&s->hq, lp->hq, p->n_heads * KVRT_HQ_N, err, "uploading tables")) ||
+            (rc = upload(&s->order, lp->order, p->n_kv_heads, err, "uploading tables")))
+            return rc;
+        if ((rc = dalloc((void **)&s->qv, (size_t)lp->qw_total * 4, err, "allocating queries")) ||
+            (rc = dalloc(&s->kc, (size_t)(p->max_ctx * lp->kld) * es, err, "allocating the key cache")) ||
+            (rc = dalloc(&s->vc, (size_t)(p->max_ctx * lp->vld) * es, err, "allocating the value cache")))
+            return rc;
+        int pre = lp->kmode == KV_LR_PREROPE_LATENT;
+        size_t with = attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, 1) * 4;
+        size_t without = attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, 0) * 4;
+        s->up_smem = pre && (int64_t)with <= optin;
+        s->smem = s->up_smem ? with : without;
+        if ((int64_t)s->smem > optin)
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "layer %lld: the attention kernel needs %zu bytes of shared memory per block, "
+                           "the device allows %lld", (long long)l, s->smem, (long long)optin);
+        smem_max[pre] = s->smem > smem_max[pre] ? s->smem : smem_max[pre];
+    }
+    /* opt in to the largest dynamic shared memory each instantiation uses */
+    if (p->f16) {
+        CK(cudaFuncSetAttribute(attn_kernel<__half, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)smem_max[0]), "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<__half, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)smem_max[1]), "setting shared memory");
+    } else {
+        CK(cudaFuncSetAttribute(attn_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)smem_max[0]), "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)smem_max[1]), "setting shared memory");
+    }
+    return KV_OK;
+}
+
+extern "C" int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out,
+                              struct kv_err *err) {
+    struct kvrt_device dv;
+    int rc = kvrt_cuda_device_query(dev, &dv, err);
+    if (rc) return rc;
+    CK(cudaSetDevice(dev), "selecting the device");
+    struct kvrt_cuda *c = (struct kvrt_cuda *)calloc(1, sizeof *c);
+    if (!c) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    c->p = p, c->dev = dev;
+    c->ls = (struct lstate *)calloc((size_t)p->n_layers, sizeof *c->ls);
+    if (!c->ls) {
+        free(c);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    int64_t rows = 1, ot = 1, vw = 1;
+    for (int64_t l = 0; l < p->n_layers; l++) {
+        const struct kvrt_lplan *lp = &p->layers[l];
+        int64_t r = lp->qrows + lp->krows + lp->vrows;
+        rows = r > rows ? r : rows, ot = lp->o_total > ot ? lp->o_total : ot;
+        vw = lp->vw_max > vw ? lp->vw_max : vw;
+    }
+    c->vw_stride = vw;
+    int64_t hc = p->n_heads * p->max_chunks, half = p->head_dim / 2;
+    cudaError_t e = cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking);
+    if (e != cudaSuccess) rc = cuda_fail(err, e, "creating a stream");
+    for (int i = 0; !rc && i < 4; i++)
+        if ((e = cudaEventCreate(&c->ev[i])) != cudaSuccess) rc = cuda_fail(err, e, "creating events");
+    if (!rc && cublasCreate(&c->cb) != CUBLAS_STATUS_SUCCESS) {
+        c->cb = NULL;
+        rc = kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cublas: cannot create a handle");
+    }
+    if (!rc && cublasSetStream(c->cb, c->st) != CUBLAS_STATUS_SUCCESS)
+        rc = kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cublas: cannot set the stream");
+    if (!rc && p->rope) rc = upload(&c->cos_t, p->rope_cos, p->max_ctx * half, err, "uploading the rope table");
+    if (!rc && p->rope) rc = upload(&c->sin_t, p->rope_sin, p->max_ctx * half, err, "uploading the rope table");
+    if (!rc) rc = dalloc((void **)&c->xn, (size_t)p->dim * 4, err, "allocating scratch");
+    if (!rc) rc = dalloc((void **)&c->proj, (size_t)rows * 4, err, "allocating scratch");
+    if (!rc) rc = dalloc((void **)&c->att, (size_t)ot * 4, err, "allocating scratch");
+    if (!rc) rc = dalloc((void **)&c->y, (size_t)p->dim * 4, err, "allocating scratch");
+    if (!rc) rc = dalloc((void **)&c->pm, (size_t)hc * 4, err, "allocating partials");
+    if (!rc) rc = dalloc((void **)&c->pl, (size_t)hc * 4, err, "allocating partials");
+    if (!rc) rc = dalloc((void **)&c->pacc, (size_t)(hc * vw) * 4, err, "allocating partials");
+    if (!rc) rc = open_layers(c, dv.smem_optin, err);
+    if (rc) {
+        kvrt_cuda_close(c);
+        return rc;
+    }
+    *out = c;
+    return KV_OK;
+}
+
+/* Stages 1 and 2 from the input already in c->xn. */
+static int append_dev(struct kvrt_cuda *c, int64_t l, int64_t pos, struct kv_err *err) {
+    const struct kvrt_plan *p = c->p;
+    const struct kvrt_lplan *lp = &p->layers[l];
+    const struct lstate *s = &c->ls[l];
+    int rows = (int)(lp->qrows + lp->krows + lp->vrows), d = (int)p->dim;
+    const float one = 1.0f, zero = 0.0f;
+    /* proj [rows] = wcat [rows, d] xn: column-major wcat is [d, rows], so op T */
+    CB(cublasSgemv(c->cb, CUBLAS_OP_T, d, rows, &one, s->wcat, d, c->xn, 1, &zero, c->proj, 1),
+       "projection gemv");
+    struct dlayer L = dlayer_of(c, l);
+    struct dglob G = dglob_of(c);
+    size_t sh = (size_t)(2 * p->head_dim) * sizeof(float);
+    if (p->f16)
+        prep_kernel<__half><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos);
+    else
+        prep_kernel<float><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos);
+    CK(cudaGetLastError(), "launching the prep kernel");
+    return KV_OK;
+}
+
+/* Stages 3 and 4 over T positions into c->att. */
+static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *err) {
+    const struct kvrt_plan *p = c->p;
+    const struct lstate *s = &c->ls[l];
+    int64_t len, n_full, n = kvrt_plan_chunks(p, T, &len, &n_full);
+    int64_t rem = T - n_full * len;
+    struct dlayer L = dlayer_of(c, l);
+    struct dglob G = dglob_of(c);
+    unsigned tasks = (unsigned)(n * p->n_kv_heads);
+    int pre = L.kmode == KV_LR_PREROPE_LATENT;
+    if (p->f16) {
+        if (pre)
+            attn_kernel<__half, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->up_smem, c->pm, c->pl, c->pacc);
+        else
+            attn_kernel<__half, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, 0, c->pm, c->pl, c->pacc);
+    } else {
+        if (pre)
+            attn_kernel<float, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->up_smem, c->pm, c->pl, c->pacc);
+        else
+            attn_kernel<float, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, 0, c->pm, c->pl, c->pacc);
+    }
+    CK(cudaGetLastError(), "launching the attention kernel");
+    combine_kernel<<<(unsigned)p->n_heads, NT, 0, c->st>>>(L, G, n, c->pm, c->pl, c->pacc, c->att);
+    CK(cudaGetLastError(), "launching the combine kernel");
+    return KV_OK;
+}
+
+/* Stage 5: c->y = wo att. */
+static int out_dev(struct kvrt_cuda *c, int64_t l, struct kv_err *err) {
+    const struct kvrt_lplan *lp = &c->p->layers[l];
+    const float one = 1.0f, zero = 0.0f;
+    /* y [d] = wo [d, o_total] att: column-major wo is [o_total, d], so op T */
+    CB(cublasSgemv(c->cb, CUBLAS_OP_T, (int)lp->o_total, (int)c->p->dim, &one, c->ls[l].wo,
+                   (int)lp->o_total, c->att, 1, &zero, c->y, 1), "output gemv");
+    return KV_OK;
+}
+
+extern "C" int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
+                                struct kv_err *err) {
+    CK(cudaMemcpyAsync(c->xn, xn, (size_t)c->p->dim * sizeof(float), cudaMemcpyHostToDevice, c->st),
+       "copying the input");
+    return append_dev(c, layer, pos, err);
+}
+
+extern "C" int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
+                                struct kv_err *err) {
+    int rc = attn_dev(c, layer, T, err);
+    if (!rc) rc = out_dev(c, layer, err);
+    if (rc) return rc;
+    CK(cudaMemcpyAsync(y, c->y, (size_t)c->p->dim * sizeof(float), cudaMemcpyDeviceToHost, c->st),
+       "copying the output");
+    CK(cudaStreamSynchronize(c->st), "running the decode step");
+    return KV_OK;
+}
+
+extern "C" int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
+                              struct kv_err *err) {
+    const struct kvrt_lplan *lp = &c->p->layers[layer];
+    const struct lstate *s = &c->ls[layer];
+    int64_t nk = len * lp->kld, nv = len * lp->vld;
+    unsigned blocks = 1024;
+    if (c->p->f16) {
+        fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->kc, nk, seed);
+        fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->vc, nv, seed ^ 0x5bd1e995ull);
+    } else {
+        fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->kc, nk, seed);
+        fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->vc, nv, seed ^ 0x5bd1e995ull);
+    }
+    CK(cudaGetLastError(), "launching the fill kernel");
+    CK(cudaMemsetAsync(s->qv, 0, (size_t)lp->qw_total * sizeof(float), c->st), "clearing the query");
+    CK(cudaStreamSynchronize(c->st), "filling the cache");
+    return KV_OK;
+}
+
+extern "C" int kvrt_cuda_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters,
+                              double *us_step, double *us_attn, struct kv_err *err) {
+    const struct kvrt_plan *p = c->p;
+    float *x = (float *)malloc((size_t)p->dim * sizeof *x);
+    if (!x) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    for (int64_t e = 0; e < p->dim; e++) x[e] = kvrt_fill_value(12345, (uint64_t)e);
+    cudaError_t ce = cudaMemcpy(c->xn, x, (size_t)p->dim * sizeof(float), cudaMemcpyHostToDevice);
+    free(x);
+    if (ce != cudaSuccess) return cuda_fail(err, ce, "copying the input");
+    int rc = KV_OK;
+    for (int w = 0; w < 3 && !rc; w++) { /* warm-up */
+        rc = append_dev(c, layer, pos, err);
+        if (!rc) rc = attn_dev(c, layer, pos + 1, err);
+        if (!rc) rc = out_dev(c, layer, err);
+    }
+    CK(cudaEventRecord(c->ev[0], c->st), "recording an event");
+    for (int64_t it = 0; it < iters && !rc; it++) { /* whole steps */
+        rc = append_dev(c, layer, pos, err);
+        if (!rc) rc = attn_dev(c, layer, pos + 1, err);
+        if (!rc) rc = out_dev(c, layer, err);
+    }
+    CK(cudaEventRecord(c->ev[1], c->st), "recording an event");
+    CK(cudaEventRecord(c->ev[2], c->st), "recording an event");
+    for (int64_t it = 0; it < iters && !rc; it++) rc = attn_dev(c, layer, pos + 1, err); /* attention alone */
+    CK(cudaEventRecord(c->ev[3], c->st), "recording an event");
+    if (rc) return rc;
+    CK(cudaEventSynchronize(c->ev[3]), "running the timed steps");
+    float ms_step = 0, ms_attn = 0;
+    CK(cudaEventElapsedTime(&ms_step, c->ev[0], c->ev[1]), "reading the timer");
+    CK(cudaEventElapsedTime(&ms_attn, c->ev[2], c->ev[3]), "reading the timer");
+    *us_step = 1e3 * (double)ms_step / (double)iters;
+    *us_attn = 1e3 * (double)ms_attn / (double)iters;
+    return KV_OK;
+}

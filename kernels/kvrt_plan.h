@@ -1,0 +1,177 @@
+/* The runtime's plan (internal to kernels/): everything a backend needs to
+ * run one layer's decode step, built once by kvrt.c from a model and its
+ * compressed attention, and read alike by the CPU twin (twin.c) and the
+ * CUDA kernels (kvrt_cuda.cu). Plain C, no pointers into the model.
+ *
+ * One decode step of layer l at position pos (T = pos + 1 keys):
+ *
+ * 1. proj [rows] = wcat xn        one GEMV; wcat [rows, d] row-major stacks
+ *                                 the query part (qrows), the key part
+ *                                 (krows) and the value part (vrows)
+ * 2. prep, per KV head j          adds bcat, RoPE, rotations; writes the
+ *                                 query vector qv [qw_total] and the
+ *                                 position's cache rows kc[pos], vc[pos]
+ * 3. attention, per task (j, c)   the grp query heads of KV head j over the
+ *                                 keys of sequence chunk c, in tiles of
+ *                                 KVRT_TILE positions, online softmax;
+ *                                 partial (m, l, acc[vw]) per head and chunk
+ * 4. combine, per query head i    merges the chunks into att[ooff .. +vw]
+ * 5. y [d] = wo att               one GEMV; wo [d, o_total] row-major
+ *
+ * Tables per KV head j (hk[j * KVRT_HK_N + field]):
+ *   KCOL   first column of j's key source in a key cache row
+ *   KSRC   width of that source (d_h, or the unit's rank for latents)
+ *   KW     width of the vectors scored (d_h for full and prerope keys,
+ *          the rank for fused_query and postrope_rotation)
+ *   UPOFF  prerope: offset in up of j's [d_h, r] block (row e, column k at
+ *          up[UPOFF + e * r + k]); else 0
+ *   ROTOFF postrope: offset in rot of j's [r, d_h] matrix; else 0
+ *   VCOL, VW  the same for values (full: j*d_h, d_h; fused_output: the
+ *          unit's latent columns)
+ *   KOWN, VOWN  1 when head j writes its unit's latent columns (the unit's
+ *          first head; every head for full and postrope keys)
+ * lp->order lists the KV heads by descending KSRC + VW (the cache elements
+ * one position costs them), ties by index.
+ * Per query head i (hq[i * 2 + 0 / 1]): QOFF, the start of its query in qv
+ * (i*d_h, or the running sum of KW for latent queries), and OOFF, the start
+ * of its output in att (i*d_h, or the running sum of VW).
+ * The query part of proj: qv's layout (fused_query) or h*d_h rows of W_q.
+ * The key part: W_k (full, postrope) or the units' down rows at KCOL. The
+ * value part: W_v (full) or the units' down rows at VCOL. */
+#ifndef KVRT_PLAN_H
+#define KVRT_PLAN_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVRT_TILE 32   /* positions per tile of the attention loop */
+#define KVRT_CHUNK_MIN 64
+#define KVRT_CHUNK_MAX 4096
+
+enum { KVRT_HK_KCOL = 0, KVRT_HK_KSRC, KVRT_HK_KW, KVRT_HK_UPOFF, KVRT_HK_ROTOFF, KVRT_HK_VCOL,
+       KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_N };
+enum { KVRT_HQ_QOFF = 0, KVRT_HQ_OOFF, KVRT_HQ_N };
+
+struct kvrt_lplan {
+    int kmode, vmode;               /* enum kv_lr_mode */
+    int64_t qrows, krows, vrows;    /* rows of wcat per part; rows = their sum */
+    int64_t kld, vld;               /* cache row widths (floats or halves) */
+    int64_t qw_total, o_total;      /* lengths of qv and att */
+    int64_t kw_max, ksrc_max, vw_max;
+    float *wcat, *bcat;             /* [rows, d], [rows] (zeros where no bias) */
+    float *up;                      /* prerope factors (NULL otherwise) */
+    int64_t up_len;
+    float *rot;                     /* postrope rotations (NULL otherwise) */
+    int64_t rot_len;
+    float *wo;                      /* [d, o_total] */
+    int32_t *hk;                    /* [g][KVRT_HK_N] */
+    int32_t *hq;                    /* [h][KVRT_HQ_N] */
+    int32_t *order;                 /* [g] KV heads, costliest first */
+};
+
+struct kvrt_plan {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim, grp;
+    int64_t max_ctx;
+    int rope, rope_half;            /* rotary keys; pairs (i, i+d_h/2) instead of (2i, 2i+1) */
+    float *rope_cos, *rope_sin;     /* [max_ctx][d_h/2] when rope */
+    float scale;                    /* 1/sqrt(d_h) */
+    int f16;                        /* caches hold fp16 */
+    int sm_count;                   /* what the chunking aims at */
+    int64_t max_chunks;             /* chunks per head any step may use */
+    struct kvrt_lplan *layers;
+};
+
+/* Sequence chunking for T positions: chunks of *len positions (a multiple
+ * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about 2·sm_count tasks
+ * when T allows); returns the number of chunks, of which *n_full have the
+ * full length (all but a shorter last one). */
+int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len, int64_t *n_full);
+
+#ifdef __CUDACC__
+#define KVRT_HD __host__ __device__
+#else
+#define KVRT_HD
+#endif
+
+/* Task t (0 .. g·n_chunks-1) of a step in launch order, longest first (FDC
+ * §5.3 decode). A task is (KV head j, chunk c) and costs the positions of
+ * its chunk (len for the n_full full chunks, rem for a shorter last one)
+ * times KSRC + VW of head j (the cache elements one position costs it).
+ * The order is by descending cost, ties in lp->order (which is by
+ * descending KSRC + VW) and then by chunk: the merge of the full tasks
+ * (head order[a / n_full], chunk a % n_full) and the partial ones (head
+ * order[b], chunk n_full), found per task by a merge-path binary search
+ * so that every block computes its own task. Blocks launched in this order
+ * are dispatched by the GPU to whichever multiprocessor frees first: the
+ * greedy longest-first assignment of the paper. */
+static inline KVRT_HD int64_t kvrt_task_cost(const int32_t *hk, int64_t j, int64_t pos) {
+    return pos * (int64_t)(hk[j * KVRT_HK_N + KVRT_HK_KSRC] + hk[j * KVRT_HK_N + KVRT_HK_VW]);
+}
+static inline KVRT_HD void kvrt_task(const int32_t *order, const int32_t *hk, int64_t g,
+                                     int64_t n_full, int64_t len, int64_t rem, int64_t t,
+                                     int64_t *j, int64_t *c) {
+    int64_t nf = n_full * g, np = rem > 0 ? g : 0;
+    int64_t lo = t - np > 0 ? t - np : 0, hi = t < nf ? t : nf;
+    while (lo < hi) { /* full tasks among the first t: the first a with A[a] < B[t-a-1] */
+        int64_t mid = (lo + hi) / 2, bi = t - mid - 1; /* in 0 .. np-1 by the bounds */
+        if (bi < 0 || kvrt_task_cost(hk, order[mid / n_full], len) >= kvrt_task_cost(hk, order[bi], rem))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    int64_t a = lo, b = t - lo;
+    if (a < nf && (b >= np || kvrt_task_cost(hk, order[a / n_full], len) >=
+                                  kvrt_task_cost(hk, order[b], rem))) {
+        *j = order[a / n_full];
+        *c = a % n_full;
+    } else {
+        *j = order[b];
+        *c = n_full;
+    }
+}
+
+/* Pseudo-random cache entry idx of a kvrt_fill (uniform in [-1, 1)), the
+ * same on every backend: splitmix64 of seed + idx·golden, top 24 bits. */
+static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
+    uint64_t z = seed + (idx + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
+}
+
+struct kv_err;
+struct kvrt_device;
+
+/* Backends. Positions: append writes cache row pos of `layer` from the
+ * attention input xn [d] (host memory) and keeps the query; attend scores
+ * that query over rows 0..T-1 and writes y [d] (host memory). */
+struct kvrt_twin;
+int kvrt_twin_open(const struct kvrt_plan *p, struct kvrt_twin **out, struct kv_err *err);
+void kvrt_twin_close(struct kvrt_twin *t);
+void kvrt_twin_append(struct kvrt_twin *t, int64_t layer, int64_t pos, const float *xn);
+void kvrt_twin_attend(struct kvrt_twin *t, int64_t layer, int64_t T, float *y);
+void kvrt_twin_fill(struct kvrt_twin *t, int64_t layer, int64_t len, uint64_t seed);
+/* Attention part alone (tasks + combine) of the last append's query. */
+void kvrt_twin_attn_only(struct kvrt_twin *t, int64_t layer, int64_t T);
+
+struct kvrt_cuda;
+int kvrt_cuda_device_count(int *count, struct kv_err *err);
+int kvrt_cuda_device_query(int dev, struct kvrt_device *out, struct kv_err *err);
+int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out, struct kv_err *err);
+void kvrt_cuda_close(struct kvrt_cuda *c);
+int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
+                     struct kv_err *err);
+int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y, struct kv_err *err);
+int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
+                   struct kv_err *err);
+int kvrt_cuda_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters, double *us_step,
+                   double *us_attn, struct kv_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

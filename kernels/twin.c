@@ -1,0 +1,289 @@
+/* The CPU twin of the CUDA kernels (kvrt_cuda.cu): the same plan, the same
+ * five stages (kvrt_plan.h), the same tiles of KVRT_TILE positions, the
+ * same sequence chunks and the same order of operations inside every dot
+ * product and accumulation, written as plain loops. The GPU is tested
+ * against it; it is tested against the reference forward (lib/forward.c).
+ * The two GEMVs go through OpenBLAS here and cuBLAS there. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "kvrt.h"
+#include "kvrt_plan.h"
+#include "model.h"
+
+struct kvrt_twin {
+    const struct kvrt_plan *p;
+    void **kc, **vc;       /* [L] caches [max_ctx][kld] / [max_ctx][vld], f32 or f16 */
+    float **qv;            /* [L] query of the last append [qw_total] */
+    float *proj;           /* [rows_max] */
+    float *att;            /* [o_total max] */
+    float *tmp;            /* [2 d_h] for prep */
+    float *pm, *pl, *pacc; /* partials [h][max_chunks] and [h][max_chunks][vw_max] */
+    float *scratch;        /* [threads][scratch_len] */
+    int64_t scratch_len, vw_max;
+    int threads;
+};
+
+static inline float ld(const void *c, int f16, int64_t i) {
+    return f16 ? kv_f16_to_f32(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+static inline void st(void *c, int f16, int64_t i, float v) {
+    if (f16)
+        ((uint16_t *)c)[i] = kv_f32_to_f16(v);
+    else
+        ((float *)c)[i] = v;
+}
+
+void kvrt_twin_close(struct kvrt_twin *t) {
+    if (!t) return;
+    for (int64_t l = 0; t->kc && l < t->p->n_layers; l++) free(t->kc[l]), free(t->vc[l]), free(t->qv[l]);
+    free(t->kc), free(t->vc), free(t->qv);
+    free(t->proj), free(t->att), free(t->tmp), free(t->pm), free(t->pl), free(t->pacc), free(t->scratch);
+    free(t);
+}
+
+int kvrt_twin_open(const struct kvrt_plan *p, struct kvrt_twin **out, struct kv_err *err) {
+    struct kvrt_twin *t = calloc(1, sizeof *t);
+    if (!t) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    t->p = p;
+    int64_t L = p->n_layers, es = p->f16 ? 2 : 4, rows = 1, ot = 1, kw = 1, ks = 1, vw = 1;
+    t->kc = calloc((size_t)L, sizeof *t->kc);
+    t->vc = calloc((size_t)L, sizeof *t->vc);
+    t->qv = calloc((size_t)L, sizeof *t->qv);
+    int ok = t->kc && t->vc && t->qv;
+    for (int64_t l = 0; ok && l < L; l++) {
+        const struct kvrt_lplan *lp = &p->layers[l];
+        t->kc[l] = malloc((size_t)(p->max_ctx * lp->kld * es));
+        t->vc[l] = malloc((size_t)(p->max_ctx * lp->vld * es));
+        t->qv[l] = calloc((size_t)lp->qw_total, sizeof(float));
+        ok = t->kc[l] && t->vc[l] && t->qv[l];
+        int64_t r = lp->qrows + lp->krows + lp->vrows;
+        rows = r > rows ? r : rows, ot = lp->o_total > ot ? lp->o_total : ot;
+        kw = lp->kw_max > kw ? lp->kw_max : kw, ks = lp->ksrc_max > ks ? lp->ksrc_max : ks;
+        vw = lp->vw_max > vw ? lp->vw_max : vw;
+    }
+    int64_t h = p->n_heads, grp = p->grp;
+    t->vw_max = vw;
+    t->threads = omp_get_max_threads();
+    /* per task: q [grp][kw], m, l, alpha [grp], acc [grp][vw], K [TILE][kw], Z [TILE][ks], s [grp][TILE] */
+    t->scratch_len = grp * kw + 3 * grp + grp * vw + KVRT_TILE * kw + KVRT_TILE * ks + grp * KVRT_TILE;
+    if (ok) {
+        t->proj = malloc((size_t)rows * sizeof(float));
+        t->att = malloc((size_t)ot * sizeof(float));
+        t->tmp = malloc((size_t)(2 * p->head_dim) * sizeof(float));
+        t->pm = malloc((size_t)(h * p->max_chunks) * sizeof(float));
+        t->pl = malloc((size_t)(h * p->max_chunks) * sizeof(float));
+        t->pacc = malloc((size_t)(h * p->max_chunks * vw) * sizeof(float));
+        t->scratch = malloc((size_t)(t->threads * t->scratch_len) * sizeof(float));
+        ok = t->proj && t->att && t->tmp && t->pm && t->pl && t->pacc && t->scratch;
+    }
+    if (!ok) {
+        kvrt_twin_close(t);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
+                       "out of memory for the twin's caches of %lld positions", (long long)p->max_ctx);
+    }
+    *out = t;
+    return KV_OK;
+}
+
+/* RoPE of one head vector v [d_h] at position pos (pairs as the plan says). */
+static void rope_vec(const struct kvrt_plan *p, float *v, int64_t pos) {
+    int64_t half = p->head_dim / 2;
+    const float *cs = p->rope_cos + pos * half, *sn = p->rope_sin + pos * half;
+    for (int64_t i = 0; i < half; i++) {
+        int64_t a = p->rope_half ? i : 2 * i, b = p->rope_half ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * cs[i] - x1 * sn[i];
+        v[b] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* out[a] = Σ_e R[a, e] v[e] for the rotation R [r, d_h] (e in order). */
+static void rotate(const float *R, int64_t r, int64_t dh, const float *v, float *out) {
+    for (int64_t a = 0; a < r; a++) {
+        float s = 0.0f;
+        for (int64_t e = 0; e < dh; e++) s += R[a * dh + e] * v[e];
+        out[a] = s;
+    }
+}
+
+/* Stage 2 for KV head j: biases, RoPE, rotations; the query of its query
+ * heads into qv and its cache entries into row pos. tmp [2 d_h]. */
+static void prep(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t j,
+                 const float *proj, int64_t pos, float *qv, void *kc, void *vc, float *tmp) {
+    int64_t dh = p->head_dim, grp = p->grp;
+    const int32_t *hk = lp->hk + j * KVRT_HK_N;
+    const float *b = lp->bcat;
+    int fq = lp->kmode == KV_LR_FUSED_QUERY, rot = lp->kmode == KV_LR_POSTROPE_ROTATION;
+    int64_t kw = hk[KVRT_HK_KW];
+    const float *R = rot ? lp->rot + hk[KVRT_HK_ROTOFF] : NULL;
+    for (int64_t gi = 0; gi < grp; gi++) {
+        int64_t i = j * grp + gi, qo = lp->hq[i * KVRT_HQ_N + KVRT_HQ_QOFF];
+        if (fq) {
+            for (int64_t e = 0; e < kw; e++) qv[qo + e] = proj[qo + e] + b[qo + e];
+            continue;
+        }
+        for (int64_t e = 0; e < dh; e++) tmp[e] = proj[i * dh + e] + b[i * dh + e];
+        if (p->rope) rope_vec(p, tmp, pos);
+        if (rot)
+            rotate(R, kw, dh, tmp, qv + qo);
+        else
+            memcpy(qv + qo, tmp, (size_t)dh * sizeof(float));
+    }
+    int64_t kb = lp->qrows, vb = lp->qrows + lp->krows;
+    int64_t krow = pos * lp->kld, vrow = pos * lp->vld, kcol = hk[KVRT_HK_KCOL];
+    if (lp->kmode == KV_LR_FULL || rot) {
+        for (int64_t e = 0; e < dh; e++) tmp[e] = proj[kb + j * dh + e] + b[kb + j * dh + e];
+        if (p->rope) rope_vec(p, tmp, pos);
+        if (rot) {
+            rotate(R, kw, dh, tmp, tmp + dh);
+            for (int64_t a = 0; a < kw; a++) st(kc, p->f16, krow + kcol + a, tmp[dh + a]);
+        } else {
+            for (int64_t e = 0; e < dh; e++) st(kc, p->f16, krow + kcol + e, tmp[e]);
+        }
+    } else if (hk[KVRT_HK_KOWN]) {
+        for (int64_t e = 0; e < hk[KVRT_HK_KSRC]; e++)
+            st(kc, p->f16, krow + kcol + e, proj[kb + kcol + e] + b[kb + kcol + e]);
+    }
+    if (hk[KVRT_HK_VOWN]) {
+        int64_t vcol = hk[KVRT_HK_VCOL];
+        for (int64_t e = 0; e < hk[KVRT_HK_VW]; e++)
+            st(vc, p->f16, vrow + vcol + e, proj[vb + vcol + e] + b[vb + vcol + e]);
+    }
+}
+
+/* Stage 3, task (j, c): the query heads of KV head j over positions
+ * [c·len, min((c+1)·len, T)) in tiles, with an online softmax; writes the
+ * partial max, sum and accumulator of each head for chunk c. */
+static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t j, int64_t c,
+                 int64_t len, int64_t T, const float *qv, const void *kc, const void *vc, float *pm,
+                 float *pl, float *pacc, int64_t vw_max, float *scr) {
+    int64_t grp = p->grp, dh = p->head_dim;
+    const int32_t *hk = lp->hk + j * KVRT_HK_N;
+    int64_t kw = hk[KVRT_HK_KW], ks = hk[KVRT_HK_KSRC], vw = hk[KVRT_HK_VW];
+    int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
+    int pre = lp->kmode == KV_LR_PREROPE_LATENT;
+    const float *up = pre ? lp->up + hk[KVRT_HK_UPOFF] : NULL;
+    float *q = scr, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
+    float *K = acc + grp * vw, *Z = K + KVRT_TILE * kw, *s = Z + KVRT_TILE * ks;
+    for (int64_t gi = 0; gi < grp; gi++) {
+        const float *qi = qv + lp->hq[(j * grp + gi) * KVRT_HQ_N + KVRT_HQ_QOFF];
+        memcpy(q + gi * kw, qi, (size_t)kw * sizeof(float));
+        m[gi] = -INFINITY, l[gi] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(grp * vw) * sizeof(float));
+    int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
+    for (int64_t s0 = t0; s0 < t1; s0 += KVRT_TILE) {
+        int64_t ts = t1 - s0 < KVRT_TILE ? t1 - s0 : KVRT_TILE;
+        if (pre) { /* rebuild k = z upᵀ per position, then RoPE */
+            for (int64_t t = 0; t < ts; t++)
+                for (int64_t k = 0; k < ks; k++) Z[t * ks + k] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + k);
+            for (int64_t t = 0; t < ts; t++) {
+                for (int64_t e = 0; e < dh; e++) {
+                    float a = 0.0f;
+                    for (int64_t k = 0; k < ks; k++) a += Z[t * ks + k] * up[e * ks + k];
+                    K[t * kw + e] = a;
+                }
+                if (p->rope) rope_vec(p, K + t * kw, s0 + t);
+            }
+        } else {
+            for (int64_t t = 0; t < ts; t++)
+                for (int64_t e = 0; e < kw; e++) K[t * kw + e] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + e);
+        }
+        for (int64_t gi = 0; gi < grp; gi++)
+            for (int64_t t = 0; t < ts; t++) {
+                float a = 0.0f;
+                for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kw + e];
+                s[gi * KVRT_TILE + t] = a * p->scale;
+            }
+        for (int64_t gi = 0; gi < grp; gi++) {
+            float *sg = s + gi * KVRT_TILE, mt = sg[0];
+            for (int64_t t = 1; t < ts; t++) mt = sg[t] > mt ? sg[t] : mt;
+            float mn = m[gi] > mt ? m[gi] : mt;
+            alpha[gi] = expf(m[gi] - mn); /* 0 on the first tile: m = -inf */
+            float sum = 0.0f;
+            for (int64_t t = 0; t < ts; t++) {
+                sg[t] = expf(sg[t] - mn);
+                sum += sg[t];
+            }
+            l[gi] = l[gi] * alpha[gi] + sum;
+            m[gi] = mn;
+        }
+        for (int64_t gi = 0; gi < grp; gi++)
+            for (int64_t col = 0; col < vw; col++) {
+                float a = acc[gi * vw + col] * alpha[gi];
+                for (int64_t t = 0; t < ts; t++)
+                    a += s[gi * KVRT_TILE + t] * ld(vc, p->f16, (s0 + t) * lp->vld + vcol + col);
+                acc[gi * vw + col] = a;
+            }
+    }
+    for (int64_t gi = 0; gi < grp; gi++) {
+        int64_t i = j * grp + gi, at = i * p->max_chunks + c;
+        pm[at] = m[gi], pl[at] = l[gi];
+        memcpy(pacc + at * vw_max, acc + gi * vw, (size_t)vw * sizeof(float));
+    }
+}
+
+/* Stage 4 for query head i: merge its n chunks into att. */
+static void combine(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t i, int64_t n,
+                    const float *pm, const float *pl, const float *pacc, int64_t vw_max, float *att) {
+    int64_t vw = lp->hk[(i / p->grp) * KVRT_HK_N + KVRT_HK_VW];
+    const float *m = pm + i * p->max_chunks, *l = pl + i * p->max_chunks;
+    float M = m[0];
+    for (int64_t c = 1; c < n; c++) M = m[c] > M ? m[c] : M;
+    float L = 0.0f;
+    for (int64_t c = 0; c < n; c++) L += expf(m[c] - M) * l[c];
+    float *o = att + lp->hq[i * KVRT_HQ_N + KVRT_HQ_OOFF];
+    for (int64_t col = 0; col < vw; col++) {
+        float a = 0.0f;
+        for (int64_t c = 0; c < n; c++) a += expf(m[c] - M) * pacc[(i * p->max_chunks + c) * vw_max + col];
+        o[col] = a / L;
+    }
+}
+
+void kvrt_twin_append(struct kvrt_twin *t, int64_t layer, int64_t pos, const float *xn) {
+    const struct kvrt_plan *p = t->p;
+    const struct kvrt_lplan *lp = &p->layers[layer];
+    int64_t rows = lp->qrows + lp->krows + lp->vrows;
+    /* proj [rows] = wcat [rows, d] · xn */
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)rows, (int)p->dim, 1.0f, lp->wcat, (int)p->dim, xn, 1,
+                0.0f, t->proj, 1);
+    for (int64_t j = 0; j < p->n_kv_heads; j++)
+        prep(p, lp, j, t->proj, pos, t->qv[layer], t->kc[layer], t->vc[layer], t->tmp);
+}
+
+void kvrt_twin_attn_only(struct kvrt_twin *t, int64_t layer, int64_t T) {
+    const struct kvrt_plan *p = t->p;
+    const struct kvrt_lplan *lp = &p->layers[layer];
+    int64_t len, n_full, n = kvrt_plan_chunks(p, T, &len, &n_full), g = p->n_kv_heads;
+#pragma omp parallel for schedule(dynamic) num_threads(t->threads)
+    for (int64_t k = 0; k < n * g; k++) {
+        int64_t j, c;
+        kvrt_task(lp->order, lp->hk, g, n_full, len, T - n_full * len, k, &j, &c);
+        task(p, lp, j, c, len, T, t->qv[layer], t->kc[layer], t->vc[layer], t->pm, t->pl, t->pacc,
+             t->vw_max, t->scratch + (int64_t)omp_get_thread_num() * t->scratch_len);
+    }
+    for (int64_t i = 0; i < p->n_heads; i++) combine(p, lp, i, n, t->pm, t->pl, t->pacc, t->vw_max, t->att);
+}
+
+void kvrt_twin_attend(struct kvrt_twin *t, int64_t layer, int64_t T, float *y) {
+    const struct kvrt_plan *p = t->p;
+    const struct kvrt_lplan *lp = &p->layers[layer];
+    kvrt_twin_attn_only(t, layer, T);
+    /* y [d] = wo [d, o_total] · att */
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)p->dim, (int)lp->o_total, 1.0f, lp->wo,
+                (int)lp->o_total, t->att, 1, 0.0f, y, 1);
+}
+
+void kvrt_twin_fill(struct kvrt_twin *t, int64_t layer, int64_t len, uint64_t seed) {
+    const struct kvrt_plan *p = t->p;
+    const struct kvrt_lplan *lp = &p->layers[layer];
+    for (int64_t i = 0; i < len * lp->kld; i++) st(t->kc[layer], p->f16, i, kvrt_fill_value(seed, (uint64_t)i));
+    for (int64_t i = 0; i < len * lp->vld; i++)
+        st(t->vc[layer], p->f16, i, kvrt_fill_value(seed ^ 0x5bd1e995ull, (uint64_t)i));
+    memset(t->qv[layer], 0, (size_t)lp->qw_total * sizeof(float));
+}

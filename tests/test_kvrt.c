@@ -1,0 +1,530 @@
+/* The runtime (kernels/): its CPU twin against the reference forward pass's
+ * attention output for every mode on the shared and fixture models, the
+ * CUDA kernels against the twin (skipped without a GPU), the longest-first
+ * schedule, the chunking, and the runtime's errors. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "kvrt.h"
+#include "kvrt_plan.h"
+#include "testutil.h"
+
+#define M260 "models/stories260K/stories260K.bin"
+#define TOK260 "models/stories260K/tok512.bin"
+#define M656 "models/tinystories-656K"
+#define TEXT "text/tinystories/val1k.txt"
+
+/* ---------------------------------------------------------------- helpers */
+
+static const char *workdir(void) {
+    static char *dir;
+    if (!dir) dir = kvt_temp_dir();
+    return dir;
+}
+
+static void run_ok(const char *args) {
+    char *o = NULL, *e = NULL;
+    int rc = kvt_run_cli(args, &o, &e);
+    cr_assert_eq(rc, 0, "kvcal %s exited %d: %s", args, rc, e);
+    free(o), free(e);
+}
+
+static int exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+/* The model arguments of one of the four models, or skip. */
+enum which { W260, W656, WKJV_LLAMA, WKJV_GPT2 };
+static void model_paths(enum which w, char *model, char *tok, size_t cap, char *text) {
+    tok[0] = 0;
+    if (w == W260 || w == W656) {
+        KVT_NEED_SHARED(t, TEXT);
+        snprintf(text, cap, "%s", t);
+    } else {
+        if (!exists("data/kjv/train.txt"))
+            cr_skip_test("data/kjv is absent (make data, which needs Debian's bible-kjv); skipping");
+        snprintf(text, cap, "data/kjv/train.txt");
+    }
+    if (w == W260) {
+        KVT_NEED_SHARED(m, M260);
+        snprintf(model, cap, "%s", m);
+        KVT_NEED_SHARED(t, TOK260);
+        snprintf(tok, cap, "%s", t);
+    } else if (w == W656) {
+        KVT_NEED_SHARED(m, M656);
+        snprintf(model, cap, "%s", m);
+    } else {
+        snprintf(model, cap, "%s", w == WKJV_LLAMA ? "data/kjv-llama" : "data/kjv-gpt2");
+    }
+}
+
+/* Statistics (once per model) and a compressed directory per method. */
+static char *compress(enum which w, const char *method, const char *extra, struct kv_model **m) {
+    char model[1024], tok[1024], text[1024], args[4096], tokarg[1100] = "";
+    model_paths(w, model, tok, sizeof model, text);
+    if (tok[0]) snprintf(tokarg, sizeof tokarg, "--tokenizer '%s'", tok);
+    char stats[1200];
+    snprintf(stats, sizeof stats, "%s/s%d.kvstats", workdir(), (int)w);
+    if (!exists(stats)) {
+        snprintf(args, sizeof args, "collect -m '%s' %s -t '%s' --seq-len 128 --samples 16 -q -o '%s'",
+                 model, tokarg, text, stats);
+        run_ok(args);
+    }
+    char *dir = malloc(1400);
+    snprintf(dir, 1400, "%s/c%d-%s%s", workdir(), (int)w, method, extra[0] ? "-x" : "");
+    snprintf(args, sizeof args, "decompose -m '%s' %s -s '%s' --method %s %s -o '%s' -q", model,
+             tokarg, stats, method, extra, dir);
+    run_ok(args);
+    struct kv_err err = {0};
+    cr_assert_eq(kv_model_open(model, tok[0] ? tok : NULL, m, &err), KV_OK, "%s", err.msg);
+    return dir;
+}
+
+/* The reference forward's attention input and output of every layer for
+ * one window, captured through the attn_in and attn_out hooks. */
+struct capture {
+    int64_t d, n;
+    float **xn, **y; /* [L][n*d] */
+};
+static int cap_in(void *ctx, int64_t l, const float *x, int64_t n, int64_t pos0) {
+    struct capture *c = ctx;
+    memcpy(c->xn[l] + pos0 * c->d, x, (size_t)(n * c->d) * sizeof(float));
+    return 0;
+}
+static int cap_out(void *ctx, int64_t l, const float *y, int64_t n, int64_t pos0) {
+    struct capture *c = ctx;
+    memcpy(c->y[l] + pos0 * c->d, y, (size_t)(n * c->d) * sizeof(float));
+    return 0;
+}
+
+static struct capture reference(const struct kv_model *m, const struct kv_lowrank *lr,
+                                const int32_t *tokens, int64_t n) {
+    const struct kv_config *c = kv_model_config(m);
+    struct capture cp = {c->dim, n, calloc((size_t)c->n_layers, sizeof(float *)),
+                         calloc((size_t)c->n_layers, sizeof(float *))};
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        cp.xn[l] = malloc((size_t)(n * c->dim) * sizeof(float));
+        cp.y[l] = malloc((size_t)(n * c->dim) * sizeof(float));
+    }
+    struct kv_fwd *f;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
+    if (lr) cr_assert_eq(kv_fwd_set_lowrank(f, lr, 16, &err), KV_OK, "%s", err.msg);
+    struct kv_fwd_hooks hk = {.ctx = &cp, .attn_in = cap_in, .attn_out = cap_out};
+    kv_fwd_set_hooks(f, &hk);
+    cr_assert_eq(kv_fwd_run(f, tokens, n, 0, NULL, &err), KV_OK, "%s", err.msg);
+    kv_fwd_free(f);
+    return cp;
+}
+
+static void capture_free(struct capture *cp, int64_t L) {
+    for (int64_t l = 0; l < L; l++) free(cp->xn[l]), free(cp->y[l]);
+    free(cp->xn), free(cp->y);
+}
+
+static int32_t *tokens_for(const struct kv_model *m, int64_t n, uint64_t seed) {
+    int32_t *t = malloc((size_t)n * sizeof *t);
+    int64_t v = kv_model_config(m)->vocab_size;
+    for (int64_t i = 0; i < n; i++) t[i] = (int32_t)((kvrt_fill_value(seed, (uint64_t)i) + 1.0f) * 0.5f * (float)v) % (int32_t)v;
+    return t;
+}
+
+static float max_abs(const float *a, int64_t n) {
+    float m = 0;
+    for (int64_t i = 0; i < n; i++) m = fabsf(a[i]) > m ? fabsf(a[i]) : m;
+    return m;
+}
+
+/* Decode the captured inputs with the runtime, token by token, layer by
+ * layer, and compare every y with the reference's within rtol (atol =
+ * rtol·max|y| of the layer). */
+static void decode_and_compare(const struct kv_model *m, const struct kv_lowrank *lr,
+                               const struct capture *cp, enum kvrt_backend be, enum kvrt_dtype dt,
+                               int sm_count, double rtol, const char *what) {
+    const struct kv_config *c = kv_model_config(m);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.backend = be, o.cache = dt, o.max_ctx = cp->n, o.sm_count = sm_count;
+    struct kvrt *rt;
+    struct kv_err err = {0};
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s: %s", what, err.msg);
+    float *y = malloc((size_t)(cp->n * c->dim) * sizeof *y);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        for (int64_t t = 0; t < cp->n; t++)
+            cr_assert_eq(kvrt_step(rt, l, t, cp->xn[l] + t * c->dim, y + t * c->dim, &err), KV_OK,
+                         "%s: %s", what, err.msg);
+        char w[256];
+        snprintf(w, sizeof w, "%s layer %lld (%s cache)", what, (long long)l, kvrt_dtype_name(dt));
+        double atol = rtol * max_abs(cp->y[l], cp->n * c->dim);
+        kvt_assert_close_f32(y, cp->y[l], cp->n * c->dim, atol, rtol, w);
+    }
+    free(y);
+    kvrt_close(rt);
+}
+
+/* Every mode of one model: the base (full K and V) and each method's
+ * compression, twin f32 within 1e-5 of the reference forward over 200
+ * positions (four chunks, the last one partial, at the twin's default
+ * chunking). With an f16 cache the twin differs from the fp32 reference by
+ * the rounding of every cached entry (up to 0.7% of the layer's largest
+ * output seen here), so that run is held to 2e-2 only, as a sanity bound;
+ * the f16 path is checked exactly against the GPU, which rounds alike. */
+static void twin_matches_forward(enum which w, const char *const *methods, int n_methods) {
+    const int64_t n = 200;
+    for (int i = -1; i < n_methods; i++) {
+        struct kv_model *m;
+        struct kv_lowrank *lr = NULL;
+        char *dir = NULL;
+        if (i < 0) {
+            char model[1024], tok[1024], text[1024];
+            model_paths(w, model, tok, sizeof model, text);
+            struct kv_err err = {0};
+            cr_assert_eq(kv_model_open(model, tok[0] ? tok : NULL, &m, &err), KV_OK, "%s", err.msg);
+        } else {
+            const char *meth = methods[i], *extra = "";
+            char mb[32];
+            const char *sp = strchr(meth, ' ');
+            if (sp) { /* "palu --group-size 2" */
+                snprintf(mb, sizeof mb, "%.*s", (int)(sp - meth), meth);
+                extra = sp + 1, meth = mb;
+            }
+            dir = compress(w, meth, extra, &m);
+            struct kv_err err = {0};
+            cr_assert_eq(kv_lr_dir_open(dir, m, &lr, &err), KV_OK, "%s", err.msg);
+        }
+        int32_t *tok = tokens_for(m, n, 7 + (uint64_t)i);
+        struct capture cp = reference(m, lr, tok, n);
+        char what[256];
+        snprintf(what, sizeof what, "model %d %s", (int)w, i < 0 ? "base" : methods[i]);
+        decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F32, 0, 1e-5, what);
+        decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F16, 0, 2e-2, what);
+        capture_free(&cp, kv_model_config(m)->n_layers);
+        free(tok), free(dir);
+        kv_lowrank_free(lr);
+        kv_model_free(m);
+    }
+}
+
+/* palu: prerope_latent keys (per head, and units of two heads), fused
+ * output values; fdc: postrope_rotation keys with per-head ranks; eigen at
+ * --eps 0.9: its own ranks. */
+static const char *const llama_methods[] = {"palu --ratio 0.5", "palu --ratio 0.5 --group-size 2",
+                                            "fdc --ratio 0.5", "eigen --eps 0.9"};
+/* gpt2: fused_query keys (palu, eigen), postrope_rotation keys (zack). */
+static const char *const gpt2_methods[] = {"palu --ratio 0.5", "eigen --eps 0.9", "zack --ratio 0.5"};
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+Test(kvrt_twin, matches_forward_stories260K, .timeout = 300) {
+    twin_matches_forward(W260, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, matches_forward_tinystories656K, .timeout = 300) {
+    twin_matches_forward(W656, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, matches_forward_kjv_llama, .timeout = 300) {
+    twin_matches_forward(WKJV_LLAMA, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, matches_forward_kjv_gpt2, .timeout = 300) {
+    twin_matches_forward(WKJV_GPT2, gpt2_methods, N_OF(gpt2_methods));
+}
+
+/* ---------------------------------------------------------------- random shapes */
+
+/* A random llama of odd shapes: 6 query heads over 3 KV heads of 16, both
+ * RoPE layouts, q/k/v biases; its svd compression at half the cache. */
+static struct kv_model *random_llama(enum kv_rope_layout layout, int64_t g, uint64_t seed) {
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_LLAMA, c.dim = 48, c.hidden_dim = 32, c.n_layers = 2, c.n_heads = 6;
+    c.n_kv_heads = g, c.head_dim = 16, c.vocab_size = 40, c.max_seq_len = 512;
+    c.norm_eps = 1e-5f, c.rope_theta = 500.0f, c.rope_layout = layout, c.has_qkv_bias = 1;
+    c.bos_id = c.eos_id = -1;
+    struct kv_model *m;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_model_init_random(&c, seed, &m, &err), KV_OK, "%s", err.msg);
+    return m;
+}
+
+static struct kv_lowrank *svd_half(const struct kv_model *m) {
+    struct kv_decompose_opts o = {0};
+    o.method = KV_METHOD_SVD, o.ratio = 0.5;
+    struct kv_lowrank *lr;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
+    return lr;
+}
+
+Test(kvrt_twin, random_shapes_both_rope_layouts) {
+    static const int64_t kv_heads[] = {1, 3, 6}; /* MQA, GQA 2, MHA */
+    for (int layout = 0; layout < 2; layout++)
+        for (int gi = 0; gi < 3; gi++) {
+            int64_t g = kv_heads[gi];
+            struct kv_model *m = random_llama((enum kv_rope_layout)layout, g, 11 + (uint64_t)g);
+            struct kv_lowrank *lr = svd_half(m);
+            int32_t *tok = tokens_for(m, 150, 3);
+            for (int with = 0; with < 2; with++) {
+                struct capture cp = reference(m, with ? lr : NULL, tok, 150);
+                char what[128];
+                snprintf(what, sizeof what, "random g=%lld layout %d %s", (long long)g, layout,
+                         with ? "svd" : "base");
+                /* sm_count 1: chunks of 64 at most 2 tasks' worth; 500: many chunks */
+                decode_and_compare(m, with ? lr : NULL, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F32, 1, 1e-5, what);
+                decode_and_compare(m, with ? lr : NULL, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F32, 500, 1e-5, what);
+                capture_free(&cp, 2);
+            }
+            free(tok);
+            kv_lowrank_free(lr);
+            kv_model_free(m);
+        }
+}
+
+/* ---------------------------------------------------------------- schedule */
+
+/* A per-head table whose KSRC + VW is cost[j]. */
+static void costs_table(int32_t *hk, const int64_t *cost, int64_t g) {
+    memset(hk, 0, (size_t)(g * KVRT_HK_N) * sizeof *hk);
+    for (int64_t j = 0; j < g; j++) hk[j * KVRT_HK_N + KVRT_HK_KSRC] = (int32_t)(cost[j] - 1), hk[j * KVRT_HK_N + KVRT_HK_VW] = 1;
+}
+
+Test(kvrt_schedule, longest_first_covers_every_task_once) {
+    /* heads of costs 3, 9, 5, 9, 1 in the plan's order (descending, stable) */
+    int32_t order[5] = {1, 3, 2, 0, 4}, hk[5 * KVRT_HK_N];
+    const int64_t cost[5] = {3, 9, 5, 9, 1};
+    costs_table(hk, cost, 5);
+    for (int64_t n_chunks = 1; n_chunks <= 4; n_chunks++)
+        for (int64_t rem = 0; rem <= 64; rem += 7) { /* rem 0: every chunk is full */
+            int64_t n_full = rem ? n_chunks - 1 : n_chunks;
+            int seen[5][4] = {{0}};
+            int64_t prev = INT64_MAX;
+            for (int64_t t = 0; t < 5 * n_chunks; t++) {
+                int64_t j, c;
+                kvrt_task(order, hk, 5, n_full, 64, rem, t, &j, &c);
+                cr_assert(j >= 0 && j < 5 && c >= 0 && c < n_chunks, "task %lld -> (%lld, %lld)",
+                          (long long)t, (long long)j, (long long)c);
+                seen[j][c]++;
+                int64_t w = cost[j] * (c < n_full ? 64 : rem);
+                cr_assert(w <= prev, "rem %lld: task %lld (head %lld chunk %lld) costs %lld after %lld: "
+                          "not longest first", (long long)rem, (long long)t, (long long)j, (long long)c,
+                          (long long)w, (long long)prev);
+                prev = w;
+            }
+            for (int j = 0; j < 5; j++)
+                for (int c = 0; c < n_chunks; c++)
+                    cr_assert_eq(seen[j][c], 1, "head %d chunk %d ran %d times", j, c, seen[j][c]);
+        }
+}
+
+/* Greedy assignment in launch order beats ascending order on the makespan
+ * when ranks differ (FDC Fig. 8's case): simulated over 3 workers. */
+Test(kvrt_schedule, longest_first_balances_heterogeneous_heads) {
+    int32_t sorted[7] = {0, 1, 2, 3, 4, 5, 6}, ascending[7] = {6, 5, 4, 3, 2, 1, 0}, hk[7 * KVRT_HK_N];
+    const int64_t cost[7] = {10, 9, 8, 7, 6, 5, 4};
+    costs_table(hk, cost, 7);
+    double span[2];
+    for (int v = 0; v < 2; v++) {
+        const int32_t *ord = v ? ascending : sorted;
+        double load[3] = {0, 0, 0};
+        for (int64_t t = 0; t < 7; t++) {
+            int64_t j, c;
+            kvrt_task(ord, hk, 7, 1, 64, 0, t, &j, &c);
+            int best = 0;
+            for (int k = 1; k < 3; k++) best = load[k] < load[best] ? k : best;
+            load[best] += (double)cost[j];
+        }
+        span[v] = fmax(load[0], fmax(load[1], load[2]));
+    }
+    cr_assert(span[0] < span[1], "longest first makespan %g, ascending order %g", span[0], span[1]);
+}
+
+Test(kvrt_schedule, chunks_cover_the_sequence) {
+    struct kvrt_plan p = {0};
+    p.n_kv_heads = 8;
+    for (int sm = 1; sm <= 200; sm += 33) {
+        p.sm_count = sm;
+        for (int64_t T = 1; T <= 70000; T = T * 3 + 1) {
+            int64_t len, full, n = kvrt_plan_chunks(&p, T, &len, &full);
+            cr_assert(len % KVRT_TILE == 0 && len >= KVRT_CHUNK_MIN && len <= KVRT_CHUNK_MAX,
+                      "T %lld: chunk %lld", (long long)T, (long long)len);
+            cr_assert(n * len >= T && (n - 1) * len < T, "T %lld: %lld chunks of %lld", (long long)T,
+                      (long long)n, (long long)len);
+            cr_assert_eq(full, T % len ? n - 1 : n);
+            if (len > KVRT_CHUNK_MIN && len < KVRT_CHUNK_MAX)
+                cr_assert(n * 8 >= sm, "T %lld sm %d: only %lld tasks", (long long)T, sm, (long long)(n * 8));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- errors */
+
+Test(kvrt_errors, messages) {
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 5);
+    struct kv_lowrank *lr = svd_half(m);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.max_ctx = 8;
+    struct kvrt *rt;
+    struct kv_err err = {0};
+    lr->kv_bits = 4;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED);
+    cr_assert_str_eq(err.msg, "the runtime caches fp16 or fp32 latents; this compressed model quantizes them to 4 bits");
+    lr->kv_bits = 16;
+    o.max_ctx = 0;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "context length 0 is outside 1..1048576");
+    o.max_ctx = 8;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s", err.msg);
+    float x[48] = {0}, y[48];
+    cr_assert_eq(kvrt_attend(rt, 0, y, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "layer 0: no query appended to attend from");
+    cr_assert_eq(kvrt_append(rt, 0, 1, x, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "layer 0: position 1 is outside 0..0 (cached 0, context 8)");
+    cr_assert_eq(kvrt_step(rt, 2, 0, x, y, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "layer 2 is outside 0..1");
+    cr_assert_eq(kvrt_fill(rt, 0, 9, 1, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "fill of 9 positions exceeds the context of 8");
+    cr_assert_eq(kvrt_fill(rt, 0, 8, 1, &err), KV_OK);
+    cr_assert_eq(kvrt_append(rt, 0, 8, x, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "layer 0: position 8 is outside 0..7 (cached 8, context 8)");
+    kvrt_close(rt);
+    /* a unit without its factor */
+    free(lr->layers[1].k.units[0].up);
+    lr->layers[1].k.units[0].up = NULL;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "layer 1: key unit 0 lacks its up factor");
+    kv_lowrank_free(lr);
+    kv_model_free(m);
+}
+
+Test(kvrt_errors, cuda_without_a_device) {
+    int n = 0;
+    struct kv_err err = {0};
+    int rc = kvrt_device_count(&n, &err);
+    if (rc == KV_OK && n > 0) cr_skip_test("a cuda device is present; the no-device path is not reachable");
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 5);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.backend = KVRT_BACKEND_CUDA;
+    struct kvrt *rt = NULL;
+    rc = kvrt_open(m, NULL, &o, &rt, &err);
+    if (kvrt_cuda_built()) {
+        cr_assert_eq(rc, KV_EDEVICE, "%s", err.msg);
+        cr_assert(!strncmp(err.msg, "cuda: no device", 15), "message: %s", err.msg);
+    } else {
+        cr_assert_eq(rc, KV_EUNSUPPORTED);
+        cr_assert_str_eq(err.msg, "this kvcal was built without cuda (nvcc was not found at build time; "
+                                  "rebuild with make CUDA=1)");
+    }
+    cr_assert_null(rt);
+    kv_model_free(m);
+}
+
+/* ---------------------------------------------------------------- GPU */
+
+static int need_gpu(struct kvrt_device *dv) {
+    int n = 0;
+    struct kv_err err = {0};
+    if (!kvrt_cuda_built()) cr_skip_test("built without cuda; skipping the gpu test");
+    if (kvrt_device_count(&n, &err) || n < 1) cr_skip_test("no cuda device (%s); skipping the gpu test", err.msg);
+    cr_assert_eq(kvrt_device_query(0, dv, &err), KV_OK, "%s", err.msg);
+    return dv->sm_count;
+}
+
+/* GPU against the twin on the same inputs and the same chunking: real
+ * models through every mode, fp32 within 1e-5 and fp16 within 1e-3. */
+static void gpu_matches_twin(const struct kv_model *m, const struct kv_lowrank *lr, int64_t n,
+                             const char *what) {
+    struct kvrt_device dv;
+    int sm = need_gpu(&dv);
+    int32_t *tok = tokens_for(m, n, 9);
+    struct capture cp = reference(m, lr, tok, n);
+    const struct kv_config *c = kv_model_config(m);
+    for (int dt = 0; dt < 2; dt++) {
+        struct kvrt *rt[2];
+        struct kvrt_opts o;
+        kvrt_opts_default(&o);
+        o.cache = (enum kvrt_dtype)dt, o.max_ctx = n, o.sm_count = sm;
+        struct kv_err err = {0};
+        for (int b = 0; b < 2; b++) {
+            o.backend = (enum kvrt_backend)b;
+            cr_assert_eq(kvrt_open(m, lr, &o, &rt[b], &err), KV_OK, "%s", err.msg);
+        }
+        float *y[2] = {malloc((size_t)(n * c->dim) * sizeof(float)), malloc((size_t)(n * c->dim) * sizeof(float))};
+        for (int64_t l = 0; l < c->n_layers; l++) {
+            for (int b = 0; b < 2; b++)
+                for (int64_t t = 0; t < n; t++)
+                    cr_assert_eq(kvrt_step(rt[b], l, t, cp.xn[l] + t * c->dim, y[b] + t * c->dim, &err), KV_OK,
+                                 "%s", err.msg);
+            double rtol = dt ? 1e-3 : 1e-5;
+            char w[256];
+            snprintf(w, sizeof w, "%s layer %lld gpu vs twin (%s)", what, (long long)l, dt ? "f16" : "f32");
+            kvt_assert_close_f32(y[1], y[0], n * c->dim, rtol * max_abs(y[0], n * c->dim), rtol, w);
+        }
+        free(y[0]), free(y[1]);
+        kvrt_close(rt[0]), kvrt_close(rt[1]);
+    }
+    capture_free(&cp, c->n_layers);
+    free(tok);
+}
+
+Test(kvrt_gpu, matches_twin_every_mode, .timeout = 600) {
+    struct kvrt_device dv;
+    need_gpu(&dv);
+    for (int w = 0; w < 4; w++) {
+        const char *const *meth = w == WKJV_GPT2 ? gpt2_methods : llama_methods;
+        int nm = w == WKJV_GPT2 ? N_OF(gpt2_methods) : N_OF(llama_methods);
+        for (int i = 0; i < nm; i++) {
+            struct kv_model *m;
+            const char *full = meth[i], *sp = strchr(full, ' ');
+            char mb[32];
+            snprintf(mb, sizeof mb, "%.*s", (int)(sp - full), full);
+            char *dir = compress((enum which)w, mb, sp + 1, &m);
+            struct kv_lowrank *lr;
+            struct kv_err err = {0};
+            cr_assert_eq(kv_lr_dir_open(dir, m, &lr, &err), KV_OK, "%s", err.msg);
+            char what[256];
+            snprintf(what, sizeof what, "model %d %s", w, full);
+            if (i == 0) gpu_matches_twin(m, NULL, 200, what);
+            gpu_matches_twin(m, lr, 200, what);
+            kv_lowrank_free(lr);
+            kv_model_free(m);
+            free(dir);
+        }
+    }
+}
+
+/* Long contexts filled with the same pseudo-random cache on both backends:
+ * one decode step at 1K..16K positions, every mode of a synthetic llama. */
+Test(kvrt_gpu, long_context_matches_twin, .timeout = 600) {
+    struct kvrt_device dv;
+    int sm = need_gpu(&dv);
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 21);
+    struct kv_lowrank *lr = svd_half(m);
+    const struct kv_config *c = kv_model_config(m);
+    float x[48];
+    for (int e = 0; e < 48; e++) x[e] = kvrt_fill_value(5, (uint64_t)e);
+    for (int with = 0; with < 2; with++)
+        for (int dt = 0; dt < 2; dt++)
+            for (int64_t T = 1024; T <= 16384; T *= 4) {
+                float y[2][48];
+                for (int b = 0; b < 2; b++) {
+                    struct kvrt_opts o;
+                    kvrt_opts_default(&o);
+                    o.backend = (enum kvrt_backend)b, o.cache = (enum kvrt_dtype)dt, o.max_ctx = T + 1,
+                    o.sm_count = sm;
+                    struct kvrt *rt;
+                    struct kv_err err = {0};
+                    cr_assert_eq(kvrt_open(m, with ? lr : NULL, &o, &rt, &err), KV_OK, "%s", err.msg);
+                    cr_assert_eq(kvrt_fill(rt, 1, T, 99, &err), KV_OK, "%s", err.msg);
+                    cr_assert_eq(kvrt_step(rt, 1, T, x, y[b], &err), KV_OK, "%s", err.msg);
+                    kvrt_close(rt);
+                }
+                double rtol = dt ? 1e-3 : 1e-5;
+                char w[128];
+                snprintf(w, sizeof w, "T %lld %s %s", (long long)T, with ? "svd" : "base", dt ? "f16" : "f32");
+                kvt_assert_close_f32(y[1], y[0], c->dim, rtol * max_abs(y[0], c->dim), rtol, w);
+            }
+    kv_lowrank_free(lr);
+    kv_model_free(m);
+}
