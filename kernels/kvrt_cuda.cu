@@ -54,7 +54,7 @@ extern "C" int kvrt_cuda_device_count(int *count, struct kv_err *err) {
     *count = 0;
     cudaError_t e = cudaGetDeviceCount(count);
     if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
-        cudaGetLastError(); /* clear the sticky error for later calls */
+        cudaGetLastError(); /* reset the last-error state for later calls */
         *count = 0;
         return KV_OK;
     }
@@ -222,7 +222,7 @@ static inline __device__ float warp_sum(float v) {
 /* Shared floats one block of the attention kernel needs (its layout below). */
 static size_t attn_smem_floats(int64_t grp, int64_t kw, int64_t ks, int64_t vw, int64_t dh, int pre,
                                int up_smem) {
-    size_t f = (size_t)(grp * kw + 3 * grp + grp * vw + KVRT_TILE * (kw + 1) + grp * KVRT_TILE);
+    size_t f = (size_t)(grp * kw + 3 * grp + grp * vw + KVRT_TILE * (kw | 1) + grp * KVRT_TILE);
     if (pre) f += (size_t)(KVRT_TILE * ks) + (up_smem ? (size_t)(dh * ks) : 0);
     return f;
 }
@@ -237,12 +237,15 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     const int32_t *hk = L.hk + j * KVRT_HK_N;
     int64_t grp = G.grp, dh = G.dh;
     int64_t kw = hk[KVRT_HK_KW], ks = hk[KVRT_HK_KSRC], vw = hk[KVRT_HK_VW];
-    int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw + 1;
+    /* an odd row pitch keeps the score loop's column reads (a lane per
+     * position) free of shared-memory bank conflicts */
+    int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw | 1;
     const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *Z = s + grp * KVRT_TILE;
     float *ups = Z + KVRT_TILE * ks;
     const float *up = NULL;
+    int64_t up_e = ks, up_k = 1; /* element (e, k) of up is up[e up_e + k up_k] */
     int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     for (int64_t x = tid; x < grp * kw; x += nt) {
         int64_t gi = x / kw, e = x % kw;
@@ -252,9 +255,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     for (int64_t x = tid; x < grp * vw; x += nt) acc[x] = 0.0f;
     if (PRE) {
         up = L.up + hk[KVRT_HK_UPOFF];
-        if (up_smem) {
-            for (int64_t x = tid; x < dh * ks; x += nt) ups[x] = up[x];
-            up = ups;
+        if (up_smem) { /* staged transposed: lanes of a warp read consecutive e */
+            for (int64_t x = tid; x < dh * ks; x += nt) ups[(x % ks) * dh + x / ks] = up[x];
+            up = ups, up_e = 1, up_k = dh;
         }
     }
     __syncthreads();
@@ -262,15 +265,15 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     for (int64_t s0 = t0; s0 < t1; s0 += KVRT_TILE) {
         int64_t ts = t1 - s0 < KVRT_TILE ? t1 - s0 : KVRT_TILE;
         if (PRE) { /* stage z, rebuild k = z upᵀ, RoPE */
-            for (int64_t x = tid; x < ts * ks; x += nt) {
-                int64_t t = x / ks, k = x % ks;
+            for (int x = tid; x < (int)(ts * ks); x += nt) {
+                int t = x / (int)ks, k = x % (int)ks;
                 Z[x] = ldc(kc, (s0 + t) * L.kld + kcol + k);
             }
             __syncthreads();
-            for (int64_t x = tid; x < ts * dh; x += nt) {
-                int64_t t = x / dh, e = x % dh;
+            for (int x = tid; x < (int)(ts * dh); x += nt) {
+                int t = x / (int)dh, e = x % (int)dh;
                 float a = 0.0f;
-                for (int64_t k = 0; k < ks; k++) a += Z[t * ks + k] * up[e * ks + k];
+                for (int64_t k = 0; k < ks; k++) a += Z[t * ks + k] * up[e * up_e + k * up_k];
                 K[t * kpad + e] = a;
             }
             __syncthreads();
@@ -287,14 +290,14 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
                 __syncthreads();
             }
         } else {
-            for (int64_t x = tid; x < ts * kw; x += nt) {
-                int64_t t = x / kw, e = x % kw;
+            for (int x = tid; x < (int)(ts * kw); x += nt) {
+                int t = x / (int)kw, e = x % (int)kw;
                 K[t * kpad + e] = ldc(kc, (s0 + t) * L.kld + kcol + e);
             }
             __syncthreads();
         }
-        for (int64_t x = tid; x < grp * ts; x += nt) {
-            int64_t gi = x / ts, t = x % ts;
+        for (int x = tid; x < (int)(grp * ts); x += nt) {
+            int gi = x / (int)ts, t = x % (int)ts;
             float a = 0.0f;
             for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kpad + e];
             s[gi * KVRT_TILE + t] = a * G.scale;
@@ -390,7 +393,11 @@ static int upload(T **dst, const T *src, int64_t n, struct kv_err *err, const ch
     *dst = NULL;
     if (n <= 0 || !src) return KV_OK;
     cudaError_t e = cudaMalloc((void **)dst, (size_t)n * sizeof(T));
-    if (e != cudaSuccess) return cuda_fail(err, e, what);
+    if (e != cudaSuccess) {
+        *dst = NULL;
+        return cuda_fail(err, e, what);
+    }
+    /* on a failed copy *dst stays set, and kvrt_cuda_close frees it */
     CK(cudaMemcpy(*dst, src, (size_t)n * sizeof(T), cudaMemcpyHostToDevice), what);
     return KV_OK;
 }
@@ -408,6 +415,7 @@ static int dalloc(void **dst, size_t bytes, struct kv_err *err, const char *what
 extern "C" void kvrt_cuda_close(struct kvrt_cuda *c) {
     if (!c) return;
     cudaSetDevice(c->dev);
+    if (c->st) cudaStreamSynchronize(c->st); /* nothing in flight reads what is freed */
     if (c->ls)
         for (int64_t l = 0; l < c->p->n_layers; l++) {
             struct lstate *s = &c->ls[l];
@@ -429,7 +437,6 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
     const struct kvrt_plan *p = c->p;
     size_t es = p->f16 ? 2 : 4;
     int rc;
-    size_t smem_max[2] = {0, 0};
     for (int64_t l = 0; l < p->n_layers; l++) {
         const struct kvrt_lplan *lp = &p->layers[l];
         struct lstate *s = &c->ls[l];
@@ -456,19 +463,21 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
             return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                            "layer %lld: the attention kernel needs %zu bytes of shared memory per block, "
                            "the device allows %lld", (long long)l, s->smem, (long long)optin);
-        smem_max[pre] = s->smem > smem_max[pre] ? s->smem : smem_max[pre];
     }
-    /* opt in to the largest dynamic shared memory each instantiation uses */
+    /* Opt in to the device's maximum rather than this plan's need: the
+     * attribute belongs to the kernel, not to this context, so a smaller
+     * value would break another open context that needs more. */
+    int o = (int)optin;
     if (p->f16) {
-        CK(cudaFuncSetAttribute(attn_kernel<__half, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)smem_max[0]), "setting shared memory");
-        CK(cudaFuncSetAttribute(attn_kernel<__half, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)smem_max[1]), "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<__half, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),
+           "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<__half, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),
+           "setting shared memory");
     } else {
-        CK(cudaFuncSetAttribute(attn_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)smem_max[0]), "setting shared memory");
-        CK(cudaFuncSetAttribute(attn_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)smem_max[1]), "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),
+           "setting shared memory");
+        CK(cudaFuncSetAttribute(attn_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),
+           "setting shared memory");
     }
     return KV_OK;
 }
@@ -518,6 +527,7 @@ extern "C" int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cu
     if (!rc) rc = open_layers(c, dv.smem_optin, err);
     if (rc) {
         kvrt_cuda_close(c);
+        cudaGetLastError(); /* a failed allocation must not show up in a later call */
         return rc;
     }
     *out = c;
@@ -584,6 +594,7 @@ static int out_dev(struct kvrt_cuda *c, int64_t l, struct kv_err *err) {
 
 extern "C" int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
                                 struct kv_err *err) {
+    CK(cudaSetDevice(c->dev), "selecting the device");
     CK(cudaMemcpyAsync(c->xn, xn, (size_t)c->p->dim * sizeof(float), cudaMemcpyHostToDevice, c->st),
        "copying the input");
     return append_dev(c, layer, pos, err);
@@ -591,6 +602,7 @@ extern "C" int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos,
 
 extern "C" int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
                                 struct kv_err *err) {
+    CK(cudaSetDevice(c->dev), "selecting the device");
     int rc = attn_dev(c, layer, T, err);
     if (!rc) rc = out_dev(c, layer, err);
     if (rc) return rc;
@@ -602,6 +614,7 @@ extern "C" int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, f
 
 extern "C" int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
                               struct kv_err *err) {
+    CK(cudaSetDevice(c->dev), "selecting the device");
     const struct kvrt_lplan *lp = &c->p->layers[layer];
     const struct lstate *s = &c->ls[layer];
     int64_t nk = len * lp->kld, nv = len * lp->vld;
@@ -622,10 +635,14 @@ extern "C" int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, u
 extern "C" int kvrt_cuda_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters,
                               double *us_step, double *us_attn, struct kv_err *err) {
     const struct kvrt_plan *p = c->p;
+    CK(cudaSetDevice(c->dev), "selecting the device");
     float *x = (float *)malloc((size_t)p->dim * sizeof *x);
     if (!x) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t e = 0; e < p->dim; e++) x[e] = kvrt_fill_value(12345, (uint64_t)e);
-    cudaError_t ce = cudaMemcpy(c->xn, x, (size_t)p->dim * sizeof(float), cudaMemcpyHostToDevice);
+    /* on the context's stream (non-blocking: the legacy stream would not
+     * order against it), finished before x is freed */
+    cudaError_t ce = cudaMemcpyAsync(c->xn, x, (size_t)p->dim * sizeof(float), cudaMemcpyHostToDevice, c->st);
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(c->st);
     free(x);
     if (ce != cudaSuccess) return cuda_fail(err, ce, "copying the input");
     int rc = KV_OK;
