@@ -1,17 +1,128 @@
 /* kvcal verify: perplexity under the windows protocol. */
 #include <jansson.h>
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 #include "commands.h"
+#include "kvrt.h"
+
+/* --device twin|cuda: a third run with the attention on the runtime. */
+struct device {
+    int on;
+    struct kvrt_opts o;
+    double tol;        /* --device-tol */
+    char desc[512];    /* "twin (cpu), f32 cache" or "cuda: NAME (sm_90, 132 SMs), f16 cache" */
+};
+
+/* Open the runtime for m's attention (lr's with --compressed) and describe
+ * it. Prints errors. */
+static int device_open(struct device *dv, const struct kv_model *m, const struct kv_lowrank *lr,
+                       int64_t seq_len, struct kvrt **rt) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    dv->o.max_ctx = seq_len;
+    if (kvrt_open(m, lr, &dv->o, rt, &err)) return cli_report(&err);
+    const char *cache = kvrt_dtype_name(dv->o.cache);
+    if (dv->o.backend == KVRT_BACKEND_TWIN) {
+        snprintf(dv->desc, sizeof dv->desc, "twin (cpu), %s cache", cache);
+        return EXIT_OK;
+    }
+    struct kvrt_device d;
+    if (kvrt_device_query(dv->o.device, &d, &err)) {
+        kvrt_close(*rt);
+        *rt = NULL;
+        return cli_report(&err);
+    }
+    snprintf(dv->desc, sizeof dv->desc, "cuda: %s (sm_%d%d, %d SMs), %s cache", d.name, d.cc_major,
+             d.cc_minor, d.sm_count, cache);
+    return EXIT_OK;
+}
+
+/* The windows of base and, with lr, compressed on the cpu, plus the device
+ * run with dv->on. Prints errors, naming src for those of the run itself. */
+static int run_windows(const struct kv_model *m, const struct kv_lowrank *lr, int bits,
+                       struct device *dv, const int32_t *ids, int64_t n, int64_t seq_len,
+                       int64_t max_windows, int quiet, const char *src,
+                       struct kv_compare_result *r) {
+    struct kvrt *rt = NULL;
+    int rc = dv->on ? device_open(dv, m, lr, seq_len, &rt) : EXIT_OK;
+    if (rc) return rc;
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct cli_progress prog;
+    cli_progress_start(&prog, "windows", quiet);
+    if (rt) {
+        const struct kv_fwd_hooks hk = {.ctx = rt, .attn = kvrt_fwd_attn};
+        rc = kv_ppl_compare_attn(m, lr, bits, &hk, ids, n, seq_len, max_windows, cli_progress_cb,
+                                 &prog, r, &err);
+    } else {
+        rc = kv_ppl_compare(m, lr, bits, ids, n, seq_len, max_windows, cli_progress_cb, &prog, r,
+                            &err);
+    }
+    cli_progress_end(&prog);
+    if (rc && rt && kvrt_error(rt)->code != KV_OK) {
+        rc = cli_report(kvrt_error(rt)); /* the runtime knows what failed */
+    } else if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+        rc = cli_report(&err);
+    }
+    kvrt_close(rt);
+    return rc;
+}
+
+static double tokens_per_s(const struct kv_ppl_result *r, int64_t seq_len) {
+    return r->seconds > 0 ? (double)(r->windows * seq_len) / r->seconds : 0;
+}
+
+/* The device run against cpu (the compressed run, or the base): text lines
+ * after a blank one, or fields of the JSON object o. */
+static void device_print(const struct device *dv, const struct kv_compare_result *r,
+                         const struct kv_ppl_result *cpu, int64_t seq_len, json_t *o) {
+    double rel = r->dev.ppl / cpu->ppl - 1, tps = tokens_per_s(&r->dev, seq_len);
+    if (o) {
+        json_t *f = json_pack(
+            "{s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:I, s:I, s:o, s:o, s:o, s:o}", "device",
+            kvrt_backend_name(dv->o.backend), "device_desc", dv->desc, "cache",
+            kvrt_dtype_name(dv->o.cache), "device_ppl", cli_json_real(r->dev.ppl), "device_nll",
+            cli_json_real(r->dev.nll), "device_rel_ppl", cli_json_real(rel), "device_tol",
+            cli_json_real(dv->tol), "max_rel_logit", cli_json_real(r->max_rel_logit),
+            "max_rel_logit_window", (json_int_t)r->max_rel_window, "max_rel_logit_position",
+            (json_int_t)r->max_rel_pos, "device_kl", cli_json_real(r->dev_kl), "device_top1",
+            cli_json_real(r->dev_top1), "device_tokens_per_s", cli_json_real(tps),
+            "device_seconds", cli_json_real(r->dev.seconds));
+        if (f) json_object_update(o, f);
+        json_decref(f);
+        return;
+    }
+    printf("\ndevice      %s, %.0f tokens/s\n", dv->desc, tps);
+    printf("device ppl  %-11.4f (cpu %.4f, rel diff %+.2e, tolerance %g)\n", r->dev.ppl, cpu->ppl,
+           rel, dv->tol);
+    printf("logits      max rel diff %.2e at window %lld position %lld; kl %.2e nats per token, "
+           "KL(cpu || device); top-1 %.4f\n",
+           r->max_rel_logit, (long long)r->max_rel_window, (long long)r->max_rel_pos, r->dev_kl,
+           r->dev_top1);
+}
+
+/* Exit 3 with a line on stderr when a device run's ppl is off by more than
+ * --device-tol; rc otherwise. */
+static int device_verdict(const struct device *dv, const struct kv_compare_result *r,
+                          const struct kv_ppl_result *cpu, int rc) {
+    if (rc || !dv->on) return rc;
+    double rel = r->dev.ppl / cpu->ppl - 1;
+    if (fabs(rel) <= dv->tol) return rc;
+    fprintf(stderr, "kvcal: device ppl %.6f differs from the cpu's %.6f by %.2e relative, more "
+                    "than --device-tol %g\n", r->dev.ppl, cpu->ppl, fabs(rel), dv->tol);
+    return EXIT_TOLERANCE;
+}
 
 /* Base against compressed: both models on the same windows. */
 static int verify_compressed(const char *model, const char *src, const char *text,
                              const char *dir, struct kv_model *m, const int32_t *ids, int64_t n,
                              size_t n_bytes, int64_t seq_len, int64_t max_windows, int64_t kv_bits,
-                             int hadamard, int json, int quiet) {
+                             int hadamard, struct device *dv, int json, int quiet) {
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_lowrank *lr;
@@ -21,21 +132,17 @@ static int verify_compressed(const char *model, const char *src, const char *tex
         return cli_report(&err);
     }
     int bits = kv_bits ? (int)kv_bits : lr->kv_bits;
-    struct cli_progress prog;
-    cli_progress_start(&prog, "windows", quiet || json);
+    lr->kv_bits = bits; /* what the runtime is asked to cache */
     struct kv_compare_result r;
-    int rc = kv_ppl_compare(m, lr, bits, ids, n, seq_len, max_windows, cli_progress_cb, &prog, &r, &err);
-    cli_progress_end(&prog);
+    int rc = run_windows(m, lr, bits, dv, ids, n, seq_len, max_windows, quiet || json, src, &r);
     if (rc) {
-        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
         kv_lowrank_free(lr);
-        return cli_report(&err);
+        return rc;
     }
     const struct kv_config *c = kv_model_config(m);
     int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, bits);
     double ratio = (double)comp / (double)base;
-    double tb = r.base.seconds > 0 ? (double)(r.base.windows * seq_len) / r.base.seconds : 0;
-    double tc = r.comp.seconds > 0 ? (double)(r.comp.windows * seq_len) / r.comp.seconds : 0;
+    double tb = tokens_per_s(&r.base, seq_len), tc = tokens_per_s(&r.comp, seq_len);
     if (json) {
         json_t *o = json_pack(
             "{s:s, s:o, s:o, s:o, s:s, s:s, s:i, s:b, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, "
@@ -51,6 +158,7 @@ static int verify_compressed(const char *model, const char *src, const char *tex
             (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
             "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
             "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        if (o && dv->on) device_print(dv, &r, &r.comp, seq_len, o);
         rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
         char desc[512];
@@ -75,15 +183,18 @@ static int verify_compressed(const char *model, const char *src, const char *tex
         printf("top-1       %.4f of positions agree\n", r.top1);
         printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n", tb, tc,
                cli_peak_rss_mib());
+        if (dv->on) device_print(dv, &r, &r.comp, seq_len, NULL);
     }
     kv_lowrank_free(lr);
-    return rc;
+    return device_verdict(dv, &r, &r.comp, rc);
 }
 
 int cmd_verify(int argc, char **argv) {
     const char *model = NULL, *tokenizer = NULL, *text = NULL, *tokens = NULL, *comp = NULL;
     int64_t seq_len = 256, max_windows = 0, threads = 0, kv_bits = 0;
     int json = 0, quiet = 0, hadamard = 0;
+    const char *device = "cpu", *cache = NULL;
+    double device_tol = NAN;
     const struct cli_opt opts[] = {
         {"model", 'm', OPT_STR, &model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
@@ -100,6 +211,14 @@ int cmd_verify(int argc, char **argv) {
         {"hadamard", 0, OPT_FLAG, &hadamard, NULL,
          "with --compressed: fuse a Walsh-Hadamard rotation into the factors before running\n"
          "(as decompose --hadamard; no-op when the directory already has one)"},
+        {"device", 0, OPT_STR, &device, "D",
+         "cpu (default), twin or cuda: also run every window with the attention on the\n"
+         "runtime (twin: its cpu twin of the gpu kernels; cuda: the gpu) and compare"},
+        {"cache", 0, OPT_STR, &cache, "T",
+         "with --device twin or cuda: the runtime's cache storage, f16 (default) or f32"},
+        {"device-tol", 0, OPT_DOUBLE, &device_tol, "X",
+         "with --device twin or cuda: largest |device ppl / cpu ppl - 1| accepted (default\n"
+         "1e-3); beyond it verify exits 3"},
         {"seq-len", 0, OPT_INT, &seq_len, "N", "window length in tokens (default 256)"},
         {"max-windows", 0, OPT_INT, &max_windows, "W", "evaluate only the first W windows"},
         {"threads", 0, OPT_INT, &threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
@@ -117,10 +236,22 @@ int cmd_verify(int argc, char **argv) {
         "eigen, svd, lorc), or scored as rotated post-RoPE q·k (fdc, zack); values stay\n"
         "latent and go through the fused output projection. KV bytes per token count fp16\n"
         "for the base and, for latents, their codes plus scale and zero point.\n"
+        "\nwith --device twin or cuda a further run of the same windows puts every layer's\n"
+        "attention on the runtime (kvrt: decode steps, one token at a time, over its own KV\n"
+        "cache; with --compressed the compressed model's latent cache, else the base's full\n"
+        "one) while the rest of the model stays on the cpu. It is compared with the cpu run\n"
+        "of the same model: device ppl and its relative difference, the largest relative\n"
+        "logit difference (max over the vocabulary of |device - cpu| over the largest |cpu|\n"
+        "logit, maximum over scored positions) and where it is, KL(cpu || device) and top-1\n"
+        "agreement. An f16 cache (the default) rounds what it stores, as a deployment would;\n"
+        "f32 reproduces the cpu path to rounding. When |device ppl / cpu ppl - 1| exceeds\n"
+        "--device-tol verify prints the numbers, says so on stderr and exits 3.\n"
         "\nexamples:\n"
         "  kvcal verify --model stories260K.bin --tokenizer tok512.bin --text val1k.txt\n"
         "  kvcal verify --model tinystories-656K --compressed out-656K --text wiki.test.raw\n"
-        "  kvcal verify --model tinystories-656K --text wiki.test.raw --seq-len 256 --json\n",
+        "  kvcal verify --model tinystories-656K --text wiki.test.raw --seq-len 256 --json\n"
+        "  kvcal verify --model tinystories-656K --compressed out-656K --text wiki.test.raw \\\n"
+        "      --device cuda --max-windows 50\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 0};
     const char *pos[1];
     int n_pos;
@@ -135,6 +266,21 @@ int cmd_verify(int argc, char **argv) {
     if (hadamard && !comp) return cli_usage_error(&cmd, "--hadamard needs --compressed");
     if (kv_bits && kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
         return cli_usage_error(&cmd, "--kv-bits %lld is not one of 16, 8, 4, 3, 2", (long long)kv_bits);
+    struct device dv = {.on = strcmp(device, "cpu") != 0};
+    kvrt_opts_default(&dv.o);
+    int be = kvrt_backend_parse(device);
+    if (dv.on && be < 0)
+        return cli_usage_error(&cmd, "--device '%s' is not one of cpu, twin, cuda", device);
+    if (cache && !dv.on) return cli_usage_error(&cmd, "--cache needs --device twin or cuda");
+    if (!isnan(device_tol) && !dv.on)
+        return cli_usage_error(&cmd, "--device-tol needs --device twin or cuda");
+    int dt = kvrt_dtype_parse(cache ? cache : "f16");
+    if (dt < 0) return cli_usage_error(&cmd, "--cache '%s' is not one of f16, f32", cache);
+    if (device_tol < 0)
+        return cli_usage_error(&cmd, "--device-tol must be at least 0, got %g", device_tol);
+    dv.o.backend = (enum kvrt_backend)(dv.on ? be : KVRT_BACKEND_TWIN);
+    dv.o.cache = (enum kvrt_dtype)dt;
+    dv.tol = isnan(device_tol) ? 1e-3 : device_tol;
     kv_set_threads((int)threads);
 
     const char *src = text ? text : tokens;
@@ -150,25 +296,34 @@ int cmd_verify(int argc, char **argv) {
     }
     if (comp) {
         rc = verify_compressed(model, src, text, comp, m, ids, n, n_bytes, seq_len, max_windows,
-                               kv_bits, hadamard, json, quiet);
+                               kv_bits, hadamard, &dv, json, quiet);
         free(ids);
         kv_model_free(m);
         return rc;
     }
-    struct cli_progress prog;
-    cli_progress_start(&prog, "windows", quiet || json);
+    struct kv_compare_result cr;
     struct kv_ppl_result r;
-    struct kv_err err;
-    kv_err_clear(&err);
-    rc = kv_ppl_run(m, ids, n, seq_len, max_windows, cli_progress_cb, &prog, &r, &err);
-    cli_progress_end(&prog);
+    if (dv.on) { /* the device against the base */
+        rc = run_windows(m, NULL, 16, &dv, ids, n, seq_len, max_windows, quiet || json, src, &cr);
+        r = cr.base;
+    } else {
+        struct cli_progress prog;
+        cli_progress_start(&prog, "windows", quiet || json);
+        struct kv_err err;
+        kv_err_clear(&err);
+        rc = kv_ppl_run(m, ids, n, seq_len, max_windows, cli_progress_cb, &prog, &r, &err);
+        cli_progress_end(&prog);
+        if (rc) {
+            if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+            rc = cli_report(&err);
+        }
+    }
     free(ids);
     if (rc) {
-        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
         kv_model_free(m);
-        return cli_report(&err);
+        return rc;
     }
-    double tps = r.seconds > 0 ? (double)(r.windows * seq_len) / r.seconds : 0;
+    double tps = tokens_per_s(&r, seq_len);
     int nthreads = omp_get_max_threads();
     if (json) {
         json_t *o = json_pack("{s:s, s:o, s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:i, s:o}",
@@ -180,6 +335,7 @@ int cmd_verify(int argc, char **argv) {
                               cli_json_real(r.nll), "ppl", cli_json_real(r.ppl), "tokens_per_s",
                               cli_json_real(tps), "seconds", cli_json_real(r.seconds), "threads",
                               nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        if (o && dv.on) device_print(&dv, &cr, &r, seq_len, o);
         rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
         char desc[512], np[32];
@@ -198,7 +354,8 @@ int cmd_verify(int argc, char **argv) {
         printf("ppl       %.4f\n", r.ppl);
         printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
                r.seconds, cli_peak_rss_mib());
+        if (dv.on) device_print(&dv, &cr, &r, seq_len, NULL);
     }
     kv_model_free(m);
-    return rc;
+    return device_verdict(&dv, &cr, &r, rc);
 }

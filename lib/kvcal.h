@@ -869,11 +869,33 @@ struct kv_compare_result {
     struct kv_ppl_result base, comp;
     double kl;        /* mean KL(p_base ‖ p_comp) per scored token */
     double top1;      /* fraction of scored positions whose argmax agrees */
+    /* The device run of kv_ppl_compare_attn (has_dev 0 and the rest zero
+     * otherwise), compared with the CPU path: the compressed run, or the
+     * base when there is none. */
+    int has_dev;
+    struct kv_ppl_result dev;
+    double max_rel_logit;    /* max over scored positions of max_j |l_dev_j − l_cpu_j| /
+                                max_j |l_cpu_j| (over the vocabulary) */
+    int64_t max_rel_window;  /* the window (0-based) and position in it (row i */
+    int64_t max_rel_pos;     /* predicts token i+1) where that maximum happened */
+    double dev_kl;           /* mean KL(p_cpu ‖ p_dev) per scored token */
+    double dev_top1;         /* fraction of scored positions whose argmax agrees with the CPU's */
 };
 int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
                    const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
                    int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
                    struct kv_compare_result *out, struct kv_err *err);
+/* kv_ppl_compare plus a third forward pass per window whose attention runs
+ * through dev (dev->attn must be set: an external runtime, kernels/kvrt.h,
+ * runs every layer's attention while the rest of the model runs on the
+ * CPU). With lr NULL there is no compressed CPU run (comp, kl and top1 stay
+ * zero) and the device run is compared with the base. A non-zero return of
+ * one of dev's hooks stops the run and is returned as is; err then holds a
+ * generic message naming the window, the runtime has the details. */
+int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                        const struct kv_fwd_hooks *dev, const int32_t *tokens, int64_t n_tokens,
+                        int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                        void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
 
 #ifdef __cplusplus
 }

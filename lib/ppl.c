@@ -2,6 +2,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "err.h"
@@ -99,64 +100,145 @@ static int64_t argmax_row(const float *l, int64_t vocab) {
     return best;
 }
 
-int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
-                   const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
-                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
-                   struct kv_compare_result *out, struct kv_err *err) {
+/* max_j |got_j − ref_j| / max_j |ref_j| of two logit rows in float64; NaN
+ * propagates. */
+static double rel_row(const float *ref, const float *got, int64_t vocab) {
+    double num = 0, den = 0;
+    for (int64_t j = 0; j < vocab; j++) {
+        double e = fabs((double)got[j] - (double)ref[j]), a = fabs((double)ref[j]);
+        if (!(e <= num)) num = e;
+        if (!(a <= den)) den = a;
+    }
+    if (den > 0 || isnan(den)) return num / den;
+    return num > 0 || isnan(num) ? INFINITY : 0;
+}
+
+/* The runs of a comparison, each with its own forward state. */
+enum { RUN_BASE, RUN_COMP, RUN_DEV, N_RUNS };
+static const char *const run_name[N_RUNS] = {"base", "compressed", "device"};
+
+/* Base, compressed (when with_comp: lr's latent cache on the CPU) and
+ * device (when dev: attention through dev's hooks) on the same windows. */
+static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                   int with_comp, const struct kv_fwd_hooks *dev, const int32_t *tokens,
+                   int64_t n_tokens, int64_t seq_len, int64_t max_windows,
+                   kv_progress_fn progress, void *progress_ctx, struct kv_compare_result *out,
+                   struct kv_err *err) {
+    kv_err_clear(err);
     int64_t windows;
-    int rc0 = count_windows(n_tokens, seq_len, max_windows, &windows, err);
-    if (rc0) return rc0;
-    struct kv_fwd *fb = NULL, *fc = NULL;
-    int rc = kv_fwd_init(m, seq_len, &fb, err);
-    if (!rc) rc = kv_fwd_init(m, seq_len, &fc, err);
-    if (!rc) rc = kv_fwd_set_lowrank(fc, lr, kv_bits, err);
+    int rc = count_windows(n_tokens, seq_len, max_windows, &windows, err);
+    if (rc) return rc;
+    struct kv_fwd *f[N_RUNS] = {NULL};
+    rc = kv_fwd_init(m, seq_len, &f[RUN_BASE], err);
+    if (!rc && with_comp && !(rc = kv_fwd_init(m, seq_len, &f[RUN_COMP], err)))
+        rc = kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
+    if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
+        kv_fwd_set_hooks(f[RUN_DEV], dev);
+    double *rel = dev ? malloc((size_t)seq_len * sizeof *rel) : NULL;
+    if (!rc && dev && !rel)
+        rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld logit differences",
+                     (long long)seq_len);
     int64_t vocab = m->cfg.vocab_size;
-    double nb = 0, nc = 0, kl = 0, tb = 0, tc = 0;
-    int64_t agree = 0;
+    double nll[N_RUNS] = {0}, sec[N_RUNS] = {0}, kl = 0, dkl = 0, best = -1;
+    int64_t agree = 0, dagree = 0, best_w = 0, best_i = 0;
     for (int64_t w = 0; w < windows && !rc; w++) {
         const int32_t *tw = tokens + w * seq_len;
-        double t0 = kv_now();
-        if ((rc = kv_fwd_run(fb, tw, seq_len, 0, NULL, err))) break;
-        double t1 = kv_now();
-        if ((rc = kv_fwd_run(fc, tw, seq_len, 0, NULL, err))) break;
-        tb += t1 - t0, tc += kv_now() - t1;
-        const float *lb = kv_fwd_logits(fb), *lc = kv_fwd_logits(fc);
-        double sb = 0, sc = 0, sk = 0;
-        int64_t ag = 0;
-#pragma omp parallel for reduction(+ : sb, sc, sk, ag) schedule(static)
-        for (int64_t i = 0; i < seq_len - 1; i++) {
-            const float *rb = lb + i * vocab, *rcmp = lc + i * vocab;
-            sb += kv_nll_row(rb, vocab, tw[i + 1]);
-            sc += kv_nll_row(rcmp, vocab, tw[i + 1]);
-            sk += kl_row(rb, rcmp, vocab);
-            ag += argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
+        for (int k = 0; k < N_RUNS && !rc; k++) {
+            if (!f[k]) continue;
+            double t0 = kv_now();
+            rc = kv_fwd_run(f[k], tw, seq_len, 0, NULL, err);
+            sec[k] += kv_now() - t0;
+            /* a hook's status comes back as is, with err untouched */
+            if (rc && (!err || err->code == KV_OK))
+                kv_fail(err, rc, NULL, KV_NO_OFFSET, "%s run failed in window %lld (tokens %lld..%lld)",
+                        run_name[k], (long long)w, (long long)(w * seq_len),
+                        (long long)((w + 1) * seq_len - 1));
         }
-        if (!isfinite(sb) || !isfinite(sc) || !isfinite(sk)) {
+        if (rc) break;
+        const float *lb = kv_fwd_logits(f[RUN_BASE]);
+        const float *lc = f[RUN_COMP] ? kv_fwd_logits(f[RUN_COMP]) : NULL;
+        const float *ld = f[RUN_DEV] ? kv_fwd_logits(f[RUN_DEV]) : NULL;
+        const float *lref = lc ? lc : lb; /* what the device run is compared with */
+        double sb = 0, sc = 0, sd = 0, sk = 0, skd = 0;
+        int64_t ag = 0, agd = 0;
+#pragma omp parallel for reduction(+ : sb, sc, sd, sk, skd, ag, agd) schedule(static)
+        for (int64_t i = 0; i < seq_len - 1; i++) {
+            const float *rb = lb + i * vocab;
+            sb += kv_nll_row(rb, vocab, tw[i + 1]);
+            if (lc) {
+                const float *rcmp = lc + i * vocab;
+                sc += kv_nll_row(rcmp, vocab, tw[i + 1]);
+                sk += kl_row(rb, rcmp, vocab);
+                ag += argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
+            }
+            if (ld) {
+                const float *rd = ld + i * vocab, *rr = lref + i * vocab;
+                sd += kv_nll_row(rd, vocab, tw[i + 1]);
+                skd += kl_row(rr, rd, vocab);
+                agd += argmax_row(rr, vocab) == argmax_row(rd, vocab);
+                rel[i] = rel_row(rr, rd, vocab);
+            }
+        }
+        int bad = !isfinite(sb) ? RUN_BASE
+                  : !isfinite(sc) || !isfinite(sk) ? RUN_COMP
+                  : !isfinite(sd) || !isfinite(skd) ? RUN_DEV : -1;
+        if (bad >= 0) {
             rc = kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
                          "non-finite loss in window %lld (tokens %lld..%lld) of the %s model",
                          (long long)w, (long long)(w * seq_len), (long long)((w + 1) * seq_len - 1),
-                         isfinite(sb) ? "compressed" : "base");
+                         run_name[bad]);
             break;
         }
-        nb += sb, nc += sc, kl += sk, agree += ag;
+        for (int64_t i = 0; ld && i < seq_len - 1; i++)
+            if (!(rel[i] <= best)) best = rel[i], best_w = w, best_i = i;
+        nll[RUN_BASE] += sb, nll[RUN_COMP] += sc, nll[RUN_DEV] += sd;
+        kl += sk, dkl += skd, agree += ag, dagree += agd;
         if (progress && progress(progress_ctx, w + 1, windows, (w + 1) * seq_len)) {
             rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "interrupted after %lld windows",
                          (long long)(w + 1));
             break;
         }
     }
-    kv_fwd_free(fb);
-    kv_fwd_free(fc);
+    for (int k = 0; k < N_RUNS; k++) kv_fwd_free(f[k]);
+    free(rel);
     if (rc) return rc;
     int64_t scored = windows * (seq_len - 1);
-    struct kv_ppl_result *r[2] = {&out->base, &out->comp};
-    double nll[2] = {nb, nc}, sec[2] = {tb, tc};
-    for (int i = 0; i < 2; i++) {
-        r[i]->tokens = n_tokens, r[i]->windows = windows, r[i]->scored = scored;
-        r[i]->nll_sum = nll[i], r[i]->nll = nll[i] / (double)scored;
-        r[i]->ppl = exp(r[i]->nll), r[i]->seconds = sec[i];
+    memset(out, 0, sizeof *out);
+    struct kv_ppl_result *r[N_RUNS] = {&out->base, &out->comp, &out->dev};
+    for (int k = 0; k < N_RUNS; k++) {
+        if (k != RUN_BASE && (k == RUN_COMP ? !with_comp : !dev)) continue;
+        r[k]->tokens = n_tokens, r[k]->windows = windows, r[k]->scored = scored;
+        r[k]->nll_sum = nll[k], r[k]->nll = nll[k] / (double)scored;
+        r[k]->ppl = exp(r[k]->nll), r[k]->seconds = sec[k];
     }
-    out->kl = kl / (double)scored;
-    out->top1 = (double)agree / (double)scored;
+    if (with_comp) {
+        out->kl = kl / (double)scored;
+        out->top1 = (double)agree / (double)scored;
+    }
+    if (dev) {
+        out->has_dev = 1;
+        out->max_rel_logit = best;
+        out->max_rel_window = best_w, out->max_rel_pos = best_i;
+        out->dev_kl = dkl / (double)scored;
+        out->dev_top1 = (double)dagree / (double)scored;
+    }
     return KV_OK;
+}
+
+int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                   const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_compare_result *out, struct kv_err *err) {
+    return compare(m, lr, kv_bits, 1, NULL, tokens, n_tokens, seq_len, max_windows, progress,
+                   progress_ctx, out, err);
+}
+
+int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                        const struct kv_fwd_hooks *dev, const int32_t *tokens, int64_t n_tokens,
+                        int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                        void *progress_ctx, struct kv_compare_result *out, struct kv_err *err) {
+    if (!dev || !dev->attn)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "device hooks without an attn hook");
+    return compare(m, lr, kv_bits, lr != NULL, dev, tokens, n_tokens, seq_len, max_windows,
+                   progress, progress_ctx, out, err);
 }

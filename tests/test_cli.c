@@ -1,12 +1,15 @@
 /* The kvcal binary: exit codes and the exact messages users see.
  * Corrupt fixtures are built here from the shared models (mutated copies)
  * or from scratch. */
+#include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvrt.h"
 #include "testutil.h"
 
 /* Run kvcal; assert exit code and exact stderr. */
@@ -368,4 +371,173 @@ Test(cli, verify_names_a_text_too_short_for_one_window) {
     unlink(t);
     rmdir(dir);
     free(t), free(dir);
+}
+
+/* ------------------------------------------------------------- verify --device */
+
+/* The committed byte-level fixture models read any text: a few verses,
+ * enough for three windows of 256 tokens. */
+static char *device_text(const char *dir) {
+    const char *verse = "In the beginning was the Word, and the Word was with God, and the Word "
+                        "was God. The same was in the beginning with God. All things were made "
+                        "by him; and without him was not any thing made that was made.\n";
+    char buf[1024] = "";
+    while (strlen(buf) + strlen(verse) < sizeof buf) strcat(buf, verse);
+    return fixture(dir, "verses.txt", buf, strlen(buf));
+}
+
+static double json_get(json_t *o, const char *key, const char *out) {
+    json_t *v = json_object_get(o, key);
+    cr_assert(v && json_is_number(v), "no number '%s' in:\n%s", key, out);
+    return json_number_value(v);
+}
+
+/* verify --json on args; the device ppl within 1e-5 relative of the cpu's
+ * (key cpu_key) and the device fields present. */
+static void check_device_json(const char *args, const char *cpu_key) {
+    char *out, *err;
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "kvcal %s:\n%s", args, err);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    cr_assert(o, "not JSON (%s): %s", je.text, out);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "device")), "twin", "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "cache")), "f32", "%s", out);
+    double dev = json_get(o, "device_ppl", out), cpu = json_get(o, cpu_key, out);
+    kvt_assert_close_f64(&dev, &cpu, 1, 0, 1e-5, "device ppl against the cpu's");
+    double rel = json_get(o, "device_rel_ppl", out), want = dev / cpu - 1;
+    kvt_assert_close_f64(&rel, &want, 1, 1e-9, 1e-6, "device_rel_ppl (10 digits of ppl)");
+    cr_assert_lt(json_get(o, "max_rel_logit", out), 1e-4, "%s", out);
+    cr_assert_lt(json_get(o, "device_kl", out), 1e-8, "%s", out);
+    cr_assert_gt(json_get(o, "device_top1", out), 0.99, "%s", out);
+    cr_assert_gt(json_get(o, "device_tokens_per_s", out), 0, "%s", out);
+    json_get(o, "device_tol", out);
+    json_get(o, "max_rel_logit_window", out);
+    json_get(o, "max_rel_logit_position", out);
+    cr_assert_str_eq(err, "", "json mode must keep stderr quiet: %s", err);
+    json_decref(o);
+    free(out), free(err);
+}
+
+/* The twin with an f32 cache reproduces the compressed cpu run (text lines
+ * and JSON), and without --compressed the base. */
+Test(cli, verify_device_twin_reproduces_the_cpu_path, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *c = kvt_path(dir, "c");
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "decompose -m data/kjv-llama --method svd --ratio 0.5 -o '%s' -q",
+             c);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    free(out), free(err);
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-llama --compressed '%s' --text '%s' --device twin --cache f32 "
+             "--max-windows 2 --threads 1 -q", c, t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    const char *lines[] = {"\nppl         ", "\n\ndevice      twin (cpu), f32 cache, ",
+                           "\ndevice ppl  ", "\nlogits      max rel diff ", " at window ",
+                           "KL(cpu || device); top-1 "};
+    for (size_t i = 0; i < sizeof lines / sizeof lines[0]; i++)
+        cr_assert(strstr(out, lines[i]), "missing '%s' in:\n%s", lines[i], out);
+    free(out), free(err);
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-llama --compressed '%s' --text '%s' --device twin --cache f32 "
+             "--max-windows 2 --threads 1 --json", c, t);
+    check_device_json(args, "ppl");
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-gpt2 --text '%s' --device twin --cache f32 --max-windows 2 "
+             "--threads 1 --json", t);
+    check_device_json(args, "ppl");
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-gpt2 --text '%s' --device twin --cache f32 --max-windows 2 "
+             "--threads 1 -q", t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "\nppl       ") &&
+                  strstr(out, "\n\ndevice      twin (cpu), f32 cache, ") &&
+                  strstr(out, "\ndevice ppl  "),
+              "%s", out);
+    free(out), free(err);
+    kvt_rm_dir(c);
+    kvt_rm_dir(dir);
+    free(t);
+}
+
+/* A device ppl off by more than --device-tol is exit 3, numbers printed. */
+Test(cli, verify_device_beyond_its_tolerance_exits_3, .timeout = 60) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir);
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-llama --text '%s' --device twin --cache f16 --device-tol 0 "
+             "--max-windows 2 --threads 1 -q", t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 3, "%s", err);
+    cr_assert(strstr(out, "\ndevice ppl  "), "%s", out);
+    cr_assert(strncmp(err, "kvcal: device ppl ", 18) == 0 &&
+                  strstr(err, ", more than --device-tol 0\n"),
+              "%s", err);
+    free(out), free(err);
+    kvt_rm_dir(dir);
+    free(t);
+}
+
+Test(cli, verify_device_options_are_usage_errors) {
+    const char *usage = "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] "
+                        "(see 'kvcal verify --help')\n";
+    const struct {
+        const char *args, *msg;
+    } rows[] = {
+        {"--device bogus", "--device 'bogus' is not one of cpu, twin, cuda"},
+        {"--cache f16", "--cache needs --device twin or cuda"},
+        {"--device cpu --cache f32", "--cache needs --device twin or cuda"},
+        {"--device twin --cache f8", "--cache 'f8' is not one of f16, f32"},
+        {"--device-tol 1e-2", "--device-tol needs --device twin or cuda"},
+        {"--device twin --device-tol -1", "--device-tol must be at least 0, got -1"},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        char args[512], want[1024];
+        snprintf(args, sizeof args, "verify --model m --text t %s", rows[i].args);
+        snprintf(want, sizeof want, "kvcal verify: %s\n%s", rows[i].msg, usage);
+        expect_cli(args, 2, want);
+    }
+}
+
+/* Quantized latents are refused by the runtime: exit 1 with its message. */
+Test(cli, verify_device_refuses_quantized_latents, .timeout = 60) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *c = kvt_path(dir, "c");
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "decompose -m data/kjv-llama --method svd --ratio 0.5 -o '%s' -q",
+             c);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    free(out), free(err);
+    snprintf(args, sizeof args,
+             "verify -m data/kjv-llama --compressed '%s' --text '%s' --device twin --kv-bits 4 -q",
+             c, t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 1, "%s", err);
+    cr_assert(strncmp(err, "kvcal: ", 7) == 0 && strstr(err, "4 bits") && !strchr(err, '\n')[1],
+              "%s", err);
+    free(out), free(err);
+    kvt_rm_dir(c);
+    kvt_rm_dir(dir);
+    free(t);
+}
+
+/* --device cuda where no GPU can run it: exit 1 with the runtime's error. */
+Test(cli, verify_device_cuda_without_a_gpu_is_an_error, .timeout = 60) {
+    int count = 0;
+    struct kv_err e;
+    kv_err_clear(&e);
+    int rc = kvrt_device_count(&count, &e);
+    if (!rc && count > 0)
+        cr_skip_test("a cuda device is present; the no-gpu error is not reachable");
+    char *dir = kvt_temp_dir(), *t = device_text(dir);
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "verify -m data/kjv-llama --text '%s' --device cuda -q", t);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 1, "%s", err);
+    cr_assert(strncmp(err, "kvcal: ", 7) == 0 && strlen(err) > 8 && !strchr(err, '\n')[1], "%s",
+              err);
+    if (!kvrt_cuda_built()) {
+        char want[2048];
+        snprintf(want, sizeof want, "kvcal: %s\n", e.msg);
+        cr_assert_str_eq(err, want);
+    }
+    cr_assert_str_eq(out, "");
+    free(out), free(err);
+    kvt_rm_dir(dir);
+    free(t);
 }

@@ -1,11 +1,13 @@
-/* Perplexity: the windows protocol against a naive oracle, and the
- * reference values of independent float64 runs on the shared models. */
+/* Perplexity: the windows protocol against a naive oracle, the reference
+ * values of independent float64 runs on the shared models, and the device
+ * comparison (kv_ppl_compare_attn) with a naive attention hook as device. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "model.h"
+#include "naive_gpt2.h"
 #include "naive_llama.h"
 #include "testutil.h"
 
@@ -92,4 +94,340 @@ Test(ppl_reference, tinystories656K_val1k, .timeout = 600) {
 Test(ppl_reference, tinystories656K_wikitext2, .timeout = 600) {
     check_reference("models/tinystories-656K", NULL, "text/wikitext-2-raw/wiki.test.raw", 835.69, 0,
                     0, 0);
+}
+
+/* ------------------------------------------------------------- device attention hooks */
+
+
+/* The tests' stand-in for a device runtime: each layer's attention computed
+ * naively in float64 from the model's weights, with its own K/V cache. It
+ * can scale its output at one (layer, position) by 1 + perturb, and fail
+ * on its fail_call-th call with fail_code. */
+struct naive_dev {
+    const struct kv_model *m;
+    int64_t max_ctx;
+    double *kc, *vc; /* [L][max_ctx][g*d_h] */
+    int64_t perturb_layer, perturb_pos;
+    double perturb;
+    int64_t calls, fail_call;
+    int fail_code;
+};
+
+static struct naive_dev naive_dev_new(const struct kv_model *m, int64_t max_ctx) {
+    const struct kv_config *c = kv_model_config(m);
+    size_t len = (size_t)(c->n_layers * max_ctx * c->n_kv_heads * c->head_dim);
+    struct naive_dev D = {.m = m, .max_ctx = max_ctx, .perturb_layer = -1};
+    D.kc = calloc(len, sizeof(double));
+    D.vc = calloc(len, sizeof(double));
+    cr_assert(D.kc && D.vc);
+    return D;
+}
+
+/* out[r] = Σ_j W[r][j] x[j] + b[r] (b may be NULL). */
+static void naive_proj(double *out, const float *W, const float *b, const float *x, int64_t rows,
+                       int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        double s = b ? b[r] : 0;
+        for (int64_t j = 0; j < cols; j++) s += (double)W[r * cols + j] * x[j];
+        out[r] = s;
+    }
+}
+
+/* Rotate each of nh heads of e at position p: pair i by p · θ^(-2i/d_h). */
+static void naive_rope(double *e, int64_t nh, int64_t p, const struct kv_config *c) {
+    int64_t dh = c->head_dim;
+    for (int64_t hh = 0; hh < nh; hh++)
+        for (int64_t i = 0; i < dh / 2; i++) {
+            int64_t ia = c->rope_layout == KV_ROPE_HALF ? i : 2 * i;
+            int64_t ib = c->rope_layout == KV_ROPE_HALF ? i + dh / 2 : 2 * i + 1;
+            double ang = (double)p * pow((double)c->rope_theta, -2.0 * (double)i / (double)dh);
+            double *h = e + hh * dh, re = h[ia], im = h[ib];
+            h[ia] = re * cos(ang) - im * sin(ang);
+            h[ib] = re * sin(ang) + im * cos(ang);
+        }
+}
+
+static int naive_attn(void *ctx, int64_t l, const float *x, int64_t n, int64_t pos0, float *res) {
+    struct naive_dev *D = ctx;
+    if (D->fail_call && ++D->calls == D->fail_call) return D->fail_code;
+    const struct kv_model *m = D->m;
+    const struct kv_config *c = kv_model_config(m);
+    int64_t d = c->dim, h = c->n_heads, g = c->n_kv_heads, dh = c->head_dim;
+    int64_t qd = h * dh, kd = g * dh;
+    double *kc = D->kc + l * D->max_ctx * kd, *vc = D->vc + l * D->max_ctx * kd;
+    double *q = malloc((size_t)qd * sizeof *q), *o = malloc((size_t)qd * sizeof *o);
+    double *sc = malloc((size_t)D->max_ctx * sizeof *sc);
+    const float *wo = kv_model_weight(m, KV_W_O, l);
+    for (int64_t t = 0; t < n; t++) {
+        int64_t p = pos0 + t;
+        const float *xr = x + t * d;
+        naive_proj(q, kv_model_weight(m, KV_W_Q, l), kv_model_weight(m, KV_W_BQ, l), xr, qd, d);
+        naive_proj(kc + p * kd, kv_model_weight(m, KV_W_K, l), kv_model_weight(m, KV_W_BK, l), xr,
+                   kd, d);
+        naive_proj(vc + p * kd, kv_model_weight(m, KV_W_V, l), kv_model_weight(m, KV_W_BV, l), xr,
+                   kd, d);
+        if (c->arch == KV_ARCH_LLAMA) {
+            naive_rope(q, h, p, c);
+            naive_rope(kc + p * kd, g, p, c);
+        }
+        for (int64_t hh = 0; hh < h; hh++) {
+            int64_t kvh = hh / (h / g);
+            double mx = -INFINITY, z = 0;
+            for (int64_t s = 0; s <= p; s++) {
+                double dot = 0;
+                for (int64_t i = 0; i < dh; i++) dot += q[hh * dh + i] * kc[s * kd + kvh * dh + i];
+                sc[s] = dot / sqrt((double)dh);
+                mx = fmax(mx, sc[s]);
+            }
+            for (int64_t s = 0; s <= p; s++) z += sc[s] = exp(sc[s] - mx);
+            for (int64_t i = 0; i < dh; i++) {
+                double acc = 0;
+                for (int64_t s = 0; s <= p; s++) acc += sc[s] / z * vc[s * kd + kvh * dh + i];
+                o[hh * dh + i] = acc;
+            }
+        }
+        double scale = l == D->perturb_layer && p == D->perturb_pos ? 1 + D->perturb : 1;
+        for (int64_t r = 0; r < d; r++) {
+            double y = 0;
+            for (int64_t j = 0; j < qd; j++) y += (double)wo[r * qd + j] * o[j];
+            res[t * d + r] += (float)(scale * y);
+        }
+    }
+    free(q), free(o), free(sc);
+    return KV_OK;
+}
+
+/* A device that leaves the attention out. */
+static int no_attn(void *ctx, int64_t l, const float *x, int64_t n, int64_t pos0, float *res) {
+    return KV_OK;
+}
+
+/* A random model whose attention is sharp (sharpen) and loud: values and
+ * output projection scaled up so the block's output is of the residual's
+ * size and an error in it shows in the logits. */
+static struct kv_model *attn_model(struct kv_config c) {
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_init_random(&c, 23, &m, &err), KV_OK, "%s", err.msg);
+    sharpen(m);
+    int64_t vd = c.n_kv_heads * c.head_dim * c.dim, od = c.dim * c.n_heads * c.head_dim;
+    for (int64_t l = 0; l < c.n_layers; l++) {
+        float *wv = kv_model_weight_mut(m, KV_W_V, l), *wo = kv_model_weight_mut(m, KV_W_O, l);
+        for (int64_t i = 0; i < vd; i++) wv[i] *= 8;
+        for (int64_t i = 0; i < od; i++) wo[i] *= 8;
+    }
+    return m;
+}
+
+#define DEV_N 70
+#define DEV_T 16 /* 4 windows, remainder 6 dropped */
+static void dev_tokens(int32_t *tok) {
+    for (int i = 0; i < DEV_N; i++) tok[i] = (i * 37 + 5) % 97;
+}
+
+/* The naive device reproduces the CPU base: ppl within 1e-5 relative,
+ * logits within 1e-4 of the largest. */
+static void check_device_equals_base(struct kv_config c, const char *what) {
+    struct kv_model *m = attn_model(c);
+    int32_t tok[DEV_N];
+    dev_tokens(tok);
+    struct naive_dev D = naive_dev_new(m, DEV_T);
+    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_compare_result r;
+    struct kv_err err;
+    cr_assert_eq(kv_ppl_compare_attn(m, NULL, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
+                 KV_OK, "%s: %s", what, err.msg);
+    cr_assert(r.has_dev, "%s", what);
+    cr_assert_eq(r.dev.windows, 4, "%s", what);
+    cr_assert_eq(r.dev.scored, 4 * 15, "%s", what);
+    cr_assert_eq(r.comp.windows, 0, "%s: no compressed run without lr", what);
+    struct kv_ppl_result b;
+    cr_assert_eq(kv_ppl_run(m, tok, DEV_N, DEV_T, 0, NULL, NULL, &b, &err), KV_OK);
+    kvt_assert_close_f64(&r.base.ppl, &b.ppl, 1, 0, 1e-12, what);
+    kvt_assert_close_f64(&r.dev.ppl, &r.base.ppl, 1, 0, 1e-5, what);
+    cr_assert_lt(r.max_rel_logit, 1e-4, "%s: max rel logit %g", what, r.max_rel_logit);
+    cr_assert_lt(r.dev_kl, 1e-8, "%s: kl %g", what, r.dev_kl);
+    cr_assert_geq(r.dev_top1, 0.95, "%s: top-1 %g", what, r.dev_top1);
+    /* the check can fail: a device without attention is far off */
+    hk.attn = no_attn;
+    cr_assert_eq(kv_ppl_compare_attn(m, NULL, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
+                 KV_OK);
+    cr_assert_gt(r.max_rel_logit, 0.5, "%s: without attention %g", what, r.max_rel_logit);
+    free(D.kc), free(D.vc);
+    kv_model_free(m);
+}
+
+Test(ppl_device, naive_attention_equals_base_llama_interleaved) {
+    check_device_equals_base(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), "llama interleaved");
+}
+Test(ppl_device, naive_attention_equals_base_llama_half_bias) {
+    check_device_equals_base(tiny_cfg(KV_ROPE_HALF, 1, 0), "llama half, qkv bias");
+}
+Test(ppl_device, naive_attention_equals_base_gpt2) {
+    check_device_equals_base(tiny_gpt2_cfg(), "gpt2");
+}
+
+/* Logits of one window with the given hooks (NULL: the CPU path). */
+static float *window_logits(const struct kv_model *m, const struct kv_lowrank *lr,
+                            const struct kv_fwd_hooks *hk, const int32_t *tok, int64_t T) {
+    struct kv_fwd *f;
+    struct kv_err err;
+    cr_assert_eq(kv_fwd_init(m, T, &f, &err), KV_OK);
+    if (lr) cr_assert_eq(kv_fwd_set_lowrank(f, lr, 16, &err), KV_OK, "%s", err.msg);
+    kv_fwd_set_hooks(f, hk);
+    int64_t V = kv_model_config(m)->vocab_size;
+    float *lg = malloc((size_t)(T * V) * sizeof *lg);
+    cr_assert_eq(kv_fwd_run(f, tok, T, 0, lg, &err), KV_OK, "%s", err.msg);
+    kv_fwd_free(f);
+    return lg;
+}
+
+/* log softmax of a row, float64. */
+static void log_softmax(const float *l, int64_t V, double *out) {
+    double mx = -INFINITY, z = 0;
+    for (int64_t j = 0; j < V; j++) mx = fmax(mx, l[j]);
+    for (int64_t j = 0; j < V; j++) z += exp(l[j] - mx);
+    for (int64_t j = 0; j < V; j++) out[j] = l[j] - mx - log(z);
+}
+
+/* Every device metric of kv_ppl_compare_attn recomputed here from the
+ * logits of separate forward passes (ref: lr's latent path, or the base). */
+struct dev_metrics {
+    double nll, kl, top1, max_rel;
+    int64_t w, pos;
+};
+static struct dev_metrics metrics_of(const struct kv_model *m, const struct kv_lowrank *lr,
+                                     const struct kv_fwd_hooks *hk, const int32_t *tok,
+                                     int64_t windows, int64_t T) {
+    int64_t V = kv_model_config(m)->vocab_size;
+    struct dev_metrics o = {.max_rel = -1};
+    double *a = malloc((size_t)V * sizeof *a), *b = malloc((size_t)V * sizeof *b);
+    for (int64_t w = 0; w < windows; w++) {
+        float *lr_ = window_logits(m, lr, NULL, tok + w * T, T);
+        float *ld = window_logits(m, NULL, hk, tok + w * T, T);
+        for (int64_t i = 0; i + 1 < T; i++) {
+            const float *x = lr_ + i * V, *y = ld + i * V;
+            log_softmax(x, V, a), log_softmax(y, V, b);
+            o.nll -= b[tok[w * T + i + 1]];
+            int64_t ax = 0, ay = 0;
+            double num = 0, den = 0;
+            for (int64_t j = 0; j < V; j++) {
+                o.kl += exp(a[j]) * (a[j] - b[j]);
+                if (x[j] > x[ax]) ax = j;
+                if (y[j] > y[ay]) ay = j;
+                num = fmax(num, fabs((double)y[j] - x[j]));
+                den = fmax(den, fabs((double)x[j]));
+            }
+            o.top1 += ax == ay;
+            if (num / den > o.max_rel) o.max_rel = num / den, o.w = w, o.pos = i;
+        }
+        free(lr_), free(ld);
+    }
+    double scored = (double)(windows * (T - 1));
+    o.nll /= scored, o.kl /= scored, o.top1 /= scored;
+    free(a), free(b);
+    return o;
+}
+
+static void check_metrics(const struct kv_compare_result *r, const struct dev_metrics *want,
+                          const char *what) {
+    kvt_assert_close_f64(&r->dev.nll, &want->nll, 1, 1e-9, 1e-9, what);
+    double ppl = exp(want->nll);
+    kvt_assert_close_f64(&r->dev.ppl, &ppl, 1, 0, 1e-9, what);
+    kvt_assert_close_f64(&r->dev_kl, &want->kl, 1, 1e-12, 1e-6, what);
+    kvt_assert_close_f64(&r->dev_top1, &want->top1, 1, 0, 1e-12, what);
+    kvt_assert_close_f64(&r->max_rel_logit, &want->max_rel, 1, 0, 1e-9, what);
+    cr_assert_eq(r->max_rel_window, want->w, "%s: window %lld, want %lld", what,
+                 (long long)r->max_rel_window, (long long)want->w);
+    cr_assert_eq(r->max_rel_pos, want->pos, "%s: position %lld, want %lld", what,
+                 (long long)r->max_rel_pos, (long long)want->pos);
+}
+
+/* A device whose output at one position is off by 5% shows there: the
+ * maximum relative logit difference, its place, ppl, kl and top-1 all
+ * match a recomputation from separate forward passes. */
+Test(ppl_device, a_perturbed_device_is_detected_where_it_differs) {
+    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_HALF, 0, 1));
+    int32_t tok[DEV_N];
+    dev_tokens(tok);
+    struct naive_dev D = naive_dev_new(m, DEV_T);
+    D.perturb_layer = 1, D.perturb_pos = 5, D.perturb = 0.05;
+    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_compare_result r;
+    struct kv_err err;
+    cr_assert_eq(kv_ppl_compare_attn(m, NULL, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
+                 KV_OK, "%s", err.msg);
+    struct dev_metrics want = metrics_of(m, NULL, &hk, tok, 4, DEV_T);
+    check_metrics(&r, &want, "perturbed device");
+    cr_assert_eq(r.max_rel_pos, 5, "the perturbed position, got %lld", (long long)r.max_rel_pos);
+    cr_assert_gt(r.max_rel_logit, 1e-3, "max rel logit %g", r.max_rel_logit);
+    cr_assert_gt(fabs(r.dev.ppl / r.base.ppl - 1), 1e-6, "ppl %g vs %g", r.dev.ppl, r.base.ppl);
+    free(D.kc), free(D.vc);
+    kv_model_free(m);
+}
+
+/* With lr the device run is compared with the compressed CPU run: a device
+ * that computes the base model's attention differs from it by what the
+ * compression changed, and the base/compressed numbers are kv_ppl_compare's. */
+Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
+    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
+    struct kv_decompose_opts o = {.method = KV_METHOD_SVD, .ratio = 0.5, .kv_bits = 16};
+    struct kv_lowrank *lr;
+    struct kv_err err;
+    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
+    int32_t tok[DEV_N];
+    dev_tokens(tok);
+    struct naive_dev D = naive_dev_new(m, DEV_T);
+    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_compare_result r, c;
+    cr_assert_eq(kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
+                 KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_ppl_compare(m, lr, 16, tok, DEV_N, DEV_T, 0, NULL, NULL, &c, &err), KV_OK);
+    cr_assert(!c.has_dev);
+    kvt_assert_close_f64(&r.comp.ppl, &c.comp.ppl, 1, 0, 1e-12, "compressed ppl");
+    kvt_assert_close_f64(&r.base.ppl, &c.base.ppl, 1, 0, 1e-12, "base ppl");
+    kvt_assert_close_f64(&r.kl, &c.kl, 1, 1e-15, 1e-9, "kl");
+    cr_assert_gt(r.kl, 1e-6, "the compression changes the model (kl %g)", r.kl);
+    struct dev_metrics want = metrics_of(m, lr, &hk, tok, 4, DEV_T);
+    check_metrics(&r, &want, "base device against compressed cpu");
+    kvt_assert_close_f64(&r.dev.ppl, &r.base.ppl, 1, 0, 1e-5, "device ppl is the base's");
+    kv_lowrank_free(lr);
+    free(D.kc), free(D.vc);
+    kv_model_free(m);
+}
+
+static int count_progress(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
+    ++*(int *)ctx;
+    return 0;
+}
+
+/* A failing device stops the run in the window where it failed and its
+ * status comes back as is, with a generic message. */
+Test(ppl_device, a_failing_device_stops_the_run_with_its_status) {
+    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
+    int32_t tok[DEV_N];
+    dev_tokens(tok);
+    struct naive_dev D = naive_dev_new(m, DEV_T);
+    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    int codes[2] = {KV_EDEVICE, 42};
+    for (int k = 0; k < 2; k++) {
+        D.calls = 0, D.fail_call = 2 + 2, D.fail_code = codes[k]; /* window 1, layer 1 */
+        struct kv_compare_result r;
+        struct kv_err err;
+        int windows = 0;
+        int rc = kv_ppl_compare_attn(m, NULL, 16, &hk, tok, DEV_N, DEV_T, 0, count_progress,
+                                     &windows, &r, &err);
+        cr_assert_eq(rc, codes[k], "status %d, want %d", rc, codes[k]);
+        cr_assert_eq(err.code, codes[k]);
+        cr_assert_str_eq(err.msg, "device run failed in window 1 (tokens 16..31)");
+        cr_assert_eq(windows, 1, "progress after %d windows", windows);
+    }
+    struct kv_fwd_hooks none = {.ctx = &D};
+    struct kv_compare_result r;
+    struct kv_err err;
+    cr_assert_eq(kv_ppl_compare_attn(m, NULL, 16, &none, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
+                 KV_EINVAL);
+    cr_assert_str_eq(err.msg, "device hooks without an attn hook");
+    free(D.kc), free(D.vc);
+    kv_model_free(m);
 }
