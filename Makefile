@@ -1,6 +1,7 @@
 # kvcal build. `make deps` installs Debian packages, `make` builds the
 # `kvcal` binary, `libkvcal.a` and the runtime `libkvrt.a` (with its CUDA
-# kernels when nvcc is found), `make test` runs every Criterion suite.
+# kernels in libkvrt_cuda.so when nvcc is found), `make test` runs every
+# Criterion suite.
 CC ?= cc
 MULTIARCH := $(shell $(CC) -print-multiarch 2>/dev/null)
 ifeq ($(MULTIARCH),)
@@ -27,23 +28,25 @@ CMD_SRC  := $(wildcard cmd/*.c)
 
 # The runtime (libkvrt, kernels/): its C files and CPU twin always; the CUDA
 # kernels when nvcc is found (make CUDA=0 to leave them out), built for
-# sm_80 and sm_90 with PTX for newer GPUs. Without CUDA a stub answers
+# sm_80 and sm_90 with PTX for newer GPUs into libkvrt_cuda.so, which
+# libkvrt loads with dlopen when cuda is asked for (kernels/cuda_load.c):
+# nothing else links the CUDA libraries. Without CUDA the loader answers
 # "built without cuda".
 CUDA_HOME ?= /usr/local/cuda
 NVCC ?= $(CUDA_HOME)/bin/nvcc
 CUDA ?= $(shell test -x $(NVCC) && echo 1 || echo 0)
-KERN_SRC := $(filter-out kernels/cuda_stub.c,$(wildcard kernels/*.c))
+KERN_SRC := $(wildcard kernels/*.c)
+KERN_OBJ := $(KERN_SRC:%.c=$(BUILD)/obj/%.o)
+LDLIBS_CUDA := -ldl -lpthread
 ifeq ($(CUDA),1)
-KERN_CU  := $(wildcard kernels/*.cu)
-KERN_OBJ := $(KERN_SRC:%.c=$(BUILD)/obj/%.o) $(KERN_CU:%.cu=$(BUILD)/obj/%.o)
-LDLIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+KVRT_SO  := $(BUILD)/libkvrt_cuda.so
 NVCCFLAGS := -O2 -std=c++17 -lineinfo -Werror all-warnings \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90 \
-             -Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Ilib -Ikernels
+             -Xcompiler -Wall,-Wextra,-Wno-unused-parameter,-fPIC,-fvisibility=hidden -Ilib -Ikernels
+$(BUILD)/obj/kernels/cuda_load.o: CFLAGS += -DKVRT_WITH_CUDA=1
 else
-KERN_OBJ := $(KERN_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/kernels/cuda_stub.o
-LDLIBS_CUDA :=
+KVRT_SO  :=
 endif
 TEST_SRC := $(wildcard tests/test_*.c)
 BENCH_SRC := $(wildcard tests/bench/*.c)
@@ -57,7 +60,7 @@ KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
 .PHONY: all deps test bench results clean install fuzz data fixtures demo
-all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(BUILD)/include/kvcal.h \
+all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) $(BUILD)/include/kvcal.h \
      $(BUILD)/include/kvrt.h
 
 deps:
@@ -81,6 +84,16 @@ $(BUILD)/libkvrt.a: $(KERN_OBJ)
 $(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+# The CUDA backend object: the kernels, plus its own hidden copy of the
+# error recorder, linked against cuBLAS and the CUDA runtime.
+$(BUILD)/obj/pic/lib/err.o: lib/err.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fPIC -fvisibility=hidden -c $< -o $@
+
+$(BUILD)/libkvrt_cuda.so: $(BUILD)/obj/kernels/kvrt_cuda.o $(BUILD)/obj/pic/lib/err.o
+	$(CC) -shared $^ -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ \
+	  -Wl,--no-undefined -o $@
 
 $(BUILD)/include/%.h: lib/%.h
 	@mkdir -p $(dir $@)
@@ -179,6 +192,7 @@ install: all
 	install -m 755 $(BUILD)/kvcal $(DESTDIR)$(PREFIX)/bin/kvcal
 	install -m 644 $(BUILD)/libkvcal.a $(DESTDIR)$(PREFIX)/lib/libkvcal.a
 	install -m 644 $(BUILD)/libkvrt.a $(DESTDIR)$(PREFIX)/lib/libkvrt.a
+	$(if $(KVRT_SO),install -m 755 $(KVRT_SO) $(DESTDIR)$(PREFIX)/lib/libkvrt_cuda.so)
 	install -m 644 lib/kvcal.h $(DESTDIR)$(PREFIX)/include/kvcal.h
 	install -m 644 kernels/kvrt.h $(DESTDIR)$(PREFIX)/include/kvrt.h
 

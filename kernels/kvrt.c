@@ -45,17 +45,6 @@ int kvrt_device_query(int dev, struct kvrt_device *out, struct kv_err *err) {
 
 /* ---------------------------------------------------------------- chunking */
 
-int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len, int64_t *n_full) {
-    int64_t target = 2 * (int64_t)p->sm_count;
-    int64_t want = (T * p->n_kv_heads + target - 1) / target;
-    int64_t l = (want + KVRT_TILE - 1) / KVRT_TILE * KVRT_TILE;
-    l = l < KVRT_CHUNK_MIN ? KVRT_CHUNK_MIN : (l > KVRT_CHUNK_MAX ? KVRT_CHUNK_MAX : l);
-    int64_t n = (T + l - 1) / l;
-    *len = l;
-    *n_full = T % l == 0 ? n : n - 1;
-    return n;
-}
-
 int64_t kvrt_chunk_len(const struct kvrt *rt, int64_t T, int64_t *n_tasks) {
     int64_t len, full, n = kvrt_plan_chunks(&rt->p, T, &len, &full);
     if (n_tasks) *n_tasks = n * rt->p.n_kv_heads;

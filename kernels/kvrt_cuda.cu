@@ -48,9 +48,7 @@ static int cuda_fail(struct kv_err *err, cudaError_t e, const char *what) {
 
 /* ---------------------------------------------------------------- devices */
 
-extern "C" int kvrt_cuda_built(void) { return 1; }
-
-extern "C" int kvrt_cuda_device_count(int *count, struct kv_err *err) {
+static int cu_device_count(int *count, struct kv_err *err) {
     *count = 0;
     cudaError_t e = cudaGetDeviceCount(count);
     if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
@@ -62,7 +60,7 @@ extern "C" int kvrt_cuda_device_count(int *count, struct kv_err *err) {
     return KV_OK;
 }
 
-extern "C" int kvrt_cuda_device_query(int dev, struct kvrt_device *out, struct kv_err *err) {
+static int cu_device_query(int dev, struct kvrt_device *out, struct kv_err *err) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || dev < 0 || dev >= n) {
@@ -412,7 +410,7 @@ static int dalloc(void **dst, size_t bytes, struct kv_err *err, const char *what
     return KV_OK;
 }
 
-extern "C" void kvrt_cuda_close(struct kvrt_cuda *c) {
+static void cu_close(struct kvrt_cuda *c) {
     if (!c) return;
     cudaSetDevice(c->dev);
     if (c->st) cudaStreamSynchronize(c->st); /* nothing in flight reads what is freed */
@@ -482,10 +480,10 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
     return KV_OK;
 }
 
-extern "C" int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out,
+static int cu_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out,
                               struct kv_err *err) {
     struct kvrt_device dv;
-    int rc = kvrt_cuda_device_query(dev, &dv, err);
+    int rc = cu_device_query(dev, &dv, err);
     if (rc) return rc;
     CK(cudaSetDevice(dev), "selecting the device");
     struct kvrt_cuda *c = (struct kvrt_cuda *)calloc(1, sizeof *c);
@@ -526,7 +524,7 @@ extern "C" int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cu
     if (!rc) rc = dalloc((void **)&c->pacc, (size_t)(hc * vw) * 4, err, "allocating partials");
     if (!rc) rc = open_layers(c, dv.smem_optin, err);
     if (rc) {
-        kvrt_cuda_close(c);
+        cu_close(c);
         cudaGetLastError(); /* a failed allocation must not show up in a later call */
         return rc;
     }
@@ -592,7 +590,7 @@ static int out_dev(struct kvrt_cuda *c, int64_t l, struct kv_err *err) {
     return KV_OK;
 }
 
-extern "C" int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
+static int cu_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
                                 struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     CK(cudaMemcpyAsync(c->xn, xn, (size_t)c->p->dim * sizeof(float), cudaMemcpyHostToDevice, c->st),
@@ -600,7 +598,7 @@ extern "C" int kvrt_cuda_append(struct kvrt_cuda *c, int64_t layer, int64_t pos,
     return append_dev(c, layer, pos, err);
 }
 
-extern "C" int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
+static int cu_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
                                 struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     int rc = attn_dev(c, layer, T, err);
@@ -612,7 +610,7 @@ extern "C" int kvrt_cuda_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, f
     return KV_OK;
 }
 
-extern "C" int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
+static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
                               struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     const struct kvrt_lplan *lp = &c->p->layers[layer];
@@ -632,7 +630,7 @@ extern "C" int kvrt_cuda_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, u
     return KV_OK;
 }
 
-extern "C" int kvrt_cuda_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters,
+static int cu_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters,
                               double *us_step, double *us_attn, struct kv_err *err) {
     const struct kvrt_plan *p = c->p;
     CK(cudaSetDevice(c->dev), "selecting the device");
@@ -669,4 +667,19 @@ extern "C" int kvrt_cuda_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, i
     *us_step = 1e3 * (double)ms_step / (double)iters;
     *us_attn = 1e3 * (double)ms_attn / (double)iters;
     return KV_OK;
+}
+
+/* ---------------------------------------------------------------- entry */
+
+/* The one exported symbol (KVRT_CUDA_ENTRY): the loader, cuda_load.c,
+ * checks abi and the sizes against its own build before using the table. */
+extern "C" __attribute__((visibility("default"))) const struct kvrt_cuda_api *kvrt_cuda_backend(void) {
+    static const struct kvrt_cuda_api a = {
+        KVRT_CUDA_ABI,          sizeof(struct kvrt_plan), sizeof(struct kvrt_lplan),
+        sizeof(struct kvrt_device), sizeof(struct kv_err), cu_device_count,
+        cu_device_query,        cu_open,                  cu_close,
+        cu_append,              cu_attend,                cu_fill,
+        cu_time,
+    };
+    return &a;
 }

@@ -84,17 +84,28 @@ struct kvrt_plan {
     struct kvrt_lplan *layers;
 };
 
-/* Sequence chunking for T positions: chunks of *len positions (a multiple
- * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about 2·sm_count tasks
- * when T allows); returns the number of chunks, of which *n_full have the
- * full length (all but a shorter last one). */
-int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len, int64_t *n_full);
-
 #ifdef __CUDACC__
 #define KVRT_HD __host__ __device__
 #else
 #define KVRT_HD
 #endif
+
+/* Sequence chunking for T positions: chunks of *len positions (a multiple
+ * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about 2·sm_count tasks
+ * when T allows); returns the number of chunks, of which *n_full have the
+ * full length (all but a shorter last one). Inline: the CUDA backend, a
+ * shared object of its own, chunks with the same code. */
+static inline int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len,
+                                       int64_t *n_full) {
+    int64_t target = 2 * (int64_t)p->sm_count;
+    int64_t want = (T * p->n_kv_heads + target - 1) / target;
+    int64_t l = (want + KVRT_TILE - 1) / KVRT_TILE * KVRT_TILE;
+    l = l < KVRT_CHUNK_MIN ? KVRT_CHUNK_MIN : (l > KVRT_CHUNK_MAX ? KVRT_CHUNK_MAX : l);
+    int64_t n = (T + l - 1) / l;
+    *len = l;
+    *n_full = T % l == 0 ? n : n - 1;
+    return n;
+}
 
 /* Task t (0 .. g·n_chunks-1) of a step in launch order, longest first (FDC
  * §5.3 decode). A task is (KV head j, chunk c) and costs the positions of
@@ -158,7 +169,34 @@ void kvrt_twin_fill(struct kvrt_twin *t, int64_t layer, int64_t len, uint64_t se
 /* Attention part alone (tasks + combine) of the last append's query. */
 void kvrt_twin_attn_only(struct kvrt_twin *t, int64_t layer, int64_t T);
 
+/* The CUDA backend lives in a shared object of its own (libkvrt_cuda.so,
+ * built from kvrt_cuda.cu), loaded on the first call that needs it
+ * (cuda_load.c): a program that never asks for cuda does not map the CUDA
+ * libraries (some 200 MiB of resident memory and 0.4 s at start-up). The
+ * object exports one symbol, KVRT_CUDA_ENTRY, a function returning this
+ * table; abi and the struct sizes must match the loader's. */
+#define KVRT_CUDA_ABI 1
+#define KVRT_CUDA_ENTRY "kvrt_cuda_backend"
+#define KVRT_CUDA_SO "libkvrt_cuda.so"
 struct kvrt_cuda;
+struct kvrt_cuda_api {
+    int abi;
+    size_t plan_size, lplan_size, device_size, err_size;
+    int (*device_count)(int *count, struct kv_err *err);
+    int (*device_query)(int dev, struct kvrt_device *out, struct kv_err *err);
+    int (*open)(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out, struct kv_err *err);
+    void (*close)(struct kvrt_cuda *c);
+    int (*append)(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn, struct kv_err *err);
+    int (*attend)(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y, struct kv_err *err);
+    int (*fill)(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed, struct kv_err *err);
+    int (*time)(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters, double *us_step,
+                double *us_attn, struct kv_err *err);
+};
+typedef const struct kvrt_cuda_api *(*kvrt_cuda_entry_fn)(void);
+
+/* The loader's forwarders (cuda_load.c): each loads the backend on first
+ * use and fails with KV_EUNSUPPORTED (built without cuda) or KV_EDEVICE
+ * (the object or the CUDA libraries cannot be loaded) when it cannot. */
 int kvrt_cuda_device_count(int *count, struct kv_err *err);
 int kvrt_cuda_device_query(int dev, struct kvrt_device *out, struct kv_err *err);
 int kvrt_cuda_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out, struct kv_err *err);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "kvrt.h"
 #include "kvrt_plan.h"
@@ -420,13 +421,49 @@ Test(kvrt_errors, cuda_without_a_device) {
     kv_model_free(m);
 }
 
+/* The backend object is loaded once per process; each Criterion test runs
+ * in a process of its own, so KVRT_CUDA_LIB set here is what the loader sees. */
+Test(kvrt_errors, cuda_backend_object_corrupt) {
+    if (!kvrt_cuda_built()) cr_skip_test("built without cuda; the loader never looks");
+    char path[] = "/tmp/kvrt-so-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    cr_assert_eq(write(fd, "not an elf object\n", 18), 18);
+    close(fd);
+    setenv("KVRT_CUDA_LIB", path, 1);
+    int n = 7;
+    struct kv_err err = {0};
+    int rc = kvrt_device_count(&n, &err);
+    unlink(path);
+    cr_assert_eq(rc, KV_EDEVICE, "%s", err.msg);
+    cr_assert_eq(n, 0);
+    char want[256];
+    snprintf(want, sizeof want, "cuda: cannot load the cuda backend: %s: ", path);
+    cr_assert(!strncmp(err.msg, want, strlen(want)), "message: %s", err.msg);
+}
+
+Test(kvrt_errors, cuda_backend_object_foreign) {
+    if (!kvrt_cuda_built()) cr_skip_test("built without cuda; the loader never looks");
+    setenv("KVRT_CUDA_LIB", "libz.so.1", 1); /* loads, but has no backend entry */
+    int n = 7;
+    struct kv_err err = {0};
+    cr_assert_eq(kvrt_device_count(&n, &err), KV_EDEVICE, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "cuda: libz.so.1 is not this build's cuda backend (a different version "
+                              "of kvcal); rebuild, or point KVRT_CUDA_LIB at the right one");
+    struct kvrt_device dv;
+    kv_err_clear(&err);
+    cr_assert_eq(kvrt_device_query(0, &dv, &err), KV_EDEVICE); /* the same answer, remembered */
+    cr_assert(!strncmp(err.msg, "cuda: libz.so.1 is not", 22), "message: %s", err.msg);
+}
+
 /* ---------------------------------------------------------------- GPU */
 
 static int need_gpu(struct kvrt_device *dv) {
     int n = 0;
     struct kv_err err = {0};
     if (!kvrt_cuda_built()) cr_skip_test("built without cuda; skipping the gpu test");
-    if (kvrt_device_count(&n, &err) || n < 1) cr_skip_test("no cuda device (%s); skipping the gpu test", err.msg);
+    if (kvrt_device_count(&n, &err)) cr_skip_test("no cuda device (%s); skipping the gpu test", err.msg);
+    if (n < 1) cr_skip_test("no cuda device (the driver reports none); skipping the gpu test");
     cr_assert_eq(kvrt_device_query(0, dv, &err), KV_OK, "%s", err.msg);
     return dv->sm_count;
 }
