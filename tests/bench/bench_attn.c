@@ -57,11 +57,10 @@ int main(void) {
     struct kv_err err;
     kv_err_clear(&err);
     int ndev = 0;
-    if (kvrt_device_count(&ndev, &err)) return die(&err);
     char cmd[4096];
-    if (ndev == 0) {
-        printf("no cuda device (or this build has no cuda): the cpu twin at 1K for the table, "
-               "no targets\n");
+    if (kvrt_device_count(&ndev, &err) || ndev == 0) {
+        printf("%s: the cpu twin at 1K for the table, no targets\n",
+               err.msg[0] ? err.msg : "no cuda device (the driver reports none)");
         snprintf(cmd, sizeof cmd,
                  "%s bench-attn --synthetic llama7b --device twin --ctx 1K --cache f16 --iters 2 -q",
                  bin);
