@@ -481,7 +481,7 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
 }
 
 static int cu_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out,
-                              struct kv_err *err) {
+                   struct kv_err *err) {
     struct kvrt_device dv;
     int rc = cu_device_query(dev, &dv, err);
     if (rc) return rc;
@@ -591,7 +591,7 @@ static int out_dev(struct kvrt_cuda *c, int64_t l, struct kv_err *err) {
 }
 
 static int cu_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const float *xn,
-                                struct kv_err *err) {
+                     struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     CK(cudaMemcpyAsync(c->xn, xn, (size_t)c->p->dim * sizeof(float), cudaMemcpyHostToDevice, c->st),
        "copying the input");
@@ -599,7 +599,7 @@ static int cu_append(struct kvrt_cuda *c, int64_t layer, int64_t pos, const floa
 }
 
 static int cu_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
-                                struct kv_err *err) {
+                     struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     int rc = attn_dev(c, layer, T, err);
     if (!rc) rc = out_dev(c, layer, err);
@@ -611,7 +611,7 @@ static int cu_attend(struct kvrt_cuda *c, int64_t layer, int64_t T, float *y,
 }
 
 static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t seed,
-                              struct kv_err *err) {
+                   struct kv_err *err) {
     CK(cudaSetDevice(c->dev), "selecting the device");
     const struct kvrt_lplan *lp = &c->p->layers[layer];
     const struct lstate *s = &c->ls[layer];
@@ -631,7 +631,7 @@ static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t see
 }
 
 static int cu_time(struct kvrt_cuda *c, int64_t layer, int64_t pos, int64_t iters,
-                              double *us_step, double *us_attn, struct kv_err *err) {
+                   double *us_step, double *us_attn, struct kv_err *err) {
     const struct kvrt_plan *p = c->p;
     CK(cudaSetDevice(c->dev), "selecting the device");
     float *x = (float *)malloc((size_t)p->dim * sizeof *x);
