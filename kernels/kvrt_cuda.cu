@@ -31,6 +31,7 @@
 /* ---------------------------------------------------------------- errors */
 
 static int cuda_fail(struct kv_err *err, cudaError_t e, const char *what) {
+    cudaGetLastError(); /* a later launch check must not report this error again */
     return kv_fail(err, KV_EDEVICE, NULL, KV_NO_OFFSET, "cuda: %s: %s", what, cudaGetErrorString(e));
 }
 #define CK(call, what)                                                                     \
@@ -523,6 +524,12 @@ static int cu_open(const struct kvrt_plan *p, int dev, struct kvrt_cuda **out,
     if (!rc) rc = dalloc((void **)&c->pl, (size_t)hc * 4, err, "allocating partials");
     if (!rc) rc = dalloc((void **)&c->pacc, (size_t)(hc * vw) * 4, err, "allocating partials");
     if (!rc) rc = open_layers(c, dv.smem_optin, err);
+    /* the uploads ran on the legacy default stream, which c->st (non-blocking)
+     * is not ordered after: finish them before any kernel on c->st reads them */
+    if (!rc) {
+        cudaError_t e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) rc = cuda_fail(err, e, "finishing the uploads");
+    }
     if (rc) {
         cu_close(c);
         cudaGetLastError(); /* a failed allocation must not show up in a later call */
