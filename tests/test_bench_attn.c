@@ -663,3 +663,47 @@ Test(bench_cli, cuda_without_a_gpu_is_an_error) {
     cr_assert_str_eq(out, "");
     free(out), free(err);
 }
+
+/* Where kvcal looks for its cuda backend: a copy of the program in a
+ * folder of its own (bin/kvcal) finds none and says where it looked; with
+ * the backend put in ../lib (where make install puts it) it loads, and the
+ * answer is the device's. */
+Test(bench_cli, the_cuda_backend_is_found_in_lib_beside_bin) {
+    if (!kvrt_cuda_built()) cr_skip_test("built without cuda; the loader never looks");
+    const char *bin = getenv("KVCAL_BIN") && *getenv("KVCAL_BIN") ? getenv("KVCAL_BIN") : "build/kvcal";
+    char *dir = kvt_temp_dir(), cmd[8192], so[4096], copy[4096];
+    snprintf(so, sizeof so, "%s", bin);
+    char *slash = strrchr(so, '/');
+    snprintf(slash ? slash + 1 : so, sizeof so - (size_t)(slash ? slash + 1 - so : 0),
+             "libkvrt_cuda.so");
+    snprintf(copy, sizeof copy, "%s/bin/kvcal", dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s/bin' '%s/lib' && cp '%s' '%s'", dir, dir, bin, copy);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    unsetenv("KVRT_CUDA_LIB");
+    setenv("KVCAL_BIN", copy, 1);
+    char *out, *err;
+    int x = kvt_run_cli("bench-attn --synthetic gpt2-xl --ctx 64", &out, &err);
+    cr_assert_eq(x, 1, "exit %d; stderr:\n%s", x, err);
+    cr_assert_str_eq(err, "kvcal: cuda: cannot find the cuda backend libkvrt_cuda.so beside the "
+                          "program, in ../lib or on the library path (set KVRT_CUDA_LIB to its "
+                          "path)\n");
+    free(out), free(err);
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s/lib/'", so, dir);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    x = kvt_run_cli("bench-attn --synthetic gpt2-xl --ctx 64 --cache f32 --iters 1 --json", &out, &err);
+    int count = 0;
+    struct kv_err e;
+    kv_err_clear(&e);
+    cr_assert_eq(kvrt_device_count(&count, &e), KV_OK, "%s", e.msg);
+    if (count > 0) {
+        cr_assert_eq(x, 0, "exit %d; stderr:\n%s", x, err);
+    } else {
+        cr_assert_eq(x, 1, "exit %d; stderr:\n%s", x, err);
+        cr_assert_str_eq(err, "kvcal: no cuda device is visible (the driver reports none); "
+                              "use --device twin for the cpu twin\n");
+    }
+    free(out), free(err);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    free(dir);
+}
