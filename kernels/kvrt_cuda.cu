@@ -309,6 +309,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
             float pr = lane < ts ? expf(v - mn) : 0.0f;
             float sum = warp_sum(pr);
             if (lane < ts) s[gi * KVRT_TILE + lane] = pr;
+            __syncwarp(); /* every lane has read m[gi] before lane 0 replaces it */
             if (lane == 0) {
                 float al = expf(mold - mn);
                 alpha[gi] = al;
