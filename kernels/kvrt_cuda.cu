@@ -8,8 +8,9 @@
  * attn_kernel<CT, PRE>: one block per task (KV head j, sequence chunk c),
  * launched longest first (kvrt_task). The block keeps the queries of j's
  * query heads in shared memory and walks its chunk in tiles of KVRT_TILE
- * (= 32, one warp lane per position): it stages the tile's keys in shared
- * memory (prerope latents: stages z, rebuilds k = z upᵀ with up held in
+ * (= 32, one warp lane per position): it stages the tile's keys and values
+ * in shared memory, their loads in flight together (stage2; values in place
+ * when they do not fit; prerope latents: stages z, rebuilds k = z upᵀ with up held in
  * shared memory when it fits, applies RoPE there), scores them against every
  * query head, updates a running max and sum per head (online softmax), and
  * accumulates P·V (values or value latents) per head. CT is the cache
@@ -112,6 +113,7 @@ struct lstate {
     int32_t *hk, *hq, *order;
     void *kc, *vc;
     size_t smem;   /* attention kernel's dynamic shared memory */
+    int v_smem;    /* value tiles staged in shared memory */
     int up_smem;   /* prerope up factors staged in shared memory */
 };
 
@@ -220,16 +222,62 @@ static inline __device__ float warp_sum(float v) {
 
 /* Shared floats one block of the attention kernel needs (its layout below). */
 static size_t attn_smem_floats(int64_t grp, int64_t kw, int64_t ks, int64_t vw, int64_t dh, int pre,
-                               int up_smem) {
+                               int v_smem, int up_smem) {
     size_t f = (size_t)(grp * kw + 3 * grp + grp * vw + KVRT_TILE * (kw | 1) + grp * KVRT_TILE);
+    if (v_smem) f += (size_t)(KVRT_TILE * vw);
     if (pre) f += (size_t)(KVRT_TILE * ks) + (up_smem ? (size_t)(dh * ks) : 0);
     return f;
+}
+
+/* Loads a thread issues before it stores any of them, per source. */
+#define SB 8
+
+/* Stages rows s0 .. s0+ts-1 of two caches into shared memory as floats:
+ * columns c1 .. c1+w1-1 of s1 (row pitch ld1) into d1 (pitch p1), and
+ * likewise s2 into d2 (w2 = 0: none). Each thread issues up to SB loads of
+ * each source before it stores them, so that a block keeps 2·SB·blockDim
+ * loads in flight rather than one per thread, and the two caches' loads
+ * overlap: a tile's loads are the memory traffic the step is bound by. */
+template <typename CT>
+static __device__ void stage2(float *d1, int64_t p1, const CT *s1, int64_t ld1, int64_t c1, int w1,
+                              float *d2, int64_t p2, const CT *s2, int64_t ld2, int64_t c2, int w2,
+                              int64_t s0, int ts) {
+    const int n1 = ts * w1, n2 = ts * w2, n = n1 > n2 ? n1 : n2, nt = blockDim.x;
+    for (int x0 = threadIdx.x; x0 < n; x0 += SB * nt) {
+        float r1[SB], r2[SB];
+#pragma unroll
+        for (int u = 0; u < SB; u++) {
+            int x = x0 + u * nt;
+            r1[u] = 0.0f, r2[u] = 0.0f;
+            if (x < n1) {
+                int t = x / w1;
+                r1[u] = ldc(s1, (s0 + t) * ld1 + c1 + (x - t * w1));
+            }
+            if (x < n2) {
+                int t = x / w2;
+                r2[u] = ldc(s2, (s0 + t) * ld2 + c2 + (x - t * w2));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SB; u++) {
+            int x = x0 + u * nt;
+            if (x < n1) {
+                int t = x / w1;
+                d1[t * p1 + (x - t * w1)] = r1[u];
+            }
+            if (x < n2) {
+                int t = x / w2;
+                d2[t * p2 + (x - t * w2)] = r2[u];
+            }
+        }
+    }
 }
 
 template <typename CT, bool PRE>
 __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob G, int64_t T,
                                                   int64_t len, int64_t n_full, int64_t rem,
-                                                  int up_smem, float *pm, float *pl, float *pacc) {
+                                                  int v_smem, int up_smem, float *pm, float *pl,
+                                                  float *pacc) {
     extern __shared__ float sm[];
     int64_t j, c;
     kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
@@ -241,8 +289,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw | 1;
     const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
-    float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *Z = s + grp * KVRT_TILE;
-    float *ups = Z + KVRT_TILE * ks;
+    float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *V = s + grp * KVRT_TILE;
+    float *Z = V + (v_smem ? KVRT_TILE * vw : 0), *ups = Z + KVRT_TILE * ks;
+    int vs = v_smem ? (int)vw : 0; /* value columns staged per tile (0: read in place) */
     const float *up = NULL;
     int64_t up_e = ks, up_k = 1; /* element (e, k) of up is up[e up_e + k up_k] */
     int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
@@ -263,11 +312,8 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
     for (int64_t s0 = t0; s0 < t1; s0 += KVRT_TILE) {
         int64_t ts = t1 - s0 < KVRT_TILE ? t1 - s0 : KVRT_TILE;
-        if (PRE) { /* stage z, rebuild k = z upᵀ, RoPE */
-            for (int x = tid; x < (int)(ts * ks); x += nt) {
-                int t = x / (int)ks, k = x % (int)ks;
-                Z[x] = ldc(kc, (s0 + t) * L.kld + kcol + k);
-            }
+        if (PRE) { /* stage z and the values, rebuild k = z upᵀ, RoPE */
+            stage2(Z, ks, kc, L.kld, kcol, (int)ks, V, vw, vc, L.vld, vcol, vs, s0, (int)ts);
             __syncthreads();
             for (int x = tid; x < (int)(ts * dh); x += nt) {
                 int t = x / (int)dh, e = x % (int)dh;
@@ -288,11 +334,8 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
                 }
                 __syncthreads();
             }
-        } else {
-            for (int x = tid; x < (int)(ts * kw); x += nt) {
-                int t = x / (int)kw, e = x % (int)kw;
-                K[t * kpad + e] = ldc(kc, (s0 + t) * L.kld + kcol + e);
-            }
+        } else { /* stage the keys (or key latents) and the values */
+            stage2(K, kpad, kc, L.kld, kcol, (int)kw, V, vw, vc, L.vld, vcol, vs, s0, (int)ts);
             __syncthreads();
         }
         for (int x = tid; x < (int)(grp * ts); x += nt) {
@@ -321,7 +364,10 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
         for (int64_t x = tid; x < grp * vw; x += nt) {
             int64_t gi = x / vw, col = x % vw;
             float a = acc[x] * alpha[gi];
-            for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
+            if (vs)
+                for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * V[t * vw + col];
+            else
+                for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
             acc[x] = a;
         }
         __syncthreads();
@@ -454,11 +500,13 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
             (rc = dalloc(&s->kc, (size_t)(p->max_ctx * lp->kld) * es, err, "allocating the key cache")) ||
             (rc = dalloc(&s->vc, (size_t)(p->max_ctx * lp->vld) * es, err, "allocating the value cache")))
             return rc;
+        /* value tiles in shared memory when they fit, then the up factors */
         int pre = lp->kmode == KV_LR_PREROPE_LATENT;
-        size_t with = attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, 1) * 4;
-        size_t without = attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, 0) * 4;
-        s->up_smem = pre && (int64_t)with <= optin;
-        s->smem = s->up_smem ? with : without;
+#define SMEM(v, u) (attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, v, u) * 4)
+        s->v_smem = (int64_t)SMEM(1, 0) <= optin;
+        s->up_smem = pre && (int64_t)SMEM(s->v_smem, 1) <= optin;
+        s->smem = SMEM(s->v_smem, s->up_smem);
+#undef SMEM
         if ((int64_t)s->smem > optin)
             return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                            "layer %lld: the attention kernel needs %zu bytes of shared memory per block, "
@@ -573,14 +621,14 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
     int pre = L.kmode == KV_LR_PREROPE_LATENT;
     if (p->f16) {
         if (pre)
-            attn_kernel<__half, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->up_smem, c->pm, c->pl, c->pacc);
+            attn_kernel<__half, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->v_smem, s->up_smem, c->pm, c->pl, c->pacc);
         else
-            attn_kernel<__half, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, 0, c->pm, c->pl, c->pacc);
+            attn_kernel<__half, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->v_smem, 0, c->pm, c->pl, c->pacc);
     } else {
         if (pre)
-            attn_kernel<float, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->up_smem, c->pm, c->pl, c->pacc);
+            attn_kernel<float, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->v_smem, s->up_smem, c->pm, c->pl, c->pacc);
         else
-            attn_kernel<float, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, 0, c->pm, c->pl, c->pacc);
+            attn_kernel<float, false><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->v_smem, 0, c->pm, c->pl, c->pacc);
     }
     CK(cudaGetLastError(), "launching the attention kernel");
     combine_kernel<<<(unsigned)p->n_heads, NT, 0, c->st>>>(L, G, n, c->pm, c->pl, c->pacc, c->att);
