@@ -167,6 +167,18 @@ static void out_cov_case(int bias) {
             cr_assert_eq(kv_stats_out_cov_blocks(s, m, l, which, 2, got, &err), KV_OK);
             kvt_assert_close_f64(got, ref, kd * kd, 1e-9, 1e-9, "block of both kv heads");
         }
+    /* C_x is read from its upper triangle only: NaN below the diagonal
+     * changes nothing */
+    for (int64_t l = 0; l < cfg.n_layers; l++) {
+        double *x = s->layers[l].xtx;
+        for (int64_t i = 0; i < cfg.dim; i++)
+            for (int64_t j = 0; j < i; j++) x[i * cfg.dim + j] = NAN;
+        for (int which = 0; which < 2; which++) {
+            cr_assert_eq(kv_stats_out_cov_blocks(s, m, l, which, 2, got, &err), KV_OK);
+            kvt_assert_close_f64(got, cap.ck[which] + l * kd * kd, kd * kd, 1e-9, 1e-9,
+                                 "upper triangle of C_x only");
+        }
+    }
     free(got), free(want), free(cap.ck[0]), free(cap.ck[1]);
     kv_fwd_free(f);
     kv_accum_free(a);
