@@ -9,10 +9,12 @@
  * launched longest first (kvrt_task). The block keeps the queries of j's
  * query heads in shared memory and walks its chunk in tiles of KVRT_TILE
  * (= 32, one warp lane per position): it stages the tile's keys and values
- * in shared memory, their loads in flight together (stage2; values in place
- * when they do not fit; prerope latents: stages z, rebuilds k = z upᵀ with up held in
- * shared memory when it fits, applies RoPE there), scores them against every
- * query head, updates a running max and sum per head (online softmax), and
+ * in shared memory, their loads in flight together, 16 bytes each where the
+ * layout allows (stage2; values in place when they do not fit; prerope
+ * latents: stages z, rebuilds k = z upᵀ with up held in shared memory when
+ * it fits, applies RoPE there), scores them against every query head
+ * (kvrt_score_parts threads per dot product when the tile has few query
+ * heads), updates a running max and sum per head (online softmax), and
  * accumulates P·V (values or value latents) per head. CT is the cache
  * element type (float or __half). */
 #include <cublas_v2.h>
@@ -27,7 +29,7 @@
 #include "kvrt.h"
 #include "kvrt_plan.h"
 
-#define NT 128 /* threads per block */
+#define NT KVRT_NT /* threads per block */
 
 /* ---------------------------------------------------------------- errors */
 
@@ -223,58 +225,116 @@ static inline __device__ float warp_sum(float v) {
 /* Shared floats one block of the attention kernel needs (its layout below). */
 static size_t attn_smem_floats(int64_t grp, int64_t kw, int64_t ks, int64_t vw, int64_t dh, int pre,
                                int v_smem, int up_smem) {
+    int P = kvrt_score_parts(grp);
     size_t f = (size_t)(grp * kw + 3 * grp + grp * vw + KVRT_TILE * (kw | 1) + grp * KVRT_TILE);
+    if (P > 1) f += (size_t)(P * grp * KVRT_TILE); /* score parts */
     if (v_smem) f += (size_t)(KVRT_TILE * vw);
     if (pre) f += (size_t)(KVRT_TILE * ks) + (up_smem ? (size_t)(dh * ks) : 0);
     return f;
 }
 
-/* Loads a thread issues before it stores any of them, per source. */
-#define SB 8
+/* Units (16-byte vectors, or single elements) a thread loads before it
+ * stores any of them, per source. */
+#define SB 4
+
+/* 16-byte loads of a cache slice when its rows, its first column and its
+ * width are all multiples of 16 bytes (the full caches and most latent
+ * layouts); single elements otherwise. Block-uniform. */
+template <typename CT>
+static __device__ __forceinline__ int vec_ok(const CT *s, int64_t ld, int64_t c, int w) {
+    const int ve = 16 / (int)sizeof(CT);
+    return w % ve == 0 && ld % ve == 0 && c % ve == 0 && ((size_t)s & 15) == 0;
+}
+static __device__ __forceinline__ void unpack(uint4 r, float *o, const __half *) {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x, o[2 * i + 1] = f.y;
+    }
+}
+static __device__ __forceinline__ void unpack(uint4 r, float *o, const float *) {
+    o[0] = __uint_as_float(r.x), o[1] = __uint_as_float(r.y);
+    o[2] = __uint_as_float(r.z), o[3] = __uint_as_float(r.w);
+}
+
+/* One source of stage2: columns c .. c+w-1 of rows s0 .. s0+ts-1 of cache
+ * s (row pitch ld) into d (pitch p), in units of e elements, u per row. */
+template <typename CT>
+struct src {
+    float *d;
+    int64_t p;
+    const CT *s;
+    int64_t ld, c;
+    int e, u, n; /* elements per unit, units per row, units in the tile */
+};
+template <typename CT>
+static __device__ __forceinline__ src<CT> src_of(float *d, int64_t p, const CT *s, int64_t ld,
+                                                 int64_t c, int w, int ts) {
+    src<CT> r;
+    r.d = d, r.p = p, r.s = s, r.ld = ld, r.c = c;
+    r.e = w > 0 && vec_ok(s, ld, c, w) ? 16 / (int)sizeof(CT) : 1;
+    r.u = w / r.e, r.n = ts * r.u;
+    return r;
+}
+template <typename CT>
+static __device__ __forceinline__ uint4 src_load(const src<CT> &S, int64_t s0, int x) {
+    int t = x / S.u, k = (x - t * S.u) * S.e;
+    const CT *at = S.s + (s0 + t) * S.ld + S.c + k;
+    uint4 r;
+    if (S.e > 1)
+        r = *reinterpret_cast<const uint4 *>(at);
+    else
+        r.x = __float_as_uint(ldc(at, 0)), r.y = r.z = r.w = 0u;
+    return r;
+}
+template <typename CT>
+static __device__ __forceinline__ void src_store(const src<CT> &S, int x, uint4 r) {
+    int t = x / S.u, k = (x - t * S.u) * S.e;
+    float *o = S.d + t * S.p + k;
+    if (S.e > 1) {
+        float f[16 / sizeof(CT)];
+        unpack(r, f, (const CT *)0);
+#pragma unroll
+        for (int i = 0; i < (int)(16 / sizeof(CT)); i++) o[i] = f[i];
+    } else {
+        o[0] = __uint_as_float(r.x);
+    }
+}
 
 /* Stages rows s0 .. s0+ts-1 of two caches into shared memory as floats:
  * columns c1 .. c1+w1-1 of s1 (row pitch ld1) into d1 (pitch p1), and
  * likewise s2 into d2 (w2 = 0: none). Each thread issues up to SB loads of
- * each source before it stores them, so that a block keeps 2·SB·blockDim
- * loads in flight rather than one per thread, and the two caches' loads
- * overlap: a tile's loads are the memory traffic the step is bound by. */
+ * each source, 16 bytes each where the layout allows, before it stores
+ * them, so that a block keeps up to 2·SB·blockDim loads in flight and the
+ * two caches' loads overlap: a tile's loads are the memory traffic the step
+ * is bound by. An f16 tile of 32 full keys and values of 128 is one round
+ * (4 + 4 loads per thread). */
 template <typename CT>
 static __device__ void stage2(float *d1, int64_t p1, const CT *s1, int64_t ld1, int64_t c1, int w1,
                               float *d2, int64_t p2, const CT *s2, int64_t ld2, int64_t c2, int w2,
                               int64_t s0, int ts) {
-    const int n1 = ts * w1, n2 = ts * w2, n = n1 > n2 ? n1 : n2, nt = blockDim.x;
+    const src<CT> A = src_of(d1, p1, s1, ld1, c1, w1, ts), B = src_of(d2, p2, s2, ld2, c2, w2, ts);
+    const int n = A.n > B.n ? A.n : B.n, nt = blockDim.x;
     for (int x0 = threadIdx.x; x0 < n; x0 += SB * nt) {
-        float r1[SB], r2[SB];
+        uint4 r1[SB], r2[SB];
 #pragma unroll
         for (int u = 0; u < SB; u++) {
             int x = x0 + u * nt;
-            r1[u] = 0.0f, r2[u] = 0.0f;
-            if (x < n1) {
-                int t = x / w1;
-                r1[u] = ldc(s1, (s0 + t) * ld1 + c1 + (x - t * w1));
-            }
-            if (x < n2) {
-                int t = x / w2;
-                r2[u] = ldc(s2, (s0 + t) * ld2 + c2 + (x - t * w2));
-            }
+            if (x < A.n) r1[u] = src_load(A, s0, x);
+            if (x < B.n) r2[u] = src_load(B, s0, x);
         }
 #pragma unroll
         for (int u = 0; u < SB; u++) {
             int x = x0 + u * nt;
-            if (x < n1) {
-                int t = x / w1;
-                d1[t * p1 + (x - t * w1)] = r1[u];
-            }
-            if (x < n2) {
-                int t = x / w2;
-                d2[t * p2 + (x - t * w2)] = r2[u];
-            }
+            if (x < A.n) src_store(A, x, r1[u]);
+            if (x < B.n) src_store(B, x, r2[u]);
         }
     }
 }
 
 template <typename CT, bool PRE>
-__global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob G, int64_t T,
+__global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dglob G, int64_t T,
                                                   int64_t len, int64_t n_full, int64_t rem,
                                                   int v_smem, int up_smem, float *pm, float *pl,
                                                   float *pacc) {
@@ -291,6 +351,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *V = s + grp * KVRT_TILE;
     float *Z = V + (v_smem ? KVRT_TILE * vw : 0), *ups = Z + KVRT_TILE * ks;
+    const int P = kvrt_score_parts(grp); /* threads per dot product of the scores */
+    /* score parts [P][grp][KVRT_TILE] when P > 1, after the prerope regions */
+    float *sp = Z + (PRE ? KVRT_TILE * ks + (up_smem ? dh * ks : 0) : 0);
     int vs = v_smem ? (int)vw : 0; /* value columns staged per tile (0: read in place) */
     const float *up = NULL;
     int64_t up_e = ks, up_k = 1; /* element (e, k) of up is up[e up_e + k up_k] */
@@ -323,9 +386,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
             }
             __syncthreads();
             if (G.rope) {
-                int64_t half = dh / 2;
-                for (int64_t x = tid; x < ts * half; x += nt) {
-                    int64_t t = x / half, i = x % half;
+                int half = (int)dh / 2;
+                for (int x = tid; x < (int)ts * half; x += nt) {
+                    int t = x / half, i = x - t * half;
                     int64_t a = G.rope_half ? i : 2 * i, b = G.rope_half ? i + half : 2 * i + 1;
                     const float cs = G.cos_t[(s0 + t) * half + i], sn = G.sin_t[(s0 + t) * half + i];
                     float x0 = K[t * kpad + a], x1 = K[t * kpad + b];
@@ -338,11 +401,31 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
             stage2(K, kpad, kc, L.kld, kcol, (int)kw, V, vw, vc, L.vld, vcol, vs, s0, (int)ts);
             __syncthreads();
         }
-        for (int x = tid; x < (int)(grp * ts); x += nt) {
-            int gi = x / (int)ts, t = x % (int)ts;
-            float a = 0.0f;
-            for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kpad + e];
-            s[gi * KVRT_TILE + t] = a * G.scale;
+        if (P == 1) {
+            for (int x = tid; x < (int)(grp * ts); x += nt) {
+                int gi = x / (int)ts, t = x - gi * (int)ts;
+                float a = 0.0f;
+                for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kpad + e];
+                s[gi * KVRT_TILE + t] = a * G.scale;
+            }
+        } else { /* P threads per (head, position): parts of kw, then their sum */
+            const int pairs = (int)grp * KVRT_TILE, cw = ((int)kw + P - 1) / P;
+            for (int x = tid; x < P * pairs; x += nt) {
+                int r = x / pairs, pr = x - r * pairs, gi = pr / KVRT_TILE, t = pr - gi * KVRT_TILE;
+                if (t >= ts) continue;
+                int e0 = r * cw, e1 = e0 + cw < (int)kw ? e0 + cw : (int)kw;
+                float a = 0.0f;
+                for (int e = e0; e < e1; e++) a += q[gi * kw + e] * K[t * kpad + e];
+                sp[x] = a;
+            }
+            __syncthreads();
+            for (int x = tid; x < pairs; x += nt) {
+                int gi = x / KVRT_TILE, t = x - gi * KVRT_TILE;
+                if (t >= ts) continue;
+                float a = sp[x];
+                for (int r = 1; r < P; r++) a += sp[r * pairs + x];
+                s[x] = a * G.scale;
+            }
         }
         __syncthreads();
         for (int64_t gi = warp; gi < grp; gi += nw) { /* online softmax, a lane per position */
@@ -361,8 +444,8 @@ __global__ void __launch_bounds__(NT) attn_kernel(struct dlayer L, struct dglob 
             }
         }
         __syncthreads();
-        for (int64_t x = tid; x < grp * vw; x += nt) {
-            int64_t gi = x / vw, col = x % vw;
+        for (int x = tid; x < (int)(grp * vw); x += nt) {
+            int gi = x / (int)vw, col = x - gi * (int)vw;
             float a = acc[x] * alpha[gi];
             if (vs)
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * V[t * vw + col];

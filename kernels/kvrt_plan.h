@@ -49,7 +49,11 @@ extern "C" {
 
 #define KVRT_TILE 32   /* positions per tile of the attention loop */
 #define KVRT_CHUNK_MIN 64
-#define KVRT_CHUNK_MAX 4096
+#define KVRT_CHUNK_MAX 1024
+#define KVRT_NT 128    /* threads per block of the CUDA attention kernel */
+/* Tasks a step aims at per multiprocessor: several blocks resident on
+ * each, a few waves of them, so that loads stay in flight everywhere. */
+#define KVRT_TASKS_PER_SM 8
 
 enum { KVRT_HK_KCOL = 0, KVRT_HK_KSRC, KVRT_HK_KW, KVRT_HK_UPOFF, KVRT_HK_ROTOFF, KVRT_HK_VCOL,
        KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_N };
@@ -90,14 +94,24 @@ struct kvrt_plan {
 #define KVRT_HD
 #endif
 
+/* Parts each query-key dot product of a tile is split into: with fewer
+ * than KVRT_NT (query head, position) pairs in a tile, the kernel gives
+ * each pair KVRT_NT / pairs threads, thread r summing elements
+ * [r·ceil(kw/P), (r+1)·ceil(kw/P)) in order; the parts are then added in
+ * order, r = 0 first. The twin sums in the same order. */
+static inline KVRT_HD int kvrt_score_parts(int64_t grp) {
+    int64_t pairs = grp * KVRT_TILE;
+    return pairs >= KVRT_NT ? 1 : (int)(KVRT_NT / pairs);
+}
+
 /* Sequence chunking for T positions: chunks of *len positions (a multiple
- * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about 2·sm_count tasks
- * when T allows); returns the number of chunks, of which *n_full have the
- * full length (all but a shorter last one). Inline: the CUDA backend, a
+ * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about
+ * KVRT_TASKS_PER_SM·sm_count tasks when T allows); returns the number of
+ * chunks, of which *n_full have the full length (all but a shorter last). Inline: the CUDA backend, a
  * shared object of its own, chunks with the same code. */
 static inline int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len,
                                        int64_t *n_full) {
-    int64_t target = 2 * (int64_t)p->sm_count;
+    int64_t target = KVRT_TASKS_PER_SM * (int64_t)p->sm_count;
     int64_t want = (T * p->n_kv_heads + target - 1) / target;
     int64_t l = (want + KVRT_TILE - 1) / KVRT_TILE * KVRT_TILE;
     l = l < KVRT_CHUNK_MIN ? KVRT_CHUNK_MIN : (l > KVRT_CHUNK_MAX ? KVRT_CHUNK_MAX : l);

@@ -168,6 +168,7 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
     int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
     int pre = lp->kmode == KV_LR_PREROPE_LATENT;
     const float *up = pre ? lp->up + hk[KVRT_HK_UPOFF] : NULL;
+    int64_t P = kvrt_score_parts(grp), cw = (kw + P - 1) / P;
     float *q = scr, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *Z = K + KVRT_TILE * kw, *s = Z + KVRT_TILE * ks;
     for (int64_t gi = 0; gi < grp; gi++) {
@@ -194,10 +195,15 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
             for (int64_t t = 0; t < ts; t++)
                 for (int64_t e = 0; e < kw; e++) K[t * kw + e] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + e);
         }
-        for (int64_t gi = 0; gi < grp; gi++)
+        for (int64_t gi = 0; gi < grp; gi++) /* in the kernel's parts (kvrt_score_parts) */
             for (int64_t t = 0; t < ts; t++) {
                 float a = 0.0f;
-                for (int64_t e = 0; e < kw; e++) a += q[gi * kw + e] * K[t * kw + e];
+                for (int64_t r = 0; r < P; r++) {
+                    int64_t e0 = r * cw, e1 = e0 + cw < kw ? e0 + cw : kw;
+                    float b = 0.0f;
+                    for (int64_t e = e0; e < e1; e++) b += q[gi * kw + e] * K[t * kw + e];
+                    a = r ? a + b : b;
+                }
                 s[gi * KVRT_TILE + t] = a * p->scale;
             }
         for (int64_t gi = 0; gi < grp; gi++) {
