@@ -107,8 +107,9 @@ static inline KVRT_HD int kvrt_score_parts(int64_t grp) {
 /* Sequence chunking for T positions: chunks of *len positions (a multiple
  * of KVRT_TILE in [KVRT_CHUNK_MIN, KVRT_CHUNK_MAX], about
  * KVRT_TASKS_PER_SM·sm_count tasks when T allows); returns the number of
- * chunks, of which *n_full have the full length (all but a shorter last). Inline: the CUDA backend, a
- * shared object of its own, chunks with the same code. */
+ * chunks, of which *n_full have the full length (all but a shorter last).
+ * Inline: the CUDA backend, a shared object of its own, chunks with the
+ * same code. */
 static inline int64_t kvrt_plan_chunks(const struct kvrt_plan *p, int64_t T, int64_t *len,
                                        int64_t *n_full) {
     int64_t target = KVRT_TASKS_PER_SM * (int64_t)p->sm_count;
