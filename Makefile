@@ -17,7 +17,25 @@ PREFIX ?= /usr/local
 BUILD  := build
 OPT    ?= -O2
 CFLAGS := -std=c11 $(OPT) -g -Wall -Wextra -Wshadow -Wno-unused-parameter \
-          -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Icalib -Ikernels -I$(BLAS_INC) -MMD -MP
+          -Werror=implicit-function-declaration \
+          -D_GNU_SOURCE -fopenmp -I$(BLAS_INC) -MMD -MP
+
+# The layers, lowest first, and the include paths each folder may use: an
+# include the wrong way (a calib/ header from lib/, an internal header from
+# cmd/) does not compile. cmd/ sees only the installed headers. The tests see
+# everything. tests/layers.sh checks this graph in `make test`, at the
+# include and at the symbol level.
+INC_lib     := -Ilib
+INC_formats := -Ilib -Iformats
+INC_kernels := -Ilib -Ikernels
+INC_calib   := -Ilib -Iformats -Icalib
+INC_cmd     := -I$(BUILD)/include
+INC_tests   := -Ilib -Iformats -Icalib -Ikernels -Itests
+LAYERS      := lib formats kernels calib cmd
+PUBLIC_H    := lib/kvcal.h lib/kvcal_core.h formats/kvformats.h calib/kvcalib.h kernels/kvrt.h
+INSTALLED_H := $(addprefix $(BUILD)/include/,$(notdir $(PUBLIC_H)))
+# folder of a source path: its first component
+layer = $(firstword $(subst /, ,$(1)))
 LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
@@ -59,17 +77,24 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps test bench results clean install fuzz data fixtures demo
-all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) $(BUILD)/include/kvcal.h \
-     $(BUILD)/include/kvrt.h
+.PHONY: all deps test bench results clean install fuzz data fixtures demo layer-flags \
+        installed-headers
+all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) \
+     $(INSTALLED_H)
+
+# For tests/layers.sh: each folder's include paths, and the installed headers.
+layer-flags:
+	@$(foreach l,$(LAYERS),echo '$(l)=$(INC_$(l))';)
+installed-headers:
+	@echo $(notdir $(PUBLIC_H))
 
 deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y $(DEB_PACKAGES)
 
-$(BUILD)/obj/%.o: %.c
+$(BUILD)/obj/%.o: %.c | $(INSTALLED_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS) $(INC_$(call layer,$<)) -c $< -o $@
 
 $(BUILD)/libkvcal.a: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
@@ -81,7 +106,7 @@ $(BUILD)/libkvrt.a: $(KERN_OBJ)
 	rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal.h
+$(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal_core.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -89,25 +114,26 @@ $(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kv
 # error recorder, linked against cuBLAS and the CUDA runtime.
 $(BUILD)/obj/pic/lib/err.o: lib/err.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fPIC -fvisibility=hidden -c $< -o $@
+	$(CC) $(CFLAGS) $(INC_lib) -fPIC -fvisibility=hidden -c $< -o $@
 
 $(BUILD)/libkvrt_cuda.so: $(BUILD)/obj/kernels/kvrt_cuda.o $(BUILD)/obj/pic/lib/err.o
 	$(CC) -shared $^ -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ \
 	  -Wl,--no-undefined -o $@
 
-$(BUILD)/include/%.h: lib/%.h
-	@mkdir -p $(dir $@)
-	cp $< $@
-$(BUILD)/include/%.h: kernels/%.h
-	@mkdir -p $(dir $@)
-	cp $< $@
+# The installed headers, flat as `make install` puts them.
+define install_h
+$(BUILD)/include/$(notdir $(1)): $(1)
+	@mkdir -p $$(dir $$@)
+	cp $$< $$@
+endef
+$(foreach h,$(PUBLIC_H),$(eval $(call install_h,$(h))))
 
 $(BUILD)/kvcal: $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
 	$(CC) $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a $(LDLIBS) $(LDLIBS_CUDA) -o $@
 
 $(BUILD)/obj/tests/%.o: tests/%.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -c $< -o $@
+	$(CC) $(CFLAGS) $(INC_tests) -c $< -o $@
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(BUILD)/obj/tests/testutil.o $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
 	@mkdir -p $(dir $@)
@@ -181,7 +207,7 @@ FUZZ_SECONDS ?= 300
 fuzz:
 	@mkdir -p $(BUILD)/fuzz/corpus-$(FUZZ)
 	clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-	  -DKV_LIBFUZZER -D_GNU_SOURCE -fopenmp -Ilib -Iformats -Itests/fuzz -I$(BLAS_INC) \
+	  -DKV_LIBFUZZER -D_GNU_SOURCE -fopenmp $(INC_tests) -Itests/fuzz -I$(BLAS_INC) \
 	  tests/fuzz/fuzz_$(FUZZ).c tests/fuzz/fuzz_scratch.c $(LIB_SRC) $(LDLIBS) -o $(BUILD)/fuzz/fuzz_$(FUZZ)
 	$(BUILD)/fuzz/fuzz_$(FUZZ) $(BUILD)/fuzz/corpus-$(FUZZ) tests/fuzz/corpus/$(FUZZ) \
 	  -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -rss_limit_mb=2048 -timeout=10 \
@@ -193,8 +219,7 @@ install: all
 	install -m 644 $(BUILD)/libkvcal.a $(DESTDIR)$(PREFIX)/lib/libkvcal.a
 	install -m 644 $(BUILD)/libkvrt.a $(DESTDIR)$(PREFIX)/lib/libkvrt.a
 	$(if $(KVRT_SO),install -m 755 $(KVRT_SO) $(DESTDIR)$(PREFIX)/lib/libkvrt_cuda.so)
-	install -m 644 lib/kvcal.h $(DESTDIR)$(PREFIX)/include/kvcal.h
-	install -m 644 kernels/kvrt.h $(DESTDIR)$(PREFIX)/include/kvrt.h
+	install -m 644 $(PUBLIC_H) $(DESTDIR)$(PREFIX)/include/
 
 clean:
 	rm -rf $(BUILD) kvcal

@@ -21,6 +21,7 @@
 
 #include "backward.h"
 #include "err.h"
+#include "kvcalib.h"
 #include "kvstats.h"
 #include "model.h"
 
@@ -228,6 +229,37 @@ void kv_accum_sync(struct kv_accum *a) {
 
 /* ------------------------------------------------------------------ merge */
 
+int kv_stats_check_complete(const struct kv_stats *s, const char *path, struct kv_err *err) {
+    if (s->next_window < s->plan_windows)
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "an unfinished checkpoint (%lld of %lld windows); finish it with "
+                       "'kvcal collect --resume' first", (long long)s->next_window,
+                       (long long)s->plan_windows);
+    return KV_OK;
+}
+
+int kv_stats_merge_files(const char *const *paths, int64_t n, const char *out_path,
+                         struct kv_stats **out, struct kv_err *err) {
+    KV_ASSERT(n >= 1);
+    struct kv_stats *acc = NULL, *b = NULL;
+    /* a lone shard still gets the checks a merge makes */
+    int rc = kv_stats_open(paths[0], &acc, err);
+    if (!rc) rc = kv_stats_check_complete(acc, paths[0], err);
+    for (int64_t i = 1; !rc && i < n; i++) {
+        rc = kv_stats_open(paths[i], &b, err);
+        if (!rc) rc = kv_stats_merge(acc, b, paths[i], err);
+        kv_stats_free(b);
+        b = NULL;
+    }
+    if (!rc) rc = kv_stats_write(acc, out_path, err);
+    if (rc) {
+        kv_stats_free(acc);
+        return rc;
+    }
+    *out = acc;
+    return KV_OK;
+}
+
 int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
                    struct kv_err *err) {
     if (strcmp(acc->fingerprint, b->fingerprint))
@@ -250,11 +282,8 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
                        "seq-len %lld differs from the first shard's %lld; statistics of different "
                        "window lengths do not add up", (long long)b->seq_len,
                        (long long)acc->seq_len);
-    if (b->next_window < b->plan_windows)
-        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
-                       "an unfinished checkpoint (%lld of %lld windows); finish it with "
-                       "'kvcal collect --resume' first", (long long)b->next_window,
-                       (long long)b->plan_windows);
+    int rc = kv_stats_check_complete(b, b_path, err);
+    if (rc) return rc;
     if (acc->next_window < acc->plan_windows)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "the first shard is an unfinished checkpoint (%lld of %lld windows)",
@@ -285,7 +314,7 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
             for (; j < acc->n_inputs; j++)
                 if (!strcmp(acc->inputs[j].sha256, in->sha256)) break;
             if (j == acc->n_inputs) {
-                int rc = pass ? kv_stats_add_input(acc, in->path, in->sha256, in->bytes,
+                rc = pass ? kv_stats_add_input(acc, in->path, in->sha256, in->bytes,
                                                    in->tokens, in->windows, err)
                               : KV_OK;
                 if (rc) return rc;

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "err.h"
+#include "kvcalib.h"
 #include "kvstats.h"
 
 static const char *sampling_of(const struct kv_calib_opts *o) {

@@ -1,5 +1,6 @@
 /* Calibration inputs: reading, hashing, tokenizing, and the window plan. */
 #include "dataset.h"
+#include "kvcalib.h"
 
 #include <ctype.h>
 #include <jansson.h>

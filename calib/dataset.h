@@ -13,7 +13,7 @@
 #ifndef KV_DATASET_H
 #define KV_DATASET_H
 
-#include "kvcal.h"
+#include "kvcalib.h"
 
 /* Read one input as text (jsonl joined as above). *out is malloc'd and
  * NUL-terminated. */

@@ -25,6 +25,10 @@
 #include <string.h>
 
 #include "err.h"
+#include "kvcalib.h"
+#include "kvstats.h"
+#include "linalg.h"
+#include "lrmodel.h"
 #include "model.h"
 
 static const char *const method_names[KV_METHOD_COUNT] = {"svd", "palu", "eigen",
@@ -133,7 +137,7 @@ static int out_covs(struct dctx *x, int64_t l, int which, int64_t block, double 
 static int eigh(struct dctx *x, const double *a, int64_t n, double *w, double *vec,
                 const char *what) {
     double t0 = kv_now();
-    int rc = kv_lr_eigh(a, n, w, vec, what, x->err);
+    int rc = kv_la_eigh(a, n, w, vec, what, x->err);
     x->lapack_s += kv_now() - t0;
     for (int64_t i = 0; i < n; i++)
         if (w[i] < 0) w[i] = 0;
@@ -416,7 +420,7 @@ static void param_ranks(struct dctx *x, enum kv_alloc a, double t) {
         case KV_ALLOC_LAYER_BUDGET:
             r = 0;
             for (int64_t k = 0; k < sl->n_spec; k++) {
-                int64_t rk = t >= 1.0 ? mm : kv_energy_rank(sl->lam + k * mm, mm, t);
+                int64_t rk = t >= 1.0 ? mm : kv_la_energy_rank(sl->lam + k * mm, mm, t);
                 r = rk > r ? rk : r;
             }
             break;
@@ -774,9 +778,9 @@ static int build_lowrank(struct dctx *x, struct kv_lowrank **out) {
         if (!rc && lr->layers[l].k.mode == KV_LR_FUSED_QUERY)
             rc = fuse_query(m, l, &lr->layers[l], x->err);
     }
-    if (!rc && x->o->hadamard) rc = kv_lowrank_hadamard(lr, x->err);
+    if (!rc && x->o->hadamard) rc = kv_lr_fuse_hadamard(lr, x->err);
     if (rc) {
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
         return rc;
     }
     *out = lr;
@@ -829,7 +833,7 @@ static void eps_ranks_layer(struct dctx *x, int64_t l, double t) {
         if (sl->layer != l) continue;
         int64_t r = 0;
         for (int64_t k = 0; k < sl->n_spec; k++) {
-            int64_t rk = t >= 1.0 ? sl->m : kv_energy_rank(sl->lam + k * sl->m, sl->m, t);
+            int64_t rk = t >= 1.0 ? sl->m : kv_la_energy_rank(sl->lam + k * sl->m, sl->m, t);
             r = rk > r ? rk : r;
         }
         sl->rank = round_rank(x->o, r, sl->m);
@@ -870,7 +874,7 @@ static int lb_error(struct lbctx *b, int64_t l, int k, double *out) {
         if (rc == -1) rc = KV_OK;
     }
     kv_fwd_set_lowrank(b->f, NULL, 16, x->err);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     if (rc) {
         free(tup);
         return rc;
@@ -1008,7 +1012,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->has_fisher)))))
         rc = fisher_scores(&x);
-    int64_t base = kv_lowrank_base_bytes(c);
+    int64_t base = kv_lr_base_bytes(c);
     int64_t target = o->ratio > 0 ? (int64_t)llround(o->ratio * (double)base) : 0;
     if (!rc && target > 0) {
         /* the floor: every slot at its smallest rank */

@@ -6,6 +6,9 @@
 #include <string.h>
 
 #include "err.h"
+#include "kvcalib.h"
+#include "kvstats.h"
+#include "linalg.h"
 #include "model.h"
 
 /* Diagonal blocks of `block` heads each of the output covariance of heads
@@ -86,27 +89,27 @@ int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, 
     out->trace = 0;
     for (int64_t i = 0; i < d; i++) out->trace += L->xtx[i * d + i];
     snprintf(what, sizeof what, "layer %lld attention input XᵀX", (long long)layer);
-    if ((rc = kv_sym_eigvals(L->xtx, d, lam, what, err))) goto done;
+    if ((rc = kv_la_eigh(L->xtx, d, lam, NULL, what, err))) goto done;
     out->lambda_max = lam[0];
     out->lambda_min = lam[d - 1];
     out->cond = lam[d - 1] > 0 ? lam[0] / lam[d - 1] : INFINITY;
-    out->x90 = kv_energy_rank(lam, d, 0.90);
-    out->x99 = kv_energy_rank(lam, d, 0.99);
+    out->x90 = kv_la_energy_rank(lam, d, 0.90);
+    out->x99 = kv_la_energy_rank(lam, d, 0.99);
     for (int64_t j = 0; j < g; j++) {
         struct kv_head_spectrum *h = &out->heads[j];
         snprintf(what, sizeof what, "layer %lld kv head %lld post-rope K covariance",
                  (long long)layer, (long long)j);
-        if ((rc = kv_sym_eigvals(L->k_cov + j * dh * dh, dh, lam, what, err))) goto done;
-        h->krope90 = kv_energy_rank(lam, dh, 0.90);
-        h->krope99 = kv_energy_rank(lam, dh, 0.99);
+        if ((rc = kv_la_eigh(L->k_cov + j * dh * dh, dh, lam, NULL, what, err))) goto done;
+        h->krope90 = kv_la_energy_rank(lam, dh, 0.90);
+        h->krope99 = kv_la_energy_rank(lam, dh, 0.99);
         h->k90 = h->k99 = h->v90 = h->v99 = -1;
         if (!m) continue;
         for (int which = 0; which < 2; which++) {
             const double *cv = (which ? vcov : kcov) + j * dh * dh;
             snprintf(what, sizeof what, "layer %lld kv head %lld %s output covariance",
                      (long long)layer, (long long)j, which ? "V" : "K");
-            if ((rc = kv_sym_eigvals(cv, dh, lam, what, err))) goto done;
-            int64_t r90 = kv_energy_rank(lam, dh, 0.90), r99 = kv_energy_rank(lam, dh, 0.99);
+            if ((rc = kv_la_eigh(cv, dh, lam, NULL, what, err))) goto done;
+            int64_t r90 = kv_la_energy_rank(lam, dh, 0.90), r99 = kv_la_energy_rank(lam, dh, 0.99);
             if (which)
                 h->v90 = r90, h->v99 = r99;
             else

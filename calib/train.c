@@ -26,6 +26,7 @@
 
 #include "backward.h"
 #include "err.h"
+#include "kvcalib.h"
 #include "mapfile.h"
 #include "model.h"
 #include "safetensors.h"
@@ -88,7 +89,7 @@ struct trainer {
 
 static void trainer_free(struct trainer *t) {
     kv_grad_free(t->g);
-    kv_model_free(t->m);
+    kv_model_close(t->m);
     kv_tok_free(t->tok);
     free(t->train), free(t->eval), free(t->w), free(t->gr), free(t->cnt), free(t->decay);
     free(t->acc), free(t->am), free(t->av), free(t->win), free(t->log);
@@ -455,7 +456,7 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
         int rc = kv_hf_write_byte_tokenizer(tok_path, err);
         if (rc) return rc;
     }
-    int rc = kv_tokenizer_open(tok_path, &t->tok, err);
+    int rc = kv_tok_open(tok_path, &t->tok, err);
     if (rc) return rc;
     struct kv_config c = o->cfg;
     c.vocab_size = kv_tok_n_vocab(t->tok);

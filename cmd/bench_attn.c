@@ -12,7 +12,6 @@
 #include "cli.h"
 #include "commands.h"
 #include "kvrt.h"
-#include "limits.h"
 
 #define MAX_CTXS 64
 #define SEED_FILL 0x5eedull
@@ -80,8 +79,9 @@ static int parse_ctx(const struct cli_cmd *cmd, const char *s, int64_t *ctx, int
             return cli_usage_error(
                 cmd, "--ctx item '%s' is not a context length (an integer, K for 1024: 4096, 64K)",
                 item);
-        if (v < 1 || v > KV_MAX_CTX - 1)
-            return cli_usage_error(cmd, "--ctx length %lld is outside 1..%d", v, KV_MAX_CTX - 1);
+        if (v < 1 || v > kvrt_max_ctx() - 1)
+            return cli_usage_error(cmd, "--ctx length %lld is outside 1..%lld", v,
+                                   (long long)kvrt_max_ctx() - 1);
         if (*n >= MAX_CTXS) return cli_usage_error(cmd, "--ctx has more than %d lengths", MAX_CTXS);
         int at = *n;
         while (at > 0 && ctx[at - 1] > v) at--;
@@ -118,35 +118,6 @@ static void err_context(struct kv_err *err, const char *cfg, int t, int64_t posi
     err->msg[sizeof err->msg - 1] = 0;
 }
 
-/* Bytes of memory available to a new allocation: MemAvailable of
- * /proc/meminfo, else the physical memory; 0 when unknown. */
-static double mem_available(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    char line[256];
-    long long kib = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
-    if (f) fclose(f);
-    if (kib >= 0) return 1024.0 * (double)kib;
-    double pages = (double)sysconf(_SC_PHYS_PAGES), size = (double)sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && size > 0 ? pages * size : 0;
-}
-
-/* The twin's caches live in host memory that is only touched when filled:
- * refuse what would not fit rather than be killed for it. */
-static int twin_fits(const struct bench *b, const struct kvrt *rt, int64_t max_ctx,
-                     struct kv_err *err) {
-    if (b->backend != KVRT_BACKEND_TWIN) return KV_OK;
-    double need = 0, have = mem_available();
-    struct kvrt_layer_info li;
-    for (int64_t l = 0; kvrt_layer_info(rt, l, &li) == KV_OK; l++)
-        need += (double)max_ctx * (double)li.cache_bytes_per_token;
-    if (have <= 0 || need <= 0.9 * have) return KV_OK;
-    return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
-                   "the twin's caches need %.1f GiB but %.1f GiB of memory is available",
-                   need / (1 << 30), have / (1 << 30));
-}
-
 /* Time every (configuration, cache, layer, context). */
 static int run_all(struct bench *b, struct kv_err *err) {
     int64_t nl = kv_model_config(b->m)->n_layers, max_ctx = b->ctx[b->n_ctx - 1] + 1;
@@ -169,7 +140,7 @@ static int run_all(struct bench *b, struct kv_err *err) {
                 err_context(err, g->name, t, max_ctx);
                 break;
             }
-            if ((rc = twin_fits(b, rt, max_ctx, err))) {
+            if ((rc = kvrt_cache_fits(rt, max_ctx, err))) {
                 kvrt_close(rt);
                 err_context(err, g->name, t, max_ctx);
                 break;
@@ -202,7 +173,7 @@ static int run_all(struct bench *b, struct kv_err *err) {
             kvrt_close(rt);
             if (rc) err_context(err, g->name, t, max_ctx);
         }
-        if (made) kv_lowrank_free(lr);
+        if (made) kv_lr_free(lr);
     }
     cli_progress_end(&prog);
     return rc;
@@ -232,7 +203,8 @@ static void print_text(struct bench *b, const char *source, const char *note) {
     else
         printf("no rope (learned positions)\n");
     if (b->lr)
-        printf("manifest   method %s, alloc %s\n", b->lr->method, b->lr->alloc);
+        printf("manifest   method %s, alloc %s\n", kv_lr_info(b->lr).method,
+               kv_lr_info(b->lr).alloc);
     else
         printf("latents    rank round(%g x head_dim) on average per kv head\n", b->keep);
     if (note) printf("note       %s\n", note);
@@ -331,7 +303,7 @@ static int print_json(struct bench *b, const char *preset, const char *dir, cons
 /* The manifest's first `layers` layers (unset: all) with random factors, and
  * a random model of its shapes. */
 static int open_manifest(const struct cli_cmd *cmd, struct bench *b, const char *dir,
-                         int64_t layers, int64_t *keep_layers, char *note, size_t note_cap) {
+                         int64_t layers, char *note, size_t note_cap) {
     struct kv_err err;
     kv_err_clear(&err);
     size_t n = strlen(dir) + 16;
@@ -341,21 +313,21 @@ static int open_manifest(const struct cli_cmd *cmd, struct bench *b, const char 
     int rc = kv_lr_manifest_read(path, &b->lr, &err);
     free(path);
     if (rc) return cli_report(&err);
-    *keep_layers = b->lr->n_layers;
-    if (layers > b->lr->n_layers)
+    int64_t n_layers = kv_lr_info(b->lr).n_layers;
+    int bits = kv_lr_info(b->lr).kv_bits;
+    if (layers > n_layers)
         return cli_usage_error(cmd, "--layers %lld exceeds the manifest's %lld layers",
-                               (long long)layers, (long long)b->lr->n_layers);
-    b->layers = layers > 0 ? layers : b->lr->n_layers;
-    if (b->lr->kv_bits < 16) {
+                               (long long)layers, (long long)n_layers);
+    b->layers = layers > 0 ? layers : n_layers;
+    if (bits < 16) {
         snprintf(note, note_cap,
                  "the manifest quantizes latents to %d bits; the runtime caches them unquantized "
                  "(fp16/fp32), as timed here",
-                 b->lr->kv_bits);
-        b->lr->kv_bits = 16;
+                 bits);
+        kv_lr_set_kv_bits(b->lr, 16, &err);
     }
-    /* only the timed layers get factors and a model; *keep_layers restores
-     * the count so that every layer's units are freed */
-    b->lr->n_layers = b->layers;
+    /* only the timed layers get factors and a model */
+    if (kv_lr_truncate(b->lr, b->layers, &err)) return cli_report(&err);
     if (kvrt_synth_fill_factors(b->lr, SEED_FACTORS, &err) ||
         kvrt_synth_model_for(b->lr, &b->m, &err))
         return cli_report(&err);
@@ -486,9 +458,8 @@ int cmd_bench_attn(int argc, char **argv) {
     struct kv_err err;
     kv_err_clear(&err);
     char note[256] = "";
-    int64_t lr_layers = 0;
     if (dir) {
-        rc = open_manifest(&cmd, &b, dir, layers, &lr_layers, note, sizeof note);
+        rc = open_manifest(&cmd, &b, dir, layers, note, sizeof note);
     } else {
         b.layers = layers == INT64_MIN ? 1 : layers;
         if (kvrt_synth_model(preset, b.layers, &b.m, &err)) rc = cli_report(&err);
@@ -532,9 +503,8 @@ int cmd_bench_attn(int argc, char **argv) {
         print_text(&b, src, note[0] ? note : NULL);
     }
 done:
-    if (b.lr && lr_layers) b.lr->n_layers = lr_layers;
-    kv_lowrank_free(b.lr);
-    kv_model_free(b.m);
+    kv_lr_free(b.lr);
+    kv_model_close(b.m);
     free(b.cells);
     return rc;
 }

@@ -11,12 +11,6 @@
 
 int cli_verbose = 0;
 
-double cli_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 double cli_peak_rss_mib(void) {
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
@@ -154,7 +148,7 @@ int cli_report(const struct kv_err *err) {
 
 void cli_progress_start(struct cli_progress *p, const char *what, int quiet) {
     p->what = what;
-    p->t0 = cli_now();
+    p->t0 = kv_now();
     p->tty = isatty(2);
     p->quiet = quiet;
     p->last_decile = 0;
@@ -171,7 +165,7 @@ static void fmt_eta(double s, char *buf, size_t cap) {
 int cli_progress_cb(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
     struct cli_progress *p = ctx;
     if (p->quiet || total <= 0) return 0;
-    double el = cli_now() - p->t0, rate = el > 0 ? (double)tokens_done / el : 0;
+    double el = kv_now() - p->t0, rate = el > 0 ? (double)tokens_done / el : 0;
     double eta = done > 0 ? el * (double)(total - done) / (double)done : 0;
     char e[32], r[48] = "";
     fmt_eta(eta, e, sizeof e);
@@ -269,8 +263,8 @@ json_t *cli_json_text(const char *s) {
 
 json_t *cli_json_stats_inputs(const struct kv_stats *s) {
     json_t *a = json_array();
-    for (int64_t i = 0; a && i < s->n_inputs; i++) {
-        const struct kv_stats_input *in = &s->inputs[i];
+    for (int64_t i = 0, n = kv_stats_info(s).n_inputs; a && i < n; i++) {
+        const struct kv_stats_input *in = kv_stats_input(s, i);
         json_array_append_new(a, json_pack("{s:o, s:s, s:I, s:I, s:I}", "path",
                                            cli_json_text(in->path), "sha256", in->sha256, "bytes",
                                            (json_int_t)in->bytes, "tokens", (json_int_t)in->tokens,

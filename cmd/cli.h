@@ -69,7 +69,6 @@ void cli_progress_start(struct cli_progress *p, const char *what, int quiet);
 int cli_progress_cb(void *ctx, int64_t done, int64_t total, int64_t tokens_done);
 void cli_progress_end(struct cli_progress *p);
 
-double cli_now(void);
 /* Peak resident set size of this process in MiB. */
 double cli_peak_rss_mib(void);
 

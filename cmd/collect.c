@@ -64,8 +64,9 @@ static int check_output(const char *out, const char *model, const struct cli_lis
             struct kv_err err;
             kv_err_clear(&err);
             if (kv_stats_open(out, &s, &err) == KV_OK) {
-                int unfinished = s->next_window < s->plan_windows;
-                int64_t done = s->next_window, plan = s->plan_windows;
+                struct kv_stats_info si = kv_stats_info(s);
+                int unfinished = si.next_window < si.plan_windows;
+                int64_t done = si.next_window, plan = si.plan_windows;
                 kv_stats_free(s);
                 if (unfinished) {
                     fprintf(stderr, "kvcal: %s: holds an unfinished checkpoint (%lld of %lld windows); "
@@ -193,7 +194,7 @@ int cmd_collect(int argc, char **argv) {
     if (!tok) {
         fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE "
                         "(llama2.c tokenizer.bin, tokenizer.json or .gguf)\n");
-        kv_model_free(m);
+        kv_model_close(m);
         return EXIT_ERR;
     }
     if (!quiet && !json) fprintf(stderr, "reading and tokenizing %d input%s\n", texts.n, texts.n > 1 ? "s" : "");
@@ -203,7 +204,7 @@ int cmd_collect(int argc, char **argv) {
     struct stat st;
     if (resume && stat(output, &st) == 0) {
         if (kv_stats_open(output, &s, &err)) goto fail;
-        resumed_from = s->next_window;
+        resumed_from = kv_stats_info(s).next_window;
     } else {
         if (resume && !quiet && !json)
             fprintf(stderr, "kvcal: %s: no checkpoint yet; starting from the first window\n", output);
@@ -211,7 +212,7 @@ int cmd_collect(int argc, char **argv) {
     }
     if (resumed_from >= 0 && !quiet && !json)
         fprintf(stderr, "resuming %s at window %lld of %lld\n", output, (long long)resumed_from,
-                (long long)s->plan_windows);
+                (long long)kv_stats_info(s).plan_windows);
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -232,12 +233,13 @@ int cmd_collect(int argc, char **argv) {
         cli_report(&err);
         kv_stats_free(s);
         kv_calib_free(c);
-        kv_model_free(m);
+        kv_model_close(m);
         return 128 + SIGINT; /* as a shell reports an interrupted command */
     }
     if (rc) goto fail;
 
-    int64_t run_windows = s->next_window - (resumed_from >= 0 ? resumed_from : 0);
+    struct kv_stats_info si = kv_stats_info(s);
+    int64_t run_windows = si.next_window - (resumed_from >= 0 ? resumed_from : 0);
     double tps = o.seconds > 0 ? (double)(run_windows * seq_len) / o.seconds : 0;
     int nthreads = omp_get_max_threads();
     if (json) {
@@ -245,41 +247,41 @@ int cmd_collect(int argc, char **argv) {
         json_t *out = json_pack(
             "{s:o, s:o, s:s, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:I, s:I, s:o, s:o, s:i, s:o}",
             "output", cli_json_text(output), "model", cli_json_text(model), "fingerprint",
-            s->fingerprint, "seq_len", (json_int_t)seq_len, "tokens", (json_int_t)s->tokens,
-            "windows", (json_int_t)s->windows, "sampling", s->sampling, "seed",
-            (json_int_t)s->seed, "plan_windows", (json_int_t)s->plan_windows, "inputs", ins,
+            si.fingerprint, "seq_len", (json_int_t)seq_len, "tokens", (json_int_t)si.tokens,
+            "windows", (json_int_t)si.windows, "sampling", si.sampling, "seed",
+            (json_int_t)si.seed, "plan_windows", (json_int_t)si.plan_windows, "inputs", ins,
             "resumed_from", (json_int_t)resumed_from, "checkpoints",
             (json_int_t)o.checkpoints_written, "tokens_per_s", cli_json_real(tps), "seconds",
             cli_json_real(o.seconds), "threads", nthreads, "peak_rss_mib",
             cli_json_real(cli_peak_rss_mib()));
         if (out) {
-            json_object_set_new(out, "fisher", json_boolean(s->has_fisher));
-            json_object_set_new(out, "mean_loss", s->has_fisher && run_windows > 0
+            json_object_set_new(out, "fisher", json_boolean(si.has_fisher));
+            json_object_set_new(out, "mean_loss", si.has_fisher && run_windows > 0
                                                       ? cli_json_real(o.loss) : json_null());
         }
         rc = cli_print_json(out, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
         char desc[512];
         cli_describe_config(kv_model_config(m), desc, sizeof desc);
-        printf("model     %s\n          %s\n          fingerprint %s\n", model, desc, s->fingerprint);
-        for (int64_t i = 0; i < s->n_inputs; i++) {
-            const struct kv_stats_input *in = &s->inputs[i];
+        printf("model     %s\n          %s\n          fingerprint %s\n", model, desc, si.fingerprint);
+        for (int64_t i = 0; i < si.n_inputs; i++) {
+            const struct kv_stats_input *in = kv_stats_input(s, i);
             printf("input     %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows used\n",
                    in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
                    (long long)in->windows);
         }
-        if (!strcmp(s->sampling, "random"))
-            printf("plan      %lld windows of %lld, drawn at random (seed %llu)", (long long)s->plan_windows,
-                   (long long)seq_len, (unsigned long long)s->seed);
+        if (!strcmp(si.sampling, "random"))
+            printf("plan      %lld windows of %lld, drawn at random (seed %llu)", (long long)si.plan_windows,
+                   (long long)seq_len, (unsigned long long)si.seed);
         else
-            printf("plan      %lld windows of %lld, in order", (long long)s->plan_windows, (long long)seq_len);
-        if (s->shard_count > 1)
-            printf(", shard %lld/%lld", (long long)s->shard_index, (long long)s->shard_count);
+            printf("plan      %lld windows of %lld, in order", (long long)si.plan_windows, (long long)seq_len);
+        if (si.shard_count > 1)
+            printf(", shard %lld/%lld", (long long)si.shard_index, (long long)si.shard_count);
         printf("\n");
-        printf("summed    %lld tokens in %lld windows", (long long)s->tokens, (long long)s->windows);
+        printf("summed    %lld tokens in %lld windows", (long long)si.tokens, (long long)si.windows);
         if (resumed_from >= 0) printf(" (resumed at window %lld)", (long long)resumed_from);
         printf("\n");
-        if (s->has_fisher) {
+        if (si.has_fisher) {
             printf("fisher    a backward pass per window");
             if (run_windows > 0)
                 printf(", mean loss %.4f (ppl %.2f) over %lld windows", o.loss, exp(o.loss),
@@ -296,12 +298,12 @@ int cmd_collect(int argc, char **argv) {
     }
     kv_stats_free(s);
     kv_calib_free(c);
-    kv_model_free(m);
+    kv_model_close(m);
     return rc;
 fail:
     rc = cli_report(&err);
     kv_stats_free(s);
     kv_calib_free(c);
-    kv_model_free(m);
+    kv_model_close(m);
     return rc;
 }

@@ -1,42 +1,23 @@
 /* kvcal decompose: low-rank K/V factors under a budget, written as a
  * compressed model directory with its manifest. */
-#include <dirent.h>
-#include <errno.h>
 #include <jansson.h>
-#include <libgen.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
 
-static void side_ranks(const struct kv_lr_side *s, char *buf, size_t cap) {
+static void side_ranks(const struct kv_lowrank *lr, int64_t l, int which, char *buf, size_t cap) {
     size_t n = 0;
     buf[0] = 0;
-    if (s->mode == KV_LR_FULL) {
+    if (kv_lr_mode_of(lr, l, which) == KV_LR_FULL) {
         snprintf(buf, cap, "full");
         return;
     }
-    for (int64_t u = 0; u < s->n_units && n + 16 < cap; u++)
-        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", u ? "," : "", (long long)s->units[u].rank);
-}
-
-static double side_err(const struct kv_lr_side *s, double *energy, double *dropped) {
-    double e = 0, d = 0;
-    for (int64_t u = 0; u < s->n_units; u++) e += s->units[u].energy, d += s->units[u].dropped;
-    if (energy) *energy += e;
-    if (dropped) *dropped += d;
-    return e > 0 ? d / e : 0;
-}
-
-static int64_t side_bytes(const struct kv_lowrank *lr, const struct kv_lr_side *s, int bits) {
-    if (s->mode == KV_LR_FULL) return lr->n_kv_heads * lr->head_dim * 2;
-    int64_t b = 0;
-    for (int64_t u = 0; u < s->n_units; u++) b += kv_lr_unit_bytes(s->units[u].rank, bits);
-    return b;
+    for (int64_t u = 0; u < kv_lr_n_units(lr, l, which) && n + 16 < cap; u++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", u ? "," : "",
+                              (long long)kv_lr_unit_info(lr, l, which, u).rank);
 }
 
 static const char *mode_short(enum kv_lr_mode m) {
@@ -48,45 +29,6 @@ static const char *mode_short(enum kv_lr_mode m) {
     case KV_LR_POSTROPE_ROTATION: return "rotate";
     default: return kv_lr_mode_name(m);
     }
-}
-
-/* Before any work: OUT must be a new name, an empty directory or an earlier
- * output (it holds kvcal.json), and its parent must take a new directory. */
-static int check_output(const char *out) {
-    struct stat st;
-    if (stat(out, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) {
-            fprintf(stderr, "kvcal: %s: exists and is not a directory; --output names a directory\n", out);
-            return EXIT_ERR;
-        }
-        DIR *d = opendir(out);
-        int entries = 0, manifest = 0;
-        struct dirent *e;
-        while (d && (e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                entries++;
-                manifest |= !strcmp(e->d_name, "kvcal.json");
-            }
-        if (d) closedir(d);
-        if (entries && !manifest) {
-            fprintf(stderr, "kvcal: %s: is a non-empty directory that is not a kvcal output; "
-                            "refusing to replace it\n", out);
-            return EXIT_ERR;
-        }
-    }
-    char *tmp = strdup(out);
-    if (!tmp) return EXIT_ERR;
-    const char *parent = dirname(tmp);
-    int ok = access(parent, W_OK | X_OK) == 0;
-    int e = errno;
-    if (!ok) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "%s", strerror(e));
-        for (char *p = msg; *p; p++) *p = (char)(*p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
-        fprintf(stderr, "kvcal: %s: cannot create the output directory in '%s': %s\n", out, parent, msg);
-    }
-    free(tmp);
-    return ok ? 0 : EXIT_ERR;
 }
 
 int cmd_decompose(int argc, char **argv) {
@@ -221,36 +163,36 @@ int cmd_decompose(int argc, char **argv) {
         return cli_usage_error(&cmd, "--d-min and --d-max are fractions with d-min <= d-max <= 1");
     if (threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     kv_set_threads((int)threads);
-    if ((rc = check_output(out))) return rc;
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (kv_lr_dir_check(out, "--output", &err)) return cli_report(&err);
 
     struct kv_model *m;
     if ((rc = cli_load_model(model, tokenizer, &m))) return rc;
     const struct kv_config *c = kv_model_config(m);
-    struct kv_err err;
-    kv_err_clear(&err);
     struct kv_stats *s = NULL;
     if (stats) {
         if (kv_stats_open(stats, &s, &err) || !kv_stats_matches_model(s, m, stats, &err)) {
             kv_stats_free(s);
-            kv_model_free(m);
+            kv_model_close(m);
             return cli_report(&err);
         }
     } else if (method != KV_METHOD_SVD && method != KV_METHOD_LORC) {
-        kv_model_free(m);
+        kv_model_close(m);
         return cli_usage_error(&cmd, "--method %s needs --stats (run 'kvcal collect' first)", method_s);
     }
     if (group > c->n_kv_heads || c->n_kv_heads % group) {
         int64_t g = c->n_kv_heads;
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
         return cli_usage_error(&cmd, "--group-size %lld does not divide the model's %lld kv heads",
                                (long long)group, (long long)g);
     }
-    if (alloc == KV_ALLOC_FISHER && !s->has_fisher) {
+    if (alloc == KV_ALLOC_FISHER && !kv_stats_info(s).has_fisher) {
         fprintf(stderr, "kvcal: %s: has no fisher statistics (blk.N.fisher.k/v), which --alloc fisher needs\n",
                 stats);
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
         return EXIT_ERR;
     }
 
@@ -260,14 +202,14 @@ int cmd_decompose(int argc, char **argv) {
     if (alloc == KV_ALLOC_LAYER_BUDGET) {
         if ((rc = cli_load_tokens(m, text, NULL, &ids, &n_ids, &n_bytes))) {
             kv_stats_free(s);
-            kv_model_free(m);
+            kv_model_close(m);
             return rc;
         }
         if (n_ids / seq_len < calib_windows) calib_windows = n_ids / seq_len;
         if (calib_windows < 1) {
             fprintf(stderr, "kvcal: %s: %lld tokens, fewer than one window of %lld\n", text,
                     (long long)n_ids, (long long)seq_len);
-            free(ids), kv_stats_free(s), kv_model_free(m);
+            free(ids), kv_stats_free(s), kv_model_close(m);
             return EXIT_ERR;
         }
     }
@@ -286,18 +228,18 @@ int cmd_decompose(int argc, char **argv) {
     if (rc) {
         if (!err.path[0] && stats && rc == KV_ENUMERIC) snprintf(err.path, sizeof err.path, "%s", stats);
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
         return cli_report(&err);
     }
-    int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, (int)kv_bits);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, (int)kv_bits);
     if (hadamard) {
         int64_t plain = 0;
-        for (int64_t l = 0; l < lr->n_layers; l++)
-            for (int k = 0; k < 2; k++) {
-                const struct kv_lr_side *sd = k ? &lr->layers[l].v : &lr->layers[l].k;
-                for (int64_t u = 0; u < sd->n_units; u++)
-                    plain += sd->units[u].rank > 1 && (sd->units[u].rank & 1);
-            }
+        for (int64_t l = 0; l < kv_lr_info(lr).n_layers; l++)
+            for (int k = 0; k < 2; k++)
+                for (int64_t u = 0; u < kv_lr_n_units(lr, l, k); u++) {
+                    int64_t r = kv_lr_unit_info(lr, l, k, u).rank;
+                    plain += r > 1 && (r & 1);
+                }
         if (plain)
             fprintf(stderr, "kvcal: warning: --hadamard leaves %lld units of odd rank unrotated (a "
                             "block is the largest power of two dividing the rank); add "
@@ -313,9 +255,10 @@ int cmd_decompose(int argc, char **argv) {
                                                   "--d-max: lower it to go further)"
                                                 : "");
     double ke = 0, kd = 0, ve = 0, vd = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++) {
-        side_err(&lr->layers[l].k, &ke, &kd);
-        side_err(&lr->layers[l].v, &ve, &vd);
+    int64_t n_layers = kv_lr_info(lr).n_layers;
+    for (int64_t l = 0; l < n_layers; l++) {
+        kv_lr_side_error(lr, l, 0, &ke, &kd);
+        kv_lr_side_error(lr, l, 1, &ve, &vd);
     }
 
     /* the manifest's options and stats records */
@@ -331,35 +274,37 @@ int cmd_decompose(int argc, char **argv) {
         json_object_set_new(jo, "cond_skip", cond_skip > 0 ? json_real(cond_skip) : json_null());
     }
     json_t *js = json_null();
+    struct kv_stats_info si = s ? kv_stats_info(s) : (struct kv_stats_info){0};
     if (s)
         js = json_pack("{s:o, s:s, s:I, s:I, s:I, s:b}", "path", cli_json_text(stats),
-                       "model_fingerprint", s->fingerprint, "tokens", (json_int_t)s->tokens,
-                       "windows", (json_int_t)s->windows, "seq_len", (json_int_t)s->seq_len,
-                       "fisher", s->has_fisher);
+                       "model_fingerprint", si.fingerprint, "tokens", (json_int_t)si.tokens,
+                       "windows", (json_int_t)si.windows, "seq_len", (json_int_t)si.seq_len,
+                       "fisher", si.has_fisher);
     char *opts_txt = json_dumps(jo, JSON_COMPACT), *stats_txt = json_dumps(js, JSON_COMPACT | JSON_ENCODE_ANY);
     struct kv_lr_dir_info info = {model, tokenizer, opts_txt, stats_txt};
-    double tw = cli_now();
+    double tw = kv_now();
     rc = kv_lr_dir_write(m, lr, &info, out, &err);
-    tw = cli_now() - tw;
+    tw = kv_now() - tw;
     free(opts_txt), free(stats_txt);
     if (rc) {
         json_decref(jo), json_decref(js);
-        kv_lowrank_free(lr), kv_stats_free(s), kv_model_free(m);
+        kv_lr_free(lr), kv_stats_free(s), kv_model_close(m);
         return cli_report(&err);
     }
 
     if (json) {
         json_t *layers = json_array();
-        for (int64_t l = 0; l < lr->n_layers; l++) {
-            const struct kv_lr_layer *L = &lr->layers[l];
+        for (int64_t l = 0; l < n_layers; l++) {
             json_t *side[2];
             for (int k = 0; k < 2; k++) {
-                const struct kv_lr_side *sd = k ? &L->v : &L->k;
                 json_t *ranks = json_array();
-                for (int64_t u = 0; u < sd->n_units; u++) json_array_append_new(ranks, json_integer(sd->units[u].rank));
-                side[k] = json_pack("{s:s, s:o, s:o, s:I}", "mode", kv_lr_mode_name(sd->mode), "ranks",
-                                    ranks, "predicted_error", cli_json_real(side_err(sd, NULL, NULL)),
-                                    "bytes", (json_int_t)side_bytes(lr, sd, (int)kv_bits));
+                for (int64_t u = 0; u < kv_lr_n_units(lr, l, k); u++)
+                    json_array_append_new(ranks, json_integer(kv_lr_unit_info(lr, l, k, u).rank));
+                side[k] = json_pack("{s:s, s:o, s:o, s:I}", "mode",
+                                    kv_lr_mode_name(kv_lr_mode_of(lr, l, k)), "ranks", ranks,
+                                    "predicted_error",
+                                    cli_json_real(kv_lr_side_error(lr, l, k, NULL, NULL)), "bytes",
+                                    (json_int_t)kv_lr_side_bytes(lr, l, k, (int)kv_bits));
             }
             json_array_append_new(layers, json_pack("{s:I, s:o, s:o}", "layer", (json_int_t)l, "k",
                                                     side[0], "v", side[1]));
@@ -382,8 +327,8 @@ int cmd_decompose(int argc, char **argv) {
         printf("model     %s\n          %s\n", model, desc);
         if (s)
             printf("stats     %s: %lld tokens in %lld windows of %lld%s\n", stats,
-                   (long long)s->tokens, (long long)s->windows, (long long)s->seq_len,
-                   s->has_fisher ? ", with fisher statistics" : "");
+                   (long long)si.tokens, (long long)si.windows, (long long)si.seq_len,
+                   si.has_fisher ? ", with fisher statistics" : "");
         printf("method    %s, alloc %s", method_s, kv_alloc_name(o.alloc));
         if (eps > 0) printf(", eps %g", eps);
         if (ratio > 0) printf(", ratio %g (searched parameter %.4f)", ratio, o.param);
@@ -391,15 +336,16 @@ int cmd_decompose(int argc, char **argv) {
                (long long)mult, (long long)min_rank, kv_bits == 16 ? "fp16 latents" : "quantized latents",
                hadamard ? ", hadamard" : "");
         printf("\nlayer  k mode  k ranks          k err    v mode  v ranks          v err    bytes/token\n");
-        for (int64_t l = 0; l < lr->n_layers; l++) {
-            const struct kv_lr_layer *L = &lr->layers[l];
+        for (int64_t l = 0; l < n_layers; l++) {
             char kr[128], vr[128];
-            side_ranks(&L->k, kr, sizeof kr);
-            side_ranks(&L->v, vr, sizeof vr);
-            int64_t lb = side_bytes(lr, &L->k, (int)kv_bits) + side_bytes(lr, &L->v, (int)kv_bits);
+            side_ranks(lr, l, 0, kr, sizeof kr);
+            side_ranks(lr, l, 1, vr, sizeof vr);
+            int64_t lb = kv_lr_side_bytes(lr, l, 0, (int)kv_bits) +
+                         kv_lr_side_bytes(lr, l, 1, (int)kv_bits);
             printf("%5lld  %-6s  %-15s %6.2f%%   %-6s  %-15s %6.2f%%   %lld / %lld\n", (long long)l,
-                   mode_short(L->k.mode), kr, 100 * side_err(&L->k, NULL, NULL), mode_short(L->v.mode),
-                   vr, 100 * side_err(&L->v, NULL, NULL), (long long)lb,
+                   mode_short(kv_lr_mode_of(lr, l, 0)), kr,
+                   100 * kv_lr_side_error(lr, l, 0, NULL, NULL), mode_short(kv_lr_mode_of(lr, l, 1)),
+                   vr, 100 * kv_lr_side_error(lr, l, 1, NULL, NULL), (long long)lb,
                    (long long)(2 * c->n_kv_heads * c->head_dim * 2));
         }
         printf("\npredicted calibration error: k %.3f%%, v %.3f%% of the output energy\n",
@@ -411,8 +357,8 @@ int cmd_decompose(int argc, char **argv) {
                o.lapack_seconds, tw);
         printf("wrote     %s\n", out);
     }
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
     return rc;
 }

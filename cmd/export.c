@@ -10,8 +10,7 @@
 /* Layers whose side is compressed (replaced by a product). */
 static int64_t n_compressed(const struct kv_lowrank *lr, int v) {
     int64_t n = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++)
-        n += (v ? lr->layers[l].v.mode : lr->layers[l].k.mode) != KV_LR_FULL;
+    for (int64_t l = 0; l < kv_lr_info(lr).n_layers; l++) n += kv_lr_mode_of(lr, l, v) != KV_LR_FULL;
     return n;
 }
 
@@ -67,19 +66,19 @@ int cmd_export(int argc, char **argv) {
     kv_err_clear(&err);
     struct kv_lowrank *lr = NULL;
     if (kv_lr_dir_open(dense, m, &lr, &err)) {
-        kv_model_free(m);
+        kv_model_close(m);
         return cli_report(&err);
     }
-    double t0 = cli_now();
+    double t0 = kv_now();
     rc = kv_lr_export_dense(m, model, lr, out, &err);
-    double secs = cli_now() - t0;
+    double secs = kv_now() - t0;
     if (rc) {
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", dense);
-        kv_lowrank_free(lr);
-        kv_model_free(m);
+        kv_lr_free(lr);
+        kv_model_close(m);
         return cli_report(&err);
     }
-    int64_t nk = n_compressed(lr, 0), nv = n_compressed(lr, 1), L = lr->n_layers;
+    int64_t nk = n_compressed(lr, 0), nv = n_compressed(lr, 1), L = kv_lr_info(lr).n_layers;
     const char *fmt = kv_format_name(kv_model_format(m));
     if (json) {
         json_t *o = json_pack("{s:o, s:o, s:o, s:s, s:I, s:I, s:I, s:o}", "output",
@@ -96,7 +95,7 @@ int cmd_export(int argc, char **argv) {
                "saving\n");
         rc = EXIT_OK;
     }
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     return rc;
 }

@@ -35,7 +35,7 @@ int cmd_generate(int argc, char **argv) {
     if ((rc = cli_load_model(model, tokenizer, &m))) return rc;
     const struct kv_tokenizer *tok = kv_model_tokenizer(m);
     if (!tok) {
-        kv_model_free(m);
+        kv_model_close(m);
         fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE\n");
         return EXIT_ERR;
     }
@@ -48,7 +48,8 @@ int cmd_generate(int argc, char **argv) {
     int64_t ctx = n_prompt + steps;
     int32_t *seq = realloc(ids, (size_t)ctx * sizeof *seq);
     if (!seq) {
-        rc = kv_fail(&err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        err = (struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"};
+        rc = KV_ENOMEM;
         goto fail;
     }
     ids = seq;
@@ -59,7 +60,7 @@ int cmd_generate(int argc, char **argv) {
         size_t pl = kv_tok_decode(tok, i ? ids[i - 1] : -1, ids[i], piece, sizeof piece);
         if (!show_ids) fwrite(piece, 1, pl < sizeof piece ? pl : sizeof piece, stdout);
     }
-    double t0 = cli_now();
+    double t0 = kv_now();
     int64_t produced = 0, run_from = 0;
     while (produced < steps) {
         if ((rc = kv_fwd_run(f, ids + run_from, len - run_from, run_from, NULL, &err))) goto fail;
@@ -83,16 +84,16 @@ int cmd_generate(int argc, char **argv) {
     }
     printf("\n");
     fflush(stdout); /* keep the text ahead of the summary when both streams are merged */
-    double dt = cli_now() - t0;
+    double dt = kv_now() - t0;
     fprintf(stderr, "generated %lld tokens in %.2f s (%.1f tokens/s)\n", (long long)produced, dt,
             dt > 0 ? (double)produced / dt : 0.0);
     kv_fwd_free(f);
     free(ids);
-    kv_model_free(m);
+    kv_model_close(m);
     return EXIT_OK;
 fail:
     kv_fwd_free(f);
     free(ids);
-    kv_model_free(m);
+    kv_model_close(m);
     return cli_report(&err);
 }

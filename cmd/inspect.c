@@ -22,14 +22,6 @@ static void rank_text(int64_t a, int64_t b, char *buf, size_t cap) {
         snprintf(buf, cap, "%lld/%lld", (long long)a, (long long)b);
 }
 
-/* Σ of a layer's fisher_k (side 0) or fisher_v (side 1). */
-static double fisher_total(const struct kv_stats *s, int64_t l, int side) {
-    const double *f = side ? s->layers[l].fisher_v : s->layers[l].fisher_k;
-    double t = 0;
-    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) t += f[r];
-    return t;
-}
-
 static int inspect_stats(const char *path, const char *model, const char *tokenizer, int json) {
     struct kv_err err;
     kv_err_clear(&err);
@@ -44,42 +36,45 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
         }
         if (!kv_stats_matches_model(s, m, path, &err)) {
             kv_stats_free(s);
-            kv_model_free(m);
+            kv_model_close(m);
             return cli_report(&err);
         }
     }
-    int64_t g = s->n_kv_heads;
+    struct kv_stats_info si = kv_stats_info(s);
+    int64_t g = si.n_kv_heads;
     struct kv_head_spectrum *heads = calloc((size_t)g, sizeof *heads);
     json_t *layers = json ? json_array() : NULL;
     if (!json) {
-        printf("stats      %s (kvcal.stats, written by kvcal %s)\n", path, s->version);
+        printf("stats      %s (kvcal.stats, written by kvcal %s)\n", path, si.version);
         printf("model      fingerprint %s\n           dim %lld, %lld layers, %lld heads (%lld kv), "
-               "head_dim %lld\n", s->fingerprint, (long long)s->dim, (long long)s->n_layers,
-               (long long)s->n_heads, (long long)s->n_kv_heads, (long long)s->head_dim);
-        printf("tokens     %lld in %lld windows of %lld (%s", (long long)s->tokens,
-               (long long)s->windows, (long long)s->seq_len, s->sampling);
-        if (!strcmp(s->sampling, "random")) printf(", seed %llu", (unsigned long long)s->seed);
-        if (s->shard_count > 1) printf(", shard %lld/%lld", (long long)s->shard_index, (long long)s->shard_count);
+               "head_dim %lld\n", si.fingerprint, (long long)si.dim, (long long)si.n_layers,
+               (long long)si.n_heads, (long long)si.n_kv_heads, (long long)si.head_dim);
+        printf("tokens     %lld in %lld windows of %lld (%s", (long long)si.tokens,
+               (long long)si.windows, (long long)si.seq_len, si.sampling);
+        if (!strcmp(si.sampling, "random")) printf(", seed %llu", (unsigned long long)si.seed);
+        if (si.shard_count > 1) printf(", shard %lld/%lld", (long long)si.shard_index, (long long)si.shard_count);
         printf(")\n");
-        if (s->next_window < s->plan_windows)
+        if (si.next_window < si.plan_windows)
             printf("checkpoint %lld of %lld planned windows done; finish with 'kvcal collect --resume'\n",
-                   (long long)s->next_window, (long long)s->plan_windows);
-        for (int64_t i = 0; i < s->n_inputs; i++)
+                   (long long)si.next_window, (long long)si.plan_windows);
+        for (int64_t i = 0; i < si.n_inputs; i++) {
+            const struct kv_stats_input *in = kv_stats_input(s, i);
             printf("input      %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows\n",
-                   s->inputs[i].path, (unsigned long long)s->inputs[i].bytes, s->inputs[i].sha256,
-                   (long long)s->inputs[i].tokens, (long long)s->inputs[i].windows);
-        if (s->has_fisher)
+                   in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
+                   (long long)in->windows);
+        }
+        if (si.has_fisher)
             printf("fisher     yes: squared W_k/W_v gradients and ∂L/∂k, ∂L/∂v Grams of %lld "
-                   "windows (per layer below)\n", (long long)s->windows);
+                   "windows (per layer below)\n", (long long)si.windows);
         else
             printf("fisher     none ('kvcal collect --fisher' adds them; --alloc fisher needs "
                    "them)\n");
         printf("\neffective rank = fewest eigen-directions keeping 90%%/99%% of the energy\n");
         printf("%-6s %12s %12s %14s   per kv head 0..%lld: K|V|K post-rope, of %lld\n", "layer",
-               "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(g - 1), (long long)s->head_dim);
+               "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(g - 1), (long long)si.head_dim);
     }
     rc = EXIT_OK;
-    for (int64_t l = 0; l < s->n_layers && heads; l++) {
+    for (int64_t l = 0; l < si.n_layers && heads; l++) {
         struct kv_layer_spectrum sp = {.heads = heads};
         if (kv_stats_layer_spectrum(s, m, l, &sp, &err)) {
             snprintf(err.path, sizeof err.path, "%s", path);
@@ -98,9 +93,9 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
                 }
                 json_array_append_new(hs, h);
             }
-            json_t *fi = s->has_fisher ? json_pack("{s:o, s:o}", "k",
-                                                   cli_json_real(fisher_total(s, l, 0)), "v",
-                                                   cli_json_real(fisher_total(s, l, 1)))
+            json_t *fi = si.has_fisher ? json_pack("{s:o, s:o}", "k",
+                                                   cli_json_real(kv_stats_fisher_total(s, l, 0)), "v",
+                                                   cli_json_real(kv_stats_fisher_total(s, l, 1)))
                                        : json_null();
             json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o, s:o}",
                                                     "layer", (json_int_t)l, "trace",
@@ -113,7 +108,7 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
         } else {
             char xr[32], cond[32];
             snprintf(xr, sizeof xr, "%lld/%lld of %lld", (long long)sp.x90, (long long)sp.x99,
-                     (long long)s->dim);
+                     (long long)si.dim);
             if (isfinite(sp.cond))
                 snprintf(cond, sizeof cond, "%.3e", sp.cond);
             else
@@ -133,27 +128,27 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
     if (json && rc == EXIT_OK) {
         json_t *ins = cli_json_stats_inputs(s);
         json_t *o = json_pack("{s:o, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:o}",
-                              "path", cli_json_text(path), "type", "kvcal.stats", "version", s->version,
-                              "fingerprint", s->fingerprint, "n_layers", (json_int_t)s->n_layers,
-                              "dim", (json_int_t)s->dim, "n_heads", (json_int_t)s->n_heads,
-                              "n_kv_heads", (json_int_t)s->n_kv_heads, "head_dim",
-                              (json_int_t)s->head_dim, "seq_len", (json_int_t)s->seq_len, "tokens",
-                              (json_int_t)s->tokens, "windows", (json_int_t)s->windows, "sampling",
-                              s->sampling, "plan_windows", (json_int_t)s->plan_windows,
-                              "next_window", (json_int_t)s->next_window, "inputs", ins, "layers", layers);
-        if (o) json_object_set_new(o, "fisher", json_boolean(s->has_fisher));
+                              "path", cli_json_text(path), "type", "kvcal.stats", "version", si.version,
+                              "fingerprint", si.fingerprint, "n_layers", (json_int_t)si.n_layers,
+                              "dim", (json_int_t)si.dim, "n_heads", (json_int_t)si.n_heads,
+                              "n_kv_heads", (json_int_t)si.n_kv_heads, "head_dim",
+                              (json_int_t)si.head_dim, "seq_len", (json_int_t)si.seq_len, "tokens",
+                              (json_int_t)si.tokens, "windows", (json_int_t)si.windows, "sampling",
+                              si.sampling, "plan_windows", (json_int_t)si.plan_windows,
+                              "next_window", (json_int_t)si.next_window, "inputs", ins, "layers", layers);
+        if (o) json_object_set_new(o, "fisher", json_boolean(si.has_fisher));
         layers = NULL;
         rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else if (!json && rc == EXIT_OK && !m) {
         printf("\n(K and V output ranks need the model: add --model PATH)\n");
     }
-    if (!json && rc == EXIT_OK && s->has_fisher) {
+    if (!json && rc == EXIT_OK && si.has_fisher) {
         double all = 0;
-        for (int64_t l = 0; l < s->n_layers; l++) all += fisher_total(s, l, 0) + fisher_total(s, l, 1);
+        for (int64_t l = 0; l < si.n_layers; l++) all += kv_stats_fisher_total(s, l, 0) + kv_stats_fisher_total(s, l, 1);
         printf("\nfisher information Σ (∂L/∂W)² of each layer's K and V projection, and its "
                "share of the total\n%-6s %12s %12s %8s %8s\n", "layer", "K", "V", "K %", "V %");
-        for (int64_t l = 0; l < s->n_layers; l++) {
-            double k = fisher_total(s, l, 0), v = fisher_total(s, l, 1);
+        for (int64_t l = 0; l < si.n_layers; l++) {
+            double k = kv_stats_fisher_total(s, l, 0), v = kv_stats_fisher_total(s, l, 1);
             printf("%-6lld %12.4e %12.4e %7.2f%% %7.2f%%\n", (long long)l, k, v,
                    all > 0 ? 100 * k / all : 0.0, all > 0 ? 100 * v / all : 0.0);
         }
@@ -161,7 +156,7 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
     json_decref(layers);
     free(heads);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
     return rc;
 }
 
@@ -201,43 +196,44 @@ struct lr_side_view {
     int64_t bytes;        /* per token */
 };
 
-static void side_view(const struct kv_lowrank *lr, const struct kv_lr_side *s,
+static void side_view(const struct kv_lowrank *lr, int64_t l, int which, int bits,
                       struct lr_side_view *v) {
     memset(v, 0, sizeof *v);
-    if (s->mode == KV_LR_FULL) {
+    v->bytes = kv_lr_side_bytes(lr, l, which, bits);
+    if (kv_lr_mode_of(lr, l, which) == KV_LR_FULL) {
         snprintf(v->ranks, sizeof v->ranks, "-");
-        v->bytes = lr->n_kv_heads * lr->head_dim * 2;
         return;
     }
     size_t n = 0;
-    for (int64_t u = 0; u < s->n_units; u++) {
-        const struct kv_lr_unit *x = &s->units[u];
+    for (int64_t u = 0; u < kv_lr_n_units(lr, l, which); u++) {
+        struct kv_lr_unit_info x = kv_lr_unit_info(lr, l, which, u);
         if (n < sizeof v->ranks)
             n += (size_t)snprintf(v->ranks + n, sizeof v->ranks - n, "%s%lld", u ? "," : "",
-                                  (long long)x->rank);
-        v->energy += x->energy;
-        v->dropped += x->dropped;
-        v->bytes += kv_lr_unit_bytes(x->rank, lr->kv_bits);
+                                  (long long)x.rank);
     }
+    kv_lr_side_error(lr, l, which, &v->energy, &v->dropped);
 }
 
 static double rel_err(double dropped, double energy) { return energy > 0 ? dropped / energy : 0; }
 
-static void pct_text(const struct kv_lr_side *s, double dropped, double energy, char *buf,
-                     size_t cap) {
-    if (s->mode == KV_LR_FULL)
+static void pct_text(enum kv_lr_mode mode, double dropped, double energy, char *buf, size_t cap) {
+    if (mode == KV_LR_FULL)
         snprintf(buf, cap, "-");
     else
         snprintf(buf, cap, "%.2f%%", 100 * rel_err(dropped, energy));
 }
 
-static json_t *side_json(const struct kv_lr_side *s, const struct lr_side_view *v) {
+static json_t *side_json(const struct kv_lowrank *lr, int64_t l, int which,
+                         const struct lr_side_view *v) {
     json_t *ranks = json_array();
-    for (int64_t u = 0; u < s->n_units; u++) json_array_append_new(ranks, json_integer(s->units[u].rank));
     int64_t total = 0;
-    for (int64_t u = 0; u < s->n_units; u++) total += s->units[u].rank;
-    return json_pack("{s:s, s:o, s:I, s:o}", "mode", kv_lr_mode_name(s->mode), "ranks", ranks,
-                     "rank", (json_int_t)total, "predicted_error",
+    for (int64_t u = 0; u < kv_lr_n_units(lr, l, which); u++) {
+        int64_t r = kv_lr_unit_info(lr, l, which, u).rank;
+        json_array_append_new(ranks, json_integer(r));
+        total += r;
+    }
+    return json_pack("{s:s, s:o, s:I, s:o}", "mode", kv_lr_mode_name(kv_lr_mode_of(lr, l, which)),
+                     "ranks", ranks, "rank", (json_int_t)total, "predicted_error",
                      cli_json_real(rel_err(v->dropped, v->energy)));
 }
 
@@ -257,11 +253,11 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
         if ((rc = cli_load_model(model, tokenizer, &m)) == EXIT_OK && dir &&
             kv_lr_dir_open(dir, m, &full, &err))
             rc = cli_report(&err);
-        kv_lowrank_free(full);
-        kv_model_free(m);
+        kv_lr_free(full);
+        kv_model_close(m);
         free(dir);
         if (rc) {
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
             return rc;
         }
     }
@@ -272,21 +268,22 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
     json_t *lat = doc ? json_object_get(doc, "latent") : NULL;
     const char *written = doc ? json_string_value(json_object_get(doc, "kvcal_version")) : NULL;
 
-    struct kv_config cfg = {.n_layers = lr->n_layers, .n_kv_heads = lr->n_kv_heads,
-                            .head_dim = lr->head_dim};
-    int64_t base = kv_lowrank_base_bytes(&cfg), comp = kv_lowrank_bytes(lr, lr->kv_bits);
-    int64_t layer_base = 2 * lr->n_kv_heads * lr->head_dim * 2;
+    struct kv_lr_info li = kv_lr_info(lr);
+    struct kv_config cfg = {.n_layers = li.n_layers, .n_kv_heads = li.n_kv_heads,
+                            .head_dim = li.head_dim};
+    int64_t base = kv_lr_base_bytes(&cfg), comp = kv_lr_bytes(lr, li.kv_bits);
+    int64_t layer_base = 2 * li.n_kv_heads * li.head_dim * 2;
     double en[2] = {0, 0}, dr[2] = {0, 0};
-    struct lr_side_view *views = calloc((size_t)(2 * lr->n_layers), sizeof *views);
+    struct lr_side_view *views = calloc((size_t)(2 * li.n_layers), sizeof *views);
     if (!views) {
         json_decref(doc);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
         return cli_report(&(struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"});
     }
     int width = 7;
-    for (int64_t l = 0; l < lr->n_layers; l++) {
-        side_view(lr, &lr->layers[l].k, &views[2 * l]);
-        side_view(lr, &lr->layers[l].v, &views[2 * l + 1]);
+    for (int64_t l = 0; l < li.n_layers; l++) {
+        side_view(lr, l, 0, li.kv_bits, &views[2 * l]);
+        side_view(lr, l, 1, li.kv_bits, &views[2 * l + 1]);
         for (int w = 0; w < 2; w++) {
             en[w] += views[2 * l + w].energy, dr[w] += views[2 * l + w].dropped;
             int n = (int)strlen(views[2 * l + w].ranks);
@@ -296,19 +293,19 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
 
     if (json) {
         json_t *layers = json_array();
-        for (int64_t l = 0; l < lr->n_layers; l++) {
+        for (int64_t l = 0; l < li.n_layers; l++) {
             const struct lr_side_view *vk = &views[2 * l], *vv = &views[2 * l + 1];
             json_array_append_new(
                 layers, json_pack("{s:I, s:o, s:o, s:{s:I, s:I}}", "layer", (json_int_t)l, "k",
-                                  side_json(&lr->layers[l].k, vk), "v",
-                                  side_json(&lr->layers[l].v, vv), "kv_bytes_per_token", "base",
+                                  side_json(lr, l, 0, vk), "v",
+                                  side_json(lr, l, 1, vv), "kv_bytes_per_token", "base",
                                   (json_int_t)layer_base, "compressed",
                                   (json_int_t)(vk->bytes + vv->bytes)));
         }
         json_t *o = json_pack(
             "{s:o, s:s, s:i, s:s?, s:s, s:s, s:O?, s:O?, s:O?, s:{s:I, s:I, s:o}, s:{s:o, s:o}, s:o, s:o}",
             "path", cli_json_text(path), "type", "kvcal.manifest", "version", 1, "kvcal_version",
-            written, "method", lr->method, "alloc", lr->alloc, "options", opts, "model", mo,
+            written, "method", li.method, "alloc", li.alloc, "options", opts, "model", mo,
             "latent", lat, "kv_bytes_per_token", "base", (json_int_t)base, "compressed",
             (json_int_t)comp, "ratio", cli_json_real((double)comp / (double)base),
             "predicted_error", "k", cli_json_real(rel_err(dr[0], en[0])), "v",
@@ -318,24 +315,24 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
     } else {
         printf("compressed %s (kvcal.manifest version 1, written by kvcal %s)\n", path,
                written ? written : "?");
-        printf("method     %s, allocation %s\n", lr->method, lr->alloc);
+        printf("method     %s, allocation %s\n", li.method, li.alloc);
         char *os = opts ? json_dumps(opts, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
         printf("options    %s\n", os ? os : "{}");
         free(os);
         const char *src = mo ? json_string_value(json_object_get(mo, "source")) : NULL;
         const char *fmt = mo ? json_string_value(json_object_get(mo, "format")) : NULL;
-        printf("model      fingerprint %.16s…, %s%s%s\n", lr->model_fingerprint, fmt ? fmt : "?",
+        printf("model      fingerprint %.16s…, %s%s%s\n", li.model_fingerprint, fmt ? fmt : "?",
                src ? " from " : "", src ? src : "");
         printf("           dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld\n",
-               (long long)lr->dim, (long long)lr->n_layers, (long long)lr->n_heads,
-               (long long)lr->n_kv_heads, (long long)lr->head_dim);
-        if (lr->kv_bits >= 16)
+               (long long)li.dim, (long long)li.n_layers, (long long)li.n_heads,
+               (long long)li.n_kv_heads, (long long)li.head_dim);
+        if (li.kv_bits >= 16)
             printf("latent     f16, no quantization");
         else
             printf("latent     int%d codes, per-token asymmetric per unit with an f16 scale and "
                    "zero point",
-                   lr->kv_bits);
-        printf(", hadamard %s\n", lr->hadamard ? "yes" : "no");
+                   li.kv_bits);
+        printf(", hadamard %s\n", li.hadamard ? "yes" : "no");
         printf("kv cache   %lld bytes/token compressed, %lld base (ratio %.4f, %.2fx smaller)\n",
                (long long)comp, (long long)base, (double)comp / (double)base,
                comp ? (double)base / (double)comp : 0.0);
@@ -345,14 +342,14 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
         if (model) printf("factors    read and checked against %s\n", model);
         printf("\n%-6s %-18s %-*s %7s  %-13s %-*s %7s  %s\n", "layer", "K mode", width, "K ranks",
                "K err", "V mode", width, "V ranks", "V err", "bytes/token base -> compressed");
-        for (int64_t l = 0; l < lr->n_layers; l++) {
-            const struct kv_lr_layer *y = &lr->layers[l];
+        for (int64_t l = 0; l < li.n_layers; l++) {
+            enum kv_lr_mode km = kv_lr_mode_of(lr, l, 0), vm = kv_lr_mode_of(lr, l, 1);
             const struct lr_side_view *vk = &views[2 * l], *vv = &views[2 * l + 1];
             char ek[24], ev[24];
-            pct_text(&y->k, vk->dropped, vk->energy, ek, sizeof ek);
-            pct_text(&y->v, vv->dropped, vv->energy, ev, sizeof ev);
+            pct_text(km, vk->dropped, vk->energy, ek, sizeof ek);
+            pct_text(vm, vv->dropped, vv->energy, ev, sizeof ev);
             printf("%-6lld %-18s %-*s %7s  %-13s %-*s %7s  %lld -> %lld\n", (long long)l,
-                   kv_lr_mode_name(y->k.mode), width, vk->ranks, ek, kv_lr_mode_name(y->v.mode),
+                   kv_lr_mode_name(km), width, vk->ranks, ek, kv_lr_mode_name(vm),
                    width, vv->ranks, ev, (long long)layer_base, (long long)(vk->bytes + vv->bytes));
         }
         char tk[24], tv[24];
@@ -364,7 +361,7 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
     }
     free(views);
     json_decref(doc);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     return rc;
 }
 
@@ -473,6 +470,6 @@ int cmd_inspect(int argc, char **argv) {
                    (unsigned long long)t->offset, (unsigned long long)t->nbytes);
         }
     }
-    kv_model_free(m);
+    kv_model_close(m);
     return rc; /* 0 unless the JSON could not be encoded */
 }

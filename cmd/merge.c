@@ -31,46 +31,28 @@ int cmd_merge(int argc, char **argv) {
     if (!output) return cli_usage_error(&cmd, "missing --output");
     struct kv_err err;
     kv_err_clear(&err);
-    struct kv_stats *acc = NULL, *b = NULL;
-    if (kv_stats_open(pos[0], &acc, &err)) return cli_report(&err);
-    /* a lone shard still gets the checks a merge makes */
-    if (acc->next_window < acc->plan_windows) {
-        fprintf(stderr, "kvcal: %s: an unfinished checkpoint (%lld of %lld windows); finish it "
-                        "with 'kvcal collect --resume' first\n", pos[0],
-                (long long)acc->next_window, (long long)acc->plan_windows);
-        kv_stats_free(acc);
-        return EXIT_ERR;
-    }
-    for (int i = 1; i < n_pos; i++) {
-        if (kv_stats_open(pos[i], &b, &err) || kv_stats_merge(acc, b, pos[i], &err)) {
-            kv_stats_free(b);
-            kv_stats_free(acc);
-            return cli_report(&err);
-        }
-        kv_stats_free(b);
-        b = NULL;
-    }
+    struct kv_stats *acc = NULL;
+    if (kv_stats_merge_files(pos, n_pos, output, &acc, &err)) return cli_report(&err);
+    struct kv_stats_info in = kv_stats_info(acc);
     rc = EXIT_OK;
-    if (kv_stats_write(acc, output, &err)) {
-        kv_stats_free(acc);
-        return cli_report(&err);
-    }
     if (json) {
         json_t *ins = cli_json_stats_inputs(acc);
         rc = cli_print_json(json_pack("{s:o, s:i, s:s, s:I, s:I, s:I, s:b, s:o}", "output",
                                       cli_json_text(output), "shards", n_pos, "fingerprint",
-                                      acc->fingerprint, "seq_len", (json_int_t)acc->seq_len,
-                                      "tokens", (json_int_t)acc->tokens, "windows",
-                                      (json_int_t)acc->windows, "fisher", acc->has_fisher,
+                                      in.fingerprint, "seq_len", (json_int_t)in.seq_len,
+                                      "tokens", (json_int_t)in.tokens, "windows",
+                                      (json_int_t)in.windows, "fisher", in.has_fisher,
                                       "inputs", ins),
                             JSON_INDENT(2));
     } else {
         printf("merged    %d shard%s: %lld tokens in %lld windows of %lld%s\n", n_pos,
-               n_pos > 1 ? "s" : "", (long long)acc->tokens, (long long)acc->windows,
-               (long long)acc->seq_len, acc->has_fisher ? ", with fisher statistics" : "");
-        for (int64_t i = 0; i < acc->n_inputs; i++)
-            printf("input     %s: sha256 %.16s…, %lld windows\n", acc->inputs[i].path,
-                   acc->inputs[i].sha256, (long long)acc->inputs[i].windows);
+               n_pos > 1 ? "s" : "", (long long)in.tokens, (long long)in.windows,
+               (long long)in.seq_len, in.has_fisher ? ", with fisher statistics" : "");
+        for (int64_t i = 0; i < in.n_inputs; i++) {
+            const struct kv_stats_input *x = kv_stats_input(acc, i);
+            printf("input     %s: sha256 %.16s…, %lld windows\n", x->path, x->sha256,
+                   (long long)x->windows);
+        }
         printf("wrote     %s\n", output);
     }
     kv_stats_free(acc);

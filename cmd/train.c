@@ -164,7 +164,7 @@ int cmd_train(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     struct kv_err err;
     kv_err_clear(&err);
-    double t0 = cli_now();
+    double t0 = kv_now();
     rc = kv_train(&o, &err);
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
@@ -176,7 +176,7 @@ int cmd_train(int argc, char **argv) {
         }
         return EXIT_ERR;
     }
-    double secs = cli_now() - t0;
+    double secs = kv_now() - t0;
     if (o.run_tokens < o.tokens_seen)
         printf("trained   %lld tokens, %lld of them in this run (%.0f s, %.0f tok/s), peak RSS %.0f MiB\n",
                (long long)o.tokens_seen, (long long)o.run_tokens, secs,

@@ -127,20 +127,22 @@ static int verify_compressed(const char *model, const char *src, const char *tex
     kv_err_clear(&err);
     struct kv_lowrank *lr;
     if (kv_lr_dir_open(dir, m, &lr, &err)) return cli_report(&err);
-    if (hadamard && !lr->hadamard && kv_lowrank_hadamard(lr, &err)) {
-        kv_lowrank_free(lr);
+    struct kv_lr_info li = kv_lr_info(lr);
+    if (hadamard && !li.hadamard && kv_lr_fuse_hadamard(lr, &err)) {
+        kv_lr_free(lr);
         return cli_report(&err);
     }
-    int bits = kv_bits ? (int)kv_bits : lr->kv_bits;
-    lr->kv_bits = bits; /* what the runtime is asked to cache */
+    int bits = kv_bits ? (int)kv_bits : li.kv_bits;
+    kv_lr_set_kv_bits(lr, bits, &err); /* what the runtime is asked to cache; checked above */
+    li = kv_lr_info(lr);
     struct kv_compare_result r;
     int rc = run_windows(m, lr, bits, dv, ids, n, seq_len, max_windows, quiet || json, src, &r);
     if (rc) {
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
         return rc;
     }
     const struct kv_config *c = kv_model_config(m);
-    int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, bits);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, bits);
     double ratio = (double)comp / (double)base;
     double tb = tokens_per_s(&r.base, seq_len), tc = tokens_per_s(&r.comp, seq_len);
     if (json) {
@@ -148,8 +150,8 @@ static int verify_compressed(const char *model, const char *src, const char *tex
             "{s:s, s:o, s:o, s:o, s:s, s:s, s:i, s:b, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, "
             "s:o, s:o, s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
             "protocol", "windows", "model", cli_json_text(model), "compressed", cli_json_text(dir),
-            "text", cli_json_text(src), "method", lr->method, "alloc", lr->alloc, "kv_bits", bits,
-            "hadamard", lr->hadamard, "seq_len", (json_int_t)seq_len, "tokens",
+            "text", cli_json_text(src), "method", li.method, "alloc", li.alloc, "kv_bits", bits,
+            "hadamard", li.hadamard, "seq_len", (json_int_t)seq_len, "tokens",
             (json_int_t)r.comp.tokens, "windows", (json_int_t)r.comp.windows, "scored",
             (json_int_t)r.comp.scored, "nll", cli_json_real(r.comp.nll), "ppl",
             cli_json_real(r.comp.ppl), "base_nll", cli_json_real(r.base.nll), "base_ppl",
@@ -164,9 +166,9 @@ static int verify_compressed(const char *model, const char *src, const char *tex
         char desc[512];
         cli_describe_config(c, desc, sizeof desc);
         printf("model       %s\n            %s\n", model, desc);
-        printf("compressed  %s: %s, alloc %s, %s latents%s\n", dir, lr->method, lr->alloc,
+        printf("compressed  %s: %s, alloc %s, %s latents%s\n", dir, li.method, li.alloc,
                bits == 16 ? "fp16" : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2"),
-               lr->hadamard ? ", hadamard" : "");
+               li.hadamard ? ", hadamard" : "");
         if (text)
             printf("text        %s: %zu bytes, %lld tokens with BOS\n", text, n_bytes, (long long)r.comp.tokens);
         else
@@ -185,7 +187,7 @@ static int verify_compressed(const char *model, const char *src, const char *tex
                cli_peak_rss_mib());
         if (dv->on) device_print(dv, &r, &r.comp, seq_len, NULL);
     }
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     return device_verdict(dv, &r, &r.comp, rc);
 }
 
@@ -291,14 +293,14 @@ int cmd_verify(int argc, char **argv) {
     int64_t n;
     size_t n_bytes;
     if ((rc = cli_load_tokens(m, text, tokens, &ids, &n, &n_bytes))) {
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     if (comp) {
         rc = verify_compressed(model, src, text, comp, m, ids, n, n_bytes, seq_len, max_windows,
                                kv_bits, hadamard, &dv, json, quiet);
         free(ids);
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     struct kv_compare_result cr;
@@ -320,7 +322,7 @@ int cmd_verify(int argc, char **argv) {
     }
     free(ids);
     if (rc) {
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     double tps = tokens_per_s(&r, seq_len);
@@ -356,6 +358,6 @@ int cmd_verify(int argc, char **argv) {
                r.seconds, cli_peak_rss_mib());
         if (dv.on) device_print(&dv, &cr, &r, seq_len, NULL);
     }
-    kv_model_free(m);
+    kv_model_close(m);
     return device_verdict(&dv, &cr, &r, rc);
 }

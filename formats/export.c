@@ -17,6 +17,7 @@
 #include "hfdir.h"
 #include "json.h"
 #include "limits.h"
+#include "lrmodel.h"
 #include "mapfile.h"
 #include "model.h"
 #include "safetensors.h"

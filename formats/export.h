@@ -30,7 +30,7 @@
 #ifndef KV_EXPORT_H
 #define KV_EXPORT_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 /*  Write the dense form of lr applied to model m to out. m must have been
  * loaded from model_path (kv_model_open: an HF directory, a .gguf or a

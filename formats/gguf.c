@@ -1184,9 +1184,9 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
         kv_gguf_close(f);
         return rc;
     }
-    if ((rc = kv_model_on_free(m, close_cb, f, err))) {
+    if ((rc = kv_model_on_close(m, close_cb, f, err))) {
         kv_gguf_close(f);
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     struct kv_tensor *table = malloc((size_t)(f->n_tensors ? f->n_tensors : 1) * sizeof *table);
@@ -1212,6 +1212,6 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
     *out = m;
     return KV_OK;
 fail:
-    kv_model_free(m);
+    kv_model_close(m);
     return rc;
 }

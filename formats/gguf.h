@@ -30,7 +30,7 @@
 
 #include <stdint.h>
 
-#include "kvcal.h"
+#include "kvformats.h"
 #include "mapfile.h"
 
 struct kv_tokenizer;

@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 struct kv_ggufw;
 

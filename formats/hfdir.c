@@ -710,7 +710,7 @@ static int open_shards(struct hf_weights *w, struct kv_model *m, struct kv_err *
         struct hf_shard *s = &w->shards[i];
         int rc = kv_st_open(s->path, &s->st, err);
         if (rc) return rc;
-        if ((rc = kv_model_on_free(m, st_close_cb, s->st, err))) {
+        if ((rc = kv_model_on_close(m, st_close_cb, s->st, err))) {
             kv_st_close(s->st);
             s->st = NULL;
             return rc;
@@ -944,7 +944,7 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
             return kv_model_bind(m, e->kinds[0], layer, t, path, err); /* refuses the dtype */
         int64_t n = total * cols;
         float *in = malloc((size_t)n * sizeof *in), *out = malloc((size_t)n * sizeof *out);
-        if (!in || !out || kv_model_on_free(m, free, out, err)) {
+        if (!in || !out || kv_model_on_close(m, free, out, err)) {
             free(in), free(out);
             return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory transposing '%s'", t->name);
         }
@@ -1069,7 +1069,7 @@ static int load_dir(const char *dir, struct kv_model **out, char **paths, struct
     }
     if (!rc) rc = kv_model_finish(m, sharded ? index : single, err);
     if (rc) {
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     *out = m;

@@ -57,7 +57,7 @@
 #ifndef KV_HFDIR_H
 #define KV_HFDIR_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 #include "model.h"
 
 /* One HF tensor and the kvcal weights it holds: kinds[0..n_kinds) stacked
@@ -96,7 +96,7 @@ int kv_hf_read_config(const char *path, struct kv_config *cfg, struct kv_err *er
 /* Load the HF checkpoint in directory dir. The weight files stay mapped for
  * the model's lifetime (F32 weights are views into them; F16/BF16 are
  * converted). config.json's bos/eos ids override the tokenizer's. On success
- * *out is released with kv_model_free. Errors name the file they concern. */
+ * *out is released with kv_model_close. Errors name the file they concern. */
 int kv_hf_load(const char *dir, struct kv_model **out, struct kv_err *err);
 
 /* Load tokenizer.json at path as a KV_TOK_RANK tokenizer. BOS/EOS come from

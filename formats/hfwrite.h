@@ -28,7 +28,7 @@
 #ifndef KV_HFWRITE_H
 #define KV_HFWRITE_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 /* config.json text of cfg (indented JSON ending in a newline), malloc'd;
  * KV_EINVAL when HF cannot describe cfg (gpt2 with head_dim * n_heads !=

@@ -15,7 +15,7 @@
 
 #include <jansson.h>
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 /* Read and parse the JSON file at path (at most KV_MAX_JSON_BYTES). On
  * success *out is a new reference the caller releases with json_decref.

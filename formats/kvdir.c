@@ -16,6 +16,7 @@
 #include "hfdir.h"
 #include "json.h"
 #include "limits.h"
+#include "lrmodel.h"
 #include "mapfile.h"
 #include "model.h"
 #include "safetensors.h"
@@ -457,7 +458,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, root, "weights", json_string(WEIGHTS_NAME));
     jset(&b, root, "weight_layout", json_string(WEIGHT_LAYOUT));
 
-    int64_t base = kv_lowrank_base_bytes(c), comp = kv_lowrank_bytes(lr, lr->kv_bits);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, lr->kv_bits);
     json_t *bo = jset(&b, root, "kv_bytes_per_token", json_object());
     jset(&b, bo, "base", json_integer(base));
     jset(&b, bo, "compressed", json_integer(comp));
@@ -512,13 +513,25 @@ static int fill_text(int fd, const char *path, const char *tmp, void *ctx, struc
     return KV_OK;
 }
 
+/* dir without trailing slashes (malloc'd). */
+static char *trim_dir(const char *dir) {
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    char *s = malloc(n + 1);
+    if (!s) return NULL;
+    memcpy(s, dir, n);
+    s[n] = 0;
+    return s;
+}
+
 /* What is at an output path. */
 enum target { T_ABSENT, T_EMPTY, T_EARLIER };
 
 /* Classify dir: absent, an empty directory, or an earlier output (a
  * directory holding kvcal.json and no subdirectory); anything else is
  * KV_EINVAL. */
-static int classify_target(const char *dir, enum target *out, struct kv_err *err) {
+static int classify_target(const char *dir, const char *name, enum target *out,
+                           struct kv_err *err) {
     char eb[128];
     struct stat st;
     if (lstat(dir, &st) != 0) {
@@ -531,7 +544,8 @@ static int classify_target(const char *dir, enum target *out, struct kv_err *err
     }
     if (!S_ISDIR(st.st_mode))
         return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                       "exists and is not a directory; refusing to replace it");
+                       "exists and is not a directory; %s names a directory",
+                       name ? name : "the output");
     DIR *d = opendir(dir);
     if (!d)
         return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot open directory: %s",
@@ -569,6 +583,22 @@ static int classify_target(const char *dir, enum target *out, struct kv_err *err
                        subdir);
     *out = T_EARLIER;
     return KV_OK;
+}
+
+int kv_lr_dir_check(const char *dir, const char *name, struct kv_err *err) {
+    char eb[128];
+    if (!dir[0]) return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "empty output directory name");
+    char *out = trim_dir(dir), *parent = out ? kv_path_dir(out) : NULL;
+    enum target t;
+    int rc = out && parent ? classify_target(out, name, &t, err)
+                           : kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    /* the parent must take the temporary directory now, not after the work */
+    if (!rc && access(parent, W_OK | X_OK) != 0)
+        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot create the output directory in '%s': %s",
+                     parent, kv_errtext(errno, eb, sizeof eb));
+    free(out);
+    free(parent);
+    return rc;
 }
 
 /* Unlink every entry of dir (no subdirectories) and, if rmdir_too, dir. */
@@ -756,17 +786,6 @@ static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_mod
 
 /* ================================================================ write */
 
-/* dir without trailing slashes (malloc'd). */
-static char *trim_dir(const char *dir) {
-    size_t n = strlen(dir);
-    while (n > 1 && dir[n - 1] == '/') n--;
-    char *s = malloc(n + 1);
-    if (!s) return NULL;
-    memcpy(s, dir, n);
-    s[n] = 0;
-    return s;
-}
-
 /* Fill the temporary directory tmp. */
 static int write_contents(const struct kv_model *m, const struct kv_lowrank *lr,
                           const struct kv_lr_dir_info *info, const char *fp, const char *tmp,
@@ -881,7 +900,7 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
 
     /* refuse early, before writing anything */
     enum target t;
-    if ((rc = classify_target(out, &t, err))) goto done;
+    if ((rc = classify_target(out, NULL, &t, err))) goto done;
     if (mkdir(tmp, 0755) != 0) {
         rc = kv_fail(err, KV_EIO, tmp, KV_NO_OFFSET, "cannot create directory: %s",
                      kv_errtext(errno, eb, sizeof eb));
@@ -890,7 +909,7 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     rc = write_contents(m, lr, info, fp, tmp, err);
     if (!rc) rc = kv_fsync_dir(tmp, tmp, err);
     /* look again: the directory may have changed while the weights were written */
-    if (!rc) rc = classify_target(out, &t, err);
+    if (!rc) rc = classify_target(out, NULL, &t, err);
     if (!rc && t == T_EARLIER) rc = remove_files(out, 0, err);
     if (!rc && rename(tmp, out) != 0)
         rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
@@ -1358,7 +1377,7 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
         in_ctx(rc, err, "kv_bytes_per_token");
         goto fail;
     }
-    int64_t want_base = kv_lowrank_base_bytes(c), want_comp = kv_lowrank_bytes(lr, lr->kv_bits);
+    int64_t want_base = kv_lr_base_bytes(c), want_comp = kv_lr_bytes(lr, lr->kv_bits);
     if (base != want_base || comp != want_comp) {
         rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                      "kv_bytes_per_token says base %lld, compressed %lld, but the shapes and "
@@ -1377,7 +1396,7 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
     *out = lr;
     return KV_OK;
 fail:
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     return rc;
 }
 
@@ -1600,7 +1619,7 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
     lr = NULL;
 done:
     kv_st_close(f);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     json_decref(root);
     free(wpath);
     free(mpath);

@@ -66,7 +66,7 @@
 #ifndef KV_KVDIR_H
 #define KV_KVDIR_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 /* The API (struct kv_lr_dir_info, kv_lr_dir_write, kv_lr_dir_open,
  * kv_lr_manifest_read) is declared in kvcal.h. */

@@ -85,6 +85,37 @@ void kv_stats_free(struct kv_stats *s) {
     free(s);
 }
 
+struct kv_stats_info kv_stats_info(const struct kv_stats *s) {
+    struct kv_stats_info in;
+    memset(&in, 0, sizeof in);
+    in.n_layers = s->n_layers, in.dim = s->dim, in.n_heads = s->n_heads;
+    in.n_kv_heads = s->n_kv_heads, in.head_dim = s->head_dim;
+    memcpy(in.fingerprint, s->fingerprint, sizeof in.fingerprint);
+    memcpy(in.version, s->version, sizeof in.version);
+    in.seq_len = s->seq_len, in.tokens = s->tokens, in.windows = s->windows;
+    in.has_fisher = s->has_fisher;
+    memcpy(in.sampling, s->sampling, sizeof in.sampling);
+    in.seed = s->seed, in.samples = s->samples;
+    in.shard_index = s->shard_index, in.shard_count = s->shard_count;
+    in.plan_windows = s->plan_windows, in.next_window = s->next_window;
+    in.n_inputs = s->n_inputs;
+    return in;
+}
+
+const struct kv_stats_input *kv_stats_input(const struct kv_stats *s, int64_t i) {
+    KV_ASSERT(i >= 0 && i < s->n_inputs);
+    return &s->inputs[i];
+}
+
+double kv_stats_fisher_total(const struct kv_stats *s, int64_t l, int which) {
+    KV_ASSERT(l >= 0 && l < s->n_layers);
+    if (!s->has_fisher) return NAN;
+    const double *f = which ? s->layers[l].fisher_v : s->layers[l].fisher_k;
+    double t = 0;
+    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) t += f[r];
+    return t;
+}
+
 /* Shape fields must be set and validated; allocates zeroed sums. */
 static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err) {
     s->layers = calloc((size_t)s->n_layers, sizeof *s->layers);

@@ -1,5 +1,5 @@
-/* Statistics file (.kvstats), format version 1 (internal; the API is in
- * kvcal.h).
+/* Statistics file (.kvstats), format version 1, and the statistics in
+ * memory (internal; the API is in kvformats.h).
  *
  * A GGUF v3 file (formats/gguf.h) with these metadata keys:
  *
@@ -50,7 +50,48 @@
 #ifndef KV_KVSTATS_H
 #define KV_KVSTATS_H
 
-#include "kvcal.h"
+#include "kvformats.h"
+
+/* Per-layer float64 sums over calibration tokens (docs/design.md). Matrices are
+ * row-major and symmetric (both triangles stored). */
+struct kv_stats_layer {
+    double *xtx;    /* [d, d]        Σ xᵀx, x = attention input after the norm */
+    double *xsum;   /* [d]           Σ x */
+    double *q_cov;  /* [h, d_h, d_h] Σ qᵀq per query head, post-RoPE */
+    double *k_cov;  /* [g, d_h, d_h] Σ kᵀk per KV head, post-RoPE */
+    /* Fisher statistics (collect --fisher), NULL when absent. Sums over
+     * windows of the squared gradient of that window's mean loss:
+     * fisher_k[r] = Σ_w Σ_j (∂L_w/∂W_k[r, j])² for output row r (Palu §3.3
+     * scores any group of heads by summing its rows); the same for W_v. */
+    double *fisher_k;  /* [g*d_h] */
+    double *fisher_v;  /* [g*d_h] */
+    /* Σ gᵀg over tokens per KV head of g = ∂L_w/∂k (pre-RoPE key output,
+     * kv_grad_k) and ∂L_w/∂v. */
+    double *grad_k_cov; /* [g, d_h, d_h] */
+    double *grad_v_cov; /* [g, d_h, d_h] */
+};
+
+/* The sums and their records (the accessors of kvformats.h read these). */
+struct kv_stats {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
+    char fingerprint[65];  /* kv_model_fingerprint of the model */
+    char version[32];      /* kvcal version that wrote the file */
+    int64_t seq_len;
+    int64_t tokens;        /* tokens accumulated */
+    int64_t windows;       /* windows accumulated */
+    int has_fisher;        /* every layer has fisher_k/v and grad_k/v_cov */
+    /* the plan that produced the sums ("sequential", "random" or "merged") */
+    char sampling[16];
+    uint64_t seed;
+    int64_t samples;       /* --samples (0 = all) */
+    int64_t shard_index, shard_count;
+    int64_t plan_windows;  /* windows in the plan */
+    int64_t next_window;   /* plan entries done; < plan_windows in a checkpoint */
+    int64_t n_inputs;
+    struct kv_stats_input *inputs;
+    struct kv_stats_layer *layers; /* [n_layers] */
+};
+
 
 #define KV_STATS_TYPE "kvcal.stats"
 #define KV_STATS_FORMAT_VERSION 1

@@ -157,7 +157,7 @@ int kv_l2c_parse(const uint8_t *buf, uint64_t len, const char *path, struct kv_m
     if ((rc = kv_model_create(&cfg, KV_FORMAT_LLAMA2C, path, &m, err))) return rc;
     struct kv_tensor *table = calloc((size_t)n_views, sizeof *table);
     if (!table) {
-        kv_model_free(m);
+        kv_model_close(m);
         return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     }
     uint64_t off = L2C_HEADER_BYTES;
@@ -184,7 +184,7 @@ int kv_l2c_parse(const uint8_t *buf, uint64_t len, const char *path, struct kv_m
             if (a->kind >= 0 &&
                 (rc = kv_model_bind(m, (enum kv_wkind)a->kind, l, t, path, err))) {
                 free(table);
-                kv_model_free(m);
+                kv_model_close(m);
                 return rc;
             }
         }
@@ -194,7 +194,7 @@ int kv_l2c_parse(const uint8_t *buf, uint64_t len, const char *path, struct kv_m
     free(table);
     if (!rc) rc = kv_model_finish(m, path, err);
     if (rc) {
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     *out = m;
@@ -210,9 +210,9 @@ int kv_l2c_load(const char *path, struct kv_model **out, struct kv_err *err) {
         kv_map_free_cb(map);
         return rc;
     }
-    if ((rc = kv_model_on_free(m, kv_map_free_cb, map, err))) {
+    if ((rc = kv_model_on_close(m, kv_map_free_cb, map, err))) {
         kv_map_free_cb(map);
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     *out = m;

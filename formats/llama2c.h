@@ -40,7 +40,7 @@
 
 #include <stdint.h>
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 struct kv_model;
 struct kv_tokenizer;

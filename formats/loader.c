@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "err.h"
 #include "gguf.h"
 #include "hfdir.h"
 #include "llama2c.h"
@@ -27,7 +28,7 @@ static int is_gguf(const char *path) {
     return n == 4 && memcmp(mg, "GGUF", 4) == 0;
 }
 
-int kv_tokenizer_open(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
+int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
     int kind = kv_path_kind(path);
     if (kind < 0) return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "no such file");
     if (kind == 1) {
@@ -63,16 +64,16 @@ int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model 
     if (rc) return rc;
     if (tokenizer_path) {
         struct kv_tokenizer *tok;
-        rc = kv_tokenizer_open(tokenizer_path, &tok, err);
+        rc = kv_tok_open(tokenizer_path, &tok, err);
         if (rc) {
-            kv_model_free(m);
+            kv_model_close(m);
             return rc;
         }
         if (kv_tok_n_vocab(tok) > m->cfg.vocab_size) {
             int nv = kv_tok_n_vocab(tok);
             long long mv = (long long)m->cfg.vocab_size;
             kv_tok_free(tok);
-            kv_model_free(m);
+            kv_model_close(m);
             return kv_fail(err, KV_EINVAL, tokenizer_path, KV_NO_OFFSET,
                            "tokenizer has %d pieces but the model '%s' has a vocabulary of %lld",
                            nv, path, mv);

@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "err.h"
+
 const char *kv_errtext(int e, char *buf, size_t cap) {
     snprintf(buf, cap, "%s", strerror(e));
     if (buf[0] >= 'A' && buf[0] <= 'Z') buf[0] = (char)(buf[0] - 'A' + 'a');

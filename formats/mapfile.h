@@ -3,7 +3,7 @@
 #ifndef KV_MAPFILE_H
 #define KV_MAPFILE_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 struct kv_map {
     const uint8_t *data; /* NULL for an empty file */
@@ -13,7 +13,7 @@ struct kv_map {
 /* Map path read-only. Errors: KV_EIO naming path and strerror. */
 int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err);
 void kv_map_close(struct kv_map *m);
-/* Heap copy of a kv_map suitable for kv_model_on_free(kv_map_free_cb, ...). */
+/* Heap copy of a kv_map suitable for kv_model_on_close(kv_map_free_cb, ...). */
 int kv_map_open_heap(const char *path, struct kv_map **out, struct kv_err *err);
 void kv_map_free_cb(void *map);
 

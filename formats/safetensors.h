@@ -25,7 +25,7 @@
 #ifndef KV_SAFETENSORS_H
 #define KV_SAFETENSORS_H
 
-#include "kvcal.h"
+#include "kvformats.h"
 #include "mapfile.h"
 
 struct kv_st_file {

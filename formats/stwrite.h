@@ -31,7 +31,7 @@
 
 #include <stdint.h>
 
-#include "kvcal.h"
+#include "kvformats.h"
 
 struct kv_stw;
 

@@ -2,13 +2,16 @@
  * its compressed attention, validation, sequence chunking, and dispatch to
  * the CPU twin or the CUDA backend. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-#include "err.h"
 #include "kvrt.h"
+#include "err.h"
 #include "kvrt_plan.h"
 #include "limits.h"
+#include "lrmodel.h"
 #include "model.h"
 
 struct kvrt {
@@ -44,6 +47,8 @@ int kvrt_device_query(int dev, struct kvrt_device *out, struct kv_err *err) {
 }
 
 /* ---------------------------------------------------------------- chunking */
+
+int64_t kvrt_max_ctx(void) { return KV_MAX_CTX; }
 
 int64_t kvrt_chunk_len(const struct kvrt *rt, int64_t T, int64_t *n_tasks) {
     int64_t len, full, n = kvrt_plan_chunks(&rt->p, T, &len, &full);
@@ -486,4 +491,30 @@ int kvrt_time_step(struct kvrt *rt, int64_t layer, int64_t pos, int64_t iters, d
     }
     if (!rc) rt->len[layer] = pos + 1, rt->qpos[layer] = pos;
     return rc;
+}
+
+/* Bytes of memory available to a new allocation: MemAvailable of
+ * /proc/meminfo, else the physical memory; 0 when unknown. */
+static double mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+    if (f) fclose(f);
+    if (kib >= 0) return 1024.0 * (double)kib;
+    double pages = (double)sysconf(_SC_PHYS_PAGES), size = (double)sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? pages * size : 0;
+}
+
+int kvrt_cache_fits(const struct kvrt *rt, int64_t max_ctx, struct kv_err *err) {
+    if (kvrt_backend_of(rt) != KVRT_BACKEND_TWIN) return KV_OK;
+    double need = 0, have = mem_available();
+    struct kvrt_layer_info li;
+    for (int64_t l = 0; kvrt_layer_info(rt, l, &li) == KV_OK; l++)
+        need += (double)max_ctx * (double)li.cache_bytes_per_token;
+    if (have <= 0 || need <= 0.9 * have) return KV_OK;
+    return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
+                   "the twin's caches need %.1f GiB but %.1f GiB of memory is available",
+                   need / (1 << 30), have / (1 << 30));
 }

@@ -4,7 +4,7 @@
  * factors a compressed model's manifest names, and a KV cache per layer) on
  * a backend, and runs decode steps: append one token's keys/values (or their
  * latents) at a position, then attend from that token's query over every
- * cached position. It runs every mode kvcal decompose writes (kvcal.h,
+ * cached position. It runs every mode kvcal decompose writes (kvcal_core.h,
  * enum kv_lr_mode) and the plain full-KV path:
  *
  *   keys   full               cache RoPE(x W_kᵀ + b_k), score q·k
@@ -21,13 +21,13 @@
  * Cached entries are stored as fp32 or fp16 (rounded to nearest even as they
  * enter the cache); all arithmetic is fp32.
  *
- * Errors follow kvcal.h: an int status and a caller-owned struct kv_err.
+ * Errors follow kvcal_core.h: an int status and a caller-owned struct kv_err.
  * KV_EDEVICE for CUDA failures, KV_EUNSUPPORTED for a build without CUDA or
  * a manifest the runtime does not run (quantized latents). */
 #ifndef KVRT_H
 #define KVRT_H
 
-#include "kvcal.h"
+#include "kvcal_core.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -123,10 +123,21 @@ struct kvrt_layer_info {
     int64_t up_bytes;              /* of which prerope reconstruction factors */
 };
 int kvrt_layer_info(const struct kvrt *rt, int64_t layer, struct kvrt_layer_info *out);
+
+/* KV_OK when the caches of every layer filled to max_ctx positions fit: on
+ * the twin, whose caches live in host memory that is only touched when
+ * filled, at most 90% of the memory available now (MemAvailable, else the
+ * physical memory); KV_ENOMEM naming both sizes otherwise, rather than be
+ * killed for it. A CUDA runtime allocated its caches at kvrt_open. */
+int kvrt_cache_fits(const struct kvrt *rt, int64_t max_ctx, struct kv_err *err);
 enum kvrt_backend kvrt_backend_of(const struct kvrt *rt);
 /* The sequence chunk length and the number of (KV head, chunk) tasks one
  * attention step over T positions uses. */
 int64_t kvrt_chunk_len(const struct kvrt *rt, int64_t T, int64_t *n_tasks);
+
+/* The most cached positions a runtime holds (kvrt_opts.max_ctx), so the
+ * longest context a decode step attends over is one less. */
+int64_t kvrt_max_ctx(void);
 
 /* ---------------------------------------------------------------- benchmarks */
 

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvcal.h"
+#include "err.h"
 #include "kvrt.h"
 #include "kvrt_plan.h"
 

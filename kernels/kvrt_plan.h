@@ -41,6 +41,7 @@
 #ifndef KVRT_PLAN_H
 #define KVRT_PLAN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus

@@ -12,6 +12,7 @@
 
 #include "err.h"
 #include "kvrt.h"
+#include "lrmodel.h"
 #include "model.h"
 
 /* Positions of the learned position table of gpt2 models made here:
@@ -216,7 +217,7 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
     return KV_OK;
 oom:
     free(uni), free(het);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for synthetic factors");
 }
 

@@ -3,7 +3,7 @@
 #ifndef KV_BACKWARD_H
 #define KV_BACKWARD_H
 
-#include "kvcal.h"
+#include "kvcal_core.h"
 #include "model.h"
 
 /* Gradient buffer of weight kind of layer (global kinds ignore layer; a tied

@@ -1,7 +1,21 @@
-/* Error record helpers. The public types live in kvcal.h. */
+/* Error record helpers (internal). The public types live in kvcal_core.h. */
 #ifndef KV_ERR_H
 #define KV_ERR_H
-#include "kvcal.h"
+#include "kvcal_core.h"
+
+#ifdef __cplusplus /* the CUDA backend (kernels/kvrt_cuda.cu) is C++ */
+extern "C" {
+#define KV_NORETURN [[noreturn]]
+#else
+#define KV_NORETURN _Noreturn
+#endif
+
+/* Record an error; returns code so callers can `return kv_fail(...)`. */
+int kv_fail_at(struct kv_err *err, int code, const char *path, uint64_t off,
+               const char *src_file, int src_line, const char *fmt, ...)
+    __attribute__((format(printf, 7, 8)));
+#define kv_fail(err, code, path, off, ...)                                     \
+    kv_fail_at((err), (code), (path), (off), __FILE__, __LINE__, __VA_ARGS__)
 
 /* Always-on assertion for programmer errors (never for file contents). */
 #define KV_ASSERT(c)                                                           \
@@ -9,7 +23,7 @@
         if (!(c)) kv_assert_fail(#c, __FILE__, __LINE__);                      \
     } while (0)
 
-_Noreturn void kv_assert_fail(const char *expr, const char *file, int line);
+KV_NORETURN void kv_assert_fail(const char *expr, const char *file, int line);
 
 /* Checked arithmetic on sizes read from files: return 0 on overflow. */
 static inline int kv_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
@@ -19,4 +33,7 @@ static inline int kv_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
     return !__builtin_add_overflow(a, b, out);
 }
 
+#ifdef __cplusplus
+}
+#endif
 #endif

@@ -18,6 +18,7 @@
 
 #include "err.h"
 #include "limits.h"
+#include "lrmodel.h"
 #include "model.h"
 
 #define QBLOCK 128 /* query rows per attention block */

@@ -2,8 +2,11 @@
  * KV byte accounting. */
 #include <cblas.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "err.h"
+#include "linalg.h"
+#include "lrmodel.h"
 #include "model.h"
 
 const char *kv_lr_mode_name(enum kv_lr_mode m) {
@@ -25,20 +28,22 @@ static void side_free(struct kv_lr_side *s) {
     free(s->units);
 }
 
-void kv_lowrank_free(struct kv_lowrank *lr) {
+static void layer_free(struct kv_lr_layer *L) {
+    side_free(&L->k);
+    side_free(&L->v);
+    free(L->o_fused);
+    free(L->q_fused), free(L->q_fused_bias);
+    memset(L, 0, sizeof *L);
+}
+
+void kv_lr_free(struct kv_lowrank *lr) {
     if (!lr) return;
-    if (lr->layers)
-        for (int64_t l = 0; l < lr->n_layers; l++) {
-            side_free(&lr->layers[l].k);
-            side_free(&lr->layers[l].v);
-            free(lr->layers[l].o_fused);
-            free(lr->layers[l].q_fused), free(lr->layers[l].q_fused_bias);
-        }
+    for (int64_t l = 0; lr->layers && l < lr->n_layers; l++) layer_free(&lr->layers[l]);
     free(lr->layers);
     free(lr);
 }
 
-int64_t kv_lowrank_base_bytes(const struct kv_config *cfg) {
+int64_t kv_lr_base_bytes(const struct kv_config *cfg) {
     return cfg->n_layers * 2 * cfg->n_kv_heads * cfg->head_dim * 2;
 }
 
@@ -47,18 +52,82 @@ int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits) {
     return (rank * kv_bits + 7) / 8 + 4; /* packed codes + fp16 scale + fp16 zero */
 }
 
-static int64_t side_bytes(const struct kv_lowrank *lr, const struct kv_lr_side *s, int kv_bits) {
+int kv_lr_bits_valid(int64_t kv_bits) {
+    return kv_bits == 16 || kv_bits == 8 || kv_bits == 4 || kv_bits == 3 || kv_bits == 2;
+}
+
+int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int kv_bits) {
+    const struct kv_lr_side *s = kv_lr_side(lr, l, which);
     if (s->mode == KV_LR_FULL) return lr->n_kv_heads * lr->head_dim * 2;
     int64_t b = 0;
     for (int64_t u = 0; u < s->n_units; u++) b += kv_lr_unit_bytes(s->units[u].rank, kv_bits);
     return b;
 }
 
-int64_t kv_lowrank_bytes(const struct kv_lowrank *lr, int kv_bits) {
+int64_t kv_lr_bytes(const struct kv_lowrank *lr, int kv_bits) {
     int64_t b = 0;
     for (int64_t l = 0; l < lr->n_layers; l++)
-        b += side_bytes(lr, &lr->layers[l].k, kv_bits) + side_bytes(lr, &lr->layers[l].v, kv_bits);
+        b += kv_lr_side_bytes(lr, l, 0, kv_bits) + kv_lr_side_bytes(lr, l, 1, kv_bits);
     return b;
+}
+
+struct kv_lr_info kv_lr_info(const struct kv_lowrank *lr) {
+    struct kv_lr_info in;
+    memset(&in, 0, sizeof in);
+    memcpy(in.method, lr->method, sizeof in.method);
+    memcpy(in.alloc, lr->alloc, sizeof in.alloc);
+    memcpy(in.model_fingerprint, lr->model_fingerprint, sizeof in.model_fingerprint);
+    in.n_layers = lr->n_layers, in.dim = lr->dim, in.n_heads = lr->n_heads;
+    in.n_kv_heads = lr->n_kv_heads, in.head_dim = lr->head_dim;
+    in.kv_bits = lr->kv_bits, in.hadamard = lr->hadamard;
+    return in;
+}
+
+enum kv_lr_mode kv_lr_mode_of(const struct kv_lowrank *lr, int64_t l, int which) {
+    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    return kv_lr_side(lr, l, which)->mode;
+}
+
+int64_t kv_lr_n_units(const struct kv_lowrank *lr, int64_t l, int which) {
+    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    return kv_lr_side(lr, l, which)->n_units;
+}
+
+struct kv_lr_unit_info kv_lr_unit_info(const struct kv_lowrank *lr, int64_t l, int which,
+                                       int64_t u) {
+    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    const struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    KV_ASSERT(u >= 0 && u < s->n_units);
+    const struct kv_lr_unit *x = &s->units[u];
+    return (struct kv_lr_unit_info){x->head0, x->n_heads, x->rank, x->energy, x->dropped};
+}
+
+double kv_lr_side_error(const struct kv_lowrank *lr, int64_t l, int which, double *energy,
+                        double *dropped) {
+    const struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    double e = 0, d = 0;
+    for (int64_t u = 0; u < s->n_units; u++) e += s->units[u].energy, d += s->units[u].dropped;
+    if (energy) *energy += e;
+    if (dropped) *dropped += d;
+    return e > 0 ? d / e : 0;
+}
+
+int kv_lr_set_kv_bits(struct kv_lowrank *lr, int kv_bits, struct kv_err *err) {
+    if (!kv_lr_bits_valid(kv_bits))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "latent bits %d is not one of %s",
+                       kv_bits, KV_LR_BITS_LIST);
+    lr->kv_bits = kv_bits;
+    return KV_OK;
+}
+
+int kv_lr_truncate(struct kv_lowrank *lr, int64_t n_layers, struct kv_err *err) {
+    if (n_layers < 1 || n_layers > lr->n_layers)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%lld layers is outside 1..%lld, the compressed model's layers",
+                       (long long)n_layers, (long long)lr->n_layers);
+    for (int64_t l = n_layers; lr->layers && l < lr->n_layers; l++) layer_free(&lr->layers[l]);
+    lr->n_layers = n_layers;
+    return KV_OK;
 }
 
 /* a [rows, r] (leading dim ld) = a H, in float64, rounded once. */
@@ -89,7 +158,7 @@ static const struct kv_lr_unit *unit_of_head(const struct kv_lr_side *s, int64_t
     return NULL;
 }
 
-int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
+int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
     if (lr->hadamard)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a hadamard rotation is already fused in");
     int64_t rmax = 1, d = lr->dim, dh = lr->head_dim;
@@ -114,7 +183,7 @@ int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             for (int64_t u = 0; u < sd->n_units; u++) {
                 struct kv_lr_unit *un = &sd->units[u];
                 int64_t r = un->rank;
-                kv_lr_hadamard(r, H);
+                kv_la_hadamard(r, H);
                 /* z' = z H: down' = Hᵀ down, c' = Hᵀ c, rot' = Hᵀ rot; up' = up H */
                 if (un->down) left_mul_t(un->down, r, d, H, tmp);
                 if (un->down_bias) left_mul_t(un->down_bias, r, 1, H, tmp);
@@ -126,7 +195,7 @@ int kv_lowrank_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             for (int64_t i = 0; fused && i < lr->n_heads; i++) {
                 const struct kv_lr_unit *un = unit_of_head(sd, i / grp);
                 if (!un) break;
-                kv_lr_hadamard(un->rank, H);
+                kv_la_hadamard(un->rank, H);
                 if (s) { /* each query head's block of the fused output reads z: O' = O H */
                     right_mul(L->o_fused + off, d, L->o_cols, un->rank, H, tmp);
                 } else { /* q'·z = (q' H)·(z H): block' [r, d] = Hᵀ block, bias' = Hᵀ bias */

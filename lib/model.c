@@ -191,7 +191,7 @@ static int grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
     return 0;
 }
 
-int kv_model_on_free(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err) {
+int kv_model_on_close(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err) {
     if (grow((void **)&m->cleanups, &m->cap_cleanups, m->n_cleanups + 1, sizeof *m->cleanups))
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     m->cleanups[m->n_cleanups++] = (struct kv_cleanup){fn, ctx};
@@ -352,7 +352,7 @@ int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err) {
     return KV_OK;
 }
 
-void kv_model_free(struct kv_model *m) {
+void kv_model_close(struct kv_model *m) {
     if (!m) return;
     kv_tok_free(m->tok);
     for (int64_t i = m->n_cleanups - 1; i >= 0; i--) m->cleanups[i].fn(m->cleanups[i].ctx);
@@ -417,7 +417,7 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
         for (int64_t l = 0; l < nl; l++) {
             float *p = own_floats(m, n);
             if (!p) {
-                kv_model_free(m);
+                kv_model_close(m);
                 return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
             }
             int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM;
@@ -431,7 +431,7 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
     }
     rc = kv_model_finish(m, "synthetic", err);
     if (rc) {
-        kv_model_free(m);
+        kv_model_close(m);
         return rc;
     }
     *out = m;

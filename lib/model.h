@@ -16,7 +16,7 @@
 #ifndef KV_MODEL_H
 #define KV_MODEL_H
 
-#include "kvcal.h"
+#include "kvcal_core.h"
 
 enum kv_wkind {
     KV_W_TOK_EMB = 0, /* [vocab, d] */
@@ -77,8 +77,8 @@ struct kv_model {
 int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char *path,
                     struct kv_model **out, struct kv_err *err);
 
-/* Register fn(ctx) to run at kv_model_free (in reverse order). */
-int kv_model_on_free(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err);
+/* Register fn(ctx) to run at kv_model_close (in reverse order). */
+int kv_model_on_close(struct kv_model *m, void (*fn)(void *), void *ctx, struct kv_err *err);
 
 /* Append tensors to the table shown by `kvcal inspect` (copied). */
 int kv_model_add_tensors(struct kv_model *m, const struct kv_tensor *t, int64_t n,

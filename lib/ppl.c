@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "err.h"
+#include "lrmodel.h"
 #include "model.h"
 
 double kv_now(void) {

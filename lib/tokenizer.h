@@ -24,7 +24,7 @@
 #ifndef KV_TOKENIZER_H
 #define KV_TOKENIZER_H
 
-#include "kvcal.h"
+#include "kvcal_core.h"
 
 enum kv_tok_mode { KV_TOK_SCORE = 0, KV_TOK_RANK = 1 };
 

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "kvstats.h"
 #include "model.h"
 #include "naive_llama.h"
 #include "testutil.h"
@@ -350,7 +351,7 @@ Test(collect, first_64_windows_equal_independent_naive_sums, .timeout = 300) {
 
     kv_stats_free(ref), kv_stats_free(s);
     free(ids), free(buf), free(text);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* kv_accum on a synthetic model with q/k/v biases and GQA, without the
@@ -383,7 +384,7 @@ static void check_synthetic(enum kv_rope_layout layout) {
     assert_symmetric(s);
     kv_stats_free(ref), kv_stats_free(s);
     free(ids);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(accum, equals_naive_sums_bias_gqa_interleaved_rope) { check_synthetic(KV_ROPE_INTERLEAVED); }
@@ -403,7 +404,7 @@ Test(accum, refuses_stats_shaped_for_another_model) {
     cr_assert_eq(err.code, KV_EINVAL);
     cr_assert(strstr(err.msg, "another model"), "message: %s", err.msg);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- merging */
@@ -481,7 +482,7 @@ Test(collect, merge_of_two_inputs_equals_one_run_over_both, .timeout = 300) {
     for (size_t i = 0; i < sizeof files / sizeof *files; i++) unlink(files[i]);
     rmdir(dir);
     free(a), free(b), free(oa), free(ob), free(oab), free(dir);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ACCEPTANCE: --shard 0/2 + --shard 1/2 == the unsharded run. */
@@ -512,7 +513,7 @@ Test(collect, merge_of_shards_equals_unsharded_run, .timeout = 300) {
     for (size_t i = 0; i < sizeof files / sizeof *files; i++) unlink(files[i]);
     rmdir(dir);
     free(a), free(b), free(o0), free(o1), free(oall), free(dir);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- checkpoints */
@@ -642,7 +643,7 @@ Test(collect, resume_after_interrupt_is_byte_identical, .timeout = 300) {
 
     unlink(f1), unlink(f2), rmdir(dir);
     free(f1), free(f2), free(dir), free(text);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(collect, seeded_random_draw_is_reproducible, .timeout = 300) {
@@ -672,7 +673,7 @@ Test(collect, seeded_random_draw_is_reproducible, .timeout = 300) {
 
     unlink(r1), unlink(r2), unlink(r3), rmdir(dir);
     free(r1), free(r2), free(r3), free(dir), free(text);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- non-finite */
@@ -698,7 +699,7 @@ static void check_nan_weight(int64_t layer, enum kv_wkind kind, const char *want
     cr_assert_str_eq(err.msg, want);
     kv_accum_free(a);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(accum, nan_key_weight_in_layer_0_is_numeric_error) {
@@ -737,7 +738,7 @@ Test(accum, nan_names_first_bad_position_on_threads) {
     cr_assert_str_eq(err.msg, "non-finite attention input in layer 0 at window position 5");
     kv_accum_free(a);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- fisher */
@@ -873,7 +874,7 @@ static void check_fisher_synthetic(enum kv_rope_layout layout, int bias) {
     check_fisher(m, ids, n_win, seq_len,
                  layout == KV_ROPE_HALF ? "synthetic rotate-half" : "synthetic interleaved");
     free(ids);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(accum, fisher_sums_equal_independent_gradients_interleaved_bias) {
@@ -899,7 +900,7 @@ Test(accum, fisher_sums_equal_independent_gradients_stories260K, .timeout = 120)
     cr_assert_geq(n, 4 * 256);
     check_fisher(m, ids, 4, 256, "stories260K val1k 4x256");
     free(ids), free(buf), free(text);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(accum, fisher_needs_windows_of_two_tokens) {
@@ -915,7 +916,7 @@ Test(accum, fisher_needs_windows_of_two_tokens) {
     cr_assert_null(a);
     cr_assert_str_eq(err.msg, "fisher statistics need windows of at least 2 tokens, got 1");
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* Checkpoint, interrupt and resume with fisher: the same bytes as one run;
@@ -969,5 +970,5 @@ Test(collect, fisher_resume_after_interrupt_is_byte_identical, .timeout = 300) {
     kv_stats_free(s);
     unlink(f1), unlink(f2), rmdir(dir);
     free(f1), free(f2), free(dir), free(text);
-    kv_model_free(m);
+    kv_model_close(m);
 }

@@ -122,7 +122,7 @@ static void run_case(struct kv_config c, double spread, int64_t n) {
     cr_assert_eq(kv_model_init_random(&c, 7, &m, &err), KV_OK, "%s", err.msg);
     spread_weights(m, spread);
     check_gradients(m, n);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(backward, llama_half_rope_bias_untied) { run_case(small_llama(1, 0, KV_ROPE_HALF), 0.4, 7); }
@@ -152,7 +152,7 @@ static void loss_matches_forward(struct kv_config c) {
               kv_arch_name(c.arch), loss, ref);
     kv_grad_free(g);
     kv_fwd_free(f);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(backward, loss_matches_inference_forward) {
@@ -188,7 +188,7 @@ Test(backward, key_value_output_gradients) {
         }
     cr_assert_null(kv_grad_k(g, c.n_layers));
     kv_grad_free(g);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(backward, refuses_bad_windows) {
@@ -206,5 +206,5 @@ Test(backward, refuses_bad_windows) {
     cr_assert_str_eq(err.msg, "token id 19 at position 2 is outside the vocabulary of 19");
     cr_assert_eq(kv_grad_run(g, tok, 0, &loss, &err), KV_EINVAL);
     kv_grad_free(g);
-    kv_model_free(m);
+    kv_model_close(m);
 }

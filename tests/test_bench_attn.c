@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "kvrt.h"
+#include "lrmodel.h"
 #include "model.h"
 #include "testutil.h"
 
@@ -133,7 +134,7 @@ Test(synth, presets_have_the_documented_shapes, .timeout = 60) {
         } else {
             cr_assert_not_null(kv_model_weight(m, KV_W_BQ, 1), "%s", want[i].name);
         }
-        kv_model_free(m);
+        kv_model_close(m);
     }
 }
 
@@ -201,9 +202,9 @@ Test(synth, uniform_ranks_are_keep_times_head_dim) {
             cr_assert(!y->q_fused && !y->q_fused_bias && y->q_cols == 0);
         }
         assert_runs(m, lr, "prerope_latent + fused_output");
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(synth, postrope_ranks_differ_with_the_mean_kept) {
@@ -224,8 +225,8 @@ Test(synth, postrope_ranks_differ_with_the_mean_kept) {
         cr_assert_eq(y->o_cols, 6 * 16);
     }
     assert_runs(m, lr, "postrope_rotation + fused_output");
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 
     /* a preset: 8 kv heads of 128, mean 64 */
     struct kv_err err;
@@ -240,8 +241,8 @@ Test(synth, postrope_ranks_differ_with_the_mean_kept) {
     }
     cr_assert_eq(sum, 8 * 64);
     cr_assert_neq(k->units[0].rank, k->units[1].rank);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }
 
 /* Uniform values with variance 1/fan_in: down [r, d] has 1/d. */
@@ -265,8 +266,8 @@ Test(synth, factor_values_have_variance_one_over_fan_in) {
     var = s2 / (double)(64 * y->o_cols);
     cr_assert(fabs(var - 1.0 / (double)y->o_cols) <= 0.05 / (double)y->o_cols,
               "o_fused variance %g, want %g", var, 1.0 / (double)y->o_cols);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }
 
 Test(synth, every_mode_runs_in_the_forward_pass) {
@@ -280,9 +281,9 @@ Test(synth, every_mode_runs_in_the_forward_pass) {
         snprintf(what, sizeof what, "llama %s + %s", kv_lr_mode_name(lk[i]),
                  kv_lr_mode_name(lv[i]));
         assert_runs(m, lr, what);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
-    kv_model_free(m);
+    kv_model_close(m);
 
     m = model_of(gpt2_cfg());
     const enum kv_lr_mode gk[] = {KV_LR_FUSED_QUERY, KV_LR_POSTROPE_ROTATION, KV_LR_PREROPE_LATENT};
@@ -297,9 +298,9 @@ Test(synth, every_mode_runs_in_the_forward_pass) {
         char what[96];
         snprintf(what, sizeof what, "gpt2 %s + fused_output", kv_lr_mode_name(gk[i]));
         assert_runs(m, lr, what);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(synth, refusals_name_the_problem) {
@@ -323,7 +324,7 @@ Test(synth, refusals_name_the_problem) {
     cr_assert_eq(kvrt_synth_lowrank(m, KV_LR_FULL, KV_LR_FULL, 1.5, 1, &lr, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "keep 1.5 is not within (0, 1]");
     cr_assert_null(lr);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ------------------------------------------------------------ manifests */
@@ -392,7 +393,7 @@ static void check_filled(struct kv_lowrank *lr, enum kv_arch arch) {
         cr_assert(us > 0 && ua > 0, "step %g us, attention %g us", us, ua);
     }
     kvrt_close(rt);
-    kv_model_free(m);
+    kv_model_close(m);
 
     cr_assert_eq(kvrt_synth_fill_factors(lr, 5, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "layer 0 already has factors, expected a manifest read alone");
@@ -406,9 +407,9 @@ Test(synth, a_written_manifest_gets_factors_the_forward_accepts) {
     struct kv_lowrank *lr = read_manifest(dir);
     cr_assert_eq(lr->layers[1].k.mode, KV_LR_POSTROPE_ROTATION);
     check_filled(lr, KV_ARCH_LLAMA);
-    kv_lowrank_free(lr), kv_lowrank_free(a), kv_lowrank_free(b);
+    kv_lr_free(lr), kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
-    kv_model_free(m);
+    kv_model_close(m);
 
     m = model_of(gpt2_cfg());
     a = lowrank(m, KV_LR_FUSED_QUERY, KV_LR_FUSED_OUTPUT, 0.5);
@@ -416,9 +417,9 @@ Test(synth, a_written_manifest_gets_factors_the_forward_accepts) {
     dir = write_manifest(m, a, b, 16, &parent);
     lr = read_manifest(dir);
     check_filled(lr, KV_ARCH_GPT2);
-    kv_lowrank_free(lr), kv_lowrank_free(a), kv_lowrank_free(b);
+    kv_lr_free(lr), kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ------------------------------------------------------------ CLI */
@@ -571,7 +572,7 @@ Test(bench_cli, a_written_manifest, .timeout = 60) {
     expect_usage(args, "--layers 3 exceeds the manifest's 2 layers");
     snprintf(args, sizeof args, "bench-attn --manifest '%s' --keep 0.5", dir);
     expect_usage(args, "--keep needs --synthetic (a manifest has its own ranks)");
-    kv_lowrank_free(a), kv_lowrank_free(b);
+    kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
 
     /* quantized latents: timed as fp16, with a note; only layer 0 */
@@ -591,9 +592,9 @@ Test(bench_cli, a_written_manifest, .timeout = 60) {
     cr_assert_eq(n, 2, "%s", out);
     cr_assert_eq(r[1].kv, 2 * 3 * 16 * 2);
     free(out), free(err);
-    kv_lowrank_free(a), kv_lowrank_free(b);
+    kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(bench_cli, usage_errors) {

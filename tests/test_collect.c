@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvstats.h"
 #include "testutil.h"
 
 extern char **environ;

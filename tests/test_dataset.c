@@ -27,7 +27,7 @@ static struct kv_tokenizer *load_tok(void) {
     KVT_NEED_SHARED(path, TOK_REL);
     struct kv_tokenizer *tok;
     struct kv_err err;
-    int rc = kv_tokenizer_open(path, &tok, &err);
+    int rc = kv_tok_open(path, &tok, &err);
     cr_assert_eq(rc, KV_OK, "%s", fmt_err(&err));
     cr_assert_eq(kv_tok_bos(tok), 1);
     return tok;

@@ -26,6 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvstats.h"
+#include "linalg.h"
+#include "lrmodel.h"
 #include "model.h"
 #include "naive_llama.h"
 #include "testutil.h"
@@ -116,7 +119,7 @@ static struct shared open_shared(int which) {
 
 static void shared_free(struct shared *sh) {
     free(sh->tok);
-    kv_model_free(sh->m);
+    kv_model_close(sh->m);
 }
 
 /* Statistics of nwin windows of seq tokens, as kvcal collect sums them. */
@@ -231,7 +234,7 @@ static double *eigvals(const double *a, int64_t n) {
     cr_assert(w && v);
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(a, n, w, v, "test gram", &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(kv_la_eigh(a, n, w, v, "test gram", &err), KV_OK, "%s", fmt_err(&err));
     for (int64_t i = 0; i < n; i++) w[i] = w[i] > 0 ? w[i] : 0;
     free(v);
     return w;
@@ -302,7 +305,7 @@ static void identity_every_method(int which) {
     const struct kv_config *c = kv_model_config(sh.m);
     struct kv_stats *s = collect(sh.m, sh.tok, SEQ, CAL_WINDOWS);
     int64_t base = c->n_layers * 2 * c->n_kv_heads * c->head_dim * 2;
-    cr_assert_eq(kv_lowrank_base_bytes(c), base);
+    cr_assert_eq(kv_lr_base_bytes(c), base);
     for (int method = 0; method < KV_METHOD_COUNT; method++)
         for (int setting = 0; setting < 2; setting++) {
             char what[96];
@@ -330,8 +333,8 @@ static void identity_every_method(int which) {
                     cr_assert_eq(covered, c->n_kv_heads, "%s: units cover %lld kv heads", what,
                                  (long long)covered);
                 }
-            cr_assert_eq(kv_lowrank_bytes(lr, 16), base, "%s: %lld bytes, base %lld", what,
-                         (long long)kv_lowrank_bytes(lr, 16), (long long)base);
+            cr_assert_eq(kv_lr_bytes(lr, 16), base, "%s: %lld bytes, base %lld", what,
+                         (long long)kv_lr_bytes(lr, 16), (long long)base);
             cr_assert_eq(bytes_by_definition(lr, 16), base);
             struct kv_compare_result r;
             struct kv_err err;
@@ -342,7 +345,7 @@ static void identity_every_method(int which) {
             cr_assert_eq(r.comp.windows, EVAL_WINDOWS);
             kvt_assert_close_f64(&r.comp.ppl, &r.base.ppl, 1, 0, 1e-4, what);
             cr_assert_lt(r.kl, 1e-6, "%s: kl %g", what, r.kl);
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
         }
     kv_stats_free(s);
     shared_free(&sh);
@@ -492,7 +495,7 @@ static void check_predicted_error(const struct kv_model *m, const struct kv_stat
     snprintf(w2, sizeof w2, "%s: unit dropped vs measured ‖Y − Y'‖²", what);
     kvt_assert_close_f64(got_d, ref_d, nu, 1e-11 * emax, 1e-6, w2);
     free(got_d), free(ref_d), free(got_e), free(ref_e), free(M.dropped), free(M.energy);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
 }
 
 /* Every method whose units a measurement can check, at about half the bytes. */
@@ -529,7 +532,7 @@ Test(decompose_error, random_gqa_without_bias_dropped_is_measured_error, .timeou
     int32_t *tok = random_tokens(3 * 64, 97, 5);
     predicted_error_every_method(m, tok, 64, 3, "random gqa");
     free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(decompose_error, random_gqa_with_bias_dropped_is_measured_error, .timeout = 120) {
@@ -537,7 +540,7 @@ Test(decompose_error, random_gqa_with_bias_dropped_is_measured_error, .timeout =
     int32_t *tok = random_tokens(3 * 64, 97, 6);
     predicted_error_every_method(m, tok, 64, 3, "random gqa + bias");
     free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(decompose_error, stories260K_dropped_is_measured_error, .timeout = 300) {
@@ -579,9 +582,9 @@ Test(decompose_error, svd_without_stats_is_the_weight_error) {
             }
         kvt_assert_close_f64(got, ref, nu, 0, 1e-6, "svd weight-metric dropped");
         kvt_assert_close_f64(gote, refe, nu, 0, 1e-9, "svd weight-metric energy");
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ================================================================ latent forward */
@@ -667,12 +670,12 @@ Test(latent_forward, prerope_latent_and_fused_output_equal_the_dense_model, .tim
             snprintf(w2, sizeof w2, "%s: latent cache vs naive float64 dense model", what);
             kvt_assert_close_f64(latd, nv, n * V, 1e-4 * scale, 0, w2);
             free(nv), free(latd), free(lat), free(dense);
-            kv_model_free(m2);
-            kv_lowrank_free(lr);
+            kv_model_close(m2);
+            kv_lr_free(lr);
         }
         free(plain), free(cal), free(tok);
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
     }
 }
 
@@ -856,12 +859,12 @@ Test(latent_forward, postrope_rotation_scores_are_q_rot_rot_k, .timeout = 120) {
             cr_assert_gt(diff, 1e-3 * scale, "%s: the key rotation has no effect", what);
             free(plain), free(latd), free(lat), free(ref);
             for (int64_t l = 0; l < L; l++) free(P[l]);
-            kv_model_free(m2);
-            kv_lowrank_free(lr);
+            kv_model_close(m2);
+            kv_lr_free(lr);
         }
         free(cal), free(tok);
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
     }
 }
 
@@ -900,11 +903,11 @@ Test(latent_forward, incremental_latent_cache_equals_whole_window) {
                       "set_lowrank(NULL) does not restore the plain forward");
             free(plain), free(step), free(whole);
             kv_fwd_free(f);
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
         }
     free(cal), free(tok);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(latent_forward, rejects_another_models_factors_and_bad_bits) {
@@ -929,8 +932,8 @@ Test(latent_forward, rejects_another_models_factors_and_bad_bits) {
         if (!ok) cr_assert(strstr(err.msg, "bits"), "%s", err.msg);
     }
     kv_fwd_free(f);
-    kv_lowrank_free(lr), kv_lowrank_free(lr1);
-    kv_model_free(m), kv_model_free(m2);
+    kv_lr_free(lr), kv_lr_free(lr1);
+    kv_model_close(m), kv_model_close(m2);
 }
 
 /* The quantize-dequantize of one latent row as the header describes it:
@@ -1087,11 +1090,11 @@ Test(latent_forward, quantized_latents_equal_the_dequantized_reconstruction, .ti
             }
             if (prev != l16) free(prev);
             free(l16);
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
         }
         free(cal), free(tok);
         kv_stats_free(s);
-        kv_model_free(m);
+        kv_model_close(m);
     }
 }
 
@@ -1119,13 +1122,13 @@ Test(latent_forward, quantized_latents_stay_close_and_fewer_bits_move_more, .tim
         cr_assert_lt(k4, k2, "%s: kl 4 bits %g, 2 bits %g", nm, k4, k2);
         /* the byte accounting: at rank 4, 8 bits cost as much as fp16 (the
          * codes plus an fp16 scale and zero point per unit and token) */
-        cr_assert_leq(kv_lowrank_bytes(lr, 8), kv_lowrank_bytes(lr, 16));
-        cr_assert_lt(kv_lowrank_bytes(lr, 2), kv_lowrank_bytes(lr, 8));
-        cr_assert_eq(kv_lowrank_bytes(lr, 16), bytes_by_definition(lr, 16));
-        cr_assert_eq(kv_lowrank_bytes(lr, 8), bytes_by_definition(lr, 8));
-        cr_assert_eq(kv_lowrank_bytes(lr, 2), bytes_by_definition(lr, 2));
+        cr_assert_leq(kv_lr_bytes(lr, 8), kv_lr_bytes(lr, 16));
+        cr_assert_lt(kv_lr_bytes(lr, 2), kv_lr_bytes(lr, 8));
+        cr_assert_eq(kv_lr_bytes(lr, 16), bytes_by_definition(lr, 16));
+        cr_assert_eq(kv_lr_bytes(lr, 8), bytes_by_definition(lr, 8));
+        cr_assert_eq(kv_lr_bytes(lr, 2), bytes_by_definition(lr, 2));
         free(l16), free(l8), free(l4), free(l2);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     kv_stats_free(s);
     shared_free(&sh);
@@ -1184,7 +1187,7 @@ static int64_t admissible(int64_t r, int64_t min_rank, int64_t mult, int64_t wid
 Test(decompose_alloc, ratio_is_reached_within_one_rank_step, .timeout = 120) {
     struct alloc_env e = alloc_env_656K();
     const struct kv_config *c = kv_model_config(e.sh.m);
-    int64_t base = kv_lowrank_base_bytes(c), dh = c->head_dim;
+    int64_t base = kv_lr_base_bytes(c), dh = c->head_dim;
     cr_assert_eq(base, c->n_layers * 2 * c->n_kv_heads * dh * 2);
     int64_t n_units = c->n_layers * 2 * c->n_kv_heads;
     enum kv_alloc allocs[] = {KV_ALLOC_UNIFORM, KV_ALLOC_GLOBAL};
@@ -1201,7 +1204,7 @@ Test(decompose_alloc, ratio_is_reached_within_one_rank_step, .timeout = 120) {
                 snprintf(what, sizeof what, "%s ratio %g rank-multiple %lld", kv_alloc_name(allocs[ai]),
                          R, (long long)mult);
                 struct kv_lowrank *lr = decompose_ok(e.sh.m, e.s, o, what);
-                int64_t bytes = kv_lowrank_bytes(lr, 16);
+                int64_t bytes = kv_lr_bytes(lr, 16);
                 cr_assert_eq(bytes, bytes_by_definition(lr, 16), "%s", what);
                 int64_t ranks[64], nr = unit_ranks(lr, ranks);
                 cr_assert_eq(nr, n_units);
@@ -1227,7 +1230,7 @@ Test(decompose_alloc, ratio_is_reached_within_one_rank_step, .timeout = 120) {
                 double achieved = (double)bytes / (double)base;
                 cr_assert_leq(fabs(achieved - R), ((double)J - 0.5) / (double)base,
                               "%s: achieved %g", what, achieved);
-                kv_lowrank_free(lr);
+                kv_lr_free(lr);
             }
     alloc_env_free(&e);
 }
@@ -1264,7 +1267,7 @@ static void check_eps(const struct kv_model *m, const struct kv_stats *s, double
             }
         }
     cr_assert_gt(compressed, 0, "%s eps %g compresses nothing", model, eps);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
 }
 
 Test(decompose_alloc, eps_keeps_the_energy_with_the_smallest_rank, .timeout = 120) {
@@ -1278,7 +1281,7 @@ Test(decompose_alloc, eps_keeps_the_energy_with_the_smallest_rank, .timeout = 12
     check_eps(m, s, 0.9, "random + bias");
     kv_stats_free(s);
     free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* The allocation Gram of a removal unit, built here from the sums and weights:
@@ -1354,9 +1357,9 @@ Test(decompose_alloc, removal_ranks_follow_one_rate_by_zack_eq6, .timeout = 120)
             int64_t ranks[64], nr = unit_ranks(lr, ranks), differ = 0;
             for (int64_t i = 1; i < nr; i++) differ += ranks[i] != ranks[0];
             cr_assert_gt(differ, 0, "%s: removal gave every unit the same rank", kv_method_name(methods[mi]));
-            cr_assert_geq(kv_lowrank_bytes(lr, 16),
-                          llround(ratios[ri] * (double)kv_lowrank_base_bytes(c)));
-            kv_lowrank_free(lr);
+            cr_assert_geq(kv_lr_bytes(lr, 16),
+                          llround(ratios[ri] * (double)kv_lr_base_bytes(c)));
+            kv_lr_free(lr);
         }
     alloc_env_free(&e);
 }
@@ -1375,7 +1378,7 @@ Test(decompose_alloc, removal_param_is_the_removal_rate, .timeout = 120) {
     cr_assert(o.param >= lo - 1e-9 && o.param <= hi + 1e-9,
               "param %.9g is not a removal rate that gives these ranks (the rate is in [%.9g, %.9g]; "
               "1 - param = %.9g)", o.param, lo, hi, 1 - o.param);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     alloc_env_free(&e);
 }
 
@@ -1408,10 +1411,10 @@ Test(decompose_alloc, fisher_gives_larger_scores_larger_ranks, .timeout = 120) {
     int64_t lo = rf[0], hi = rf[0];
     for (int64_t a = 0; a < n_slots; a++) lo = rf[a] < lo ? rf[a] : lo, hi = rf[a] > hi ? rf[a] : hi;
     cr_assert_geq(hi - lo, dh / 2, "fisher ranks span only %lld..%lld", (long long)lo, (long long)hi);
-    int64_t T = llround(0.5 * (double)kv_lowrank_base_bytes(c)), bytes = kv_lowrank_bytes(lr, 16);
+    int64_t T = llround(0.5 * (double)kv_lr_base_bytes(c)), bytes = kv_lr_bytes(lr, 16);
     cr_assert(bytes >= T && bytes <= T + 2 * n_slots, "fisher: %lld bytes for target %lld",
               (long long)bytes, (long long)T);
-    kv_lowrank_free(lr), kv_lowrank_free(lu);
+    kv_lr_free(lr), kv_lr_free(lu);
     alloc_env_free(&e);
 }
 
@@ -1490,7 +1493,7 @@ Test(decompose_alloc, fisher_scores_from_stats_are_row_sums_of_the_units, .timeo
             differ += ra[u] != rc[u];
         }
         cr_assert_gt(differ, 0, "%s: fisher ranks equal uniform ranks", what);
-        kv_lowrank_free(from_stats), kv_lowrank_free(given), kv_lowrank_free(uni);
+        kv_lr_free(from_stats), kv_lr_free(given), kv_lr_free(uni);
     }
     /* global weights by the same scores */
     double f[64];
@@ -1513,7 +1516,7 @@ Test(decompose_alloc, fisher_scores_from_stats_are_row_sums_of_the_units, .timeo
         differ += ra[u] != rc[u];
     }
     cr_assert_gt(differ, 0, "global ranks ignore the fisher statistics");
-    kv_lowrank_free(gs), kv_lowrank_free(gg), kv_lowrank_free(gu);
+    kv_lr_free(gs), kv_lr_free(gg), kv_lr_free(gu);
     alloc_env_free(&e);
 }
 
@@ -1534,7 +1537,7 @@ static double *lorc_logcond(const struct kv_model *m) {
         for (int side = 0; side < 2; side++) {
             const float *W = m->layers[l].w[side ? KV_W_V : KV_W_K];
             for (int64_t i = 0; i < kd * d; i++) w[i] = W[i];
-            cr_assert_eq(kv_lr_svd(w, kd, d, u, sv, vt, "test weight", &err), KV_OK, "%s", fmt_err(&err));
+            cr_assert_eq(kv_la_svd(w, kd, d, u, sv, vt, "test weight", &err), KV_OK, "%s", fmt_err(&err));
             cr_assert_gt(sv[k - 1], 0);
             lc[l] += log(sv[0] / sv[k - 1]);
         }
@@ -1580,7 +1583,7 @@ static void check_lorc(const struct kv_model *m, double d_min, double d_max, dou
         }
     }
     if (cond_skip > 0) cr_assert_gt(skipped, 0, "%s: --cond-skip %g skips nothing", model, cond_skip);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     free(lc);
 }
 
@@ -1596,13 +1599,13 @@ Test(decompose_alloc, progressive_matches_lorc_eq13, .timeout = 120) {
     const struct kv_config *c = kv_model_config(s260.m);
     struct kv_lowrank *lr =
         decompose_ok(s260.m, NULL, opts_of(KV_METHOD_LORC, KV_ALLOC_DEFAULT, 0, 0.5, 1), "lorc ratio");
-    int64_t T = llround(0.5 * (double)kv_lowrank_base_bytes(c));
-    cr_assert_geq(kv_lowrank_bytes(lr, 16), T);
-    cr_assert_leq(kv_lowrank_bytes(lr, 16), T + 2 * 2 * c->n_layers);
+    int64_t T = llround(0.5 * (double)kv_lr_base_bytes(c));
+    cr_assert_geq(kv_lr_bytes(lr, 16), T);
+    cr_assert_leq(kv_lr_bytes(lr, 16), T + 2 * 2 * c->n_layers);
     for (int64_t l = 1; l < c->n_layers; l++)
         cr_assert_leq(lr->layers[l].k.units[0].rank, lr->layers[l - 1].k.units[0].rank);
     cr_assert_lt(lr->layers[c->n_layers - 1].k.units[0].rank, lr->layers[0].k.units[0].rank);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     shared_free(&s260);
     struct shared s656 = open_shared(1);
     check_lorc(s656.m, 0.3, 1.0, 0, "656K");
@@ -1647,7 +1650,7 @@ Test(decompose_alloc, global_eps_stops_at_the_mean_error_budget, .timeout = 120)
             cr_assert_gt(mean + next[i] / (double)nu, 1 - eps - 1e-12,
                          "global eps %g: unit %lld could drop one more rank (mean %.9g + %.9g)", eps,
                          (long long)i, mean, next[i] / (double)nu);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     alloc_env_free(&e);
 }
@@ -1704,7 +1707,7 @@ Test(decompose_alloc, rank_multiple_and_min_rank_hold_for_every_allocation, .tim
                     }
                 }
             cr_assert_gt(reduced, 0, "%s: nothing is compressed", what);
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
         }
     kv_stats_free(s);
     shared_free(&sh);
@@ -1780,7 +1783,7 @@ Test(decompose_alloc, eigen_shares_the_qk_key_basis_and_one_value_rank, .timeout
             free(G), free(lam);
         }
         cr_assert_gt(compressed, 0, "eigen eps %g compresses no key", eps);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     kv_stats_free(s);
     shared_free(&sh);
@@ -1873,7 +1876,7 @@ Test(decompose_alloc, hadamard_changes_the_factors_not_the_ppl, .timeout = 120) 
         char what[64];
         snprintf(what, sizeof what, "%s: ppl with --hadamard", nm);
         kvt_assert_close_f64(&rb.comp.ppl, &ra.comp.ppl, 1, 0, 1e-5, what);
-        kv_lowrank_free(plain), kv_lowrank_free(had);
+        kv_lr_free(plain), kv_lr_free(had);
     }
     alloc_env_free(&e);
 }
@@ -1903,7 +1906,7 @@ static struct opts_env opts_env(void) {
 
 static void opts_env_free(struct opts_env *e) {
     kv_stats_free(e->s);
-    kv_model_free(e->m);
+    kv_model_close(e->m);
 }
 
 /* kv_decompose must fail with code, a message containing each of the
@@ -1933,8 +1936,8 @@ Test(decompose_opts, rejects_eps_outside_the_unit_interval) {
         expect_refusal(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_EPS, bad[i], 0, 1), KV_EINVAL, "eps",
                        "--eps", "(0, 1]", NULL);
     /* the edges of the interval are accepted */
-    kv_lowrank_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_EPS, 1.0, 0, 1), "eps 1"));
-    kv_lowrank_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_EPS, 1e-9, 0, 1), "eps tiny"));
+    kv_lr_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_EPS, 1.0, 0, 1), "eps 1"));
+    kv_lr_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_EPS, 1e-9, 0, 1), "eps tiny"));
     opts_env_free(&e);
 }
 
@@ -1944,7 +1947,7 @@ Test(decompose_opts, rejects_ratio_outside_the_unit_interval) {
     for (int i = 0; i < 4; i++)
         expect_refusal(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 0, bad[i], 1), KV_EINVAL,
                        "ratio", "--ratio", "(0, 1]", NULL);
-    kv_lowrank_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 0, 1.0, 1), "ratio 1"));
+    kv_lr_free(decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 0, 1.0, 1), "ratio 1"));
     opts_env_free(&e);
 }
 
@@ -1975,7 +1978,7 @@ Test(decompose_opts, rejects_eps_together_with_ratio) {
 Test(decompose_opts, rejects_a_ratio_below_the_floor_naming_the_floor) {
     struct opts_env e = opts_env();
     const struct kv_config *c = kv_model_config(e.m);
-    int64_t base = kv_lowrank_base_bytes(c), dh = c->head_dim;
+    int64_t base = kv_lr_base_bytes(c), dh = c->head_dim;
     struct {
         int64_t group, min_rank, mult;
     } cases[] = {{1, 1, 1}, {1, 3, 1}, {1, 1, 4}, {2, 3, 2}, {4, 5, 1}};
@@ -1991,8 +1994,8 @@ Test(decompose_opts, rejects_a_ratio_below_the_floor_naming_the_floor) {
         expect_refusal(e.m, e.s, o, KV_EINVAL, what, "--ratio", fl, NULL);
         o.ratio = floor;
         struct kv_lowrank *lr = decompose_ok(e.m, e.s, o, what);
-        cr_assert_eq(kv_lowrank_bytes(lr, 16), units * 2 * r, "%s: the floor itself", what);
-        kv_lowrank_free(lr);
+        cr_assert_eq(kv_lr_bytes(lr, 16), units * 2 * r, "%s: the floor itself", what);
+        kv_lr_free(lr);
     }
     opts_env_free(&e);
 }
@@ -2009,7 +2012,7 @@ Test(decompose_opts, rejects_a_group_size_that_does_not_divide_the_kv_heads) {
             decompose_ok(e.m, e.s, opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 0, 0.5, good[i]), "group");
         cr_assert_eq(lr->layers[0].k.n_units, 4 / good[i]);
         cr_assert_eq(lr->layers[0].k.units[0].n_heads, good[i]);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     opts_env_free(&e);
 }
@@ -2030,8 +2033,8 @@ Test(decompose_opts, rejects_data_methods_without_statistics) {
         expect_refusal(e.m, NULL, opts_of(need[i], KV_ALLOC_DEFAULT, 0, 0.5, 1), KV_EINVAL,
                        kv_method_name(need[i]), kv_method_name(need[i]), "--stats", NULL);
     /* svd and lorc work from the weights alone */
-    kv_lowrank_free(decompose_ok(e.m, NULL, opts_of(KV_METHOD_SVD, KV_ALLOC_DEFAULT, 0, 0.5, 1), "svd"));
-    kv_lowrank_free(decompose_ok(e.m, NULL, opts_of(KV_METHOD_LORC, KV_ALLOC_DEFAULT, 0, 0.5, 1), "lorc"));
+    kv_lr_free(decompose_ok(e.m, NULL, opts_of(KV_METHOD_SVD, KV_ALLOC_DEFAULT, 0, 0.5, 1), "svd"));
+    kv_lr_free(decompose_ok(e.m, NULL, opts_of(KV_METHOD_LORC, KV_ALLOC_DEFAULT, 0, 0.5, 1), "lorc"));
     opts_env_free(&e);
 }
 
@@ -2052,7 +2055,7 @@ Test(decompose_opts, rejects_statistics_of_another_model) {
                            "stats of another shape", "statistics", NULL);
         kv_stats_free(s2);
         free(tok);
-        kv_model_free(other);
+        kv_model_close(other);
     }
     opts_env_free(&e);
 }

@@ -22,6 +22,7 @@
 
 #include "export.h"
 #include "kvdir.h"
+#include "lrmodel.h"
 #include "model.h"
 #include "safetensors.h"
 #include "testutil.h"
@@ -434,9 +435,9 @@ static void roundtrip_file(const char *src, const char *ext, const int *k_mode, 
     int products = check_weights(m, m2, lr);
     cr_assert_gt(products, 0);
     check_bytes(src, out, m2->tensors, m2->n_tensors, m, lr);
-    kv_model_free(m2);
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m2);
+    kv_model_close(m);
+    kv_lr_free(lr);
     rm_tree(dir);
     free(out);
     free(dir);
@@ -513,9 +514,9 @@ static void roundtrip_dir(const char *src, const int *k_mode, unsigned v_full, i
     }
     closedir(d);
     cr_assert_eq(n_entries(out), regular, "the export holds exactly the source's regular files");
-    kv_model_free(m2);
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m2);
+    kv_model_close(m);
+    kv_lr_free(lr);
     rm_tree(dir);
     free(out);
     free(dir);
@@ -776,8 +777,8 @@ Test(export_dense, postrope_rotation_is_refused_before_writing) {
     char *out = kvt_path(dir, "out.bin");
     export_fails(m, s, lr, out, KV_EUNSUPPORTED, "layer 2 k", "'postrope_rotation'", "rope");
     cr_assert_eq(n_entries(dir), 0, "nothing may be written");
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
 
     /* the same for a directory export */
     KVT_NEED_SHARED(hf, "models/tinystories-656K");
@@ -787,8 +788,8 @@ Test(export_dense, postrope_rotation_is_refused_before_writing) {
     lr = make_lr(m, k2, 0, 0, 3);
     export_fails(m, h, lr, out, KV_EUNSUPPORTED, "layer 1 k", "'postrope_rotation'", NULL);
     cr_assert_eq(n_entries(dir), 0, "nothing may be written");
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
     rm_tree(dir);
     free(out);
     free(dir);
@@ -820,18 +821,18 @@ Test(export_dense, output_that_is_the_source_is_refused) {
     char *after = kvt_read_file(copy, &n1);
     cr_assert(n0 == n1 && !memcmp(before, after, n0), "the source changed");
     cr_assert_eq(n_entries(dir), 2);
-    kv_model_free(m);
+    kv_model_close(m);
 
     /* a directory source named as its own output */
     KVT_NEED_SHARED(hf, "models/tinystories-656K");
     char *h = strdup(hf);
     m = open_ok(h);
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     int k2[2] = {K_LATENT, K_LATENT};
     lr = make_lr(m, k2, 0, 0, 5);
     export_fails(m, h, lr, h, KV_EINVAL, "is the source model", NULL, NULL);
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
     free(before), free(after), free(copy), free(link_path), free(tmp_src), free(x), free(h);
     rm_tree(dir);
     free(dir);
@@ -856,8 +857,8 @@ Test(export_dense, existing_outputs) {
     char *sub = kvt_path(dir, "sub");
     cr_assert_eq(mkdir(sub, 0755), 0);
     export_fails(m, s, lr, sub, KV_EINVAL, "is a directory", NULL, NULL);
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
 
     KVT_NEED_SHARED(hf, "models/tinystories-656K");
     char *h = strdup(hf);
@@ -874,8 +875,8 @@ Test(export_dense, existing_outputs) {
     /* a file where the directory is due */
     export_fails(m, h, lr, out, KV_EINVAL, "not a directory", NULL, NULL);
     cr_assert_eq(n_entries(dir), 2, "no temporaries left behind");
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
     rm_tree(dir);
     free(dir), free(out), free(sub), free(with_slash), free(h), free(s);
 }
@@ -931,11 +932,11 @@ Test(export_dense, mismatched_factors_or_model_are_refused) {
     struct kv_err err;
     cr_assert_eq(kv_model_init_random(kv_model_config(m), 1, &syn, &err), KV_OK);
     export_fails(syn, s, lr, out, KV_EINVAL, "synthetic", NULL, NULL);
-    kv_model_free(syn);
+    kv_model_close(syn);
 
     cr_assert_eq(n_entries(dir), 1, "only other.bin: nothing written");
-    kv_model_free(m);
-    kv_lowrank_free(lr);
+    kv_model_close(m);
+    kv_lr_free(lr);
     rm_tree(dir);
     free(dir), free(out), free(other), free(s);
 }
@@ -994,8 +995,8 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
     free(o), free(e);
     struct kv_model *m2 = open_ok(out);
     cr_assert_gt(check_weights(m, m2, lr), 0);
-    kv_model_free(m2);
-    kv_lowrank_free(lr);
+    kv_model_close(m2);
+    kv_lr_free(lr);
 
     int k2[5] = {K_LATENT, K_LATENT, K_POSTROPE, K_LATENT, K_LATENT};
     lr = make_lr(m, k2, 0, 0, 19);
@@ -1015,8 +1016,8 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
     struct stat st;
     cr_assert_neq(stat(out2, &st), 0, "nothing may be written");
     free(o), free(e);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(dir);
     free(dir), free(lrdir), free(rotdir), free(out), free(out2), free(s);
 }

@@ -35,7 +35,7 @@ static void check_config(const char *dir, enum kv_arch arch, int64_t kv_heads) {
     cr_assert_eq(c->vocab_size, 258);
     cr_assert_eq(kv_model_format(m), KV_FORMAT_HF);
     cr_assert_eq(kv_model_tensor(m, 0)->dtype, KV_DTYPE_F16, "weights are committed as F16");
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(fixtures, load_as_hf_models) {
@@ -70,7 +70,7 @@ static void beats_unigram(const char *dir) {
     cr_assert(r.nll < 0.6 * uni, "%s: held-out nll %.4f is not well below the unigram's %.4f", dir,
               r.nll, uni);
     free(cnt), free(ti), free(hi), free(train), free(held);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(fixtures, llama_beats_unigram) {

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lrmodel.h"
 #include "model.h"
 #include "naive_gpt2.h"
 #include "naive_llama.h"
@@ -25,7 +26,7 @@ static void check_against_naive(struct kv_config c, int64_t n) {
     kvt_assert_close_f32(kv_fwd_logits(f), reff, n * c.vocab_size, 2e-5, 1e-4, "logits");
     free(reff), free(ref), free(tok);
     kv_fwd_free(f);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(forward, matches_naive_interleaved_rope_gqa) { check_against_naive(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), 40); }
@@ -55,7 +56,7 @@ Test(forward, rope_layouts_differ) {
     double diff = 0;
     for (int i = 0; i < 16 * 97; i++) diff = fmax(diff, fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]));
     cr_assert_gt(diff, 1e-3, "interleaved and rotate-half gave the same logits (max diff %g)", diff);
-    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_free(ma), kv_model_free(mb);
+    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
 }
 
 Test(forward, incremental_cache_equals_whole_window) {
@@ -78,7 +79,7 @@ Test(forward, incremental_cache_equals_whole_window) {
         cr_assert_eq(kv_fwd_run(inc, tok + p, 1, p, step + p * 97, &err), KV_OK);
     kvt_assert_close_f32(step, kv_fwd_logits(whole), n * 97, 1e-5, 1e-4, "incremental logits");
     free(step);
-    kv_fwd_free(whole), kv_fwd_free(inc), kv_model_free(m);
+    kv_fwd_free(whole), kv_fwd_free(inc), kv_model_close(m);
 }
 
 struct hook_rec {
@@ -126,7 +127,7 @@ Test(forward, hooks_fire_and_kv_replacement_takes_effect) {
     for (int i = 0; i < 12 * 97; i++) diff = fmax(diff, fabs(kv_fwd_logits(f)[i] - base[i]));
     cr_assert_gt(diff, 1e-4);
     free(base);
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 Test(forward, rejects_out_of_vocab_and_overflowing_positions) {
@@ -141,7 +142,7 @@ Test(forward, rejects_out_of_vocab_and_overflowing_positions) {
     cr_assert_str_eq(err.msg, "token id 97 at position 3 is outside the vocabulary of 97");
     cr_assert_eq(kv_fwd_run(f, tok, 9, 0, NULL, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "positions 0..8 exceed the context of 8");
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 
@@ -162,7 +163,7 @@ Test(forward, more_threads_after_init_stay_within_the_scratch_buffers) {
     cr_assert_eq(kv_fwd_run(f, tok, 64, 0, NULL, &err), KV_OK);
     kvt_assert_close_f32(kv_fwd_logits(f), one, 64 * 97, 1e-6, 1e-5, "logits after raising threads");
     free(one);
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- gpt2 */
@@ -211,7 +212,7 @@ static void check_gpt2_against_naive(struct kv_config c, int64_t n) {
     float *got = run_logits(m, NULL, 16, tok, n), *ref = naive_gpt2_f32(m, tok, n);
     kvt_assert_close_f32(got, ref, n * c.vocab_size, 2e-5, 1e-4, "gpt2 logits");
     free(got), free(ref), free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(forward, gpt2_matches_naive) { check_gpt2_against_naive(tiny_gpt2_cfg(), 40); }
@@ -243,7 +244,7 @@ Test(forward, gpt2_incremental_cache_equals_whole_window) {
         cr_assert_eq(kv_fwd_run(f, tok + p, 1, p, step + p * V, &err), KV_OK);
     kvt_assert_close_f32(step, whole, n * V, 1e-5, 1e-4, "incremental gpt2 logits");
     free(step), free(whole), free(tok);
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 Test(forward, gpt2_refuses_a_context_beyond_its_positions) {
@@ -255,7 +256,7 @@ Test(forward, gpt2_refuses_a_context_beyond_its_positions) {
     cr_assert_str_eq(err.msg, "context length 65 exceeds the 64 learned positions of this gpt2 model");
     cr_assert_null(f);
     cr_assert_eq(kv_fwd_init(m, 64, &f, &err), KV_OK, "%s", err.msg);
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 struct qk_capture {
@@ -304,7 +305,7 @@ Test(forward, gpt2_qk_hook_sees_the_plain_projections) {
         free(ref);
     }
     free(cap.xn), free(cap.q), free(cap.k), free(tok);
-    kv_fwd_free(f), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(m);
 }
 
 Test(forward, flops_count_two_mlp_matrices_for_gpt2) {
@@ -319,7 +320,7 @@ Test(forward, flops_count_two_mlp_matrices_for_gpt2) {
     double diff = kv_fwd_flops(ml, n, pos0) - kv_fwd_flops(mg, n, pos0);
     double want = 2.0 * (double)(g.dim * g.hidden_dim * g.n_layers * n);
     cr_assert(fabs(diff - want) <= 1e-9 * want, "llama - gpt2 flops %g, expected %g", diff, want);
-    kv_model_free(mg), kv_model_free(ml);
+    kv_model_close(mg), kv_model_close(ml);
 }
 
 /* ---------------------------------------------------------------- gpt2 latent cache */
@@ -475,10 +476,10 @@ Test(forward, gpt2_full_rank_fused_query_and_output_equal_the_base) {
             kvt_assert_close_f32(got, base, nv, 1e-5, 1e-4, "full-rank rotation logits");
             free(got);
         }
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     free(base), free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(forward, gpt2_reduced_rank_latents_equal_naive_projected_attention) {
@@ -501,8 +502,8 @@ Test(forward, gpt2_reduced_rank_latents_equal_naive_projected_attention) {
         for (int64_t i = 0; i < nv; i++) diff = fmax(diff, fabs(base[i] - ref[i]));
         cr_assert_gt(diff, 1e-3, "rank reduction left the logits unchanged (max diff %g)", diff);
         free(ref), free(base);
-        kv_lowrank_free(lr);
-        kv_model_free(m), kv_model_free(proj);
+        kv_lr_free(lr);
+        kv_model_close(m), kv_model_close(proj);
     }
     free(tok);
 }
@@ -530,8 +531,8 @@ Test(forward, gpt2_fused_query_quantizes_the_cached_latents) {
         free(fused), free(rec);
     }
     free(fp), free(tok);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }
 
 Test(forward, gpt2_latent_incremental_cache_equals_whole_window) {
@@ -551,7 +552,7 @@ Test(forward, gpt2_latent_incremental_cache_equals_whole_window) {
         cr_assert_eq(kv_fwd_run(f, tok + p, 1, p, step + p * V, &err), KV_OK);
     kvt_assert_close_f32(step, whole, n * V, 1e-5, 1e-4, "incremental latent logits");
     free(step), free(whole), free(tok);
-    kv_fwd_free(f), kv_lowrank_free(lr), kv_model_free(m);
+    kv_fwd_free(f), kv_lr_free(lr), kv_model_close(m);
 }
 
 Test(forward, fused_query_is_refused_where_it_is_not_exact_or_complete) {
@@ -581,6 +582,6 @@ Test(forward, fused_query_is_refused_where_it_is_not_exact_or_complete) {
     cr_assert_eq(kv_fwd_init(ml, 8, &f, &err), KV_OK);
     cr_assert_eq(kv_fwd_set_lowrank(f, lr, 16, &err), KV_EUNSUPPORTED);
     cr_assert_str_eq(err.msg, "layer 0: key mode fused_query is not supported for this architecture");
-    kv_fwd_free(f), kv_model_free(ml);
-    kv_lowrank_free(lr), kv_model_free(m);
+    kv_fwd_free(f), kv_model_close(ml);
+    kv_lr_free(lr), kv_model_close(m);
 }

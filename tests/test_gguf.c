@@ -666,7 +666,7 @@ Test(gguf_load, loads_the_tiny_model) {
     cr_assert_eq(kv_tok_n_vocab(tok), 16);
     cr_assert_eq(kv_tok_type(tok, 3), KV_TOKT_NORMAL); /* no token_type array */
     cr_assert_eq(kv_tok_score(tok, 9), -9.0f);
-    kv_model_free(m);
+    kv_model_close(m);
     unlink(path);
     free(path);
     free(f.p);
@@ -688,7 +688,7 @@ Test(gguf_load, converts_f16_and_bf16_weights) {
         cr_assert_eq(m->layers[0].w[KV_W_K][i], tval(T_K, (uint64_t)i), "k[%d]", i);
         cr_assert_eq(m->layers[0].w[KV_W_V][i], tval(T_V, (uint64_t)i), "v[%d]", i);
     }
-    kv_model_free(m);
+    kv_model_close(m);
     unlink(path);
     free(path);
     free(f.p);
@@ -727,7 +727,7 @@ static int load_patched(const char *key, uint32_t type, uint32_t value, struct k
     char *path = write_fx(&f);
     struct kv_model *m = NULL;
     int rc = kv_gguf_load(path, &m, err);
-    kv_model_free(m);
+    kv_model_close(m);
     unlink(path);
     *pathp = path;
     free(f.p);
@@ -805,7 +805,7 @@ Test(gguf_load, stories260k_has_the_readme_config) {
     cr_assert_eq(kv_tok_n_vocab(tok), 512);
     cr_assert_eq(kv_tok_bos(tok), 1);
     cr_assert_eq(kv_tok_eos(tok), 2);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(gguf_load, stories260k_getter_names_file_key_and_types) {
@@ -858,8 +858,8 @@ Test(gguf_load, stories260k_weights_equal_the_llama2c_checkpoint) {
             compared++;
         }
     cr_assert_eq(compared, 3 + 5 * 9);
-    kv_model_free(g);
-    kv_model_free(b);
+    kv_model_close(g);
+    kv_model_close(b);
 }
 
 Test(gguf_load, stories260k_vocabulary_equals_tok512) {
@@ -919,7 +919,7 @@ Test(gguf_load, other_tokenizer_models_are_unsupported) {
     struct kv_model *m;
     cr_assert_eq(kv_gguf_load(path, &m, &err), KV_OK, "%s", fmt_err(&err));
     cr_assert_null(kv_model_tokenizer(m));
-    kv_model_free(m);
+    kv_model_close(m);
     unlink(path);
     free(path);
     free(f.p);

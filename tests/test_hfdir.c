@@ -317,7 +317,7 @@ Test(hf_load, tinystories_656k_config_and_tied_head) {
     cr_assert_eq(kv_tok_n_vocab(tok), 2048);
     cr_assert_eq(kv_tok_bos(tok), 1);
     cr_assert_eq(kv_tok_eos(tok), 2);
-    kv_model_free(m);
+    kv_model_close(m);
     free(dir);
 }
 
@@ -342,7 +342,7 @@ Test(hf_load, f16_and_bf16_load_equal_to_f32) {
         cr_assert_eq(kv_model_tensor(m, 0)->dtype,
                      i == 0 ? KV_DTYPE_F32 : i == 1 ? KV_DTYPE_F16 : KV_DTYPE_BF16);
         expect_weights(m, &r, dtypes[i]);
-        kv_model_free(m);
+        kv_model_close(m);
         kvt_rm_dir(dir);
     }
     ref_free(&r);
@@ -356,7 +356,7 @@ Test(hf_load, tied_checkpoint_without_lm_head_shares_the_embedding) {
     cr_assert_eq(kv_model_config(m)->tied_embeddings, 1);
     cr_assert_eq(m->lm_head, m->tok_emb);
     expect_weights(m, &r, "tied");
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     ref_free(&r);
 }
@@ -375,7 +375,7 @@ Test(hf_load, metadata_alias_resolves_a_missing_tensor) {
     expect_weights(m, &r, "alias");
     cr_assert_not_null(m->lm_head);
     cr_assert_eq(memcmp(m->lm_head, m->tok_emb, T_VOCAB * T_DIM * sizeof(float)), 0);
-    kv_model_free(m);
+    kv_model_close(m);
 
     write_st(dir, "model.safetensors", &r, NULL, "F16", "{\"format\":\"pt\"}");
     load_fails(dir, KV_EFORMAT,
@@ -427,7 +427,7 @@ Test(hf_load, sharded_index_maps_each_shard_once) {
     for (int64_t i = 0; i < kv_model_n_tensors(m); i++)
         cr_assert_eq(kv_model_tensor(m, i)->file, i < n0 ? 0 : 1, "tensor %lld", (long long)i);
     cr_assert_eq(m->n_cleanups, 2, "one mapping per shard");
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     ref_free(&r);
 }
@@ -508,7 +508,7 @@ Test(hf_load, accepts_default_rope_scaling_and_missing_hidden_act) {
         struct kv_model *m = load_ok(dir);
         cr_assert_float_eq(kv_model_config(m)->rope_theta, 500000.0, 1e-3);
         expect_weights(m, &r, variants[v]);
-        kv_model_free(m);
+        kv_model_close(m);
         write_config(dir, 1, 0, NULL);
         free(cfg), free(p);
     }
@@ -733,7 +733,7 @@ Test(hf_load, gpt2_conv1d_weights_are_transposed_and_c_attn_split) {
         expect_gpt2(m, &g);
         cr_assert_eq(kv_model_config(m)->bos_id, 10);
         cr_assert_eq(kv_model_config(m)->eos_id, 10);
-        kv_model_free(m);
+        kv_model_close(m);
         kvt_rm_dir(dir);
         g_free(&g);
     }
@@ -801,7 +801,7 @@ Test(hf_load, gpt2_loads_unprefixed_names_and_ignores_buffers) {
     struct kv_model *m = load_ok(dir);
     expect_gpt2(m, &g);
     cr_assert_eq(kv_model_n_tensors(m), g.n, "the buffers stay in the tensor table");
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     g_free(&g);
 }
@@ -818,7 +818,7 @@ Test(hf_load, gpt2_untied_head_and_a_head_standing_in_for_wte) {
     expect_piece(kv_model_weight(m, KV_W_LM_HEAD, 0), g_find(&g, "lm_head.weight"), 0, 0, G_VOCAB,
                  "lm_head");
     cr_assert_neq(m->lm_head, m->tok_emb);
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     dir = g_dir(&g, cfg, KV_DTYPE_F32, "lm_head.weight");
     load_fails(dir, KV_EFORMAT,
@@ -829,7 +829,7 @@ Test(hf_load, gpt2_untied_head_and_a_head_standing_in_for_wte) {
     m = load_ok(dir);
     expect_piece(kv_model_weight(m, KV_W_TOK_EMB, 0), g_find(&g, "lm_head.weight"), 0, 0, G_VOCAB,
                  "wte from lm_head");
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     g_free(&g);
 }
@@ -1023,13 +1023,13 @@ Test(hf_load, config_ids_override_the_tokenizer) {
     cr_assert_eq(kv_tok_bos(kv_model_tokenizer(m)), 1);
     cr_assert_eq(kv_model_config(m)->bos_id, 1, "config without ids takes the tokenizer's");
     cr_assert_eq(kv_model_config(m)->eos_id, 2);
-    kv_model_free(m);
+    kv_model_close(m);
     write_config(dir, 0, 0, "\"bos_token_id\": 2, \"eos_token_id\": [1, 7]");
     m = load_ok(dir);
     cr_assert_eq(kv_tok_bos(kv_model_tokenizer(m)), 2);
     cr_assert_eq(kv_tok_eos(kv_model_tokenizer(m)), 1);
     cr_assert_eq(kv_model_config(m)->bos_id, 2);
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
     ref_free(&r);
 }

@@ -21,7 +21,7 @@ static struct kv_tokenizer *byte_tokenizer(char **dir_out) {
     struct kv_err e;
     cr_assert_eq(kv_hf_write_byte_tokenizer(path, &e), KV_OK, "%s", e.msg);
     struct kv_tokenizer *tok;
-    cr_assert_eq(kv_tokenizer_open(path, &tok, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_tok_open(path, &tok, &e), KV_OK, "%s", e.msg);
     free(path);
     *dir_out = dir;
     return tok;
@@ -161,7 +161,7 @@ static void round_trip(struct kv_model *m, int exact) {
     else
         kvt_assert_close_f32(got, ref, nv, 1e-6, 1e-5, "f32 round trip logits");
     free(got);
-    kv_model_free(back);
+    kv_model_close(back);
     kvt_rm_dir(dir);
 
     back = write_and_open(m, KV_DTYPE_F16, NULL, &dir);
@@ -171,7 +171,7 @@ static void round_trip(struct kv_model *m, int exact) {
     float *ref16 = logits_of(m, n);
     kvt_assert_close_f32(got, ref16, nv, 1e-6, 1e-5, "f16 round trip against the rounded model");
     free(got), free(ref16), free(ref);
-    kv_model_free(back);
+    kv_model_close(back);
     kvt_rm_dir(dir);
 }
 
@@ -186,7 +186,7 @@ static struct kv_model *random_model(struct kv_config c, uint64_t seed) {
 Test(hf_write, llama_round_trip) {
     struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 0, 1), 11);
     round_trip(m, 1);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(hf_write, llama_interleaved_untied_with_bias_round_trip) {
@@ -196,13 +196,13 @@ Test(hf_write, llama_interleaved_untied_with_bias_round_trip) {
     c.rope_theta = 500000.0f;
     struct kv_model *m = random_model(c, 12);
     round_trip(m, 0);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(hf_write, gpt2_round_trip) {
     struct kv_model *m = random_model(tiny_gpt2_cfg(), 13);
     round_trip(m, 1);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(hf_write, gpt2_untied_round_trip) {
@@ -210,7 +210,7 @@ Test(hf_write, gpt2_untied_round_trip) {
     c.tied_embeddings = 0;
     struct kv_model *m = random_model(c, 14);
     round_trip(m, 1);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(hf_write, gpt2_logits_match_the_naive_forward_after_the_round_trip) {
@@ -226,7 +226,7 @@ Test(hf_write, gpt2_logits_match_the_naive_forward_after_the_round_trip) {
     for (int64_t i = 0; i < n * V; i++) reff[i] = (float)ref[i];
     kvt_assert_close_f32(got, reff, n * V, 2e-5, 1e-4, "loaded gpt2 against naive");
     free(ref), free(reff), free(got);
-    kv_model_free(back), kv_model_free(m);
+    kv_model_close(back), kv_model_close(m);
     kvt_rm_dir(dir);
 }
 
@@ -267,7 +267,7 @@ Test(hf_write, copies_the_tokenizer_and_writes_hf_names) {
     cr_assert(strstr(cfg, "\"layer_norm_epsilon\": 1e-5"), "%s", cfg);
     cr_assert(strstr(cfg, "\"activation_function\": \"gelu_new\""), "%s", cfg);
     free(cfg), free(cfg_path);
-    kv_model_free(back), kv_model_free(m);
+    kv_model_close(back), kv_model_close(m);
     kvt_rm_dir(dir);
     unlink(tpath);
     free(tpath);
@@ -281,13 +281,13 @@ Test(hf_write, refuses_other_dtypes_and_undescribable_models) {
     struct kv_err e;
     cr_assert_eq(kv_hf_write(m, dir, KV_DTYPE_I32, NULL, &e), KV_EINVAL);
     cr_assert_str_eq(e.msg, "cannot write weights as I32, expected F32, F16 or BF16");
-    kv_model_free(m);
+    kv_model_close(m);
     struct kv_config c = tiny_gpt2_cfg();
     c.head_dim = 8; /* 4 heads of 8 for dim 48 */
     m = random_model(c, 17);
     cr_assert_eq(kv_hf_write(m, dir, KV_DTYPE_F32, NULL, &e), KV_EINVAL);
     cr_assert_str_eq(e.msg, "gpt2 with 4 heads of 8 for dim 48 has no HF config (n_embd / n_head "
                             "is the head size)");
-    kv_model_free(m);
+    kv_model_close(m);
     kvt_rm_dir(dir);
 }

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "kvdir.h"
+#include "lrmodel.h"
 #include "model.h"
 #include "safetensors.h"
 #include "stwrite.h"
@@ -302,7 +303,7 @@ static void round_trip(struct kv_config cfg, int kv_bits, int hadamard) {
     kv_err_clear(&err);
     cr_assert_eq(kv_lr_dir_open(dir, m, &back, &err), KV_OK, "%s", fmt_err(&err));
     assert_lr_eq(lr, back, 1);
-    cr_assert_eq(kv_lowrank_bytes(back, back->kv_bits), kv_lowrank_bytes(lr, lr->kv_bits));
+    cr_assert_eq(kv_lr_bytes(back, back->kv_bits), kv_lr_bytes(lr, lr->kv_bits));
 
     /* the manifest alone: same shapes, no factors */
     struct kv_lowrank *mf = NULL;
@@ -319,10 +320,10 @@ static void round_trip(struct kv_config cfg, int kv_bits, int hadamard) {
     closedir(d);
     cr_assert_eq(n, 1, "the temporary directory was left behind");
 
-    kv_lowrank_free(mf);
-    kv_lowrank_free(back);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(mf);
+    kv_lr_free(back);
+    kv_lr_free(lr);
+    kv_model_close(m);
     free(mpath);
     rm_tree(parent);
     free(dir), free(parent);
@@ -487,8 +488,8 @@ static void check_safetensors(struct kv_config cfg) {
     for (int i = 0; i < w->nb; i++) free(w->bufs[i]);
     free(w);
     kv_st_close(f);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     free(wpath);
     rm_tree(parent);
     free(dir), free(parent);
@@ -547,7 +548,7 @@ static const char *jstr(const json_t *o, const char *key) {
     return json_is_string(v) ? json_string_value(v) : NULL;
 }
 
-/* KV bytes/token recomputed from the description of kv_lowrank_bytes. */
+/* KV bytes/token recomputed from the description of kv_lr_bytes. */
 static int64_t unit_bytes(int64_t rank, int bits) {
     return bits >= 16 ? 2 * rank : (rank * bits + 7) / 8 + 2 + 2;
 }
@@ -722,8 +723,8 @@ static void check_manifest(struct kv_config cfg, int bits) {
                          (double[]){dr[0] / en[0], dr[1] / en[1]}, 2, 0, 1e-15,
                          "predicted_error");
     json_decref(root);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }
@@ -762,8 +763,8 @@ Test(kvdir_write, copies_the_tokenizer_of_a_non_hf_source) {
     cr_assert_str_eq(jstr(json_object_get(root, "model"), "tokenizer"), "tok512.bin");
     json_decref(root);
     free(got), free(copy), free(cfg), free(tok);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }
@@ -807,8 +808,8 @@ Test(kvdir_write, refuses_a_non_empty_directory_without_manifest) {
     cr_assert_eq(kv_lr_dir_write(m, lr, NULL, file, &err), KV_EINVAL, "%s", fmt_err(&err));
     cr_assert(strstr(err.msg, "not a directory"), "%s", err.msg);
     free(file), free(keep);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }
@@ -832,8 +833,8 @@ Test(kvdir_write, replaces_an_empty_directory_and_an_earlier_output) {
     json_decref(root);
     cr_assert_eq(count_entries(parent), 1);
     free(slash), free(stale);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }
@@ -873,7 +874,7 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
         cr_assert(strstr(err.msg, rows[i].needle), "%s: '%s' lacks '%s'", rows[i].what, err.msg,
                   rows[i].needle);
         cr_assert_neq(access(dir, F_OK), 0, "%s: the directory was created", rows[i].what);
-        kv_lowrank_free(lr);
+        kv_lr_free(lr);
     }
     /* fused query keys: on gpt2 only, with q_fused of the units' rows and a
      * bias exactly when the model has a q bias */
@@ -912,10 +913,10 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
         cr_assert(strstr(err.msg, qrows[i].needle), "%s: '%s' lacks '%s'", qrows[i].what,
                   err.msg, qrows[i].needle);
         cr_assert_neq(access(dir, F_OK), 0, "%s: the directory was created", qrows[i].what);
-        kv_lowrank_free(lr);
-        kv_model_free(llama);
+        kv_lr_free(lr);
+        kv_model_close(llama);
     }
-    kv_model_free(g2);
+    kv_model_close(g2);
     /* options that are not an object */
     struct kv_lowrank *lr = make_lr(m, 16, 0, 2);
     struct kv_lr_dir_info info = {NULL, NULL, "[1, 2]", NULL};
@@ -923,8 +924,8 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
     cr_assert_eq(kv_lr_dir_write(m, lr, &info, dir, &err), KV_EINVAL, "%s", fmt_err(&err));
     cr_assert(strstr(err.msg, "options"), "%s", err.msg);
     cr_assert_eq(count_entries(parent), 0, "a temporary was left behind");
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }
@@ -950,8 +951,8 @@ static void fx_init_arch(struct fx *f, int gpt2) {
 static void fx_init(struct fx *f) { fx_init_arch(f, 0); }
 
 static void fx_free(struct fx *f) {
-    kv_lowrank_free(f->lr);
-    kv_model_free(f->m);
+    kv_lr_free(f->lr);
+    kv_model_close(f->m);
     rm_tree(f->parent);
     free(f->dir), free(f->parent), free(f->mpath), free(f->wpath);
 }
@@ -1264,14 +1265,14 @@ Test(kvdir_open, refuses_another_model) {
     snprintf(want, sizeof want, "made from model %.12s, but the given model is ",
              f.lr->model_fingerprint);
     cr_assert(strstr(err.msg, want), "'%s' lacks '%s'", err.msg, want);
-    kv_model_free(other);
+    kv_model_close(other);
 
     /* other shapes: named before any fingerprint is computed */
     other = make_model(1, 17);
     kv_err_clear(&err);
     cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
     cr_assert(strstr(err.msg, "tied_embeddings") || strstr(err.msg, "qkv_bias"), "%s", err.msg);
-    kv_model_free(other);
+    kv_model_close(other);
     fx_free(&f);
 
     /* a gpt2 directory and a llama model of the same shapes */
@@ -1282,7 +1283,7 @@ Test(kvdir_open, refuses_another_model) {
     kv_err_clear(&err);
     cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
     cr_assert_str_eq(err.msg, "made from a gpt2 model, but the given model is llama");
-    kv_model_free(other);
+    kv_model_close(other);
     fx_free(&f);
 }
 
@@ -1321,7 +1322,7 @@ Test(kvdir_open, reads_f16_and_bf16_factors) {
     n = f.lr->dim * lr->layers[2].o_cols;
     kvt_assert_close_f32(lr->layers[2].o_fused, f.lr->layers[2].o_fused, n, 0x1.0p-25, 0x1.0p-11,
                          "f16 o_fused");
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     fx_free(&f);
 }
 
@@ -1370,11 +1371,11 @@ Test(kvdir_hf, all_full_output_is_the_same_hf_checkpoint) {
     cr_assert_str_eq(fa, fb);
     struct kv_lowrank *back = NULL;
     cr_assert_eq(kv_lr_dir_open(dir, again, &back, &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(kv_lowrank_bytes(back, 16), kv_lowrank_base_bytes(c));
-    kv_lowrank_free(back);
-    kv_model_free(again);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    cr_assert_eq(kv_lr_bytes(back, 16), kv_lr_base_bytes(c));
+    kv_lr_free(back);
+    kv_model_close(again);
+    kv_lr_free(lr);
+    kv_model_close(m);
     rm_tree(parent);
     free(dir), free(parent);
 }

@@ -11,6 +11,7 @@
 
 #include "kvrt.h"
 #include "kvrt_plan.h"
+#include "lrmodel.h"
 #include "testutil.h"
 
 #define M260 "models/stories260K/stories260K.bin"
@@ -205,8 +206,8 @@ static void twin_matches_forward(enum which w, const char *const *methods, int n
         decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F16, 0, 2e-2, what);
         capture_free(&cp, kv_model_config(m)->n_layers);
         free(tok), free(dir);
-        kv_lowrank_free(lr);
-        kv_model_free(m);
+        kv_lr_free(lr);
+        kv_model_close(m);
     }
 }
 
@@ -276,8 +277,8 @@ Test(kvrt_twin, random_shapes_both_rope_layouts) {
                 capture_free(&cp, 2);
             }
             free(tok);
-            kv_lowrank_free(lr);
-            kv_model_free(m);
+            kv_lr_free(lr);
+            kv_model_close(m);
         }
 }
 
@@ -394,8 +395,8 @@ Test(kvrt_errors, messages) {
     lr->layers[1].k.units[0].up = NULL;
     cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "layer 1: key unit 0 lacks its up factor");
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }
 
 Test(kvrt_errors, cuda_without_a_device) {
@@ -418,7 +419,7 @@ Test(kvrt_errors, cuda_without_a_device) {
                                   "rebuild with make CUDA=1)");
     }
     cr_assert_null(rt);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* The backend object is loaded once per process; each Criterion test runs
@@ -526,8 +527,8 @@ Test(kvrt_gpu, matches_twin_every_mode, .timeout = 600) {
             snprintf(what, sizeof what, "model %d %s", w, full);
             if (i == 0) gpu_matches_twin(m, NULL, 200, what);
             gpu_matches_twin(m, lr, 200, what);
-            kv_lowrank_free(lr);
-            kv_model_free(m);
+            kv_lr_free(lr);
+            kv_model_close(m);
             free(dir);
         }
     }
@@ -564,6 +565,6 @@ Test(kvrt_gpu, long_context_matches_twin, .timeout = 600) {
                 snprintf(w, sizeof w, "T %lld %s %s", (long long)T, with ? "svd" : "base", dt ? "f16" : "f32");
                 kvt_assert_close_f32(y[1], y[0], c->dim, rtol * max_abs(y[0], c->dim), rtol, w);
             }
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }

@@ -1253,7 +1253,7 @@ Test(kvstats_parse, matches_model_checks_shape_and_fingerprint) {
     cr_assert_str_eq(err.path, "s.kvstats");
     cr_assert(strstr(err.msg, "statistics are for 1 layers, dim 16"), "%s", err.msg);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* ------------------------------------------------------------ merge */

@@ -132,7 +132,7 @@ Test(l2c, round_trips_a_tiny_checkpoint) {
     cr_assert_str_eq(last->name, "freq_cis_imag");
     cr_assert(last->shape[0] == 6 && last->shape[1] == 2);
     cr_assert_eq(last->offset + last->nbytes, c.len);
-    kv_model_free(m);
+    kv_model_close(m);
     free(path);
     free(c.p);
 }
@@ -152,7 +152,7 @@ Test(l2c, negative_vocab_means_an_untied_classifier) {
     cr_assert_neq(m->lm_head, m->tok_emb);
     cr_assert_eq(m->lm_head[0], (float)(c.n_floats - 160));
     cr_assert_str_eq(kv_model_tensor(m, kv_model_n_tensors(m) - 1)->name, "wcls");
-    kv_model_free(m);
+    kv_model_close(m);
     free(path);
     free(c.p);
 }
@@ -246,7 +246,7 @@ Test(l2c, stories260k_loads_and_a_cut_copy_is_refused) {
               cf->n_kv_heads == 4 && cf->head_dim == 8 && cf->vocab_size == 512 &&
               cf->max_seq_len == 512 && cf->tied_embeddings == 1);
     cr_assert_eq(kv_model_n_tensors(m), 1 + 9 * 5 + 1 + 2);
-    kv_model_free(m);
+    kv_model_close(m);
 
     size_t len;
     char *bytes = kvt_read_file(path, &len);

@@ -55,7 +55,7 @@ Test(loader, stories260K_greedy_matches_the_published_text_from_bin_and_gguf) {
               "llama2.c output differs from the reference:\n%s", ta);
     cr_assert_str_eq(ta, tb, "bin and gguf outputs differ");
     free(ta), free(tb), free(bin), free(tok), free(gguf);
-    kv_model_free(a), kv_model_free(b);
+    kv_model_close(a), kv_model_close(b);
 }
 
 static void expect_ids(const struct kv_tokenizer *t, const char *text, const int32_t *want,
@@ -76,7 +76,7 @@ Test(loader, llama2_32k_tokenizer_reproduces_published_ids) {
     if (!p) cr_skip_test("shared llama2 tokenizer is absent; skipping");
     struct kv_tokenizer *t;
     struct kv_err err;
-    cr_assert_eq(kv_tokenizer_open(p, &t, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_tok_open(p, &t, &err), KV_OK, "%s", err.msg);
     cr_assert_eq(kv_tok_n_vocab(t), 32000);
     const int32_t a[] = {1, 306, 4658, 278, 6593, 310, 2834, 338};
     expect_ids(t, "I believe the meaning of life is", a, 8);
@@ -93,8 +93,8 @@ Test(loader, tok512_and_gguf_vocabulary_agree_on_val1k) {
     if (!tok || !gguf || !text) cr_skip_test("shared files are absent; skipping");
     struct kv_tokenizer *a, *b;
     struct kv_err err;
-    cr_assert_eq(kv_tokenizer_open(tok, &a, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(kv_tokenizer_open(gguf, &b, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_tok_open(tok, &a, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_tok_open(gguf, &b, &err), KV_OK, "%s", err.msg);
     char *s;
     size_t len;
     cr_assert_eq(kv_text_read(text, &s, &len, &err), KV_OK);

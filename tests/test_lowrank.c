@@ -1,15 +1,17 @@
-/* Low-rank numerics. kv_lr_eigh and kv_lr_svd are checked against their
+/* Low-rank numerics. kv_la_eigh and kv_la_svd are checked against their
  * defining identities with naive loops; the Cholesky-whitened SVD against the
  * eigen route W V_r V_rᵀ (DESIGN §3.1); the eigen route's error against the
  * dropped eigenvalues and against random rank-r projections; Hadamard
  * matrices against orthonormality and the Sylvester recursion, and the
- * Hadamard fusion (kv_lowrank_hadamard) against the latent forward pass's
+ * Hadamard fusion (kv_lr_fuse_hadamard) against the latent forward pass's
  * logits before and after. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "linalg.h"
+#include "lrmodel.h"
 #include "testutil.h"
 
 /* ---------------------------------------------------------------- helpers */
@@ -118,7 +120,7 @@ static void eigh_case(int64_t n, uint64_t seed) {
     double *av = malloc((size_t)(n * n) * sizeof *av), *vw = malloc((size_t)(n * n) * sizeof *vw);
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(a, n, w, v, "test matrix", &err), KV_OK, "n %lld: %s", (long long)n,
+    cr_assert_eq(kv_la_eigh(a, n, w, v, "test matrix", &err), KV_OK, "n %lld: %s", (long long)n,
                  err.msg);
 
     matmul(a, v, av, n, n, n, 0, 0);
@@ -143,7 +145,7 @@ static void eigh_case(int64_t n, uint64_t seed) {
     memcpy(a2, a, (size_t)(n * n) * sizeof *a2);
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < i; j++) a2[i * n + j] = 1e3 * (double)(i - j);
-    cr_assert_eq(kv_lr_eigh(a2, n, w2, v2, "test matrix", &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_la_eigh(a2, n, w2, v2, "test matrix", &err), KV_OK, "%s", err.msg);
     kvt_assert_close_f64(w2, w, n, 0, 0, "eigenvalues with a junk lower triangle");
     kvt_assert_close_f64(v2, v, n * n, 0, 0, "eigenvectors with a junk lower triangle");
     free(a), free(w), free(v), free(av), free(vw), free(a2), free(w2), free(v2);
@@ -166,7 +168,7 @@ Test(lr_eigh, known_spectrum_with_repeats_sorted_descending) {
         for (int64_t j = 0; j < i; j++) s[i * n + j] = s[j * n + i];
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(s, n, lam0, q, "q", &err), KV_OK);
+    cr_assert_eq(kv_la_eigh(s, n, lam0, q, "q", &err), KV_OK);
     double lam[9] = {-3, 5, 0.5, 5, 2, -0.25, 7, 1, 0};
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < n; j++) {
@@ -174,7 +176,7 @@ Test(lr_eigh, known_spectrum_with_repeats_sorted_descending) {
             for (int64_t k = 0; k < n; k++) t += q[i * n + k] * lam[k] * q[j * n + k];
             a[i * n + j] = t;
         }
-    cr_assert_eq(kv_lr_eigh(a, n, w, v, "a", &err), KV_OK);
+    cr_assert_eq(kv_la_eigh(a, n, w, v, "a", &err), KV_OK);
     double want[9] = {7, 5, 5, 2, 1, 0.5, 0, -0.25, -3};
     kvt_assert_close_f64(w, want, n, 1e-12, 1e-12, "eigenvalues");
     free(s);
@@ -185,17 +187,17 @@ Test(lr_eigh, rejects_nan_naming_the_matrix) {
     a[7] = NAN;
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(a, 3, w, v, "layer 3 k unit 1", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_eigh(a, 3, w, v, "layer 3 k unit 1", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "layer 3 k unit 1: non-finite value nan at row 2, column 1");
     a[7] = -INFINITY;
-    cr_assert_eq(kv_lr_eigh(a, 3, w, v, "layer 0 v unit 2", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_eigh(a, 3, w, v, "layer 0 v unit 2", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "layer 0 v unit 2: non-finite value -inf at row 2, column 1");
 }
 
 Test(lr_eigh, empty_is_a_no_op) {
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(NULL, 0, NULL, NULL, "empty", &err), KV_OK);
+    cr_assert_eq(kv_la_eigh(NULL, 0, NULL, NULL, "empty", &err), KV_OK);
 }
 
 /* ---------------------------------------------------------------- svd */
@@ -208,7 +210,7 @@ static void svd_case(int64_t m, int64_t n, uint64_t seed) {
     double *vt = malloc((size_t)(k * n) * sizeof *vt), *rec = malloc((size_t)(m * n) * sizeof *rec);
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_svd(a, m, n, u, s, vt, "test matrix", &err), KV_OK, "%lldx%lld: %s",
+    cr_assert_eq(kv_la_svd(a, m, n, u, s, vt, "test matrix", &err), KV_OK, "%lldx%lld: %s",
                  (long long)m, (long long)n, err.msg);
     /* A = U diag(s) Vᵀ */
     for (int64_t i = 0; i < m; i++)
@@ -246,7 +248,7 @@ Test(lr_svd, rejects_nan_naming_the_matrix) {
     a[5] = NAN;
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_svd(a, 2, 3, u, s, vt, "layer 1 o proj", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_svd(a, 2, 3, u, s, vt, "layer 1 o proj", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "layer 1 o proj: non-finite value nan at row 1, column 2");
 }
 
@@ -275,7 +277,7 @@ static void problem_init(struct problem *p, int64_t n, int64_t d, int64_t m, uin
     free(cxw);
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_eigh(p->cy, m, p->lam, p->v, "c_y", &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_la_eigh(p->cy, m, p->lam, p->v, "c_y", &err), KV_OK, "%s", err.msg);
 }
 
 static void problem_free(struct problem *p) {
@@ -318,7 +320,7 @@ Test(lr_whiten, cholesky_route_equals_eigen_route_at_every_rank) {
     kv_err_clear(&err);
     for (int64_t r = 1; r <= p.m; r++) {
         project(p.w, p.v, p.m, p.d, p.m, r, we);
-        cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, 0, r, wc, "unit", &err), KV_OK,
+        cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, 0, r, wc, "unit", &err), KV_OK,
                      "%s", err.msg);
         char what[64];
         snprintf(what, sizeof what, "whitened vs eigen, rank %lld", (long long)r);
@@ -337,12 +339,12 @@ Test(lr_whiten, rank_zero_is_zero_and_bad_rank_is_rejected) {
     for (int i = 0; i < 24; i++) wc[i] = 1;
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, 0, 0, wc, "unit", &err), KV_OK);
+    cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, 0, 0, wc, "unit", &err), KV_OK);
     for (int i = 0; i < 24; i++) cr_assert_eq(wc[i], 0.0);
-    cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, 0, 5, wc, "layer 2 v unit 0", &err),
+    cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, 0, 5, wc, "layer 2 v unit 0", &err),
                  KV_EINVAL);
     cr_assert_str_eq(err.msg, "layer 2 v unit 0: rank 5 is out of range: expected 0 to 4");
-    cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, 0, -1, wc, "u", &err), KV_EINVAL);
+    cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, 0, -1, wc, "u", &err), KV_EINVAL);
     problem_free(&p);
 }
 
@@ -415,20 +417,20 @@ Test(lr_whiten, singular_covariance_needs_a_ridge) {
     double wc[40], we[40];
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, 0, 2, wc, "layer 5 k unit 3", &err),
+    cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, 0, 2, wc, "layer 5 k unit 3", &err),
                  KV_ENUMERIC);
     cr_assert_str_eq(err.msg,
                      "layer 5 k unit 3: input covariance is not positive definite (dpotrf info 4)");
 
     /* with a ridge it succeeds and matches the eigen route on C_x + λI */
     double lambda = 0.5;
-    cr_assert_eq(kv_lr_whitened_chol(p.w, p.d, p.m, p.cx, lambda, 2, wc, "u", &err), KV_OK,
+    cr_assert_eq(kv_la_whitened_chol(p.w, p.d, p.m, p.cx, lambda, 2, wc, "u", &err), KV_OK,
                  "%s", err.msg);
     for (int64_t i = 0; i < p.d; i++) p.cx[i * p.d + i] += lambda;
     double cxw[40], cy[16], lam[4], v[16];
     matmul(p.cx, p.w, cxw, p.d, p.d, p.m, 0, 0);
     matmul(p.w, cxw, cy, p.m, p.d, p.m, 1, 0);
-    cr_assert_eq(kv_lr_eigh(cy, p.m, lam, v, "c_y", &err), KV_OK);
+    cr_assert_eq(kv_la_eigh(cy, p.m, lam, v, "c_y", &err), KV_OK);
     project(p.w, v, p.m, p.d, p.m, 2, we);
     assert_rel_frob(wc, we, p.d * p.m, 1e-8, 0, "ridged whitened vs eigen");
     problem_free(&p);
@@ -441,11 +443,11 @@ Test(lr_whiten, rejects_nan_in_weights_or_covariance) {
     struct kv_err err;
     kv_err_clear(&err);
     p.cx[2 * 5 + 4] = NAN;
-    cr_assert_eq(kv_lr_whitened_chol(p.w, 5, 3, p.cx, 0, 1, wc, "cx check", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_whitened_chol(p.w, 5, 3, p.cx, 0, 1, wc, "cx check", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "cx check: non-finite value nan at row 2, column 4");
     p.cx[2 * 5 + 4] = 0;
     p.w[1 * 3 + 2] = INFINITY;
-    cr_assert_eq(kv_lr_whitened_chol(p.w, 5, 3, p.cx, 0, 1, wc, "w check", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_whitened_chol(p.w, 5, 3, p.cx, 0, 1, wc, "w check", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "w check: non-finite value inf at row 1, column 2");
     problem_free(&p);
 }
@@ -460,7 +462,7 @@ Test(lr_hadamard, orthonormal_block_sylvester) {
         while (n % (2 * want_b) == 0) want_b *= 2;
         double *h = malloc((size_t)(n * n) * sizeof *h), *hh = malloc((size_t)(n * n) * sizeof *hh);
         for (int64_t i = 0; i < n * n; i++) h[i] = NAN; /* every entry must be written */
-        int64_t b = kv_lr_hadamard(n, h);
+        int64_t b = kv_la_hadamard(n, h);
         cr_assert_eq(b, want_b, "n %lld: block %lld, expected %lld", (long long)n, (long long)b,
                      (long long)want_b);
         double e = 1 / sqrt((double)b);
@@ -590,9 +592,9 @@ Test(lr_hadamard, fused_query_and_output_logits_are_unchanged) {
     float *q_plain = malloc((size_t)q0 * sizeof *q_plain);
     memcpy(q_plain, lr->layers[0].q_fused, (size_t)q0 * sizeof *q_plain);
 
-    cr_assert_eq(kv_lowrank_hadamard(lr, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_lr_fuse_hadamard(lr, &err), KV_OK, "%s", err.msg);
     cr_assert_eq(lr->hadamard, 1);
-    cr_assert_eq(kv_lowrank_hadamard(lr, &err), KV_EINVAL);
+    cr_assert_eq(kv_lr_fuse_hadamard(lr, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "a hadamard rotation is already fused in");
     /* H of ranks 8, 6, 12 has blocks 8, 2, 4: the query rows really moved */
     cr_assert_gt(max_abs_diff(lr->layers[0].q_fused, q_plain, q0), 1e-2);
@@ -608,6 +610,6 @@ Test(lr_hadamard, fused_query_and_output_logits_are_unchanged) {
     cr_assert_gt(diff, 1e-2, "stale queries left the logits within %g", diff);
     lr->layers[0].q_fused = q_rot;
     free(before), free(after), free(stale), free(q_plain);
-    kv_lowrank_free(lr);
-    kv_model_free(m);
+    kv_lr_free(lr);
+    kv_model_close(m);
 }

@@ -107,7 +107,7 @@ Test(model, bind_checks_shape_and_dtype_and_converts) {
     cr_assert_str_eq(err.msg, "tensor 'ffn_norm' element 1 is nan");
     cr_assert_eq(kv_model_finish(m, "m.safetensors", &err), KV_EFORMAT);
     cr_assert_str_eq(err.msg, "missing tensor for the token embedding");
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(model, random_model_is_deterministic_and_counts_params) {
@@ -119,7 +119,7 @@ Test(model, random_model_is_deterministic_and_counts_params) {
     cr_assert_eq(memcmp(a->layers[0].w[KV_W_K], b->layers[0].w[KV_W_K], 4 * 8 * sizeof(float)), 0);
     /* per layer: q 64 + k 32 + v 32 + o 64 + ffn 3*96 + norms 16; emb 80 + out norm 8 */
     cr_assert_eq(kv_model_n_params(a), 64 + 32 + 32 + 64 + 288 + 16 + 80 + 8);
-    kv_model_free(a);
-    kv_model_free(b);
-    kv_model_free(NULL);
+    kv_model_close(a);
+    kv_model_close(b);
+    kv_model_close(NULL);
 }

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lrmodel.h"
 #include "model.h"
 #include "naive_gpt2.h"
 #include "naive_llama.h"
@@ -43,7 +44,7 @@ Test(ppl, equals_naive_nll_over_windows) {
     cr_assert_eq(r.windows, 2);
     cr_assert_eq(kv_ppl_run(m, tok, 10, T, 0, NULL, NULL, &r, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "text has 10 tokens, fewer than one window of 16");
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* Reference values from a separate float64 implementation (issue 2). */
@@ -77,7 +78,7 @@ static void check_reference(const char *model, const char *tok, const char *text
     cr_assert_eq(r.windows, n / 256);
     kvt_assert_close_f64(&r.ppl, &want, 1, 0, 5e-4, "perplexity (0.05% of the reference)");
     free(ids), free(txt);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(ppl_reference, stories260K_val1k, .timeout = 600) {
@@ -254,7 +255,7 @@ static void check_device_equals_base(struct kv_config c, const char *what) {
                  KV_OK);
     cr_assert_gt(r.max_rel_logit, 0.5, "%s: without attention %g", what, r.max_rel_logit);
     free(D.kc), free(D.vc);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(ppl_device, naive_attention_equals_base_llama_interleaved) {
@@ -363,7 +364,7 @@ Test(ppl_device, a_perturbed_device_is_detected_where_it_differs) {
     cr_assert_gt(r.max_rel_logit, 1e-3, "max rel logit %g", r.max_rel_logit);
     cr_assert_gt(fabs(r.dev.ppl / r.base.ppl - 1), 1e-6, "ppl %g vs %g", r.dev.ppl, r.base.ppl);
     free(D.kc), free(D.vc);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 /* With lr the device run is compared with the compressed CPU run: a device
@@ -391,9 +392,9 @@ Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
     struct dev_metrics want = metrics_of(m, lr, &hk, tok, 4, DEV_T);
     check_metrics(&r, &want, "base device against compressed cpu");
     kvt_assert_close_f64(&r.dev.ppl, &r.base.ppl, 1, 0, 1e-5, "device ppl is the base's");
-    kv_lowrank_free(lr);
+    kv_lr_free(lr);
     free(D.kc), free(D.vc);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 static int count_progress(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
@@ -429,5 +430,5 @@ Test(ppl_device, a_failing_device_stops_the_run_with_its_status) {
                  KV_EINVAL);
     cr_assert_str_eq(err.msg, "device hooks without an attn hook");
     free(D.kc), free(D.vc);
-    kv_model_free(m);
+    kv_model_close(m);
 }

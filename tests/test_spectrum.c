@@ -1,11 +1,13 @@
 /* Derived covariances and spectra: kv_stats_out_cov against naive float64
- * projections of the same activations, kv_sym_eigvals against the identity
+ * projections of the same activations, kv_la_eigh against the identity
  * A = V diag(λ) Vᵀ of a matrix built from known eigenvalues, and the energy
  * rank rule on hand-computed cases. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvstats.h"
+#include "linalg.h"
 #include "model.h"
 #include "testutil.h"
 
@@ -40,7 +42,7 @@ Test(linalg, eigvals_recover_known_spectrum) {
         }
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_sym_eigvals(a, n, got, "test matrix", &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_la_eigh(a, n, got, NULL, "test matrix", &err), KV_OK, "%s", err.msg);
     /* expected: lam sorted descending */
     double want[12];
     memcpy(want, lam, sizeof want);
@@ -58,22 +60,22 @@ Test(linalg, eigvals_refuse_nan_naming_the_matrix) {
     double a[4] = {1, 0, 0, NAN}, w[2];
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_sym_eigvals(a, 2, w, "layer 3 xtx", &err), KV_ENUMERIC);
+    cr_assert_eq(kv_la_eigh(a, 2, w, NULL, "layer 3 xtx", &err), KV_ENUMERIC);
     cr_assert_str_eq(err.msg, "layer 3 xtx: non-finite value nan at row 1, column 1");
 }
 
 Test(linalg, energy_rank_rule) {
     double l[5] = {5, 3, 1, 0.5, 0.5}; /* total 10 */
-    cr_assert_eq(kv_energy_rank(l, 5, 0.5), 1);
-    cr_assert_eq(kv_energy_rank(l, 5, 0.8), 2);
-    cr_assert_eq(kv_energy_rank(l, 5, 0.81), 3);
-    cr_assert_eq(kv_energy_rank(l, 5, 0.9), 3);
-    cr_assert_eq(kv_energy_rank(l, 5, 0.95), 4);
-    cr_assert_eq(kv_energy_rank(l, 5, 1.0), 5);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 0.5), 1);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 0.8), 2);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 0.81), 3);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 0.9), 3);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 0.95), 4);
+    cr_assert_eq(kv_la_energy_rank(l, 5, 1.0), 5);
     double neg[3] = {2, 0, -1e-9}; /* rounding negatives count as 0 */
-    cr_assert_eq(kv_energy_rank(neg, 3, 1.0), 1);
+    cr_assert_eq(kv_la_energy_rank(neg, 3, 1.0), 1);
     double zero[2] = {0, 0};
-    cr_assert_eq(kv_energy_rank(zero, 2, 0.9), 0);
+    cr_assert_eq(kv_la_energy_rank(zero, 2, 0.9), 0);
 }
 
 /* Accumulate stats on a biased GQA model; the K/V output covariance derived
@@ -183,7 +185,7 @@ static void out_cov_case(int bias) {
     kv_fwd_free(f);
     kv_accum_free(a);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }
 
 Test(spectrum, out_cov_equals_naive_projection_without_bias) { out_cov_case(0); }
@@ -213,23 +215,23 @@ Test(spectrum, layer_summary_matches_its_definition) {
     cr_assert_eq(kv_stats_layer_spectrum(s, m, 0, &sp, &err), KV_OK, "%s", err.msg);
     double lam[16], tr = 0;
     for (int i = 0; i < 16; i++) tr += s->layers[0].xtx[i * 16 + i];
-    cr_assert_eq(kv_sym_eigvals(s->layers[0].xtx, 16, lam, "x", &err), KV_OK);
+    cr_assert_eq(kv_la_eigh(s->layers[0].xtx, 16, lam, NULL, "x", &err), KV_OK);
     double sum = 0;
     for (int i = 0; i < 16; i++) sum += lam[i];
     cr_assert(fabs(sum - tr) <= 1e-10 * tr, "eigenvalues sum %g, trace %g", sum, tr);
     cr_assert(fabs(sp.trace - tr) <= 1e-12 * tr);
-    cr_assert_eq(sp.x90, kv_energy_rank(lam, 16, 0.9));
+    cr_assert_eq(sp.x90, kv_la_energy_rank(lam, 16, 0.9));
     cr_assert(fabs(sp.cond - lam[0] / lam[15]) <= 1e-9 * sp.cond);
     double kc[64], kl[8];
     cr_assert_eq(kv_stats_out_cov(s, m, 0, 1, 0, 1, kc, &err), KV_OK);
-    cr_assert_eq(kv_sym_eigvals(kc, 8, kl, "v", &err), KV_OK);
-    cr_assert_eq(hs[0].v99, kv_energy_rank(kl, 8, 0.99));
-    cr_assert_eq(kv_sym_eigvals(s->layers[0].k_cov, 8, kl, "k", &err), KV_OK);
-    cr_assert_eq(hs[0].krope90, kv_energy_rank(kl, 8, 0.9));
+    cr_assert_eq(kv_la_eigh(kc, 8, kl, NULL, "v", &err), KV_OK);
+    cr_assert_eq(hs[0].v99, kv_la_energy_rank(kl, 8, 0.99));
+    cr_assert_eq(kv_la_eigh(s->layers[0].k_cov, 8, kl, NULL, "k", &err), KV_OK);
+    cr_assert_eq(hs[0].krope90, kv_la_energy_rank(kl, 8, 0.9));
     /* without a model the K/V ranks are absent */
     cr_assert_eq(kv_stats_layer_spectrum(s, NULL, 0, &sp, &err), KV_OK);
     cr_assert_eq(hs[0].k90, -1);
     kv_accum_free(a);
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
 }

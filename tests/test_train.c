@@ -89,7 +89,7 @@ static void learns_and_loads(enum kv_arch arch) {
     for (size_t i = 0; i < ll; i++) lines += log[i] == '\n';
     cr_assert_eq(lines, o.steps + 1);
     free(log), free(ids), free(t);
-    kv_model_free(m);
+    kv_model_close(m);
     free(text), free(dir), free(out), free(ck);
 }
 
@@ -188,7 +188,7 @@ Test(train, first_step_is_adamw) {
         free(want);
     }
     kv_grad_free(g);
-    kv_model_free(before), kv_model_free(after);
+    kv_model_close(before), kv_model_close(after);
     free(ids), free(t), free(dir), free(text), free(out), free(ck), free(out0), free(ck0);
 }
 

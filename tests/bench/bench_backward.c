@@ -52,7 +52,7 @@ static int run(enum kv_arch arch, int *ok) {
            pass ? "ok" : "SLOW", peak_rss_mib());
     kv_grad_free(g);
     kv_fwd_free(f);
-    kv_model_free(m);
+    kv_model_close(m);
     return 0;
 }
 

@@ -21,6 +21,7 @@
 
 #include "bench_util.h"
 #include "kvcal.h"
+#include "kvstats.h"
 
 /* tokens/s of the accumulator over windows of ids [n_win, seq]. */
 static int accum_rate(const struct kv_model *m, const int32_t *ids, int64_t n_win, int64_t seq,
@@ -94,7 +95,7 @@ int main(void) {
            8.0 * (double)(c.dim * c.dim + c.dim + (c.n_heads + c.n_kv_heads) * c.head_dim * c.head_dim) /
                (1 << 20));
     free(tok);
-    kv_model_free(m);
+    kv_model_close(m);
 
     /* 2. tinystories-656K on WikiText-2 */
     char p1[4096], p2[4096];
@@ -136,7 +137,7 @@ int main(void) {
     report("656K", best_v, best_c, &failed);
     free(ids);
     kv_calib_free(cal);
-    kv_model_free(m);
+    kv_model_close(m);
 
     /* 3. memory against windows, as a user runs it */
     const char *bin = getenv("KVCAL_BIN") ? getenv("KVCAL_BIN") : "build/kvcal";

@@ -5,7 +5,7 @@
  * random tokens. For each method kv_decompose runs three times (best kept)
  * and reports its wall time and the part spent in its eigendecompositions
  * (o.seconds, o.lapack_seconds). The reference, "LAPACK alone", is
- * kv_lr_eigh on random symmetric matrices of exactly the sizes and count
+ * kv_la_eigh on random symmetric matrices of exactly the sizes and count
  * that method's decomposition performs (calib/decompose.c):
  *
  *   svd, palu (group s)  2·L·(g/s) of s·d_h      (K and V units)
@@ -37,6 +37,9 @@
 
 #include "bench_util.h"
 #include "kvcal.h"
+#include "kvstats.h"
+#include "linalg.h"
+#include "lrmodel.h"
 
 #define MAX_SIZES 2
 
@@ -155,7 +158,7 @@ static double **random_grams(const struct plan *p, int64_t *total) {
     return a;
 }
 
-/* Seconds of one kv_lr_eigh pass over the plan's matrices a. */
+/* Seconds of one kv_la_eigh pass over the plan's matrices a. */
 static int lapack_alone(const struct plan *p, double *const *a, double *secs, struct kv_err *err) {
     int64_t nmax = 0;
     for (int i = 0; i < p->ns; i++) nmax = p->n[i] > nmax ? p->n[i] : nmax;
@@ -166,7 +169,7 @@ static int lapack_alone(const struct plan *p, double *const *a, double *secs, st
     int64_t k = 0;
     for (int i = 0; i < p->ns && !rc; i++)
         for (int64_t j = 0; j < p->count[i] && !rc; j++, k++)
-            rc = kv_lr_eigh(a[k], p->n[i], w, vec, "random symmetric matrix", err);
+            rc = kv_la_eigh(a[k], p->n[i], w, vec, "random symmetric matrix", err);
     *secs = kv_now() - t0;
     free(w), free(vec);
     return rc;
@@ -294,7 +297,7 @@ int main(void) {
             o.method = r->method, o.group_size = r->group, o.eps = r->eps, o.ratio = r->ratio;
             struct kv_lowrank *lr;
             if (kv_decompose(m, s, &o, &lr, &err)) return die(&err);
-            kv_lowrank_free(lr);
+            kv_lr_free(lr);
             if (o.seconds < dec[i]) dec[i] = o.seconds, eig[i] = o.lapack_seconds;
             double t;
             if (lapack_alone(&p, grams, &t, &err)) return die(&err);
@@ -351,6 +354,6 @@ int main(void) {
     }
     printf("\n%s\n", failed ? "decompose target MISSED" : "decompose target ok for every method");
     kv_stats_free(s);
-    kv_model_free(m);
+    kv_model_close(m);
     return failed;
 }

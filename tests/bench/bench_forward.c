@@ -101,7 +101,7 @@ int main(void) {
     printf("  peak rss so far: %.0f MiB\n\n", peak_rss_mib());
     failed |= ratio < 0.60;
     kv_fwd_free(f);
-    kv_model_free(m);
+    kv_model_close(m);
     free(tok);
 
     /* 3. tinystories-656K forward on WikiText-2 */
@@ -129,14 +129,14 @@ int main(void) {
            (double)(pr.windows * 256) / pr.seconds,
            kv_fwd_flops(m, 256, 0) * (double)pr.windows / pr.seconds / 1e9, pr.ppl);
     free(ids);
-    kv_model_free(m);
+    kv_model_close(m);
 
     /* 3b. the 32k Llama tokenizer on the same 1.3 MB */
     char p5[4096];
     const char *l32 = shared("models/llama2-tokenizer/tokenizer.bin", p5, sizeof p5);
     if (l32) {
         struct kv_tokenizer *tk;
-        if (kv_tokenizer_open(l32, &tk, &err)) return die(&err);
+        if (kv_tok_open(l32, &tk, &err)) return die(&err);
         t0 = now_s();
         if (kv_tok_encode(tk, text, len, 1, &ids, &n, &err)) return die(&err);
         double tt = now_s() - t0;

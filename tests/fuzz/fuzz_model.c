@@ -20,7 +20,7 @@ KV_FUZZ_TARGET(model) {
             if (kv_tok_encode(tok, "Once upon a time \xe2\x82\xac", 19, 1, &ids, &n, &err) == KV_OK)
                 free(ids);
         }
-        kv_model_free(m);
+        kv_model_close(m);
     }
     unlink(p);
 }

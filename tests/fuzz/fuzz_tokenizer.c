@@ -26,7 +26,7 @@ KV_FUZZ_TARGET(tokenizer) {
     struct kv_err err;
     if (size && data[0] == '{') { /* JSON: go through the file loader */
         const char *p = kv_fuzz_scratch(data, size, ".json");
-        if (p && kv_tokenizer_open(p, &t, &err) == KV_OK) exercise(t);
+        if (p && kv_tok_open(p, &t, &err) == KV_OK) exercise(t);
         if (p) unlink(p);
         return;
     }

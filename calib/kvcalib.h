@@ -1,0 +1,285 @@
+/* kvcal calibration (calib/): the public API of the calibration layer.
+ *
+ * Calibration text as token windows, streaming float64 statistics
+ * (collect, merge, resume), the covariances and spectra derived from them,
+ * decomposition into low-rank K/V factors under a budget, and the trainer
+ * of the fixture models. Depends on kvcal_core.h and kvformats.h.
+ */
+#ifndef KVCAL_CALIB_H
+#define KVCAL_CALIB_H
+
+#include "kvcal_core.h"
+#include "kvformats.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- training */
+
+/* `kvcal train` (calib/train.c): a fresh model of cfg trained from scratch
+ * on a text file with AdamW (decoupled weight decay on matrices only), a
+ * linear warmup and a cosine decay to min_lr, gradient-norm clipping, and
+ * batches of random windows drawn from a seeded stream. Checkpoints
+ * (weights, Adam moments, step, the random stream and the loss log) go to
+ * ckpt_path atomically; a resumed run continues bit-identically. At the end
+ * the model is written as an HF directory (out_dir) in out_dtype. */
+struct kv_train_log {
+    int64_t step, steps;
+    int64_t tokens;        /* training tokens seen */
+    int64_t run_tokens;    /* of them, seen by this run (not before a resume) */
+    double loss;           /* mean training loss of this step's batch */
+    double lr;
+    double grad_norm;      /* before clipping */
+    double eval_loss;      /* mean held-out loss, NaN when not evaluated at this step */
+    double seconds;        /* wall time of this run's steps so far */
+};
+
+struct kv_train_opts {
+    struct kv_config cfg;           /* architecture; vocab comes from the tokenizer */
+    const char *train_path;         /* training text (.txt or .gz) */
+    const char *eval_path;          /* held-out text, NULL for none */
+    const char *tokenizer_path;     /* HF tokenizer.json; NULL: kvcal's byte-level one */
+    const char *out_dir;            /* HF directory written at the end */
+    const char *ckpt_path;          /* checkpoint file */
+    int resume;                     /* continue from ckpt_path */
+    int64_t seq_len;                /* tokens per window (inputs) */
+    int64_t batch;                  /* windows per step */
+    int64_t steps, warmup;
+    double lr, min_lr, weight_decay, beta1, beta2, adam_eps, grad_clip;
+    double bos_fraction;            /* fraction of windows that start with BOS */
+    uint64_t seed;
+    int64_t eval_every, eval_windows, ckpt_every;
+    enum kv_dtype out_dtype;        /* F16, BF16 or F32 */
+    /* Called after each step; non-zero stops the run after a checkpoint
+     * (KV_EINVAL "interrupted"). */
+    int (*log)(void *ctx, const struct kv_train_log *l);
+    void *log_ctx;
+    /* out */
+    double unigram_eval_loss;       /* held-out loss of the training text's unigram model */
+    double final_eval_loss;
+    int64_t tokens_seen;            /* training tokens of all steps */
+    int64_t run_tokens;             /* of them, trained by this call (not before a resume) */
+};
+
+/* Defaults for every field but cfg and the paths. */
+void kv_train_defaults(struct kv_train_opts *o);
+int kv_train(struct kv_train_opts *o, struct kv_err *err);
+
+/* ---------------------------------------------------------------- calibration data */
+
+/* Calibration inputs: .txt, .gz, .jsonl or .jsonl.gz (one {"text": ...}
+ * object per line; the documents are joined with a blank line). Each file is
+ * one token stream with BOS at its start, cut into windows of seq_len tokens
+ * (remainder dropped); windows never span two files. */
+struct kv_calib_opts {
+    int64_t seq_len;
+    int64_t samples;      /* windows to take; 0 = every window */
+    int sequential;       /* take the first `samples` windows instead of a random draw */
+    uint64_t seed;        /* random draw */
+    int64_t shard_index;  /* keep planned windows i with i % shard_count == shard_index */
+    int64_t shard_count;  /* 1 = no sharding */
+};
+
+struct kv_calib_input {
+    char *path;           /* as given */
+    char sha256[65];      /* of the file bytes as stored (compressed if .gz) */
+    uint64_t bytes;       /* file size */
+    int64_t tokens;       /* tokens with BOS */
+    int64_t windows;      /* tokens / seq_len */
+    int64_t planned;      /* windows of this input in the plan */
+};
+
+struct kv_calib; /* inputs, the window plan, and the tokens of one input */
+
+/* Read, hash and tokenize every input, then draw the window plan: the chosen
+ * windows in (input, window) order. Errors name the file (and the line and
+ * byte offset for JSON lines). Only the tokens of one input stay in memory. */
+int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tokenizer *tok,
+                  const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err);
+void kv_calib_free(struct kv_calib *c);
+int64_t kv_calib_n_inputs(const struct kv_calib *c);
+const struct kv_calib_input *kv_calib_input(const struct kv_calib *c, int64_t i);
+/* Windows in the plan. */
+int64_t kv_calib_n_windows(const struct kv_calib *c);
+/* Tokens of plan entry i (seq_len ids), valid until the next call; re-reads
+ * and re-tokenizes its input when another input is loaded. *input and *window
+ * (may be NULL) receive the input index and the window index within it. */
+int kv_calib_window(struct kv_calib *c, int64_t i, const int32_t **ids, int64_t *input,
+                    int64_t *window, struct kv_err *err);
+
+/* ---------------------------------------------------------------- statistics */
+
+/* acc += b, exactly as sums. Refuses a different fingerprint, shape or
+ * seq_len, Fisher statistics in one but not the other, and an unfinished
+ * checkpoint, naming b_path. acc's plan becomes
+ * "merged"; inputs are appended (windows added when the same sha256 and
+ * path appear in both). */
+int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
+                   struct kv_err *err);
+
+/* KV_OK when s is a finished run, else KV_EINVAL naming path: "an
+ * unfinished checkpoint (N of M windows)", which only `collect --resume`
+ * may continue. */
+int kv_stats_check_complete(const struct kv_stats *s, const char *path, struct kv_err *err);
+
+/* `kvcal merge`: open every file of paths[0..n) (n >= 1), check each is
+ * complete, add them (kv_stats_merge) and write the sum to out_path; *out
+ * receives the merged statistics (kv_stats_free). Errors name the file. */
+int kv_stats_merge_files(const char *const *paths, int64_t n, const char *out_path,
+                         struct kv_stats **out, struct kv_err *err);
+
+/* Streaming accumulation: one forward pass per window with hooks that add
+ * each window's float64 contribution (dsyrk on a float64 copy of its
+ * activations) to s. Memory is O(L·d²) plus one window's activations.
+ * When s has Fisher sums (kv_stats_add_fisher), each window also runs
+ * kv_grad_run on inputs ids[0..seq_len-1) with targets ids[1..seq_len) and
+ * adds the squared W_k/W_v gradients and the ∂L/∂k, ∂L/∂v Grams; that
+ * keeps the whole window's training activations (see kv_grad). */
+struct kv_accum;
+int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
+                  struct kv_accum **out, struct kv_err *err);
+void kv_accum_free(struct kv_accum *a);
+/* Run seq_len tokens (one window, positions 0..) and add their statistics. */
+int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err);
+/* Mean loss of the last window's backward pass (with Fisher sums), else 0. */
+double kv_accum_loss(const struct kv_accum *a);
+/* Copy each upper triangle to its lower half (before s is written or read). */
+void kv_accum_sync(struct kv_accum *a);
+
+/* The whole collect run: plan entries s->next_window .. end of c, with a
+ * stats file written to out_path every checkpoint_every windows (0 = never),
+ * when progress asks to stop (a checkpoint, then KV_EINVAL "interrupted"),
+ * and at the end. s is either fresh from kv_stats_init (its plan and inputs
+ * are filled here from c and data) or a checkpoint read back for a resume:
+ * then the model fingerprint, seq_len, plan options, fisher and every
+ * input's sha256 must match, else KV_EINVAL names the first difference. */
+struct kv_collect_opts {
+    const char *out_path;
+    const struct kv_calib_opts *data; /* the options c was opened with */
+    int resume;                       /* s is a checkpoint read back (else fresh) */
+    int fisher;                       /* Fisher statistics too: a backward pass per window */
+    int64_t checkpoint_every;
+    kv_progress_fn progress;  /* done/total count this run's windows */
+    void *progress_ctx;
+    int64_t checkpoints_written; /* out: checkpoint files written */
+    double seconds;              /* out: wall time of the windows and writes */
+    double loss;                 /* out: mean window loss of this run (fisher), else 0 */
+};
+int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
+                   struct kv_collect_opts *opts, struct kv_err *err);
+
+/* Output covariance Σ yᵀy of KV heads head0 .. head0+nh-1 of the layer's K
+ * (which = 0) or V (which = 1) projection, or of query heads (which = 2,
+ * pre-RoPE), derived from the input sums:
+ * y = x Wᵀ + b gives W C_x Wᵀ + W Σx bᵀ + b Σxᵀ Wᵀ + N b bᵀ. out is
+ * [nh*d_h, nh*d_h] row-major. Pre-RoPE for K. s must match m's shapes. */
+int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                     int which, int64_t head0, int64_t nh, double *out, struct kv_err *err);
+/* The same for every head of `which` at once, as the diagonal blocks of
+ * `block` consecutive heads (block divides the head count): out is
+ * [heads/block][block*d_h][block*d_h]. */
+int kv_stats_out_cov_blocks(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                            int which, int64_t block, double *out, struct kv_err *err);
+
+/* The spectrum view of one layer (`kvcal inspect STATS`). Energy ranks are
+ * the smallest r keeping 90% / 99% of the eigenvalue sum. */
+struct kv_head_spectrum {
+    int64_t k90, k99;        /* K output covariance (pre-RoPE, from C_x); -1 without a model */
+    int64_t v90, v99;        /* V output covariance; -1 without a model */
+    int64_t krope90, krope99; /* post-RoPE K covariance (k_rope.cov) */
+};
+struct kv_layer_spectrum {
+    double trace;            /* trace of XᵀX (a sum over tokens) */
+    double lambda_max, lambda_min; /* extreme eigenvalues of XᵀX */
+    double cond;             /* lambda_max / lambda_min; +inf when lambda_min <= 0 */
+    int64_t x90, x99;        /* energy ranks of XᵀX, out of d */
+    struct kv_head_spectrum *heads; /* [n_kv_heads], caller-allocated */
+};
+/* m may be NULL (then the K/V ranks are -1). */
+int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                            struct kv_layer_spectrum *out, struct kv_err *err);
+
+/* Sorted eigenvalues (descending) of a symmetric n×n float64 matrix, by
+ * LAPACKE dsyevd on a copy. NaN/Inf input is KV_ENUMERIC naming `what`. */
+/* ---------------------------------------------------------------- decompose */
+
+enum kv_method {
+    KV_METHOD_SVD = 0, /* plain SVD of W (C_x = I), the baseline */
+    KV_METHOD_PALU,    /* whitened (output-covariance) factors, units of --group-size KV heads */
+    KV_METHOD_EIGEN,   /* Eigen Attention: shared pre-RoPE key basis from C_q + C_k, per-head V */
+    KV_METHOD_LORC,    /* LoRC: joint plain SVD per layer, progressive ranks */
+    KV_METHOD_FDC,     /* post-RoPE key rotation, values as palu */
+    KV_METHOD_ZACK,    /* post-RoPE key rotation, V–W_O paired rotation */
+    KV_METHOD_COUNT
+};
+enum kv_alloc {
+    KV_ALLOC_DEFAULT = 0, /* the method's own: svd/palu uniform, eigen eps, lorc progressive,
+                             fdc/zack removal */
+    KV_ALLOC_EPS,         /* per unit, keep the fraction eps of the energy (Eigen eq. 5) */
+    KV_ALLOC_UNIFORM,     /* the same fraction of every unit's width */
+    KV_ALLOC_FISHER,      /* ranks proportional to Fisher information (Palu §3.3) */
+    KV_ALLOC_PROGRESSIVE, /* LoRC eqs. 12–13 */
+    KV_ALLOC_REMOVAL,     /* one singular-value removal rate (ZACK eq. 6 / FDC eq. 1) */
+    KV_ALLOC_LAYER_BUDGET,/* Eigen §4.4: per-layer eps lowered by 0.02 under a measured error */
+    KV_ALLOC_GLOBAL,      /* greedy: least relative error per byte saved (each slot's error
+                             weighted by its Fisher score / the mean when there are scores) */
+    KV_ALLOC_COUNT
+};
+const char *kv_method_name(enum kv_method m);
+const char *kv_alloc_name(enum kv_alloc a);
+/* Parse a name; returns -1 when unknown. */
+int kv_method_parse(const char *s);
+int kv_alloc_parse(const char *s);
+
+/* alloc KV_ALLOC_DEFAULT and kv_bits 0 are resolved in place (to the
+ * method's allocation and 16), so the struct tells what ran. */
+struct kv_decompose_opts {
+    enum kv_method method;
+    enum kv_alloc alloc;
+    double eps;            /* (0, 1]; 0 = not given */
+    double ratio;          /* (0, 1] fraction of base KV bytes kept; 0 = not given */
+    int64_t group_size;    /* KV heads per unit for svd/palu/fdc values (default 1) */
+    int64_t rank_multiple; /* ranks rounded up to a multiple (default 1) */
+    int64_t min_rank;      /* floor per unit (default 1) */
+    double d_min, d_max;   /* lorc: rank fractions of eq. 13 (d_max default 1; d_min
+                              searched for --ratio when 0) */
+    double cond_skip;      /* lorc: keep layers whose log10 cumulative condition number
+                              exceeds this (0 = never skip) */
+    double error_budget;   /* layer-budget: e_b, normalised layer output error */
+    const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats: Σ of
+                              fisher_k/v over the rows of the slot's units, when they have it) */
+    int kv_bits;           /* latent storage bits: 16, 8, 4, 3 or 2 (byte accounting) */
+    int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
+    /* layer-budget measures real layer outputs on these windows */
+    const int32_t *calib_tokens;
+    int64_t calib_windows, seq_len;
+    kv_progress_fn progress;
+    void *progress_ctx;
+    /* out */
+    double seconds;        /* wall time */
+    double lapack_seconds; /* of which eigendecompositions */
+    int64_t target_bytes;   /* KV bytes per token --ratio asked for (0 without) */
+    int64_t achieved_bytes; /* what the allocation gives */
+    int64_t least_bytes;    /* the smallest cache the allocation reaches at all (its
+                               parameter at the aggressive end; 0 when not computed):
+                               above target_bytes, the target is out of its reach */
+    double param;          /* the allocation's parameter as run: eps, width fraction
+                              (uniform, fisher), removal rate, d_min/d_max
+                              (progressive), e_b (layer-budget); 0 for global */
+};
+
+/* Build low-rank K/V factors for m from its statistics s (which may be NULL
+ * for svd and lorc: then errors are measured in the weight metric). Only
+ * the shapes of s are checked here; kv_stats_matches_model checks that s
+ * came from m. The
+ * result records per unit the calibration energy and the dropped energy
+ * (the predicted ‖Y − Y'‖²_F). Errors: KV_EINVAL for impossible options
+ * (naming the option), KV_ENUMERIC naming the layer and unit. */
+int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
+                 struct kv_decompose_opts *o, struct kv_lowrank **out, struct kv_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,195 @@
+/* kvcal formats (formats/): the public API of the file layer.
+ *
+ * Models and tokenizers from files, text and token files, the statistics
+ * file, the compressed model directory and its manifest, the dense export
+ * and the HF writer. docs/formats.md describes every format; each
+ * formats/<name>.h holds its layout. Depends on kvcal_core.h only.
+ */
+#ifndef KVCAL_FORMATS_H
+#define KVCAL_FORMATS_H
+
+#include "kvcal_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- models */
+
+/* Open a model from an HF directory, a GGUF file or a llama2.c .bin file
+ * (detected from the path). tokenizer_path, if non-NULL, overrides the model's
+ * own tokenizer: a llama2.c tokenizer.bin, an HF tokenizer.json or a GGUF file.
+ * On success *out owns every mapping it needs; release with kv_model_close. */
+int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model **out,
+                  struct kv_err *err);
+
+/* Load a tokenizer on its own: llama2.c tokenizer.bin, HF tokenizer.json, or
+ * the vocabulary of a GGUF file (detected from contents/extension). */
+int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err);
+
+/* ---------------------------------------------------------------- text */
+
+/* Read a whole .txt or .gz file (gzip detected by magic) into a malloc'd,
+ * NUL-terminated buffer. */
+int kv_text_read(const char *path, char **out, size_t *len, struct kv_err *err);
+
+/* Read little-endian uint32 token ids (a --tokens file). */
+int kv_tokens_read(const char *path, int32_t **ids, int64_t *n, int32_t n_vocab,
+                   struct kv_err *err);
+
+/* ---------------------------------------------------------------- hf writer */
+
+/* Write m as an HF model directory that kv_model_open reads back:
+ * config.json (LlamaForCausalLM or GPT2LMHeadModel fields), model.safetensors
+ * with HF tensor names in dtype (KV_DTYPE_F32, F16 or BF16; GPT-2's Conv1D
+ * weights stored [in, out] with c_attn concatenated, as HF does) and, when
+ * tokenizer_json_path is non-NULL, that file copied as tokenizer.json. dir
+ * is created when absent (its parent must exist); each file is written
+ * atomically (kv_write_atomic) and other files in dir are left alone.
+ * Errors: KV_EINVAL (dtype, a model HF cannot describe), KV_EIO naming the
+ * file, KV_ENOMEM. */
+int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
+                const char *tokenizer_json_path, struct kv_err *err);
+
+/* Write (atomically) an HF tokenizer.json of a byte-level vocabulary: a BPE
+ * model with byte_fallback whose ids 0..255 are the pieces "<0x00>".."<0xFF>"
+ * and no merges, plus the special tokens "<s>" = 256 (bos) and "</s>" = 257
+ * (eos): 258 ids, every byte string encodes. Errors: KV_EIO naming path. */
+int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err);
+
+/* ---------------------------------------------------------------- statistics */
+
+/* Calibration statistics (opaque): per-layer float64 sums over tokens of
+ * the attention input's XᵀX and Σx, the post-RoPE QᵀQ and KᵀK per head and,
+ * from `collect --fisher`, Fisher sums (docs/formats.md has the file). */
+struct kv_stats;
+
+/* One input the sums came from. */
+struct kv_stats_input {
+    char *path;
+    char sha256[65];
+    uint64_t bytes;
+    int64_t tokens;   /* tokens of the input (with BOS) */
+    int64_t windows;  /* windows of it accumulated */
+};
+
+/* What a statistics file holds, apart from the sums (a copy; kv_stats_info). */
+struct kv_stats_info {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
+    char fingerprint[65];  /* kv_model_fingerprint of the model */
+    char version[32];      /* kvcal version that wrote the file */
+    int64_t seq_len;
+    int64_t tokens;        /* tokens accumulated */
+    int64_t windows;       /* windows accumulated */
+    int has_fisher;        /* Fisher sums too (collect --fisher) */
+    char sampling[16];     /* the plan: "sequential", "random" or "merged" */
+    uint64_t seed;
+    int64_t samples;       /* windows asked for (0 = all) */
+    int64_t shard_index, shard_count;
+    int64_t plan_windows;  /* windows in the plan */
+    int64_t next_window;   /* plan entries done; < plan_windows in a checkpoint */
+    int64_t n_inputs;
+};
+struct kv_stats_info kv_stats_info(const struct kv_stats *s);
+/* Input i (0 .. n_inputs-1), valid while s lives. */
+const struct kv_stats_input *kv_stats_input(const struct kv_stats *s, int64_t i);
+/* Σ over the rows of layer l's W_k (which 0) or W_v (which 1) of the Fisher
+ * sums; NaN when s has none. */
+double kv_stats_fisher_total(const struct kv_stats *s, int64_t l, int which);
+
+/* Zeroed sums shaped for cfg (no inputs, empty plan). */
+int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_err *err);
+/* Add zeroed Fisher sums (fisher_k/v, grad_k/v_cov) to every layer and set
+ * has_fisher, before any window is summed (KV_EINVAL once s has windows);
+ * nothing changes when s has them already. */
+int kv_stats_add_fisher(struct kv_stats *s, struct kv_err *err);
+void kv_stats_free(struct kv_stats *s);
+/* Append an input record (path copied). */
+int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[65],
+                       uint64_t bytes, int64_t tokens, int64_t windows, struct kv_err *err);
+
+/* 1 when path looks like a stats file (GGUF magic and the "kvcal.stats"
+ * type string in its header), else 0. Cheap; kv_stats_open validates. */
+int kv_stats_probe(const char *path);
+
+/* Write s as a GGUF v3 stats file: path.tmp, fsync, rename. */
+int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err);
+/* Read and fully validate a stats file: type, format version, every key,
+ * tensor names, shapes, dtype F64, crc32 per tensor and finiteness. Errors
+ * name the path, the tensor or key, and the byte offset. */
+int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_stats **out,
+                   struct kv_err *err);
+int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err);
+
+/* 1 when s was made by this model (same fingerprint and shapes), else 0 with
+ * the difference in err (KV_EINVAL, naming path). */
+int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
+                           struct kv_err *err);
+/* ---------------------------------------------------------------- output directory */
+
+/* The compressed model directory of `kvcal decompose`: kvcal.json (the
+ * manifest, docs/formats.md) and model.safetensors. */
+/* What kv_lr_dir_write records besides the model and its factors. */
+struct kv_lr_dir_info {
+    const char *model_path;     /* --model as given: the manifest's model.source (may be NULL);
+                                   for an HF directory its config and tokenizer files are copied */
+    const char *tokenizer_path; /* --tokenizer or NULL: copied for a non-HF source */
+    const char *options_json;   /* JSON object text for "options" (NULL: {}) */
+    const char *stats_json;     /* JSON object text for "stats" (NULL: null) */
+};
+
+/* Write the compressed model lr of base model m to directory dir. Every file
+ * goes into dir.tmp-<pid>/ first (each fsynced); then, if dir exists, it must
+ * be empty or hold a kvcal.json (an earlier output, whose files are removed
+ * one by one first; a subdirectory is refused), else KV_EINVAL and nothing of
+ * dir is touched; the temporary is renamed to dir and the parent directory
+ * fsynced. lr must describe m (same shapes and fingerprint, units covering
+ * every KV head once, the factors its modes need): KV_EINVAL otherwise.
+ * Errors name the file: KV_EIO, KV_EINVAL, KV_ENOMEM. */
+int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
+                    const struct kv_lr_dir_info *info, const char *dir, struct kv_err *err);
+
+/* Whether kv_lr_dir_write may write dir, checked before any work: dir is
+ * absent, an empty directory or an earlier output (a directory holding
+ * kvcal.json and no subdirectory), and its parent takes a new directory.
+ * KV_EINVAL or KV_EIO naming dir otherwise; name is how messages call the
+ * output ("--output"; NULL: "the output"). */
+int kv_lr_dir_check(const char *dir, const char *name, struct kv_err *err);
+
+/* Read dir/kvcal.json and the weights file it names, for base model m: the
+ * format and version, the architecture and every dimension against m's
+ * config, m's fingerprint against the recorded one (KV_EINVAL), every unit's
+ * heads (contiguous, in range, each KV head exactly once), ranks (1..s*d_h),
+ * each named tensor's presence and exact shape (F32, or F16/BF16 converted),
+ * o_cols and q_cols (fused_query keys only on a model without rope), and
+ * that kv_bytes_per_token is what the ranks give. On success *out owns copies of
+ * every factor; release with kv_lr_free. Errors name the file and the
+ * key or tensor (with its byte offset when known): KV_EIO, KV_EFORMAT,
+ * KV_EINVAL (another model), KV_EUNSUPPORTED (a newer version, a mode kvcal
+ * does not run), KV_ENOMEM. */
+int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank **out,
+                   struct kv_err *err);
+
+/* Read and validate the manifest at path alone (no weights, no model): *out
+ * gets the shapes, modes, units, ranks, energies, o_cols, q_cols and latent
+ * format, with every factor pointer NULL. Errors as kv_lr_dir_open, naming path. */
+int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err *err);
+
+/* ---------------------------------------------------------------- dense export */
+
+/* Write the source model at model_path (from which m was loaded) again in its
+ * own format, with every compressed K/V weight replaced by up·down: an
+ * ordinary model that any engine loads, as a quality proxy (same numbers, no
+ * memory saving). HF directories become a directory, GGUF and llama2.c a
+ * file; only the K/V tensors' bytes change (for gpt2 the K and V columns of
+ * each Conv1D c_attn and its bias). postrope_rotation keys have no
+ * dense form: KV_EUNSUPPORTED naming the layer, before anything is written.
+ * Atomic; see formats/export.h for every rule. */
+int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
+                       const struct kv_lowrank *lr, const char *out, struct kv_err *err);
+
+
+#ifdef __cplusplus
+}
+#endif
+#endif

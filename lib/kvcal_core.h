@@ -1,0 +1,450 @@
+/* kvcal core (lib/): the public API of the lowest layer.
+ *
+ * Errors, tensors, models in memory, tokenizers, the reference forward and
+ * backward passes, perplexity, fingerprints, and the compressed-attention
+ * description (struct kv_lowrank) with the latent-cache forward pass that
+ * runs it. Loading from files is formats/ (kvformats.h); calibration and
+ * decomposition are calib/ (kvcalib.h); programs include kvcal.h, which
+ * gathers every layer's header.
+ *
+ * Every fallible function returns an int status (KV_OK == 0) and fills a
+ * caller-owned struct kv_err; nothing in the library prints or exits.
+ * Handles are opaque; their _free/_close functions accept NULL. A handle
+ * that holds file mappings is released with _close (kv_model_close), a
+ * heap object with _free.
+ */
+#ifndef KVCAL_CORE_H
+#define KVCAL_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVCAL_VERSION "0.1.0"
+
+/* ---------------------------------------------------------------- errors */
+
+enum kv_status {
+    KV_OK = 0,
+    KV_EIO,          /* open/read/write/mmap failed */
+    KV_EFORMAT,      /* file contents are malformed or inconsistent */
+    KV_EINVAL,       /* bad argument or impossible option */
+    KV_ENOMEM,       /* allocation failed */
+    KV_ENUMERIC,     /* NaN/Inf or a numerical routine failed */
+    KV_EDEVICE,      /* GPU runtime failure */
+    KV_EUNSUPPORTED, /* well-formed input kvcal does not handle */
+};
+
+#define KV_NO_OFFSET UINT64_MAX
+
+/* The one error channel. Caller-owned; the library fills it on failure. */
+struct kv_err {
+    int code;              /* enum kv_status */
+    char path[1024];       /* file the problem is in, or "" */
+    uint64_t off;          /* byte offset in that file, or KV_NO_OFFSET */
+    const char *src_file;  /* detection site (for -v) */
+    int src_line;
+    char msg[1024];        /* lowercase, no final full stop */
+};
+
+/* Reset to "no error" (code KV_OK, off KV_NO_OFFSET). */
+void kv_err_clear(struct kv_err *err);
+
+/* Render "path: offset N: message" (parts omitted when absent) into buf.
+ * verbose appends " [file.c:line]". Returns the length written. */
+size_t kv_err_format(const struct kv_err *err, char *buf, size_t cap, int verbose);
+
+/* Short name of a status code. */
+const char *kv_status_name(int code);
+
+/* ---------------------------------------------------------------- tensors */
+
+enum kv_dtype {
+    KV_DTYPE_F32 = 0,
+    KV_DTYPE_F16,
+    KV_DTYPE_BF16,
+    KV_DTYPE_F64,
+    KV_DTYPE_I8,
+    KV_DTYPE_I16,
+    KV_DTYPE_I32,
+    KV_DTYPE_I64,
+    KV_DTYPE_U8,
+    KV_DTYPE_BOOL,
+    KV_DTYPE_COUNT
+};
+
+/* Name as used by safetensors ("F32", "BF16", ...). */
+const char *kv_dtype_name(enum kv_dtype t);
+/* Bytes per element. */
+size_t kv_dtype_size(enum kv_dtype t);
+
+/* A view of one tensor stored in a file. It owns no bytes: data points into a
+ * read-only mapping that lives as long as the model (or parser result) that
+ * produced it. shape is row-major: shape[ndim-1] is the contiguous axis, so an
+ * HF/GGUF linear weight is [out, in]. */
+struct kv_tensor {
+    char name[256];
+    enum kv_dtype dtype;
+    int ndim;
+    int64_t shape[4];
+    uint64_t offset;   /* absolute byte offset of the data in its file */
+    uint64_t nbytes;
+    const void *data;
+    int file;          /* index of the file (shard) it lives in */
+};
+
+/* Number of elements (product of shape). */
+int64_t kv_tensor_numel(const struct kv_tensor *t);
+
+/* ---------------------------------------------------------------- models */
+
+enum kv_arch {
+    KV_ARCH_LLAMA = 0, /* RMSNorm, RoPE, GQA, SwiGLU */
+    KV_ARCH_GPT2 = 1,  /* LayerNorm, learned positions, MHA, GELU(tanh), biases */
+};
+const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
+
+/* How RoPE pairs dimensions within a head of size d_h. */
+enum kv_rope_layout {
+    KV_ROPE_INTERLEAVED = 0, /* pairs (2i, 2i+1): llama2.c, GGUF */
+    KV_ROPE_HALF = 1,        /* pairs (i, i + d_h/2): HF rotate_half */
+};
+
+enum kv_format { KV_FORMAT_HF = 0, KV_FORMAT_GGUF, KV_FORMAT_LLAMA2C, KV_FORMAT_SYNTHETIC };
+
+/* Plain model hyper-parameters (public, copyable). */
+struct kv_config {
+    enum kv_arch arch;
+    int64_t dim;          /* d */
+    int64_t hidden_dim;   /* FFN inner size */
+    int64_t n_layers;     /* L */
+    int64_t n_heads;      /* h */
+    int64_t n_kv_heads;   /* g */
+    int64_t head_dim;     /* d_h */
+    int64_t vocab_size;
+    int64_t max_seq_len;  /* trained context (informational for llama; gpt2's
+                             learned positions: the forward's context limit) */
+    float norm_eps;       /* RMSNorm (llama) or LayerNorm (gpt2) epsilon */
+    float rope_theta;     /* llama only */
+    enum kv_rope_layout rope_layout;
+    int tied_embeddings;  /* output head shares the embedding matrix */
+    int has_qkv_bias;
+    int32_t bos_id, eos_id; /* -1 if unknown */
+};
+
+struct kv_model;      /* weights, tensor table, tokenizer; opaque (kv_model_open in
+                         kvformats.h loads one from files) */
+struct kv_tokenizer;  /* opaque (kv_tok_open in kvformats.h) */
+
+/* A model with random N(0, 0.02) weights (norms 1), for tests and benchmarks.
+ * cfg->vocab_size etc. must be set; rope layout and ids are taken as given. */
+int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_model **out,
+                         struct kv_err *err);
+
+/* Release a model: its weights, tokenizer and the file mappings they view. */
+void kv_model_close(struct kv_model *m);
+
+const struct kv_config *kv_model_config(const struct kv_model *m);
+enum kv_format kv_model_format(const struct kv_model *m);
+const char *kv_format_name(enum kv_format f);
+/* The model's tokenizer, or NULL when it has none (llama2.c without --tokenizer). */
+const struct kv_tokenizer *kv_model_tokenizer(const struct kv_model *m);
+/* Tensor table of the source files, in file order. */
+int64_t kv_model_n_tensors(const struct kv_model *m);
+const struct kv_tensor *kv_model_tensor(const struct kv_model *m, int64_t i);
+/* Number of parameters the forward pass uses. */
+int64_t kv_model_n_params(const struct kv_model *m);
+
+/* ---------------------------------------------------------------- tokenizer */
+
+/* Release a tokenizer (not one a model owns: kv_model_close frees that). */
+void kv_tok_free(struct kv_tokenizer *tok);
+
+int32_t kv_tok_n_vocab(const struct kv_tokenizer *tok);
+int32_t kv_tok_bos(const struct kv_tokenizer *tok);
+int32_t kv_tok_eos(const struct kv_tokenizer *tok);
+
+/* Encode len bytes of UTF-8 text. *ids is malloc'd (caller frees), *n_ids set.
+ * add_bos prepends the BOS id. Cost O(n log n) in the text length. */
+int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
+                  int32_t **ids, int64_t *n_ids, struct kv_err *err);
+
+/* Bytes of token id as text, given the previous token (SentencePiece strips
+ * the dummy-prefix space after BOS). Byte tokens decode to their byte.
+ * Writes at most cap bytes (no NUL) and returns the full length. */
+size_t kv_tok_decode(const struct kv_tokenizer *tok, int32_t prev, int32_t id, char *out,
+                     size_t cap);
+/* ---------------------------------------------------------------- forward */
+
+/* Hook points for statistics and compressed K/V paths. Any may be NULL. A
+ * non-zero return aborts the forward pass with that status. Shapes:
+ *   x:  [n, d]            attention input after the norm
+ *   q:  [n, h*d_h]        post-RoPE queries, head i in columns i*d_h..
+ *   k:  [n, g*d_h]        post-RoPE keys
+ *   v:  [n, g*d_h]        values
+ * pos0 is the absolute position of row 0. */
+struct kv_fwd_hooks {
+    void *ctx;
+    int (*attn_in)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0);
+    int (*qk_rope)(void *ctx, int64_t layer, const float *q, const float *k, int64_t n,
+                   int64_t pos0);
+    /* Replace the K/V path: called with x and the freshly computed post-RoPE k
+     * and v; it may overwrite k and v (e.g. with a low-rank reconstruction)
+     * before they enter the cache. */
+    int (*kv_replace)(void *ctx, int64_t layer, const float *x, float *k, float *v, int64_t n,
+                      int64_t pos0);
+    /* The residual stream after layer `layer` (attention and FFN added),
+     * x [n, d]. */
+    int (*layer_out)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0);
+    /* Replace the attention block (an external runtime, kernels/kvrt.h):
+     * called with the attention input x [n, d] at positions pos0.., it must
+     * add the block's output (output projection applied, without its bias)
+     * to the residual res [n, d]. The forward's own attention, its cache and
+     * the qk_rope/kv_replace hooks are skipped for every layer. */
+    int (*attn)(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0, float *res);
+    /* The attention block's output y [n, d] (output projection applied,
+     * without its bias) just before it is added to the residual, on the
+     * full and latent paths alike. */
+    int (*attn_out)(void *ctx, int64_t layer, const float *y, int64_t n, int64_t pos0);
+    /* Non-zero when only the hooks need the pass (statistics): it stops
+     * after the last layer's hooks, with no attention or FFN in that layer
+     * and no logits (kv_fwd_logits is then NULL). */
+    int hooks_only;
+};
+
+struct kv_fwd; /* activations + KV cache for up to max_ctx positions */
+
+/* Allocate a forward state for sequences of at most max_ctx positions. */
+int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
+                struct kv_err *err);
+void kv_fwd_free(struct kv_fwd *f);
+void kv_fwd_set_hooks(struct kv_fwd *f, const struct kv_fwd_hooks *hooks);
+
+/* Run n tokens at positions pos0..pos0+n-1, attending to the cache [0, pos0)
+ * plus themselves (causal). Positions >= pos0 in the cache are overwritten.
+ * If logits is non-NULL it receives [n, vocab] logits (row i predicts the
+ * token after position pos0+i). */
+int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
+               struct kv_err *err);
+
+/* Pointer to the logits of the last run ([n, vocab]), valid until the next run. */
+const float *kv_fwd_logits(const struct kv_fwd *f);
+
+/* Floating point operations of one kv_fwd_run of n tokens starting at pos0
+ * (2 per multiply-add, projections + attention + head). */
+double kv_fwd_flops(const struct kv_model *m, int64_t n, int64_t pos0);
+
+/* Monotonic wall clock in seconds: the clock of every `seconds` the
+ * library reports, so a caller timing around a call agrees with it. */
+double kv_now(void);
+
+/* Set the process-wide thread count of BLAS and OpenMP, which every
+ * parallel loop of the library uses (<= 0 leaves the default: all cores). */
+void kv_set_threads(int n);
+
+/* ---------------------------------------------------------------- gradients */
+
+/* Training forward and backward pass (lib/backward.c), both architectures.
+ * One run takes a window of n+1 tokens: inputs tokens[0..n) at positions
+ * 0..n-1, targets tokens[1..n]. The loss is the mean next-token
+ * cross-entropy over the n targets (float64). Activations are fp32 and the
+ * whole window is kept, so memory is O(L·n·(d + hidden) + h·n²). */
+struct kv_grad;
+int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
+                 struct kv_err *err);
+void kv_grad_free(struct kv_grad *g);
+/* Forward + backward of one window; overwrites every gradient buffer. */
+int kv_grad_run(struct kv_grad *g, const int32_t *tokens, int64_t n, double *loss,
+                struct kv_err *err);
+/* Forward only (the same code path as kv_grad_run): mean loss of the window. */
+int kv_grad_loss(struct kv_grad *g, const int32_t *tokens, int64_t n, double *loss,
+                 struct kv_err *err);
+/* Parameter tensors of the model, in a fixed order (globals, then per layer):
+ * kvcal's name ("blk.2.k projection"), element count, the weight and its
+ * gradient from the last run. A tied head has no entry of its own (its
+ * gradient is added into the embedding's). i in 0 .. kv_grad_n_tensors-1. */
+int64_t kv_grad_n_tensors(const struct kv_grad *g);
+const char *kv_grad_tensor(const struct kv_grad *g, int64_t i, int64_t *count,
+                           const float **weight, const float **grad);
+/* ∂loss/∂(key projection output) [n, g*d_h] of layer l from the last run:
+ * the gradient with respect to k = x W_kᵀ + b_k before RoPE (equal to the
+ * post-projection output for gpt2); the same for values. */
+const float *kv_grad_k(const struct kv_grad *g, int64_t layer);
+const float *kv_grad_v(const struct kv_grad *g, int64_t layer);
+
+/* ---------------------------------------------------------------- perplexity */
+
+/* Windows protocol (DESIGN §8): tokens are one document with BOS at its
+ * start; cut into non-overlapping windows of seq_len, drop the remainder, run
+ * each window on its own and score positions 1..seq_len-1. */
+struct kv_ppl_result {
+    int64_t tokens;    /* document tokens including BOS */
+    int64_t windows;   /* windows evaluated */
+    int64_t scored;    /* predictions scored */
+    double nll_sum;    /* sum of -log p, float64 */
+    double nll;        /* nll_sum / scored */
+    double ppl;        /* exp(nll) */
+    double seconds;    /* wall time of the forward passes */
+};
+
+/* Called after each window; return non-zero to stop early (status KV_EINVAL). */
+typedef int (*kv_progress_fn)(void *ctx, int64_t done, int64_t total, int64_t tokens_done);
+
+int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens,
+               int64_t seq_len, int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+               struct kv_ppl_result *out, struct kv_err *err);
+
+/* Numerically stable -log softmax(logits)[target] in float64. */
+double kv_nll_row(const float *logits, int64_t vocab, int32_t target);
+
+
+/* ---------------------------------------------------------------- hashing */
+
+/* Lowercase hex SHA-256 of len bytes (65 bytes with the NUL). */
+void kv_sha256_hex(const void *data, size_t len, char hex[65]);
+
+/* Model fingerprint (hex SHA-256) over the config and, for every weight the
+ * forward pass uses, kvcal's name for it ("blk.3.k projection"), its shape
+ * and its f32 data. It does not depend on the container, so the same weights
+ * in GGUF and in safetensors share a fingerprint. One parallel pass over the
+ * weights, on the first call only (the model remembers it); fails only for
+ * lack of memory. */
+int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *err);
+/* ---------------------------------------------------------------- low-rank K/V */
+
+/* How one layer's keys or values are cached (DESIGN §4, manifest "mode"). */
+enum kv_lr_mode {
+    KV_LR_FULL = 0,          /* not compressed: the original projection */
+    KV_LR_PREROPE_LATENT,    /* z = x downᵀ + c; k = RoPE(z upᵀ) per head */
+    KV_LR_FUSED_QUERY,       /* non-RoPE keys: z = x downᵀ + c; q' = x q_fusedᵀ + q_fused_bias;
+                                score q'·z (up folded into the query, gpt2) */
+    KV_LR_FUSED_OUTPUT,      /* values: z = x downᵀ + c; out = (P z) o_fusedᵀ */
+    KV_LR_POSTROPE_ROTATION, /* z = RoPE(x W_kᵀ + b) rotᵀ per KV head; q' = q rotᵀ */
+};
+const char *kv_lr_mode_name(enum kv_lr_mode m);
+
+/* A compressed model's attention (opaque): what kvcal decompose builds,
+ * what the output directory stores (kv_lr_dir_open, kvformats.h) and what
+ * the latent-cache forward pass runs. Per layer, keys (which = 0) and
+ * values (which = 1) each have a mode and units: unit u covers KV heads
+ * head0 .. head0+n_heads-1 with one rank. */
+struct kv_lowrank;
+
+/* The compressed model as a whole (a copy; kv_lr_info). */
+struct kv_lr_info {
+    char method[16];             /* "palu", "eigen", ... */
+    char alloc[16];              /* "uniform", "eps", ... */
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
+    char model_fingerprint[65];  /* of the base model */
+    int kv_bits;                 /* latent storage: 16 (fp16) or 8/4/3/2 (quantized) */
+    int hadamard;                /* a Walsh-Hadamard matrix is fused into the factors */
+};
+/* One unit (a copy; kv_lr_unit_info). energy and dropped are calibration
+ * sums (Σ over tokens of squared norms in the unit's metric); dropped/energy
+ * is the predicted relative error. */
+struct kv_lr_unit_info {
+    int64_t head0, n_heads;
+    int64_t rank;
+    double energy, dropped;
+};
+
+void kv_lr_free(struct kv_lowrank *lr);
+struct kv_lr_info kv_lr_info(const struct kv_lowrank *lr);
+/* Layer l's keys (which 0) or values (which 1): their mode, their units
+ * (0 for KV_LR_FULL) and unit u of them. l, which and u must be in range. */
+enum kv_lr_mode kv_lr_mode_of(const struct kv_lowrank *lr, int64_t l, int which);
+int64_t kv_lr_n_units(const struct kv_lowrank *lr, int64_t l, int which);
+struct kv_lr_unit_info kv_lr_unit_info(const struct kv_lowrank *lr, int64_t l, int which,
+                                       int64_t u);
+/* The predicted relative error of layer l's keys or values: Σ dropped / Σ
+ * energy over its units (0 without energy); adds the sums to *energy and
+ * *dropped when they are not NULL. */
+double kv_lr_side_error(const struct kv_lowrank *lr, int64_t l, int which, double *energy,
+                        double *dropped);
+
+/* The latent storage widths kvcal runs: 16 (fp16) and 8, 4, 3, 2 bits
+ * (per-token asymmetric integers with an fp16 scale and zero point per
+ * unit). 1 when kv_bits is one of them. */
+int kv_lr_bits_valid(int64_t kv_bits);
+#define KV_LR_BITS_LIST "16, 8, 4, 3, 2"
+
+/* KV cache bytes per token (all layers, K and V). The base stores fp16 K and
+ * V; a compressed unit stores rank fp16 numbers, or at kv_bits < 16
+ * ceil(rank*kv_bits/8) bytes plus an fp16 scale and an fp16 zero point per
+ * unit and token; a full unit stores n_heads*d_h fp16 numbers. */
+int64_t kv_lr_base_bytes(const struct kv_config *cfg);
+int64_t kv_lr_bytes(const struct kv_lowrank *lr, int kv_bits);
+int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
+/* The bytes per token of layer l's keys or values alone. */
+int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int kv_bits);
+
+/* Fuse a Walsh-Hadamard rotation H (kv_la_hadamard of each unit's rank)
+ * into the factors, in place: the cached latent becomes z H, which spreads
+ * outliers before quantization (Palu §3.4), while every product the forward
+ * pass forms is unchanged in exact arithmetic. KV_EINVAL when lr already has
+ * one. */
+int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err);
+/* Record the latent storage a runtime caches (kv_lr_bits_valid, else
+ * KV_EINVAL). */
+int kv_lr_set_kv_bits(struct kv_lowrank *lr, int kv_bits, struct kv_err *err);
+/* Keep the first n_layers layers (1 .. kv_lr_info().n_layers, else
+ * KV_EINVAL) and free the rest: a prefix of a model, as a benchmark times. */
+int kv_lr_truncate(struct kv_lowrank *lr, int64_t n_layers, struct kv_err *err);
+
+/* KV cache bytes per token (all layers, K and V). The base stores fp16 K and
+ * V; a compressed unit stores rank fp16 numbers, or at kv_bits < 16
+ * ceil(rank*kv_bits/8) bytes plus an fp16 scale and an fp16 zero point per
+ * unit and token; a full unit stores n_heads*d_h fp16 numbers. */
+
+/* Latent-cache forward: after this call every run of f computes attention
+ * from cached latents as lr describes (NULL restores the full path). At
+ * kv_bits < 16 each unit's latent row is quantized per token (asymmetric,
+ * fp16 scale and zero point) as it enters the cache. lr must match f's
+ * model and outlive f. With a low-rank model set, only the attn_in and
+ * layer_out hooks run; qk_rope, kv_replace and hooks_only apply to the full
+ * path alone. */
+int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bits,
+                       struct kv_err *err);
+
+/* Base against compressed on the windows protocol: both forward passes on
+ * the same windows; KL(base‖compressed) in nats per scored token and top-1
+ * agreement. */
+struct kv_compare_result {
+    struct kv_ppl_result base, comp;
+    double kl;        /* mean KL(p_base ‖ p_comp) per scored token */
+    double top1;      /* fraction of scored positions whose argmax agrees */
+    /* The device run of kv_ppl_compare_attn (has_dev 0 and the rest zero
+     * otherwise), compared with the CPU path: the compressed run, or the
+     * base when there is none. */
+    int has_dev;
+    struct kv_ppl_result dev;
+    double max_rel_logit;    /* max over scored positions of max_j |l_dev_j − l_cpu_j| /
+                                max_j |l_cpu_j| (over the vocabulary) */
+    int64_t max_rel_window;  /* the window (0-based) and position in it (row i */
+    int64_t max_rel_pos;     /* predicts token i+1) where that maximum happened */
+    double dev_kl;           /* mean KL(p_cpu ‖ p_dev) per scored token */
+    double dev_top1;         /* fraction of scored positions whose argmax agrees with the CPU's */
+};
+int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                   const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_compare_result *out, struct kv_err *err);
+/* kv_ppl_compare plus a third forward pass per window whose attention runs
+ * through dev (dev->attn must be set: an external runtime, kernels/kvrt.h,
+ * runs every layer's attention while the rest of the model runs on the
+ * CPU). With lr NULL there is no compressed CPU run (comp, kl and top1 stay
+ * zero) and the device run is compared with the base. A non-zero return of
+ * one of dev's hooks stops the run and is returned as is; err then holds a
+ * generic message naming the window, the runtime has the details. */
+int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                        const struct kv_fwd_hooks *dev, const int32_t *tokens, int64_t n_tokens,
+                        int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                        void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
