@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "backward.h"
+#include "arch.h"
 #include "err.h"
 #include "limits.h"
 #include "model.h"
@@ -78,7 +79,7 @@ void kv_grad_free(struct kv_grad *g) {
 int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
                  struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t lim = c->arch == KV_ARCH_GPT2 ? c->max_seq_len : KV_MAX_CTX;
+    int64_t lim = kv_arch_desc(c->arch)->rope ? KV_MAX_CTX : c->max_seq_len;
     if (max_n <= 0 || max_n > lim)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "window of %lld tokens is outside 1..%lld",
                        (long long)max_n, (long long)lim);
@@ -140,7 +141,7 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
     }
     int64_t off = 0;
     for (int64_t i = 0; i < g->n_t; i++) g->t[i].grad = g->gbuf + off, off += g->t[i].count;
-    if (c->arch == KV_ARCH_LLAMA) /* the same angles as the inference forward */
+    if (kv_arch_desc(c->arch)->rope) /* the same angles as the inference forward */
         for (int64_t p = 0; p < n; p++)
             for (int64_t i = 0; i < dh / 2; i++) {
                 double ang = (double)p * pow((double)c->rope_theta, -2.0 * (double)i / (double)dh);
@@ -217,7 +218,7 @@ static void lin_bwd(const float *dy, const float *x, const float *w, int64_t n, 
  * the per-row mean (LayerNorm) and reciprocal deviation. */
 static void norm_fwd(const struct kv_config *c, float *y, float *mu, float *rs, const float *x,
                      const float *w, const float *bias, int64_t n, int64_t d) {
-    int ln = c->arch == KV_ARCH_GPT2;
+    int ln = kv_arch_desc(c->arch)->layernorm;
 #pragma omp parallel for if (n * d > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * d;
@@ -239,7 +240,7 @@ static void norm_fwd(const struct kv_config *c, float *y, float *mu, float *rs, 
 static void norm_bwd(const struct kv_config *c, const float *dy, const float *x, const float *mu,
                      const float *rs, const float *w, int64_t n, int64_t d, float *dx, float *dw,
                      float *db) {
-    int ln = c->arch == KV_ARCH_GPT2;
+    int ln = kv_arch_desc(c->arch)->layernorm;
 #pragma omp parallel for if (n * d > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * d, *gi = dy + i * d;
@@ -303,14 +304,15 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
                            "token id %d at position %lld is outside the vocabulary of %lld", tok[i],
                            (long long)i, (long long)c->vocab_size);
     g->n = n;
-    int gpt2 = c->arch == KV_ARCH_GPT2;
+    const struct kv_arch_desc *arch = kv_arch_desc(c->arch);
     int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
     int64_t qd = h * dh, kd = c->n_kv_heads * dh, grp = h / c->n_kv_heads;
     float scale = (float)(1.0 / sqrt((double)dh));
     float *x = g->dx; /* the running residual (dx is free during the forward) */
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++)
-            x[i * d + j] = m->tok_emb[(int64_t)tok[i] * d + j] + (gpt2 ? m->pos_emb[i * d + j] : 0.0f);
+            x[i * d + j] =
+                m->tok_emb[(int64_t)tok[i] * d + j] + (m->pos_emb ? m->pos_emb[i * d + j] : 0.0f);
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = m->layers[l].w;
         struct glayer *y = &g->ly[l];
@@ -319,7 +321,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         lin_fwd(y->q, y->xn1, w[KV_W_Q], w[KV_W_BQ], n, d, qd);
         lin_fwd(y->k, y->xn1, w[KV_W_K], w[KV_W_BK], n, d, kd);
         lin_fwd(y->v, y->xn1, w[KV_W_V], w[KV_W_BV], n, d, kd);
-        if (!gpt2) {
+        if (arch->rope) {
             rope_apply(g, y->q, n, h, 1.0f);
             rope_apply(g, y->k, n, c->n_kv_heads, 1.0f);
         }
@@ -350,7 +352,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
         norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
         int64_t nh = n * hid;
-        if (gpt2) {
+        if (arch->gelu_mlp) {
             lin_fwd(y->a, y->xn2, w[KV_W_UP], w[KV_W_BUP], n, d, hid);
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
@@ -433,7 +435,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
     if (rc) return rc;
     const struct kv_model *m = g->m;
     const struct kv_config *c = &m->cfg;
-    int gpt2 = c->arch == KV_ARCH_GPT2;
+    const struct kv_arch_desc *arch = kv_arch_desc(c->arch);
     int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
     int64_t qd = h * dh, kd = c->n_kv_heads * dh;
     memset(g->gbuf, 0, (size_t)g->n_gbuf * sizeof(float));
@@ -454,17 +456,17 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
     float *dx = g->dx;
     memset(dx, 0, (size_t)(n * d) * sizeof(float));
     norm_bwd(c, g->dxn, g->xf, g->muf, g->rsf, m->out_norm, n, d, dx, kv_grad_of(g, KV_W_OUT_NORM, 0),
-             gpt2 ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
+             m->out_norm_b ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
 
     for (int64_t l = c->n_layers - 1; l >= 0; l--) {
         const float *const *w = m->layers[l].w;
         struct glayer *y = &g->ly[l];
 #define GW(kind) kv_grad_of(g, kind, l)
         /* ffn: x_out = x_mid + act W_downᵀ + b_down; dx carries ∂/∂x_out */
-        lin_bwd(dx, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN), gpt2 ? GW(KV_W_BDOWN) : NULL,
-                g->dh, 0);
+        lin_bwd(dx, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN),
+                w[KV_W_BDOWN] ? GW(KV_W_BDOWN) : NULL, g->dh, 0);
         int64_t nh = n * hid;
-        if (gpt2) {
+        if (arch->gelu_mlp) {
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i], u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
@@ -484,11 +486,12 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
             lin_bwd(g->db, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), NULL, g->dxn, 1);
         }
         norm_bwd(c, g->dxn, y->x_mid, y->mu2, y->rs2, w[KV_W_FFN_NORM], n, d, dx,
-                 GW(KV_W_FFN_NORM), gpt2 ? GW(KV_W_FFN_NORM_B) : NULL);
+                 GW(KV_W_FFN_NORM), w[KV_W_FFN_NORM_B] ? GW(KV_W_FFN_NORM_B) : NULL);
         /* attention: x_mid = x_in + att W_oᵀ + b_o */
-        lin_bwd(dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), gpt2 ? GW(KV_W_BO) : NULL, g->datt, 0);
+        lin_bwd(dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), w[KV_W_BO] ? GW(KV_W_BO) : NULL,
+                g->datt, 0);
         attn_bwd(g, y, n);
-        if (!gpt2) {
+        if (arch->rope) {
             rope_apply(g, g->dq, n, h, -1.0f);
             rope_apply(g, g->dk, n, c->n_kv_heads, -1.0f);
         }
@@ -501,11 +504,12 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         lin_bwd(g->dv, y->xn1, w[KV_W_V], n, d, kd, GW(KV_W_V), w[KV_W_BV] ? GW(KV_W_BV) : NULL,
                 g->dxn, 1);
         norm_bwd(c, g->dxn, y->x_in, y->mu1, y->rs1, w[KV_W_ATTN_NORM], n, d, dx,
-                 GW(KV_W_ATTN_NORM), gpt2 ? GW(KV_W_ATTN_NORM_B) : NULL);
+                 GW(KV_W_ATTN_NORM), w[KV_W_ATTN_NORM_B] ? GW(KV_W_ATTN_NORM_B) : NULL);
 #undef GW
     }
     /* embeddings: x0 = tok_emb[tok] (+ pos_emb) */
-    float *de = kv_grad_of(g, KV_W_TOK_EMB, 0), *dpos = gpt2 ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
+    float *de = kv_grad_of(g, KV_W_TOK_EMB, 0),
+          *dpos = m->pos_emb ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++) {
             de[(int64_t)tok[i] * d + j] += dx[i * d + j];

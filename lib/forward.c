@@ -1,8 +1,9 @@
 /* Reference forward pass for every architecture (fp32 activations).
  *
- * One pass serves Llama and GPT-2: the differences (norm, positions, MLP)
- * come from the fwd_arch table below and from which weights the model binds
- * (biases absent from an architecture are NULL and add nothing).
+ * One pass serves every architecture: the differences (norm, positions,
+ * MLP) come from its row of the architecture table (arch.h) and from which
+ * weights the model binds (biases absent from an architecture are NULL and
+ * add nothing).
  *
  * One call runs n tokens at positions pos0.. against a per-layer KV cache.
  * Every projection is one OpenBLAS sgemm over the whole window; attention is
@@ -16,22 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
 #include "limits.h"
 #include "lrmodel.h"
 #include "model.h"
 
 #define QBLOCK 128 /* query rows per attention block */
-
-/* What the forward pass does differently per architecture (DESIGN §9). */
-static const struct fwd_arch {
-    int layernorm; /* LayerNorm with bias (mean removed) instead of RMSNorm */
-    int rope;      /* rotary q/k; otherwise learned positions added to the embedding */
-    int gelu_mlp;  /* up(+bias) -> GELU(tanh) -> down(+bias) instead of SwiGLU */
-} fwd_arch[] = {
-    [KV_ARCH_LLAMA] = {.layernorm = 0, .rope = 1, .gelu_mlp = 0},
-    [KV_ARCH_GPT2] = {.layernorm = 1, .rope = 0, .gelu_mlp = 1},
-};
 
 /* Where attention reads and writes, per query head i: scores use
  * q[:, qoff[i] .. +kw[i]] · k[:, koff[i] .. +kw[i]]ᵀ, the output
@@ -52,7 +44,7 @@ struct lr_plan {
 
 struct kv_fwd {
     const struct kv_model *m;
-    const struct fwd_arch *arch;
+    const struct kv_arch_desc *arch;
     int64_t max_ctx;
     struct kv_fwd_hooks hooks;
     float *x, *xn, *q, *att, *a, *b, *logits;
@@ -123,7 +115,7 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     if (max_ctx <= 0 || max_ctx > KV_MAX_CTX)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "context length %lld is outside 1..%d",
                        (long long)max_ctx, KV_MAX_CTX);
-    const struct fwd_arch *arch = &fwd_arch[c->arch];
+    const struct kv_arch_desc *arch = kv_arch_desc(c->arch);
     if (!arch->rope && max_ctx > c->max_seq_len)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "context length %lld exceeds the %lld learned positions of this %s model",
@@ -669,7 +661,7 @@ double kv_fwd_flops(const struct kv_model *m, int64_t n, int64_t pos0) {
     const struct kv_config *c = &m->cfg;
     double d = (double)c->dim, qd = (double)(c->n_heads * c->head_dim);
     double kd = (double)(c->n_kv_heads * c->head_dim), hid = (double)c->hidden_dim;
-    double mlp = fwd_arch[c->arch].gelu_mlp ? 2 : 3; /* matrices of d x hidden */
+    double mlp = kv_arch_desc(c->arch)->gelu_mlp ? 2 : 3; /* matrices of d x hidden */
     double per_tok = 2.0 * (d * (qd + 2 * kd) + qd * d + mlp * d * hid) * (double)c->n_layers +
                      2.0 * d * (double)c->vocab_size;
     /* causal attention: row at position p scores p+1 keys, QKᵀ and PV */

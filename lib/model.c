@@ -1,4 +1,5 @@
 #include "model.h"
+#include "arch.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -46,29 +47,21 @@ static const char *const wkind_names[KV_W_COUNT] = {
     [KV_W_BUP] = "ffn up bias",             [KV_W_BDOWN] = "ffn down bias",
 };
 
-const char *kv_arch_name(enum kv_arch a) {
-    switch (a) {
-    case KV_ARCH_LLAMA: return "llama";
-    case KV_ARCH_GPT2: return "gpt2";
-    }
-    return "?";
-}
-
 int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
-    int gpt2 = c->arch == KV_ARCH_GPT2;
+    const struct kv_arch_desc *a = kv_arch_desc(c->arch);
     switch (k) {
     case KV_W_LM_HEAD: return c->tied_embeddings ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
     case KV_W_BQ:
     case KV_W_BK:
-    case KV_W_BV: return gpt2 ? KV_WUSE_REQUIRED : KV_WUSE_OPTIONAL;
-    case KV_W_GATE: return gpt2 ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
-    case KV_W_POS_EMB:
+    case KV_W_BV: return a->qkv_bias;
+    case KV_W_GATE: return a->gelu_mlp ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
+    case KV_W_POS_EMB: return a->rope ? KV_WUSE_NONE : KV_WUSE_REQUIRED;
     case KV_W_OUT_NORM_B:
     case KV_W_ATTN_NORM_B:
+    case KV_W_FFN_NORM_B: return a->layernorm ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
     case KV_W_BO:
-    case KV_W_FFN_NORM_B:
     case KV_W_BUP:
-    case KV_W_BDOWN: return gpt2 ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
+    case KV_W_BDOWN: return a->block_biases ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
     case KV_W_COUNT: return KV_WUSE_NONE;
     default: return KV_WUSE_REQUIRED;
     }
@@ -138,18 +131,19 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "n_heads %lld is not a multiple of n_kv_heads %lld",
                        (long long)c->n_heads, (long long)c->n_kv_heads);
-    if (c->arch != KV_ARCH_LLAMA && c->arch != KV_ARCH_GPT2)
+    if (!strcmp(kv_arch_name(c->arch), "?"))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "architecture %d is unknown", (int)c->arch);
-    if (c->arch == KV_ARCH_LLAMA && c->head_dim % 2)
+    const struct kv_arch_desc *a = kv_arch_desc(c->arch);
+    if (a->rope && c->head_dim % 2)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "head_dim %lld is odd, rope needs pairs",
                        (long long)c->head_dim);
-    if (c->arch == KV_ARCH_GPT2 && c->n_kv_heads != c->n_heads)
+    if (a->mha && c->n_kv_heads != c->n_heads)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                       "gpt2 has %lld kv heads for %lld heads, expected them equal",
+                       "%s has %lld kv heads for %lld heads, expected them equal", a->name,
                        (long long)c->n_kv_heads, (long long)c->n_heads);
-    if (c->arch == KV_ARCH_GPT2 && (c->max_seq_len <= 0 || c->max_seq_len > KV_MAX_CTX))
+    if (!a->rope && (c->max_seq_len <= 0 || c->max_seq_len > KV_MAX_CTX))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                       "gpt2 n_positions %lld is outside 1..%d", (long long)c->max_seq_len,
+                       "%s n_positions %lld is outside 1..%d", a->name, (long long)c->max_seq_len,
                        KV_MAX_CTX);
     if (c->n_heads * c->head_dim > KV_MAX_DIM)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "n_heads*head_dim exceeds %d",
@@ -157,7 +151,7 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (!(c->norm_eps > 0) || !isfinite(c->norm_eps))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "norm epsilon %g must be positive",
                        (double)c->norm_eps);
-    if (c->arch == KV_ARCH_LLAMA && (!(c->rope_theta > 0) || !isfinite(c->rope_theta)))
+    if (a->rope && (!(c->rope_theta > 0) || !isfinite(c->rope_theta)))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "rope theta %g must be positive",
                        (double)c->rope_theta);
     return KV_OK;

@@ -1,0 +1,141 @@
+/* The architecture table (arch.h). */
+#include "arch.h"
+
+#include <string.h>
+
+#include "err.h"
+
+#define ONE(k) {k}, 1
+#define COUNT(a) ((int64_t)(sizeof a / sizeof a[0]))
+
+/* ---------------------------------------------------------------- llama */
+
+static const struct kv_arch_tensor llama_hf_globals[] = {
+    {"model.embed_tokens.weight", ONE(KV_W_TOK_EMB), 0},
+    {"model.norm.weight", ONE(KV_W_OUT_NORM), 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
+};
+
+static const struct kv_arch_tensor llama_hf_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
+    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+};
+
+static const struct kv_arch_tensor llama_gguf_globals[] = {
+    {"token_embd.weight", ONE(KV_W_TOK_EMB), 0},
+    {"output_norm.weight", ONE(KV_W_OUT_NORM), 0},
+    {"output.weight", ONE(KV_W_LM_HEAD), 0},
+};
+
+static const struct kv_arch_tensor llama_gguf_layer[] = {
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0}, {"attn_q.weight", ONE(KV_W_Q), 0},
+    {"attn_k.weight", ONE(KV_W_K), 0},            {"attn_v.weight", ONE(KV_W_V), 0},
+    {"attn_output.weight", ONE(KV_W_O), 0},       {"attn_q.bias", ONE(KV_W_BQ), 0},
+    {"attn_k.bias", ONE(KV_W_BK), 0},             {"attn_v.bias", ONE(KV_W_BV), 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0},       {"ffn_up.weight", ONE(KV_W_UP), 0},
+};
+
+/* ---------------------------------------------------------------- gpt2 */
+
+#define GPT2_PREFIX "transformer."
+
+static const struct kv_arch_tensor gpt2_hf_globals[] = {
+    {GPT2_PREFIX "wte.weight", ONE(KV_W_TOK_EMB), 0},
+    {GPT2_PREFIX "wpe.weight", ONE(KV_W_POS_EMB), 0},
+    {GPT2_PREFIX "ln_f.weight", ONE(KV_W_OUT_NORM), 0},
+    {GPT2_PREFIX "ln_f.bias", ONE(KV_W_OUT_NORM_B), 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
+};
+
+static const struct kv_arch_tensor gpt2_hf_layer[] = {
+    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
+    {"attn.c_attn.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 1},
+    {"attn.c_attn.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0},
+    {"attn.c_proj.weight", ONE(KV_W_O), 1},
+    {"attn.c_proj.bias", ONE(KV_W_BO), 0},
+    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
+    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
+    {"mlp.c_fc.weight", ONE(KV_W_UP), 1},
+    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
+    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 1},
+    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
+};
+
+/* ---------------------------------------------------------------- the table */
+
+static const struct kv_arch_desc archs[] = {
+    [KV_ARCH_LLAMA] =
+        {
+            .id = KV_ARCH_LLAMA,
+            .name = "llama",
+            .layernorm = 0,
+            .rope = 1,
+            .gelu_mlp = 0,
+            .qkv_bias = KV_WUSE_OPTIONAL,
+            .block_biases = 0,
+            .mha = 0,
+            .hf_class = "LlamaForCausalLM",
+            .hf_attn = "self_attn.",
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   llama_hf_layer, COUNT(llama_hf_layer)},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     llama_gguf_layer, COUNT(llama_gguf_layer)},
+        },
+    [KV_ARCH_GPT2] =
+        {
+            .id = KV_ARCH_GPT2,
+            .name = "gpt2",
+            .layernorm = 1,
+            .rope = 0,
+            .gelu_mlp = 1,
+            .qkv_bias = KV_WUSE_REQUIRED,
+            .block_biases = 1,
+            .mha = 1,
+            .hf_class = "GPT2LMHeadModel",
+            .hf_attn = "attn.",
+            .hf = {GPT2_PREFIX "h.", GPT2_PREFIX, gpt2_hf_globals, COUNT(gpt2_hf_globals),
+                   gpt2_hf_layer, COUNT(gpt2_hf_layer)},
+            .gguf = {"blk.", NULL, NULL, 0, NULL, 0},
+        },
+};
+
+const struct kv_arch_desc *kv_arch_desc(enum kv_arch a) {
+    KV_ASSERT((unsigned)a < sizeof archs / sizeof archs[0] && archs[a].name);
+    return &archs[a];
+}
+
+const struct kv_arch_desc *kv_arch_by_name(const char *name) {
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+        if (archs[i].name && !strcmp(archs[i].name, name)) return &archs[i];
+    return NULL;
+}
+
+const char *kv_arch_name(enum kv_arch a) {
+    return (unsigned)a < sizeof archs / sizeof archs[0] && archs[a].name ? archs[a].name : "?";
+}
+
+const struct kv_arch_tensor *kv_arch_find(const struct kv_arch_names *names, enum kv_wkind kind,
+                                          int *part) {
+    int per_layer = kind >= KV_W_FIRST_LAYER;
+    const struct kv_arch_tensor *t = per_layer ? names->layer : names->globals;
+    int64_t n = per_layer ? names->n_layer : names->n_globals;
+    for (int64_t i = 0; i < n; i++)
+        for (int k = 0; k < t[i].n_kinds; k++)
+            if (t[i].kinds[k] == kind) {
+                if (part) *part = k;
+                return &t[i];
+            }
+    return NULL;
+}

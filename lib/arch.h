@@ -1,0 +1,67 @@
+/* Architectures as data (internal).
+ *
+ * One row per architecture says everything the layers above need to know
+ * about it: the forward and backward passes read the norm, the positions
+ * and the MLP; the model checks which weights it has; the loaders and
+ * writers (formats/) read the tensor names of each format; decomposition
+ * and the runtime read whether keys are rotary. Adding a model family
+ * means adding a row here, its names, and only what is truly new (a config
+ * parser, a new kind of layer), not a branch in every file.
+ *
+ * Weights are the per-model enum kv_wkind of model.h. */
+#ifndef KV_ARCH_H
+#define KV_ARCH_H
+
+#include "kvcal_core.h"
+#include "model.h"
+
+/* One stored tensor of a format: its name (a per-layer name follows the
+ * format's layer prefix and the layer number: "model.layers.3." + name)
+ * and the weights it holds, stacked along its rows (GPT-2's c_attn holds
+ * q, k and v). conv: stored transposed, [in, out] (HF GPT-2's Conv1D). */
+struct kv_arch_tensor {
+    const char *name;
+    enum kv_wkind kinds[3];
+    int n_kinds;
+    int conv;
+};
+
+/* One format's names for an architecture. */
+struct kv_arch_names {
+    const char *layer_prefix;          /* "model.layers.", "blk." */
+    /* a prefix stored names may come without ("transformer." for HF GPT-2,
+     * whose checkpoints exist both ways); NULL when none */
+    const char *optional_prefix;
+    const struct kv_arch_tensor *globals;
+    int64_t n_globals;
+    const struct kv_arch_tensor *layer;
+    int64_t n_layer;                   /* 0: kvcal has no mapping for this format */
+};
+
+struct kv_arch_desc {
+    enum kv_arch id;
+    const char *name;       /* "llama", "gpt2": kv_arch_name, manifests, messages */
+    int layernorm;          /* LayerNorm with bias (mean removed) instead of RMSNorm */
+    int rope;               /* rotary q/k; otherwise learned positions added to the embedding */
+    int gelu_mlp;           /* up(+bias) -> GELU(tanh) -> down(+bias) instead of SwiGLU */
+    int qkv_bias;           /* KV_WUSE_OPTIONAL or KV_WUSE_REQUIRED (model.h) */
+    int block_biases;       /* output projection, MLP and norm biases, all required */
+    int mha;                /* as many KV heads as query heads */
+    const char *hf_class;   /* config.json "architectures" entry kvcal writes */
+    const char *hf_attn;    /* HF module path of the attention block in a layer
+                               ("self_attn.", "attn."): compressed tensors are named
+                               after it */
+    struct kv_arch_names hf, gguf;
+};
+
+/* The row of architecture a (KV_ASSERT on an unknown one). */
+const struct kv_arch_desc *kv_arch_desc(enum kv_arch a);
+/* The row named name ("llama"), or NULL. */
+const struct kv_arch_desc *kv_arch_by_name(const char *name);
+
+/* The entry of names holding weight kind (global or per layer), or NULL;
+ * *part receives its index among the entry's stacked kinds. */
+const struct kv_arch_tensor *kv_arch_find(const struct kv_arch_names *names, enum kv_wkind kind,
+                                          int *part);
+
+#endif
