@@ -43,6 +43,8 @@
 # start with a command, and a block that is not console must not hold "$ "
 # lines (a transcript that nothing checks).
 #
+# DOCS_VERBOSE=1 prints each command's time.
+#
 # Exit status: 0 when every FILE matches (or was updated), 1 on a mismatch or
 # a lint error, 2 on a usage error, 77 when $KVCAL_SHARED does not exist and a
 # FILE has console blocks (the message says so; tests/test_docs.c skips).
@@ -191,7 +193,9 @@ process() {
             trim exp
             [[ -n $bfirst ]] || bfirst=${cmdlines[0]}
             ncmd=$((ncmd + 1))
+            local c0=$SECONDS
             mapfile -t act < <(run "$cmd")
+            [[ -z ${DOCS_VERBOSE:-} ]] || echo "docs: $file:$((cmdline + 1)): $((SECONDS - c0)) s: ${cmdlines[0]}"
             trim act
             mapfile -t em < <(((${#exp[@]})) && printf '%s\n' "${exp[@]}" | mask)
             mapfile -t am < <(((${#act[@]})) && printf '%s\n' "${act[@]}" | mask)
