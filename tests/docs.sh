@@ -145,7 +145,7 @@ process() {
             if [[ $kind == console ]] && ((first)) && [[ $line != '$ '* ]]; then
                 echo "$file:$start: a console block must start with a '\$ ' command line" >&2
                 fails=$((fails + 1))
-            elif [[ $kind != console && $line =~ ^\ *\$\  ]]; then
+            elif [[ -n $kind && $kind != console && $line =~ ^\ *\$\  ]]; then
                 echo "$file:$((i + 1)): a '\$ ' line in a $kind block: make it a console block" >&2
                 fails=$((fails + 1))
             fi
