@@ -226,3 +226,10 @@ clean:
 
 .SECONDARY:
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+
+# The examples in README.md and docs/*.md: rewrite the expected output of each
+# console block with what kvcal prints now (tests/docs.sh; make test checks
+# them in tests/test_docs.c). Review the diff before committing it.
+.PHONY: docs
+docs: $(BUILD)/kvcal
+	@KVCAL_BIN=$(BUILD)/kvcal bash tests/docs.sh update README.md docs/*.md
