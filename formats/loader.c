@@ -4,7 +4,7 @@
 #include <string.h>
 
 #include "err.h"
-#include "gguf.h"
+#include "ggufmodel.h"
 #include "hfdir.h"
 #include "llama2c.h"
 #include "mapfile.h"

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "ggufmodel.h"
 #include "llama2c.h"
 #include "model.h"
 #include "testutil.h"
