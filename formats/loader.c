@@ -10,6 +10,7 @@
 #include "mapfile.h"
 #include "model.h"
 #include "tokenizer.h"
+#include "tokjson.h"
 
 static int ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);

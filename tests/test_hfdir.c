@@ -14,6 +14,7 @@
 #include "stwrite.h"
 #include "testutil.h"
 #include "tokenizer.h"
+#include "tokjson.h"
 
 #define SP "\xe2\x96\x81" /* U+2581, SentencePiece's space */
 
