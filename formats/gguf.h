@@ -33,9 +33,6 @@
 #include "kvformats.h"
 #include "mapfile.h"
 
-struct kv_tokenizer;
-struct kv_model;
-
 /* Metadata value types, numbered as in the file. */
 enum kv_gguf_type {
     KV_GGUF_U8 = 0,
@@ -56,7 +53,7 @@ enum kv_gguf_type {
 
 /* ggml tensor types kvcal can load directly; every other known type (the
  * quantized ones, integers, F64) is recognised by the parser and sized, and
- * refused by kv_gguf_load. */
+ * refused by kv_gguf_load (ggufmodel.h). */
 enum {
     KV_GGML_F32 = 0,
     KV_GGML_F16 = 1,
@@ -179,16 +176,16 @@ int kv_gguf_get_arr_i32(const struct kv_gguf_file *f, const char *key, int32_t *
 int kv_gguf_get_arr_u64(const struct kv_gguf_file *f, const char *key, uint64_t **out,
                         uint64_t *n, struct kv_err *err);
 
-/* Load a llama-architecture GGUF file (F32/F16/BF16 weights) as a model. The
- * model keeps the mapping alive and owns the tokenizer built from the
- * metadata when tokenizer.ggml.model is "llama" (else it has none). */
-int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err);
+/* Absolute file offset of element i of an array value whose elements have a
+ * fixed size (any type but string); asserts i < arr_n. */
+uint64_t kv_gguf_elem_off(const struct kv_gguf_kv *kv, uint64_t i);
 
-/* Build the tokenizer described by a parsed file's metadata. Only the "llama"
- * (SentencePiece) model is supported; others are KV_EUNSUPPORTED. */
-int kv_gguf_build_tokenizer(const struct kv_gguf_file *f, struct kv_tokenizer **out,
-                            struct kv_err *err);
-/* Open path and build its tokenizer; the mapping is released before return. */
-int kv_gguf_load_tokenizer(const char *path, struct kv_tokenizer **out, struct kv_err *err);
+/* 1 if s holds exactly the bytes of the C string lit. */
+int kv_gguf_str_eq(struct kv_gguf_str s, const char *lit);
+
+/* A printable excerpt of the n untrusted bytes at p for messages, written to
+ * buf (cap >= 16) and returned: at most about cap-8 characters, non-printables
+ * and quotes as \xNN, "..." when cut. */
+const char *kv_gguf_excerpt(const char *p, uint64_t n, char *buf, size_t cap);
 
 #endif

@@ -7,7 +7,7 @@
  *     model.safetensors              the weights, or instead:
  *     model.safetensors.index.json   {"weight_map": {"<tensor>": "<shard file>"}}
  *       model-00001-of-0000N.safetensors ...
- *     tokenizer.json                 optional; loaded when present
+ *     tokenizer.json                 optional; loaded when present (tokjson.h)
  *
  * Llama tensor names (every linear weight is [out, in] row-major):
  *
@@ -47,13 +47,7 @@
  * A safetensors __metadata__ entry whose key is a missing tensor name and
  * whose value is a present one is an alias (tied checkpoints store only one
  * of model.embed_tokens.weight / lm_head.weight). Other tensors are listed in
- * the model's table but not used.
- *
- * tokenizer.json: a "BPE" model with a vocab and rank-ordered merges, byte
- * fallback pieces "<0xXX>", added tokens, and SentencePiece-style spaces
- * given either as the normalizer Sequence [Prepend("▁"), Replace(" ", "▁")]
- * or as a Metaspace pre-tokenizer. Byte-level (GPT-2 style), WordPiece and
- * Unigram tokenizers are KV_EUNSUPPORTED. */
+ * the model's table but not used. */
 #ifndef KV_HFDIR_H
 #define KV_HFDIR_H
 
@@ -98,10 +92,5 @@ int kv_hf_read_config(const char *path, struct kv_config *cfg, struct kv_err *er
  * converted). config.json's bos/eos ids override the tokenizer's. On success
  * *out is released with kv_model_close. Errors name the file they concern. */
 int kv_hf_load(const char *dir, struct kv_model **out, struct kv_err *err);
-
-/* Load tokenizer.json at path as a KV_TOK_RANK tokenizer. BOS/EOS come from
- * the TemplateProcessing post-processor or, failing that, from special added
- * tokens named like "<s>"/"</s>". On success release with kv_tok_free. */
-int kv_hf_load_tokenizer(const char *path, struct kv_tokenizer **out, struct kv_err *err);
 
 #endif

@@ -4,12 +4,13 @@
 #include <string.h>
 
 #include "err.h"
-#include "gguf.h"
+#include "ggufmodel.h"
 #include "hfdir.h"
 #include "llama2c.h"
 #include "mapfile.h"
 #include "model.h"
 #include "tokenizer.h"
+#include "tokjson.h"
 
 static int ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);
