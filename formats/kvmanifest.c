@@ -13,6 +13,7 @@
 #include "lrlayout.h"
 #include "lrmodel.h"
 #include "mapfile.h"
+#include "model.h"
 
 #define MANIFEST_FORMAT "kvcal.manifest"
 #define MANIFEST_VERSION 1

@@ -39,7 +39,6 @@
 #define KV_KVMANIFEST_H
 
 #include "kvformats.h"
-#include "model.h"
 
 struct json_t; /* jansson's, kept out of the callers */
 
