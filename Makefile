@@ -199,7 +199,7 @@ demo: all data
 	@bash tests/demo.sh $(BUILD)/kvcal
 
 # Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
-#   make fuzz FUZZ=safetensors|model|tokenizer|kvstats [FUZZ_SECONDS=300]
+#   make fuzz FUZZ=safetensors|model|tokenizer|kvstats|manifest [FUZZ_SECONDS=300]
 # New inputs go to $(BUILD)/fuzz/corpus-$(FUZZ); copy crashes into
 # tests/fuzz/corpus/$(FUZZ)/ so `make test` replays them forever.
 FUZZ ?= model

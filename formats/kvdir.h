@@ -1,19 +1,14 @@
 /* The compressed-model output directory of `kvcal decompose` (internal).
+ * The API (struct kv_lr_dir_info, kv_lr_dir_write, kv_lr_dir_check,
+ * kv_lr_dir_open) is declared in kvformats.h; this module holds the
+ * directory logic (the atomic replace of an earlier output, the files
+ * copied from the source) and reads and writes its two files through
+ * formats/kvmanifest.h (the manifest) and formats/lrweights.h (the weights),
+ * with the names and rules of formats/lrlayout.h.
  *
- * Layout (DESIGN §7; manifest version 1):
+ * Layout (DESIGN §7):
  *
- *     kvcal.json          the manifest (jansson, indent 2), fields in order:
- *                           format "kvcal.manifest", version 1, kvcal_version,
- *                           method, alloc, options {..}, model {fingerprint,
- *                           source, format, arch ("llama" or "gpt2"), dim,
- *                           hidden_dim, n_layers, n_heads, n_kv_heads,
- *                           head_dim, vocab_size, norm_eps, tied_embeddings,
- *                           qkv_bias, ..}, stats, rope {layout, pairs, theta,
- *                           scaling} (null for gpt2: no rope), latent {dtype,
- *                           bits, quantization, hadamard}, weights,
- *                           weight_layout "linear [out, in]",
- *                           kv_bytes_per_token {base, compressed, ratio},
- *                           predicted_error {k, v}, layers [..]
+ *     kvcal.json          the manifest (schema in kvmanifest.h)
  *     model.safetensors   every weight the forward pass uses, F32, each matrix
  *                         [out, in] (y = x Wᵀ, kvcal's layout: gpt2's Conv1D
  *                         [in, out] tensors are stored transposed and c_attn
@@ -51,24 +46,11 @@
  *                         for another source the --tokenizer file, under its
  *                         own base name
  *
- * Each layer side of the manifest ("k", "v") holds mode, rank (Σ rank_u),
- * predicted_error, the tensor names down, down_bias, proj (and proj_bias),
- * for V o_proj (and o_cols when fused), for fused_query K q_proj, q_proj_bias
- * (null without q biases) and q_cols, and units [{heads, rank,
- * latent_offset, up, rot, energy, dropped, predicted_error}]. Units cover
- * the layer's KV heads in order, each exactly once; latent_offset is the
- * unit's first row in down (its first column of the cached latent). q_cols
- * and o_cols are Σ over query heads of their unit's rank, query heads in
- * order. fused_query needs a model without rope (gpt2).
- *
  * A reader trusts nothing: names come from the manifest and every tensor's
  * shape must be the one the ranks imply. */
 #ifndef KV_KVDIR_H
 #define KV_KVDIR_H
 
 #include "kvformats.h"
-
-/* The API (struct kv_lr_dir_info, kv_lr_dir_write, kv_lr_dir_open,
- * kv_lr_manifest_read) is declared in kvcal.h. */
 
 #endif

@@ -170,9 +170,21 @@ int kv_lr_dir_check(const char *dir, const char *name, struct kv_err *err);
 int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank **out,
                    struct kv_err *err);
 
-/* Read and validate the manifest at path alone (no weights, no model): *out
+/* Parse and validate a manifest from len bytes of buf (any bytes, no NUL
+ * needed; at most 256 MiB), alone (no weights, no model); path only names
+ * the file in messages. This is the whole of reading a manifest:
+ * kv_lr_manifest_read and kv_lr_dir_open parse through it. On success *out
  * gets the shapes, modes, units, ranks, energies, o_cols, q_cols and latent
- * format, with every factor pointer NULL. Errors as kv_lr_dir_open, naming path. */
+ * format, with every factor pointer NULL; release with kv_lr_free. Errors
+ * name path: KV_EFORMAT (invalid JSON with the byte offset where it
+ * stopped, a missing key, a wrong type or range, a rule of the layout
+ * broken, with no offset), KV_EUNSUPPORTED (a newer version, another arch,
+ * rope scaling or weight layout), KV_ENOMEM. */
+int kv_lr_manifest_parse(const void *buf, size_t len, const char *path, struct kv_lowrank **out,
+                         struct kv_err *err);
+
+/* Read the manifest file at path and kv_lr_manifest_parse its bytes.
+ * Errors as kv_lr_manifest_parse, and KV_EIO when path cannot be read. */
 int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err *err);
 
 /* ---------------------------------------------------------------- dense export */

@@ -9,6 +9,7 @@
 #include "testutil.h"
 
 #include "fuzz/fuzz_kvstats.c"
+#include "fuzz/fuzz_manifest.c"
 #include "fuzz/fuzz_model.c"
 #include "fuzz/fuzz_safetensors.c"
 #include "fuzz/fuzz_scratch.c"
@@ -56,4 +57,7 @@ Test(fuzz_replay, tokenizer_corpus_never_crashes) {
 }
 Test(fuzz_replay, kvstats_corpus_never_crashes) {
     cr_assert_gt(replay("kvstats", kv_fuzz_kvstats), 0);
+}
+Test(fuzz_replay, manifest_corpus_never_crashes) {
+    cr_assert_gt(replay("manifest", kv_fuzz_manifest), 0);
 }

@@ -1,0 +1,815 @@
+/* The manifest kvcal.json: schema in kvmanifest.h. */
+#include "kvmanifest.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "json.h"
+#include "limits.h"
+#include "lrlayout.h"
+#include "lrmodel.h"
+#include "mapfile.h"
+#include "model.h"
+
+#define MANIFEST_FORMAT "kvcal.manifest"
+#define MANIFEST_VERSION 1
+#define WEIGHT_LAYOUT "linear [out, in]" /* every matrix of the weights file */
+
+/* dropped/energy, 0 when there is no energy. */
+static double rel_error(double dropped, double energy) {
+    return energy > 0 ? dropped / energy : 0.0;
+}
+
+/* ================================================================ write */
+
+/* json_t builders that remember the first allocation failure. */
+struct jb {
+    int bad;
+};
+
+static json_t *jset(struct jb *b, json_t *o, const char *key, json_t *v) {
+    if (!o || !v || json_object_set_new(o, key, v) != 0) b->bad = 1;
+    return v;
+}
+
+static void jappend(struct jb *b, json_t *a, json_t *v) {
+    if (!a || !v || json_array_append_new(a, v) != 0) b->bad = 1;
+}
+
+/* A JSON number holding the shortest decimal that reads back as f, so
+ * 1e-05f is written as 1e-05 rather than as the double nearest the float. */
+static json_t *json_float(float f) {
+    char buf[32];
+    for (int p = 1; p <= 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
+        if (strtof(buf, NULL) == f) break;
+    }
+    return json_real(strtod(buf, NULL));
+}
+
+/* A JSON string of s; bytes of a path that are not UTF-8 become '?'. */
+static json_t *json_text(const char *s) {
+    if (!s) return json_null();
+    json_t *v = json_string(s);
+    if (v) return v;
+    char *c = strdup(s);
+    if (!c) return NULL;
+    for (char *p = c; *p; p++)
+        if ((unsigned char)*p >= 0x80) *p = '?';
+    v = json_string(c);
+    free(c);
+    return v;
+}
+
+static json_t *name_or_null(const char *name) {
+    return name ? json_string(name) : json_null();
+}
+
+static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv_lowrank *lr,
+                         int64_t l, int which) {
+    const struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    const struct kv_lr_layer *y = &lr->layers[l];
+    enum kv_arch arch = m->cfg.arch;
+    char c = kv_lrl_side_char(which), name[KV_LRL_NAME_CAP];
+    json_t *o = json_object();
+    jset(b, o, "mode", json_string(kv_lr_mode_name(s->mode)));
+    jset(b, o, "rank", json_integer(kv_lrl_side_rank(s)));
+    jset(b, o, "predicted_error", json_real(kv_lr_side_error(lr, l, which, NULL, NULL)));
+    int down = kv_lrl_has_down(s->mode), proj = !down;
+    kv_lrl_attn_name(name, arch, l, c, "_down.weight");
+    jset(b, o, "down", name_or_null(down ? name : NULL));
+    kv_lrl_attn_name(name, arch, l, c, "_down.bias");
+    jset(b, o, "down_bias", name_or_null(down && s->units[0].down_bias ? name : NULL));
+    kv_lrl_attn_name(name, arch, l, c, "_proj.weight");
+    jset(b, o, "proj", name_or_null(proj ? name : NULL));
+    kv_lrl_attn_name(name, arch, l, c, "_proj.bias");
+    const float *bias = kv_model_weight(m, which ? KV_W_BV : KV_W_BK, l);
+    jset(b, o, "proj_bias", name_or_null(proj && bias ? name : NULL));
+    json_t *units = jset(b, o, "units", json_array());
+    int64_t off = 0;
+    for (int64_t u = 0; u < s->n_units; u++) {
+        const struct kv_lr_unit *x = &s->units[u];
+        json_t *uo = json_object(), *heads = json_array();
+        for (int64_t j = 0; j < x->n_heads; j++) jappend(b, heads, json_integer(x->head0 + j));
+        jset(b, uo, "heads", heads);
+        jset(b, uo, "rank", json_integer(x->rank));
+        jset(b, uo, "latent_offset", json_integer(off));
+        kv_lrl_unit_name(name, arch, l, which, "up", u);
+        jset(b, uo, "up", name_or_null(down ? name : NULL));
+        kv_lrl_unit_name(name, arch, l, which, "rot", u);
+        jset(b, uo, "rot", name_or_null(s->mode == KV_LR_POSTROPE_ROTATION ? name : NULL));
+        jset(b, uo, "energy", json_real(x->energy));
+        jset(b, uo, "dropped", json_real(x->dropped));
+        jset(b, uo, "predicted_error", json_real(rel_error(x->dropped, x->energy)));
+        jappend(b, units, uo);
+        off += x->rank;
+    }
+    if (which) {
+        kv_lrl_attn_name(name, arch, l, 'o', "_proj.weight");
+        jset(b, o, "o_proj", json_string(name));
+        if (s->mode == KV_LR_FUSED_OUTPUT) jset(b, o, "o_cols", json_integer(y->o_cols));
+    } else if (s->mode == KV_LR_FUSED_QUERY) {
+        kv_lrl_attn_name(name, arch, l, 'q', "_fused.weight");
+        jset(b, o, "q_proj", json_string(name));
+        kv_lrl_attn_name(name, arch, l, 'q', "_fused.bias");
+        jset(b, o, "q_proj_bias", name_or_null(y->q_fused_bias ? name : NULL));
+        jset(b, o, "q_cols", json_integer(y->q_cols));
+    }
+    return o;
+}
+
+/* Parse caller-supplied JSON text for "options" / "stats". */
+static int parse_arg_json(const char *text, const char *what, int allow_null, const char *dir,
+                          json_t **out, struct kv_err *err) {
+    if (!text) {
+        *out = allow_null ? json_null() : json_object();
+        if (!*out) return kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+        return KV_OK;
+    }
+    json_error_t je;
+    json_t *v = json_loads(text, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &je);
+    if (!v) {
+        char t[sizeof je.text];
+        kv_json_error_text(&je, t, sizeof t);
+        return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "%s text is not valid json: %s", what,
+                       t);
+    }
+    if (!json_is_object(v) && !(allow_null && json_is_null(v))) {
+        json_decref(v);
+        return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "%s must be a json object%s", what,
+                       allow_null ? " or null" : "");
+    }
+    *out = v;
+    return KV_OK;
+}
+
+int kv_mf_extra_parse(const struct kv_lr_dir_info *info, const char *dir, struct kv_mf_extra *x,
+                      struct kv_err *err) {
+    x->options = x->stats = NULL;
+    int rc = parse_arg_json(info->options_json, "options", 0, dir, &x->options, err);
+    if (!rc) rc = parse_arg_json(info->stats_json, "stats", 1, dir, &x->stats, err);
+    if (rc) kv_mf_extra_clear(x);
+    return rc;
+}
+
+void kv_mf_extra_clear(struct kv_mf_extra *x) {
+    json_decref(x->options);
+    json_decref(x->stats);
+    x->options = x->stats = NULL;
+}
+
+static json_t *quant_json(struct jb *b, int bits) {
+    if (bits >= 16) return json_null();
+    json_t *q = json_object();
+    jset(b, q, "scheme", json_string("per-token asymmetric"));
+    jset(b, q, "group", json_string("unit"));
+    jset(b, q, "scale_dtype", json_string("f16"));
+    jset(b, q, "zero_dtype", json_string("f16"));
+    jset(b, q, "dequant", json_string("z = q * scale + zero"));
+    return q;
+}
+
+/* The manifest; options and stats are stolen. tok_name is the copied
+ * tokenizer's file name or NULL. */
+static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank *lr,
+                              const char *fp, const struct kv_lr_dir_info *info, json_t *options,
+                              json_t *stats, const char *tok_name) {
+    struct jb b = {0};
+    const struct kv_config *c = &m->cfg;
+    json_t *root = json_object();
+    jset(&b, root, "format", json_string(MANIFEST_FORMAT));
+    jset(&b, root, "version", json_integer(MANIFEST_VERSION));
+    jset(&b, root, "kvcal_version", json_string(KVCAL_VERSION));
+    jset(&b, root, "method", json_text(lr->method));
+    jset(&b, root, "alloc", json_text(lr->alloc));
+    jset(&b, root, "options", options);
+
+    json_t *mo = jset(&b, root, "model", json_object());
+    jset(&b, mo, "fingerprint", json_string(fp));
+    jset(&b, mo, "source", json_text(info->model_path));
+    jset(&b, mo, "format",
+         json_string(m->format == KV_FORMAT_HF ? "hf" : kv_format_name(m->format)));
+    jset(&b, mo, "arch", json_string(kv_arch_name(c->arch)));
+    jset(&b, mo, "dim", json_integer(c->dim));
+    jset(&b, mo, "hidden_dim", json_integer(c->hidden_dim));
+    jset(&b, mo, "n_layers", json_integer(c->n_layers));
+    jset(&b, mo, "n_heads", json_integer(c->n_heads));
+    jset(&b, mo, "n_kv_heads", json_integer(c->n_kv_heads));
+    jset(&b, mo, "head_dim", json_integer(c->head_dim));
+    jset(&b, mo, "vocab_size", json_integer(c->vocab_size));
+    jset(&b, mo, "norm_eps", json_float(c->norm_eps));
+    jset(&b, mo, "tied_embeddings", json_boolean(c->tied_embeddings));
+    jset(&b, mo, "qkv_bias", json_boolean(c->has_qkv_bias));
+    jset(&b, mo, "max_seq_len", json_integer(c->max_seq_len));
+    jset(&b, mo, "bos_id", json_integer(c->bos_id));
+    jset(&b, mo, "eos_id", json_integer(c->eos_id));
+    jset(&b, mo, "tokenizer", json_text(tok_name));
+
+    jset(&b, root, "stats", stats);
+    if (kv_lrl_has_rope(c->arch)) {
+        json_t *ro = jset(&b, root, "rope", json_object());
+        int half = c->rope_layout == KV_ROPE_HALF;
+        jset(&b, ro, "layout", json_string(half ? "half" : "interleaved"));
+        jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
+        jset(&b, ro, "theta", json_float(c->rope_theta));
+        jset(&b, ro, "scaling", json_null());
+    } else {
+        jset(&b, root, "rope", json_null());
+    }
+
+    json_t *lo = jset(&b, root, "latent", json_object());
+    jset(&b, lo, "dtype", json_string(lr->kv_bits >= 16 ? "f16" : "int"));
+    jset(&b, lo, "bits", json_integer(lr->kv_bits));
+    jset(&b, lo, "quantization", quant_json(&b, lr->kv_bits));
+    jset(&b, lo, "hadamard", json_boolean(lr->hadamard));
+    jset(&b, root, "weights", json_string(KV_LRL_WEIGHTS_NAME));
+    jset(&b, root, "weight_layout", json_string(WEIGHT_LAYOUT));
+
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, lr->kv_bits);
+    json_t *bo = jset(&b, root, "kv_bytes_per_token", json_object());
+    jset(&b, bo, "base", json_integer(base));
+    jset(&b, bo, "compressed", json_integer(comp));
+    jset(&b, bo, "ratio", json_real((double)comp / (double)base));
+
+    /* summed unit by unit over all layers (not side by side), as version 1
+     * manifests have always recorded it */
+    double en[2] = {0, 0}, dr[2] = {0, 0};
+    for (int64_t l = 0; l < lr->n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            const struct kv_lr_side *s = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; u < s->n_units; u++)
+                en[w] += s->units[u].energy, dr[w] += s->units[u].dropped;
+        }
+    json_t *po = jset(&b, root, "predicted_error", json_object());
+    jset(&b, po, "k", json_real(rel_error(dr[0], en[0])));
+    jset(&b, po, "v", json_real(rel_error(dr[1], en[1])));
+
+    json_t *layers = jset(&b, root, "layers", json_array());
+    for (int64_t l = 0; l < lr->n_layers && !b.bad; l++) {
+        json_t *yo = json_object();
+        jset(&b, yo, "index", json_integer(l));
+        jset(&b, yo, "k", side_json(&b, m, lr, l, 0));
+        jset(&b, yo, "v", side_json(&b, m, lr, l, 1));
+        jappend(&b, layers, yo);
+    }
+    if (b.bad) {
+        json_decref(root);
+        return NULL;
+    }
+    return root;
+}
+
+int kv_mf_format(const struct kv_model *m, const struct kv_lowrank *lr, const char *fp,
+                 const struct kv_lr_dir_info *info, const char *tok_name, struct kv_mf_extra *x,
+                 const char *path, char **out, struct kv_err *err) {
+    json_t *root = build_manifest(m, lr, fp, info, x->options, x->stats, tok_name);
+    x->options = x->stats = NULL;
+    if (!root) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
+    json_decref(root);
+    if (!text) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    size_t n = strlen(text);
+    char *t2 = realloc(text, n + 2);
+    if (!t2) {
+        free(text);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    memcpy(t2 + n, "\n", 2);
+    *out = t2;
+    return KV_OK;
+}
+
+/* ================================================================ read */
+
+/* Prefix err's message with ctx ("layer 3 k unit 1"); returns rc. */
+static int in_ctx(int rc, struct kv_err *err, const char *ctx) {
+    size_t a = ctx ? strlen(ctx) : 0, cap = sizeof err->msg;
+    if (rc && a && a + 3 < cap) {
+        size_t n = strlen(err->msg);
+        if (a + 2 + n >= cap) n = cap - 1 - a - 2;
+        memmove(err->msg + a + 2, err->msg, n);
+        memcpy(err->msg, ctx, a);
+        err->msg[a] = ':', err->msg[a + 1] = ' ', err->msg[a + 2 + n] = 0;
+    }
+    return rc;
+}
+
+static int get_obj(const json_t *o, const char *key, const char *path, json_t **out,
+                   struct kv_err *err) {
+    json_t *v = json_object_get(o, key);
+    if (!v) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key '%s'", key);
+    if (!json_is_object(v)) {
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key '%s' must be an object, found %s",
+                       key, found);
+    }
+    *out = v;
+    return KV_OK;
+}
+
+static int get_arr(const json_t *o, const char *key, const char *path, json_t **out,
+                   struct kv_err *err) {
+    json_t *v = json_object_get(o, key);
+    if (!v) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key '%s'", key);
+    if (!json_is_array(v)) {
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key '%s' must be an array, found %s",
+                       key, found);
+    }
+    *out = v;
+    return KV_OK;
+}
+
+/* A tensor name or null: *out is NULL for null. required refuses null. */
+static int get_name(const json_t *o, const char *key, const char *path, int required,
+                    const char **out, struct kv_err *err) {
+    json_t *v = json_object_get(o, key);
+    *out = NULL;
+    if (!v) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key '%s'", key);
+    if (json_is_null(v) && !required) return KV_OK;
+    if (!json_is_string(v) || json_string_length(v) == 0 ||
+        json_string_length(v) > KV_MAX_NAME_LEN) {
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key '%s' must be a tensor name%s, found %s", key,
+                       required ? "" : " or null", found);
+    }
+    *out = json_string_value(v);
+    return KV_OK;
+}
+
+/* A name that must be null for this mode. */
+static int want_null(const json_t *o, const char *key, const char *mode, const char *path,
+                     struct kv_err *err) {
+    json_t *v = json_object_get(o, key);
+    if (v && !json_is_null(v)) {
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key '%s' must be null for mode '%s', found %s", key, mode, found);
+    }
+    return KV_OK;
+}
+
+static int copy_label(const json_t *root, const char *key, const char *path, char *dst,
+                      size_t cap, struct kv_err *err) {
+    const char *s;
+    int rc = kv_json_get_str(root, key, path, 1, &s, err);
+    if (rc) return rc;
+    if (strlen(s) >= cap)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key '%s' is '%.32s', longer than %zu bytes", key, s, cap - 1);
+    memcpy(dst, s, strlen(s) + 1);
+    return KV_OK;
+}
+
+/* "rope": an object for an architecture with rope, null for gpt2. */
+static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
+                      struct kv_err *err) {
+    if (!kv_lrl_has_rope(c->arch)) {
+        json_t *v = json_object_get(root, "rope");
+        if (!v) return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing key 'rope'");
+        if (json_is_null(v)) return KV_OK;
+        char found[64];
+        kv_json_repr(v, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key 'rope' must be null for arch '%s' (no rope), found %s",
+                       kv_arch_name(c->arch), found);
+    }
+    json_t *ro;
+    int rc = get_obj(root, "rope", path, &ro, err);
+    if (rc) return rc;
+    const char *layout;
+    double theta = 0;
+    if ((rc = kv_json_get_str(ro, "layout", path, 1, &layout, err)) ||
+        (rc = kv_json_get_num(ro, "theta", path, 1, 1, &theta, err)))
+        return in_ctx(rc, err, "rope");
+    if (!strcmp(layout, "half"))
+        c->rope_layout = KV_ROPE_HALF;
+    else if (!strcmp(layout, "interleaved"))
+        c->rope_layout = KV_ROPE_INTERLEAVED;
+    else
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rope: layout '%.64s' is not 'half' or 'interleaved'", layout);
+    json_t *sc = json_object_get(ro, "scaling");
+    if (sc && !json_is_null(sc))
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope: scaling is not supported, expected null");
+    c->rope_theta = (float)theta;
+    return KV_OK;
+}
+
+/* "model", "rope", "weights" and "weight_layout" into mf. */
+static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
+                       struct kv_err *err) {
+    json_t *mo;
+    int rc = get_obj(root, "model", path, &mo, err);
+    if (rc) return rc;
+    struct kv_config *c = &mf->cfg;
+    memset(c, 0, sizeof *c);
+    c->arch = KV_ARCH_LLAMA;
+    const char *fp, *arch;
+    if ((rc = kv_json_get_str(mo, "fingerprint", path, 1, &fp, err)))
+        return in_ctx(rc, err, "model");
+    size_t n = strlen(fp);
+    if (n != 64 || strspn(fp, "0123456789abcdef") != 64)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: key 'fingerprint' must be 64 lowercase hex digits, found '%.80s'",
+                       fp);
+    memcpy(mf->fingerprint, fp, 65);
+    if ((rc = kv_json_get_str(mo, "arch", path, 1, &arch, err))) return in_ctx(rc, err, "model");
+    if (!strcmp(arch, kv_arch_name(KV_ARCH_GPT2)))
+        c->arch = KV_ARCH_GPT2;
+    else if (strcmp(arch, kv_arch_name(KV_ARCH_LLAMA)) != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "model: arch '%.64s' is not supported, expected 'llama' or 'gpt2'", arch);
+    double eps = 0;
+    if ((rc = kv_json_get_int(mo, "dim", path, 1, KV_MAX_DIM, 1, &c->dim, err)) ||
+        (rc = kv_json_get_int(mo, "hidden_dim", path, 1, KV_MAX_DIM, 1, &c->hidden_dim, err)) ||
+        (rc = kv_json_get_int(mo, "n_layers", path, 1, KV_MAX_LAYERS, 1, &c->n_layers, err)) ||
+        (rc = kv_json_get_int(mo, "n_heads", path, 1, KV_MAX_DIM, 1, &c->n_heads, err)) ||
+        (rc = kv_json_get_int(mo, "n_kv_heads", path, 1, KV_MAX_DIM, 1, &c->n_kv_heads, err)) ||
+        (rc = kv_json_get_int(mo, "head_dim", path, 1, KV_MAX_DIM, 1, &c->head_dim, err)) ||
+        (rc = kv_json_get_int(mo, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &c->vocab_size, err)) ||
+        (rc = kv_json_get_num(mo, "norm_eps", path, 1, 1, &eps, err)) ||
+        (rc = kv_json_get_bool(mo, "tied_embeddings", path, 1, &c->tied_embeddings, err)) ||
+        (rc = kv_json_get_bool(mo, "qkv_bias", path, 1, &c->has_qkv_bias, err)))
+        return in_ctx(rc, err, "model");
+    c->norm_eps = (float)eps;
+    if (c->n_heads % c->n_kv_heads)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: n_heads %lld is not a multiple of n_kv_heads %lld",
+                       (long long)c->n_heads, (long long)c->n_kv_heads);
+
+    if ((rc = parse_rope(root, path, c, err))) return rc;
+
+    const char *w, *layout = NULL;
+    if ((rc = kv_json_get_str(root, "weights", path, 1, &w, err))) return rc;
+    if (!w[0] || strchr(w, '/') || !strcmp(w, ".") || !strcmp(w, ".."))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key 'weights' must be a file name in the directory, found '%.128s'", w);
+    mf->weights = w;
+    /* optional: the first version-1 manifests had no other layout and no key */
+    if ((rc = kv_json_get_str(root, "weight_layout", path, 0, &layout, err))) return rc;
+    if (layout && strcmp(layout, WEIGHT_LAYOUT) != 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "weight_layout '%.64s' is not supported, expected '" WEIGHT_LAYOUT "'",
+                       layout);
+    return KV_OK;
+}
+
+static int parse_latent(const json_t *root, const char *path, struct kv_lowrank *lr,
+                        struct kv_err *err) {
+    json_t *lo;
+    int rc = get_obj(root, "latent", path, &lo, err);
+    if (rc) return rc;
+    int64_t bits = 0;
+    const char *dtype;
+    if ((rc = kv_json_get_int(lo, "bits", path, 1, 16, 1, &bits, err)) ||
+        (rc = kv_json_get_str(lo, "dtype", path, 1, &dtype, err)) ||
+        (rc = kv_json_get_bool(lo, "hadamard", path, 1, &lr->hadamard, err)))
+        return in_ctx(rc, err, "latent");
+    if (!kv_lr_bits_valid(bits))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "latent: bits %lld is not one of " KV_LR_BITS_LIST, (long long)bits);
+    const char *want = bits == 16 ? "f16" : "int";
+    if (strcmp(dtype, want) != 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "latent: dtype '%.32s' does not match %lld bits, expected '%s'", dtype,
+                       (long long)bits, want);
+    lr->kv_bits = (int)bits;
+    return KV_OK;
+}
+
+static int parse_mode(const char *s, int which, const char *path, const char *ctx,
+                      enum kv_lr_mode *out, struct kv_err *err) {
+    static const enum kv_lr_mode modes[] = {KV_LR_FULL, KV_LR_PREROPE_LATENT, KV_LR_FUSED_QUERY,
+                                            KV_LR_FUSED_OUTPUT, KV_LR_POSTROPE_ROTATION};
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        if (strcmp(s, kv_lr_mode_name(modes[i])) != 0) continue;
+        if (!kv_lrl_mode_allowed(modes[i], which)) break;
+        *out = modes[i];
+        return KV_OK;
+    }
+    return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: mode '%.64s' is not one of %s", ctx,
+                   s,
+                   which ? "full, fused_output"
+                         : "full, prerope_latent, fused_query, postrope_rotation");
+}
+
+/* One unit: heads, rank, latent offset, the name its mode needs (into
+ * *name), energies. */
+static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_mode mode,
+                      int64_t offset, const char *path, const char *ctx, struct kv_lr_unit *x,
+                      const char **name, struct kv_err *err) {
+    if (!json_is_object(uo))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: unit must be an object, found a %s", ctx, kv_json_type_name(uo));
+    json_t *heads;
+    int rc = get_arr(uo, "heads", path, &heads, err);
+    if (rc) return in_ctx(rc, err, ctx);
+    size_t nh = json_array_size(heads);
+    int64_t g = lr->n_kv_heads;
+    for (size_t j = 0; j < nh; j++) {
+        json_t *h = json_array_get(heads, j);
+        json_int_t first = json_integer_value(json_array_get(heads, 0));
+        if (!json_is_integer(h) || json_integer_value(h) < 0 || json_integer_value(h) >= g ||
+            json_integer_value(h) != first + (json_int_t)j) {
+            char found[64];
+            kv_json_repr(heads, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "%s: key 'heads' must list consecutive kv heads in 0..%lld, found %s",
+                           ctx, (long long)(g - 1), found);
+        }
+    }
+    if (nh == 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: key 'heads' is empty", ctx);
+    x->head0 = (int64_t)json_integer_value(json_array_get(heads, 0));
+    x->n_heads = (int64_t)nh;
+    int64_t lat = 0;
+    if ((rc = kv_json_get_int(uo, "rank", path, 1, KV_MAX_DIM, 1, &x->rank, err)) ||
+        (rc = kv_json_get_int(uo, "latent_offset", path, 0, INT64_MAX, 1, &lat, err)) ||
+        (rc = kv_json_get_num(uo, "energy", path, 0, 1, &x->energy, err)) ||
+        (rc = kv_json_get_num(uo, "dropped", path, 0, 1, &x->dropped, err)))
+        return in_ctx(rc, err, ctx);
+    if (x->rank > x->n_heads * lr->head_dim)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: rank %lld is not within 1..%lld",
+                       ctx, (long long)x->rank, (long long)(x->n_heads * lr->head_dim));
+    if (lat != offset)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: latent_offset is %lld, expected %lld (the ranks of the units before)",
+                       ctx, (long long)lat, (long long)offset);
+    const char *mn = kv_lr_mode_name(mode);
+    if (mode == KV_LR_POSTROPE_ROTATION) {
+        if ((rc = get_name(uo, "rot", path, 1, name, err)) ||
+            (rc = want_null(uo, "up", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+    } else {
+        if ((rc = get_name(uo, "up", path, 1, name, err)) ||
+            (rc = want_null(uo, "rot", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+    }
+    return KV_OK;
+}
+
+/* The fused query keys of a key side: q_proj, q_proj_bias (present exactly
+ * when the model has q biases) and q_cols, or all three null for another
+ * mode. */
+static int parse_fused_query(const json_t *so, int64_t l, const struct kv_config *c,
+                             struct kv_lowrank *lr, struct kv_mf_names *nm, const char *path,
+                             const char *ctx, struct kv_err *err) {
+    struct kv_lr_layer *y = &lr->layers[l];
+    const char *mn = kv_lr_mode_name(y->k.mode);
+    int rc;
+    if (y->k.mode != KV_LR_FUSED_QUERY) {
+        if ((rc = want_null(so, "q_proj", mn, path, err)) ||
+            (rc = want_null(so, "q_proj_bias", mn, path, err)) ||
+            (rc = want_null(so, "q_cols", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+        return KV_OK;
+    }
+    if ((rc = kv_lrl_check_fused_query_arch(c->arch, l, KV_EFORMAT, path, err))) return rc;
+    if ((rc = get_name(so, "q_proj", path, 1, &nm->q_proj, err)) ||
+        (rc = get_name(so, "q_proj_bias", path, 0, &nm->q_proj_bias, err)))
+        return in_ctx(rc, err, ctx);
+    if (!nm->q_proj_bias != !c->has_qkv_bias)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'q_proj_bias' is %s, but the model has %s", ctx,
+                       nm->q_proj_bias ? "a tensor name" : "null",
+                       c->has_qkv_bias ? "q biases" : "none");
+    int64_t cols = 0, want = kv_lrl_fused_cols(lr, &y->k);
+    if ((rc = kv_json_get_int(so, "q_cols", path, 1, INT64_MAX, 1, &cols, err)))
+        return in_ctx(rc, err, ctx);
+    if (cols != want)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: q_cols is %lld, expected %lld (each query head's unit rank)", ctx,
+                       (long long)cols, (long long)want);
+    y->q_cols = cols;
+    return KV_OK;
+}
+
+/* Layer l's side `which` into lr, its tensor names into nm. */
+static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_config *c,
+                      struct kv_lowrank *lr, struct kv_mf_names *nm, const char *path,
+                      struct kv_err *err) {
+    char ctx[96];
+    snprintf(ctx, sizeof ctx, "layer %lld %c", (long long)l, kv_lrl_side_char(which));
+    char key[2] = {kv_lrl_side_char(which), 0};
+    json_t *so;
+    int rc = get_obj(yo, key, path, &so, err);
+    if (rc) return in_ctx(rc, err, ctx);
+    struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    const char *ms;
+    if ((rc = kv_json_get_str(so, "mode", path, 1, &ms, err))) return in_ctx(rc, err, ctx);
+    if ((rc = parse_mode(ms, which, path, ctx, &s->mode, err))) return rc;
+    const char *mn = kv_lr_mode_name(s->mode);
+    if (kv_lrl_has_down(s->mode)) {
+        if ((rc = get_name(so, "down", path, 1, &nm->down, err)) ||
+            (rc = get_name(so, "down_bias", path, 0, &nm->down_bias, err)) ||
+            (rc = want_null(so, "proj", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+    } else {
+        if ((rc = get_name(so, "proj", path, 1, &nm->proj, err)) ||
+            (rc = want_null(so, "down", mn, path, err)) ||
+            (rc = want_null(so, "down_bias", mn, path, err)))
+            return in_ctx(rc, err, ctx);
+    }
+    if (which && (rc = get_name(so, "o_proj", path, 1, &nm->o_proj, err)))
+        return in_ctx(rc, err, ctx);
+    json_t *units;
+    if ((rc = get_arr(so, "units", path, &units, err))) return in_ctx(rc, err, ctx);
+    size_t nu = json_array_size(units);
+    if (s->mode == KV_LR_FULL && nu)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: mode 'full' has %zu units, expected none", ctx, nu);
+    if (s->mode != KV_LR_FULL && (nu == 0 || nu > (size_t)lr->n_kv_heads))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: mode '%s' has %zu units, expected 1..%lld", ctx, mn, nu,
+                       (long long)lr->n_kv_heads);
+    if (nu && (!(s->units = calloc(nu, sizeof *s->units)) ||
+               !(nm->unit = calloc(nu, sizeof *nm->unit))))
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    s->n_units = (int64_t)nu;
+    int64_t off = 0;
+    for (size_t u = 0; u < nu; u++) {
+        char uctx[128];
+        snprintf(uctx, sizeof uctx, "%s unit %zu", ctx, u);
+        if ((rc = parse_unit(json_array_get(units, u), lr, s->mode, off, path, uctx,
+                             &s->units[u], &nm->unit[u], err)))
+            return rc;
+        off += s->units[u].rank;
+    }
+    if ((rc = kv_lrl_check_side(lr, l, which, 0, KV_EFORMAT, path, err))) return rc;
+    int64_t rank = 0;
+    if ((rc = kv_json_get_int(so, "rank", path, 0, INT64_MAX, 1, &rank, err)))
+        return in_ctx(rc, err, ctx);
+    if (rank != off)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: rank is %lld but its units' ranks add up to %lld", ctx,
+                       (long long)rank, (long long)off);
+    if (which && s->mode == KV_LR_FUSED_OUTPUT) {
+        int64_t cols = 0, want = kv_lrl_fused_cols(lr, s);
+        if ((rc = kv_json_get_int(so, "o_cols", path, 1, INT64_MAX, 1, &cols, err)))
+            return in_ctx(rc, err, ctx);
+        if (cols != want)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "%s: o_cols is %lld, expected %lld (each query head's unit rank)", ctx,
+                           (long long)cols, (long long)want);
+        lr->layers[l].o_cols = cols;
+    }
+    if (!which) return parse_fused_query(so, l, c, lr, nm, path, ctx, err);
+    return KV_OK;
+}
+
+/* The whole manifest (no tensors): *out gets every shape with NULL
+ * factors, mf the rest (its names pointing into root). */
+static int parse_manifest(const json_t *root, const char *path, struct kv_lowrank **out,
+                          struct kv_mf *mf, struct kv_err *err) {
+    if (!json_is_object(root))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "manifest is a json %s, expected an object", kv_json_type_name(root));
+    const char *fmt;
+    int rc = kv_json_get_str(root, "format", path, 1, &fmt, err);
+    if (rc) return rc;
+    if (strcmp(fmt, MANIFEST_FORMAT) != 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "format '%.64s' is not '" MANIFEST_FORMAT "'", fmt);
+    int64_t version = 0;
+    if ((rc = kv_json_get_int(root, "version", path, 1, INT64_MAX, 1, &version, err))) return rc;
+    if (version != MANIFEST_VERSION)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "manifest version %lld is not supported, expected %d", (long long)version,
+                       MANIFEST_VERSION);
+    if ((rc = parse_model(root, path, mf, err))) return rc;
+
+    struct kv_lowrank *lr = calloc(1, sizeof *lr);
+    if (!lr) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    const struct kv_config *c = &mf->cfg;
+    lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
+    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim;
+    memcpy(lr->model_fingerprint, mf->fingerprint, 65);
+    json_t *layers = NULL;
+    if ((rc = copy_label(root, "method", path, lr->method, sizeof lr->method, err)) ||
+        (rc = copy_label(root, "alloc", path, lr->alloc, sizeof lr->alloc, err)) ||
+        (rc = parse_latent(root, path, lr, err)) ||
+        (rc = get_arr(root, "layers", path, &layers, err)))
+        goto fail;
+    if (json_array_size(layers) != (size_t)lr->n_layers) {
+        rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                     "key 'layers' has %zu entries, expected n_layers %lld",
+                     json_array_size(layers), (long long)lr->n_layers);
+        goto fail;
+    }
+    if (!(lr->layers = calloc((size_t)lr->n_layers, sizeof *lr->layers)) ||
+        !(mf->names = calloc((size_t)lr->n_layers, sizeof *mf->names))) {
+        rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        goto fail;
+    }
+    for (int64_t l = 0; l < lr->n_layers; l++) {
+        json_t *yo = json_array_get(layers, (size_t)l);
+        char ctx[48];
+        snprintf(ctx, sizeof ctx, "layer %lld", (long long)l);
+        int64_t index = -1;
+        if (!json_is_object(yo)) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: must be an object, found a %s",
+                         ctx, kv_json_type_name(yo));
+            goto fail;
+        }
+        if ((rc = in_ctx(kv_json_get_int(yo, "index", path, 0, KV_MAX_LAYERS, 1, &index, err),
+                         err, ctx)))
+            goto fail;
+        if (index != l) {
+            rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: index is %lld, expected %lld",
+                         ctx, (long long)index, (long long)l);
+            goto fail;
+        }
+        if ((rc = parse_side(yo, l, 0, c, lr, &mf->names[l][0], path, err)) ||
+            (rc = parse_side(yo, l, 1, c, lr, &mf->names[l][1], path, err)))
+            goto fail;
+    }
+
+    /* honest compression: the recorded bytes are the ones the ranks give */
+    json_t *bo;
+    int64_t base = 0, comp = 0;
+    double ratio = 0;
+    if ((rc = get_obj(root, "kv_bytes_per_token", path, &bo, err))) goto fail;
+    if ((rc = kv_json_get_int(bo, "base", path, 1, INT64_MAX, 1, &base, err)) ||
+        (rc = kv_json_get_int(bo, "compressed", path, 1, INT64_MAX, 1, &comp, err)) ||
+        (rc = kv_json_get_num(bo, "ratio", path, 1, 1, &ratio, err))) {
+        in_ctx(rc, err, "kv_bytes_per_token");
+        goto fail;
+    }
+    int64_t want_base = kv_lr_base_bytes(c), want_comp = kv_lr_bytes(lr, lr->kv_bits);
+    if (base != want_base || comp != want_comp) {
+        rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                     "kv_bytes_per_token says base %lld, compressed %lld, but the shapes and "
+                     "ranks give base %lld, compressed %lld",
+                     (long long)base, (long long)comp, (long long)want_base,
+                     (long long)want_comp);
+        goto fail;
+    }
+    double want_ratio = (double)want_comp / (double)want_base;
+    if (fabs(ratio - want_ratio) > 1e-9 * want_ratio) {
+        rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                     "kv_bytes_per_token: ratio is %.10g, expected %lld/%lld = %.10g", ratio,
+                     (long long)comp, (long long)base, want_ratio);
+        goto fail;
+    }
+    *out = lr;
+    return KV_OK;
+fail:
+    kv_lr_free(lr);
+    return rc;
+}
+
+void kv_mf_clear(struct kv_mf *mf) {
+    for (int64_t l = 0; mf->names && l < mf->cfg.n_layers; l++)
+        free(mf->names[l][0].unit), free(mf->names[l][1].unit);
+    free(mf->names);
+    json_decref(mf->doc);
+    memset(mf, 0, sizeof *mf);
+}
+
+int kv_mf_parse(const void *buf, size_t len, const char *path, struct kv_lowrank **out,
+                struct kv_mf *mf, struct kv_err *err) {
+    KV_ASSERT((buf || !len) && path && out);
+    struct kv_mf own;
+    if (!mf) mf = &own;
+    memset(mf, 0, sizeof *mf);
+    if (len > KV_MAX_JSON_BYTES)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "file is %llu bytes, above the json limit of %llu",
+                       (unsigned long long)len, (unsigned long long)KV_MAX_JSON_BYTES);
+    int rc = kv_json_parse(buf, len, path, 0, &mf->doc, err);
+    if (!rc) rc = parse_manifest(mf->doc, path, out, mf, err);
+    if (rc || mf == &own) kv_mf_clear(mf);
+    return rc;
+}
+
+int kv_mf_read(const char *path, struct kv_lowrank **out, struct kv_mf *mf, struct kv_err *err) {
+    KV_ASSERT(path && out);
+    struct kv_map map;
+    int rc = kv_map_open(path, &map, err);
+    if (rc) return rc;
+    rc = kv_mf_parse(map.data, (size_t)map.len, path, out, mf, err);
+    kv_map_close(&map);
+    return rc;
+}
+
+/* ================================================================ public */
+
+int kv_lr_manifest_parse(const void *buf, size_t len, const char *path, struct kv_lowrank **out,
+                         struct kv_err *err) {
+    return kv_mf_parse(buf, len, path, out, NULL, err);
+}
+
+int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err *err) {
+    return kv_mf_read(path, out, NULL, err);
+}

@@ -1,0 +1,520 @@
+/* The manifest kvcal.json of compressed-model directories
+ * (formats/kvmanifest.c), with the fixtures of lrfixture.h.
+ *
+ * kvmanifest_write: the manifest of a hand-made kv_lowrank with every mode
+ *   (llama with and without qkv biases, quantized; gpt2 with fused_query
+ *   keys): fields, order, names, byte counts and predicted errors
+ *   recomputed here.
+ * kvmanifest_open: a corruption table over a valid llama or gpt2 directory,
+ *   every row an error of the manifest alone: kv_lr_dir_open names the
+ *   file, the key and the offset when known, kv_lr_manifest_read agrees,
+ *   and kv_lr_manifest_parse on the file's bytes says exactly the same.
+ * kvmanifest_parse: the parser on bytes: a valid manifest, truncations,
+ *   bytes that are not JSON or not an object, NUL bytes, the size limit. */
+#include <sys/mman.h>
+
+#include "lrfixture.h"
+
+#include <criterion/parameterized.h>
+
+/* ------------------------------------------------------------ write */
+
+static void assert_keys(const json_t *o, const char *const *keys, size_t n, const char *what) {
+    size_t i = 0;
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)o, k, v) {
+        cr_assert(i < n, "%s: unexpected key '%s'", what, k);
+        cr_assert_str_eq(k, keys[i], "%s: key %zu", what, i);
+        i++;
+    }
+    cr_assert_eq(i, n, "%s: %zu keys, want %zu", what, i, n);
+}
+
+
+/* KV bytes/token recomputed from the description of kv_lr_bytes. */
+static int64_t unit_bytes(int64_t rank, int bits) {
+    return bits >= 16 ? 2 * rank : (rank * bits + 7) / 8 + 2 + 2;
+}
+
+static void check_manifest(struct kv_config cfg, int bits) {
+    struct kv_model *m = model_of(cfg, 3);
+    const struct kv_config *c = kv_model_config(m);
+    int bias = c->has_qkv_bias, gpt2 = c->arch == KV_ARCH_GPT2;
+    struct kv_lowrank *lr = make_lr(m, bits, bits < 16, 21);
+    char *parent, *dir = out_dir(&parent);
+    write_dir(m, lr, dir);
+    json_t *root = load_manifest(dir);
+
+    static const char *const top[] = {
+        "format", "version", "kvcal_version", "method", "alloc", "options", "model", "stats",
+        "rope", "latent", "weights", "weight_layout", "kv_bytes_per_token", "predicted_error",
+        "layers"};
+    assert_keys(root, top, sizeof top / sizeof top[0], "manifest");
+    cr_assert_str_eq(jstr(root, "format"), "kvcal.manifest");
+    cr_assert_eq(jint(root, "version"), 1);
+    cr_assert_str_eq(jstr(root, "method"), "palu");
+    cr_assert_str_eq(jstr(root, "alloc"), "uniform");
+    cr_assert_str_eq(jstr(root, "weights"), "model.safetensors");
+    cr_assert_str_eq(jstr(root, "weight_layout"), "linear [out, in]");
+    json_t *opt = json_loads(OPTIONS, 0, NULL), *st = json_loads(STATS, 0, NULL);
+    cr_assert(json_equal(json_object_get(root, "options"), opt), "options not copied verbatim");
+    cr_assert(json_equal(json_object_get(root, "stats"), st), "stats not copied verbatim");
+    json_decref(opt), json_decref(st);
+
+    json_t *mo = json_object_get(root, "model");
+    static const char *const mkeys[] = {"fingerprint", "source", "format", "arch", "dim",
+                                        "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
+                                        "head_dim", "vocab_size", "norm_eps", "tied_embeddings",
+                                        "qkv_bias"};
+    size_t i = 0;
+    const char *k;
+    json_t *v;
+    json_object_foreach(mo, k, v) {
+        if (i < sizeof mkeys / sizeof mkeys[0]) cr_assert_str_eq(k, mkeys[i], "model key %zu", i);
+        i++;
+    }
+    cr_assert_str_eq(jstr(mo, "fingerprint"), lr->model_fingerprint);
+    cr_assert_str_eq(jstr(mo, "source"), "models/base");
+    cr_assert_str_eq(jstr(mo, "format"), "synthetic");
+    cr_assert_str_eq(jstr(mo, "arch"), gpt2 ? "gpt2" : "llama");
+    cr_assert_eq(jint(mo, "dim"), c->dim);
+    cr_assert_eq(jint(mo, "n_kv_heads"), c->n_kv_heads);
+    cr_assert_eq(jint(mo, "head_dim"), c->head_dim);
+    cr_assert_eq((float)jnum(mo, "norm_eps"), c->norm_eps);
+    cr_assert_eq(json_is_true(json_object_get(mo, "qkv_bias")), bias);
+    cr_assert_eq(json_is_true(json_object_get(mo, "tied_embeddings")), c->tied_embeddings);
+
+    json_t *ro = json_object_get(root, "rope");
+    if (gpt2) {
+        cr_assert(json_is_null(ro), "gpt2 has no rope: 'rope' must be null");
+    } else {
+        cr_assert_str_eq(jstr(ro, "layout"), "half");
+        cr_assert_str_eq(jstr(ro, "pairs"), "(i, i + d_h/2)");
+        cr_assert_eq(jnum(ro, "theta"), 10000.0);
+        cr_assert(json_is_null(json_object_get(ro, "scaling")));
+    }
+
+    json_t *lo = json_object_get(root, "latent");
+    cr_assert_eq(jint(lo, "bits"), bits);
+    cr_assert_str_eq(jstr(lo, "dtype"), bits == 16 ? "f16" : "int");
+    json_t *q = json_object_get(lo, "quantization");
+    if (bits == 16) {
+        cr_assert(json_is_null(q));
+    } else {
+        cr_assert_str_eq(jstr(q, "scheme"), "per-token asymmetric");
+        cr_assert_str_eq(jstr(q, "group"), "unit");
+        cr_assert_str_eq(jstr(q, "dequant"), "z = q * scale + zero");
+    }
+    cr_assert_eq(json_is_true(json_object_get(lo, "hadamard")), bits < 16);
+
+    /* bytes and errors, recomputed */
+    int64_t base = c->n_layers * 2 * c->n_kv_heads * c->head_dim * 2, comp = 0;
+    double en[2] = {0, 0}, dr[2] = {0, 0};
+    json_t *layers = json_object_get(root, "layers");
+    cr_assert_eq((int64_t)json_array_size(layers), c->n_layers);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        json_t *yo = json_array_get(layers, (size_t)l);
+        cr_assert_eq(jint(yo, "index"), l);
+        for (int s = 0; s < 2; s++) {
+            const struct kv_lr_side *sd = s ? &lr->layers[l].v : &lr->layers[l].k;
+            json_t *so = json_object_get(yo, s ? "v" : "k");
+            char attn[96], pre[100];
+            snprintf(attn, sizeof attn, gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
+                     (long long)l);
+            snprintf(pre, sizeof pre, "%s%c", attn, "kv"[s]);
+            char nm[160];
+            cr_assert_str_eq(jstr(so, "mode"), kv_lr_mode_name(sd->mode));
+            cr_assert_eq(jint(so, "rank"), side_rank(sd));
+            int latent = sd->mode == KV_LR_PREROPE_LATENT || sd->mode == KV_LR_FUSED_QUERY ||
+                         sd->mode == KV_LR_FUSED_OUTPUT;
+            snprintf(nm, sizeof nm, "%s_down.weight", pre);
+            if (latent)
+                cr_assert_str_eq(jstr(so, "down"), nm);
+            else
+                cr_assert(json_is_null(json_object_get(so, "down")));
+            snprintf(nm, sizeof nm, "%s_down.bias", pre);
+            if (latent && sd->units[0].down_bias)
+                cr_assert_str_eq(jstr(so, "down_bias"), nm);
+            else
+                cr_assert(json_is_null(json_object_get(so, "down_bias")));
+            snprintf(nm, sizeof nm, "%s_proj.weight", pre);
+            if (!latent)
+                cr_assert_str_eq(jstr(so, "proj"), nm);
+            else
+                cr_assert(json_is_null(json_object_get(so, "proj")));
+            if (s) {
+                snprintf(nm, sizeof nm, "%so_proj.weight", attn);
+                cr_assert_str_eq(jstr(so, "o_proj"), nm);
+                if (sd->mode == KV_LR_FUSED_OUTPUT)
+                    cr_assert_eq(jint(so, "o_cols"), o_cols_of(sd, c));
+                else
+                    cr_assert_null(json_object_get(so, "o_cols"));
+            } else if (sd->mode == KV_LR_FUSED_QUERY) {
+                /* the query heads' unit ranks, as for o_cols */
+                cr_assert_eq(jint(so, "q_cols"), o_cols_of(sd, c));
+                snprintf(nm, sizeof nm, "%sq_fused.weight", attn);
+                cr_assert_str_eq(jstr(so, "q_proj"), nm);
+                snprintf(nm, sizeof nm, "%sq_fused.bias", attn);
+                cr_assert_str_eq(jstr(so, "q_proj_bias"), nm);
+            } else {
+                cr_assert(!json_object_get(so, "q_proj") && !json_object_get(so, "q_proj_bias") &&
+                          !json_object_get(so, "q_cols"));
+            }
+            json_t *units = json_object_get(so, "units");
+            cr_assert_eq((int64_t)json_array_size(units), sd->n_units);
+            double se = 0, sdr = 0;
+            int64_t off = 0;
+            if (sd->mode == KV_LR_FULL) comp += c->n_kv_heads * c->head_dim * 2;
+            for (int64_t u = 0; u < sd->n_units; u++) {
+                const struct kv_lr_unit *x = &sd->units[u];
+                json_t *uo = json_array_get(units, (size_t)u), *hs = json_object_get(uo, "heads");
+                cr_assert_eq((int64_t)json_array_size(hs), x->n_heads);
+                for (int64_t j = 0; j < x->n_heads; j++)
+                    cr_assert_eq(json_integer_value(json_array_get(hs, (size_t)j)), x->head0 + j);
+                cr_assert_eq(jint(uo, "rank"), x->rank);
+                cr_assert_eq(jint(uo, "latent_offset"), off);
+                snprintf(nm, sizeof nm, "%s_up.%lld.weight", pre, (long long)u);
+                if (latent) cr_assert_str_eq(jstr(uo, "up"), nm);
+                snprintf(nm, sizeof nm, "%s_rot.%lld.weight", pre, (long long)u);
+                if (sd->mode == KV_LR_POSTROPE_ROTATION)
+                    cr_assert_str_eq(jstr(uo, "rot"), nm);
+                else
+                    cr_assert(json_is_null(json_object_get(uo, "rot")));
+                cr_assert_eq(jnum(uo, "energy"), x->energy);
+                cr_assert_eq(jnum(uo, "dropped"), x->dropped);
+                kvt_assert_close_f64((double[]){jnum(uo, "predicted_error")},
+                                     (double[]){x->dropped / x->energy}, 1, 0, 1e-15,
+                                     "unit predicted_error");
+                off += x->rank;
+                se += x->energy, sdr += x->dropped;
+                comp += unit_bytes(x->rank, bits);
+            }
+            kvt_assert_close_f64((double[]){jnum(so, "predicted_error")},
+                                 (double[]){se > 0 ? sdr / se : 0}, 1, 0, 1e-15,
+                                 "side predicted_error");
+            en[s] += se, dr[s] += sdr;
+        }
+    }
+    json_t *bo = json_object_get(root, "kv_bytes_per_token");
+    cr_assert_eq(jint(bo, "base"), base);
+    cr_assert_eq(jint(bo, "compressed"), comp);
+    cr_assert(comp < base, "the example compresses");
+    kvt_assert_close_f64((double[]){jnum(bo, "ratio")}, (double[]){(double)comp / (double)base},
+                         1, 0, 1e-15, "ratio");
+    json_t *po = json_object_get(root, "predicted_error");
+    kvt_assert_close_f64((double[]){jnum(po, "k"), jnum(po, "v")},
+                         (double[]){dr[0] / en[0], dr[1] / en[1]}, 2, 0, 1e-15,
+                         "predicted_error");
+    json_decref(root);
+    kv_lr_free(lr);
+    kv_model_close(m);
+    rm_tree(parent);
+    free(dir), free(parent);
+}
+
+Test(kvmanifest_write, manifest_fields_f16) { check_manifest(small_cfg(0), 16); }
+Test(kvmanifest_write, manifest_fields_quantized) { check_manifest(small_cfg(1), 3); }
+Test(kvmanifest_write, manifest_fields_gpt2) { check_manifest(gpt2_cfg(), 16); }
+
+/* ------------------------------------------------------------ corruption */
+
+static void j_format(json_t *r) { set(r, "format", json_string("kvcal.other")); }
+static void j_bytes(json_t *r) { bump(json_object_get(r, "kv_bytes_per_token"), "compressed", -2); }
+static void j_overlap(json_t *r) {
+    /* layer 0 k: units {0,1} and {2,3} become {0,1} and {1,2,3} */
+    set(unit_json(r, 0, "k", 1), "heads", json_pack("[i,i,i]", 1, 2, 3));
+}
+static void j_gap(json_t *r) {
+    set(unit_json(r, 0, "k", 1), "heads", json_pack("[i]", 3));
+}
+static void j_heads_order(json_t *r) {
+    set(unit_json(r, 1, "k", 2), "heads", json_pack("[i,i]", 3, 2));
+}
+static void j_rank_range(json_t *r) {
+    set(unit_json(r, 1, "k", 0), "rank", json_integer(5)); /* d_h is 4 */
+}
+static void j_side_rank(json_t *r) {
+    set(side_json(r, 0, "k"), "rank", json_integer(9));
+}
+static void j_offset(json_t *r) {
+    set(unit_json(r, 0, "v", 2), "latent_offset", json_integer(4));
+}
+static void j_o_cols(json_t *r) { bump(side_json(r, 2, "v"), "o_cols", 1); }
+static void j_mode(json_t *r) { set(side_json(r, 1, "v"), "mode", json_string("prerope_latent")); }
+static void j_fused_query(json_t *r) {
+    set(side_json(r, 0, "k"), "mode", json_string("fused_query"));
+}
+static void j_arch(json_t *r) { set(json_object_get(r, "model"), "arch", json_string("mamba")); }
+static void j_rope_null(json_t *r) { set(r, "rope", json_null()); }
+static void j_rope_object(json_t *r) {
+    set(r, "rope", json_pack("{s:s, s:f}", "layout", "half", "theta", 10000.0));
+}
+static void j_layout(json_t *r) { set(r, "weight_layout", json_string("linear [in, out]")); }
+static void j_q_cols(json_t *r) { bump(side_json(r, 0, "k"), "q_cols", 1); }
+static void j_q_cols_missing(json_t *r) {
+    cr_assert_eq(json_object_del(side_json(r, 2, "k"), "q_cols"), 0);
+}
+static void j_q_proj_null(json_t *r) { set(side_json(r, 2, "k"), "q_proj", json_null()); }
+static void j_q_bias_null(json_t *r) { set(side_json(r, 0, "k"), "q_proj_bias", json_null()); }
+static void j_q_proj_stray(json_t *r) {
+    set(side_json(r, 1, "k"), "q_proj", json_string("transformer.h.1.attn.q_proj.weight"));
+}
+static void j_weights_path(json_t *r) { set(r, "weights", json_string("../w.safetensors")); }
+static void j_energy(json_t *r) { set(unit_json(r, 0, "k", 0), "energy", json_string("lots")); }
+static void j_layers(json_t *r) {
+    cr_assert_eq(json_array_remove(json_object_get(r, "layers"), 2), 0);
+}
+
+static const struct row rows[] = {
+    {"missing manifest", NULL, 1, NULL,
+     {KV_EIO, 0, KV_NO_OFFSET, 0, "cannot open"}, 0},
+    {"bad json", NULL, 2, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 1, "invalid json"}, 0},
+    {"wrong format", j_format, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "format 'kvcal.other'"}, 0},
+    {"newer version", j_version, 0, NULL,
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0, "version 2"}, 0},
+    {"wrong kv bytes", j_bytes, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv_bytes_per_token"}, 0},
+    {"heads overlap", j_overlap, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 1: kv heads 1..3 overlap"}, 0},
+    {"heads gap", j_gap, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "kv head 2 is in no unit"}, 0},
+    {"heads out of order", j_heads_order, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "consecutive kv heads"}, 0},
+    {"rank above d_h", j_rank_range, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank 5 is not within 1..4"}, 0},
+    {"side rank", j_side_rank, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "rank is 9 but its units"}, 0},
+    {"latent offset", j_offset, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "latent_offset is 4, expected 5"}, 0},
+    {"o_cols", j_o_cols, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "o_cols"}, 0},
+    {"mode for values", j_mode, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "mode 'prerope_latent' is not one of"}, 0},
+    {"fused_query on llama", j_fused_query, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: mode 'fused_query' needs a model without rope, found arch 'llama'"}, 0},
+    {"unknown arch", j_arch, 0, NULL,
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
+      "model: arch 'mamba' is not supported, expected 'llama' or 'gpt2'"}, 0},
+    {"llama rope null", j_rope_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be an object, found null"}, 0},
+    {"weight layout", j_layout, 0, NULL,
+     {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
+      "weight_layout 'linear [in, out]' is not supported, expected 'linear [out, in]'"}, 0},
+    {"gpt2 rope object", j_rope_object, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be null for arch 'gpt2' (no rope)"}, 1},
+    {"q_cols", j_q_cols, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: q_cols is 41, expected 40 (each query head's unit rank)"}, 1},
+    {"q_cols missing", j_q_cols_missing, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 2 k: missing key 'q_cols'"}, 1},
+    {"q_proj null", j_q_proj_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 2 k: key 'q_proj' must be a tensor name, found null"},
+     1},
+    {"q_proj_bias null", j_q_bias_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k: key 'q_proj_bias' is null, but the model has q biases"}, 1},
+    {"q_proj on another mode", j_q_proj_stray, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 1 k: key 'q_proj' must be null for mode "
+                                      "'prerope_latent'"}, 1},
+    {"weights outside", j_weights_path, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'weights'"}, 0},
+    {"energy type", j_energy, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 0: key 'energy'"}, 0},
+    {"layer count", j_layers, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "2 entries, expected n_layers 3"}, 0},
+};
+#define N_ROWS (sizeof rows / sizeof rows[0])
+
+/* The parser on the corrupted manifest's bytes says what the file reader
+ * says: code, file, offset and message. */
+static void parse_agrees(const struct fx *f, const struct row *r, const struct want_err *w) {
+    if (r->kind == 1) return; /* no manifest */
+    size_t n = 0;
+    char *b = kvt_read_file(f->mpath, &n);
+    cr_assert_not_null(b, "%s", r->name);
+    struct kv_lowrank *lr = NULL;
+    struct kv_err e1, e2;
+    kv_err_clear(&e1);
+    kv_err_clear(&e2);
+    cr_assert_eq(kv_lr_manifest_read(f->mpath, &lr, &e1), w->code, "%s", r->name);
+    cr_assert_eq(kv_lr_manifest_parse(b, n, f->mpath, &lr, &e2), w->code, "%s: %s", r->name,
+                 fmt_err(&e2));
+    cr_assert_null(lr, "%s", r->name);
+    cr_assert_str_eq(e2.path, f->mpath, "%s", r->name);
+    cr_assert_eq(e2.off, e1.off, "%s: offset %llu, the reader's %llu", r->name,
+                 (unsigned long long)e2.off, (unsigned long long)e1.off);
+    cr_assert_str_eq(e2.msg, e1.msg, "%s", r->name);
+    cr_assert(strstr(e2.msg, w->needle), "%s: message '%s' lacks '%s'", r->name, e2.msg,
+              w->needle);
+    free(b);
+}
+
+ParameterizedTestParameters(kvmanifest_open, rejects_corruption) {
+    static int idx[N_ROWS];
+    for (size_t i = 0; i < N_ROWS; i++) idx[i] = (int)i;
+    return cr_make_param_array(int, idx, N_ROWS);
+}
+
+ParameterizedTest(int *ip, kvmanifest_open, rejects_corruption) {
+    check_corruption(&rows[*ip], parse_agrees);
+}
+
+/* ------------------------------------------------------------ parse */
+
+/* What the parser's messages call the bytes: any name, no file behind it. */
+#define MF_PATH "in-memory/kvcal.json"
+
+/* kv_lr_manifest_parse on n bytes of buf; lr is set exactly on success. */
+static int parse(const void *buf, size_t n, struct kv_err *err) {
+    struct kv_lowrank *lr = NULL;
+    kv_err_clear(err);
+    int rc = kv_lr_manifest_parse(buf, n, MF_PATH, &lr, err);
+    cr_assert_eq(rc == KV_OK, lr != NULL, "status %d with lr %p", rc, (void *)lr);
+    kv_lr_free(lr);
+    return rc;
+}
+
+/* rc and e are KV_EFORMAT naming MF_PATH at off with message msg. */
+static void assert_refused(int rc, const struct kv_err *e, uint64_t off, const char *msg,
+                           const char *what) {
+    cr_assert_eq(rc, KV_EFORMAT, "%s: status %d (%s)", what, rc, fmt_err(e));
+    cr_assert_str_eq(e->path, MF_PATH, "%s", what);
+    cr_assert_eq(e->off, off, "%s: offset %llu, want %llu", what, (unsigned long long)e->off,
+                 (unsigned long long)off);
+    cr_assert_str_eq(e->msg, msg, "%s", what);
+}
+
+/* The bytes of the manifest of a fresh llama (or gpt2) directory. */
+static char *manifest_bytes(struct fx *f, int gpt2, size_t *n) {
+    fx_init_arch(f, gpt2);
+    char *b = kvt_read_file(f->mpath, n);
+    cr_assert_not_null(b);
+    cr_assert_gt(*n, 2);
+    cr_assert_eq(memcmp(b + *n - 2, "}\n", 2), 0, "a manifest ends with '}' and a newline");
+    return b;
+}
+
+Test(kvmanifest_parse, reads_the_bytes_of_a_valid_manifest) {
+    for (int gpt2 = 0; gpt2 < 2; gpt2++) {
+        struct fx f;
+        size_t n = 0;
+        char *text = manifest_bytes(&f, gpt2, &n);
+        /* exactly n bytes, with nothing after them: the parser needs no NUL */
+        char *b = malloc(n);
+        memcpy(b, text, n);
+        struct kv_lowrank *lr = NULL, *from_file = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_lr_manifest_parse(b, n, MF_PATH, &lr, &err), KV_OK, "%s", fmt_err(&err));
+        assert_lr_eq(f.lr, lr, 0);
+        cr_assert_eq(kv_lr_manifest_read(f.mpath, &from_file, &err), KV_OK, "%s",
+                     fmt_err(&err));
+        assert_lr_eq(from_file, lr, 0);
+        kv_lr_free(lr);
+        /* nor the final newline */
+        lr = NULL;
+        cr_assert_eq(kv_lr_manifest_parse(b, n - 1, MF_PATH, &lr, &err), KV_OK, "%s",
+                     fmt_err(&err));
+        assert_lr_eq(f.lr, lr, 0);
+        kv_lr_free(lr);
+        kv_lr_free(from_file);
+        free(b), free(text);
+        fx_free(&f);
+    }
+}
+
+Test(kvmanifest_parse, refuses_a_truncated_manifest) {
+    struct fx f;
+    size_t n = 0;
+    char *b = manifest_bytes(&f, 0, &n);
+    struct kv_err err;
+    assert_refused(parse(b, 0, &err), &err, 0,
+                   "invalid json: '[' or '{' expected near end of file", "empty");
+    assert_refused(parse(b, 1, &err), &err, 1,
+                   "invalid json: string or '}' expected near end of file", "'{' alone");
+    assert_refused(parse(b, n - 2, &err), &err, n - 2,
+                   "invalid json: '}' expected near end of file", "without the last '}'");
+    /* every other length: invalid json where the bytes stop */
+    for (size_t cut = 2; cut < n - 2; cut++) {
+        int rc = parse(b, cut, &err);
+        cr_assert_eq(rc, KV_EFORMAT, "cut at %zu: status %d (%s)", cut, rc, fmt_err(&err));
+        cr_assert_str_eq(err.path, MF_PATH, "cut at %zu", cut);
+        cr_assert_eq(err.off, cut, "cut at %zu: offset %llu", cut, (unsigned long long)err.off);
+        cr_assert(!strncmp(err.msg, "invalid json: ", 14), "cut at %zu: %s", cut, err.msg);
+    }
+    free(b);
+    fx_free(&f);
+}
+
+Test(kvmanifest_parse, refuses_bytes_that_are_not_a_json_object) {
+    static const struct {
+        const char *bytes;
+        uint64_t off;
+        const char *msg;
+    } cases[] = {
+        {"hello", 5, "invalid json: '[' or '{' expected near 'hello'"},
+        {"42", 2, "invalid json: '[' or '{' expected near '42'"},
+        {"\"kvcal.manifest\"", 16, "invalid json: '[' or '{' expected near '\"kvcal.manifest\"'"},
+        {"{\"format\": \"kvcal.manifest\", \"version\": 1, \"format\": 2}", 51,
+         "invalid json: duplicate object key near '\"format\"'"},
+        {"[1, 2]", KV_NO_OFFSET, "manifest is a json array, expected an object"},
+        {"{}", KV_NO_OFFSET, "missing key 'format'"},
+        {"{\"format\": \"kvcal.manifest\", \"version\": 1}", KV_NO_OFFSET, "missing key 'model'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct kv_err err;
+        int rc = parse(cases[i].bytes, strlen(cases[i].bytes), &err);
+        assert_refused(rc, &err, cases[i].off, cases[i].msg, cases[i].bytes);
+    }
+}
+
+Test(kvmanifest_parse, refuses_a_nul_byte) {
+    /* in a string, the offset is the NUL's; elsewhere jansson reads it as
+     * the end of the input */
+    static const char in_string[] = "{\"format\": \"kvcal.man\0ifest\", \"version\": 1}";
+    static const char between[] = "{\"format\": \"kvcal.manifest\",\0 \"version\": 1}";
+    static const char after[] = "{\"format\": \"kvcal.manifest\", \"version\": 1}\0";
+    static const char escaped[] = "{\"format\": \"kvcal\\u0000manifest\"}";
+    struct kv_err err;
+    assert_refused(parse(in_string, sizeof in_string - 1, &err), &err, 21,
+                   "invalid json: control character 0x0 near '\"kvcal.man'", "in a string");
+    assert_refused(parse(between, sizeof between - 1, &err), &err, 29,
+                   "invalid json: string or '}' expected near end of file", "between members");
+    assert_refused(parse(after, sizeof after - 1, &err), &err, 43,
+                   "invalid json: end of file expected near end of file", "after the object");
+    assert_refused(parse(escaped, sizeof escaped - 1, &err), &err, 32,
+                   "invalid json: \\u0000 is not allowed without json_allow_nul", "escaped");
+
+    /* a NUL in a real manifest: in the method's string, and after it all */
+    struct fx f;
+    size_t n = 0;
+    char *b = manifest_bytes(&f, 1, &n);
+    char *p = strstr(b, "\"palu\"");
+    cr_assert_not_null(p);
+    p[3] = 0;
+    assert_refused(parse(b, n, &err), &err, (uint64_t)(p - b) + 3, /* the NUL's offset */
+                   "invalid json: control character 0x0 near '\"pa'", "in the method");
+    p[3] = 'l';
+    char *longer = malloc(n + 1);
+    memcpy(longer, b, n);
+    longer[n] = 0;
+    assert_refused(parse(longer, n + 1, &err), &err, n + 1,
+                   "invalid json: end of file expected near end of file", "after the manifest");
+    free(longer), free(b);
+    fx_free(&f);
+}
+
+Test(kvmanifest_parse, refuses_more_than_the_json_limit) {
+    /* untouched anonymous pages: the size is refused before any byte is read */
+    size_t n = (256u << 20) + 1;
+    void *big = mmap(NULL, n, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(big, MAP_FAILED);
+    struct kv_err err;
+    assert_refused(parse(big, n, &err), &err, KV_NO_OFFSET,
+                   "file is 268435457 bytes, above the json limit of 268435456", "too large");
+    munmap(big, n);
+}
