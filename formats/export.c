@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "arch.h"
 #include "err.h"
 #include "hfdir.h"
 #include "json.h"
@@ -248,27 +249,18 @@ static int64_t stored_at(const struct target *t, int64_t e) {
     return t->base + (e / t->cols) * t->os + (e % t->cols) * t->is;
 }
 
-/* Stored name of a K/V weight in the source's format (gpt2: the c_attn
- * holding it, under its full name; the loader also takes it without the
- * "transformer." prefix). */
+/* Stored name of a K/V weight in the source's format, from the
+ * architecture table (gpt2: the c_attn holding it, under its full name; the
+ * loader also takes it without the "transformer." prefix). */
 static void stored_name(enum kv_format f, enum kv_arch arch, int64_t l, enum kv_wkind k,
                         char *buf, size_t cap) {
-    const char *s = side_name(k);
-    int bias = k == KV_W_BK || k == KV_W_BV;
-    switch (f) {
-    case KV_FORMAT_HF:
-        if (arch == KV_ARCH_GPT2)
-            snprintf(buf, cap, "%s%lld.attn.c_attn.%s", kv_hf_layer_prefix(arch), (long long)l,
-                     bias ? "bias" : "weight");
-        else
-            snprintf(buf, cap, "%s%lld.self_attn.%s_proj.%s", kv_hf_layer_prefix(arch),
-                     (long long)l, s, bias ? "bias" : "weight");
-        break;
-    case KV_FORMAT_GGUF:
-        snprintf(buf, cap, "blk.%lld.attn_%s.%s", (long long)l, s, bias ? "bias" : "weight");
-        break;
-    default: snprintf(buf, cap, "layers.%lld.w%s", (long long)l, s); break;
-    }
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    const struct kv_arch_names *nm = f == KV_FORMAT_HF ? &a->hf : &a->gguf;
+    const struct kv_arch_tensor *e = f == KV_FORMAT_LLAMA2C ? NULL : kv_arch_find(nm, k, NULL);
+    if (e)
+        snprintf(buf, cap, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
+    else /* llama2.c stores the weights by position; its names are kvcal's own */
+        snprintf(buf, cap, "layers.%lld.w%s", (long long)l, side_name(k));
 }
 
 /* Number of tensors to overwrite: the weight of each compressed side, and
@@ -436,7 +428,7 @@ static int targets_from_shards(struct job *j, const char *dir, struct kv_err *er
                 if (b && !j->m->layers[l].w[kinds[1]]) continue;
                 stored_name(KV_FORMAT_HF, j->m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
-                const char *alt = kv_hf_alt_name(j->m->cfg.arch, name);
+                const char *alt = kv_arch_unprefixed(&kv_arch_desc(j->m->cfg.arch)->hf, name);
                 int s = 0;
                 for (; s < n_shards && !t; s++) {
                     t = kv_st_find(st[s], name);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
 #include "limits.h"
 #include "model.h"
@@ -156,37 +157,28 @@ static int arch_dim(const struct kv_gguf_file *f, const char *suffix, int64_t ma
     return KV_OK;
 }
 
-static const struct {
-    const char *suffix;
-    enum kv_wkind kind;
-} layer_names[] = {
-    {"attn_norm.weight", KV_W_ATTN_NORM}, {"attn_q.weight", KV_W_Q},
-    {"attn_k.weight", KV_W_K},            {"attn_v.weight", KV_W_V},
-    {"attn_output.weight", KV_W_O},       {"attn_q.bias", KV_W_BQ},
-    {"attn_k.bias", KV_W_BK},             {"attn_v.bias", KV_W_BV},
-    {"ffn_norm.weight", KV_W_FFN_NORM},   {"ffn_gate.weight", KV_W_GATE},
-    {"ffn_down.weight", KV_W_DOWN},       {"ffn_up.weight", KV_W_UP},
-};
-
-/* Map a GGUF llama tensor name to a weight kind and layer; 0 if unknown. */
-static int name_kind(const char *name, enum kv_wkind *kind, int64_t *layer) {
+/* Map a GGUF tensor name of the names table nm (lib/arch.h: "token_embd.weight",
+ * "blk.N.attn_q.weight", ...) to a weight kind and layer (-1 for a global);
+ * 0 if unknown. */
+static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_wkind *kind,
+                     int64_t *layer) {
     *layer = -1;
-    if (!strcmp(name, "token_embd.weight")) return *kind = KV_W_TOK_EMB, 1;
-    if (!strcmp(name, "output_norm.weight")) return *kind = KV_W_OUT_NORM, 1;
-    if (!strcmp(name, "output.weight")) return *kind = KV_W_LM_HEAD, 1;
-    if (strncmp(name, "blk.", 4) != 0) return 0;
-    const char *p = name + 4;
+    for (int64_t i = 0; i < nm->n_globals; i++)
+        if (!strcmp(name, nm->globals[i].name)) return *kind = nm->globals[i].kinds[0], 1;
+    size_t np = strlen(nm->layer_prefix);
+    if (strncmp(name, nm->layer_prefix, np) != 0) return 0;
+    const char *p = name + np;
     int64_t l = 0;
     int digits = 0;
     while (*p >= '0' && *p <= '9' && digits < 9) {
         l = l * 10 + (*p++ - '0');
         digits++;
     }
-    if (!digits || *p != '.' || (digits > 1 && name[4] == '0')) return 0;
+    if (!digits || *p != '.' || (digits > 1 && name[np] == '0')) return 0;
     p++;
-    for (size_t i = 0; i < sizeof layer_names / sizeof layer_names[0]; i++)
-        if (!strcmp(p, layer_names[i].suffix)) {
-            *kind = layer_names[i].kind;
+    for (int64_t i = 0; i < nm->n_layer; i++)
+        if (!strcmp(p, nm->layer[i].name)) {
+            *kind = nm->layer[i].kinds[0];
             *layer = l;
             return 1;
         }
@@ -308,7 +300,7 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
                            kv_ggml_type_name(gt));
         enum kv_wkind kind;
         int64_t layer;
-        if (!name_kind(ti->t.name, &kind, &layer)) {
+        if (!name_kind(&kv_arch_desc(cfg->arch)->gguf, ti->t.name, &kind, &layer)) {
             if (!strcmp(ti->t.name, "rope_freqs.weight"))
                 return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->info_off,
                                "tensor 'rope_freqs.weight' (rope frequency scaling) is not "
@@ -350,10 +342,11 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
     rc = kv_model_add_tensors(m, table, f->n_tensors, err);
     free(table);
     if (rc) goto fail;
+    const struct kv_arch_names *nm = &kv_arch_desc(m->cfg.arch)->gguf;
     for (int64_t i = 0; i < f->n_tensors; i++) {
         enum kv_wkind kind;
         int64_t layer;
-        KV_ASSERT(name_kind(f->tensors[i].t.name, &kind, &layer)); /* by check_tensors */
+        KV_ASSERT(name_kind(nm, f->tensors[i].t.name, &kind, &layer)); /* by check_tensors */
         if ((rc = kv_model_bind(m, kind, layer, &f->tensors[i].t, path, err))) goto fail;
     }
     const struct kv_gguf_kv *tm = kv_gguf_find(f, "tokenizer.ggml.model");

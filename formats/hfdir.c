@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
 #include "json.h"
 #include "limits.h"
@@ -119,7 +120,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
     if (strcmp(s, "llama") != 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model_type '%.64s' is not supported, expected 'llama' or 'gpt2'", s);
+                       "model_type '%.64s' is not supported, expected %s", s, kv_arch_list());
     s = "silu";
     if ((rc = kv_json_get_str(root, "hidden_act", path, 0, &s, err))) return rc;
     if (strcmp(s, "silu") != 0)
@@ -368,128 +369,10 @@ static void weights_free(struct hf_weights *w) {
     free(w->refs);
 }
 
-#define ONE(k) {k}, 1
-
-static const struct kv_hf_name llama_globals[] = {
-    {"model.embed_tokens.weight", ONE(KV_W_TOK_EMB), 0},
-    {"model.norm.weight", ONE(KV_W_OUT_NORM), 0},
-    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
-};
-
-static const struct kv_hf_name layer_names[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
-    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
-    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
-    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
-};
-
-#define GPT2_PREFIX "transformer."
-
-static const struct kv_hf_name gpt2_globals[] = {
-    {GPT2_PREFIX "wte.weight", ONE(KV_W_TOK_EMB), 0},
-    {GPT2_PREFIX "wpe.weight", ONE(KV_W_POS_EMB), 0},
-    {GPT2_PREFIX "ln_f.weight", ONE(KV_W_OUT_NORM), 0},
-    {GPT2_PREFIX "ln_f.bias", ONE(KV_W_OUT_NORM_B), 0},
-    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
-};
-
-static const struct kv_hf_name gpt2_layer[] = {
-    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
-    {"attn.c_attn.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 1},
-    {"attn.c_attn.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0},
-    {"attn.c_proj.weight", ONE(KV_W_O), 1},
-    {"attn.c_proj.bias", ONE(KV_W_BO), 0},
-    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
-    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
-    {"mlp.c_fc.weight", ONE(KV_W_UP), 1},
-    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
-    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 1},
-    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
-};
-
-#define COUNT(a) ((int64_t)(sizeof a / sizeof a[0]))
-
-const struct kv_hf_name *kv_hf_names(enum kv_arch arch, int per_layer, int64_t *n) {
-    int gpt2 = arch == KV_ARCH_GPT2;
-    *n = per_layer ? (gpt2 ? COUNT(gpt2_layer) : COUNT(layer_names))
-                   : (gpt2 ? COUNT(gpt2_globals) : COUNT(llama_globals));
-    return per_layer ? (gpt2 ? gpt2_layer : layer_names) : (gpt2 ? gpt2_globals : llama_globals);
-}
-
-const char *kv_hf_layer_prefix(enum kv_arch arch) {
-    return arch == KV_ARCH_GPT2 ? GPT2_PREFIX "h." : "model.layers.";
-}
-
-/* Biases HF Llama can carry but kvcal's forward pass has no place for. */
-static const char *const unsupported_biases[] = {
-    "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
-};
-
-static int bind_one(struct kv_model *m, const struct hf_weights *w, enum kv_wkind kind,
-                    int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
-    return kv_model_bind(m, kind, layer, t, w->shards[t->file].path, err);
-}
-
-static int bind_weights(struct kv_model *m, const struct hf_weights *w, int attn_bias,
-                        struct kv_err *err) {
-    const struct kv_config *c = &m->cfg;
-    const struct kv_tensor *emb = find(w, "model.embed_tokens.weight");
-    const struct kv_tensor *head = find(w, "lm_head.weight");
-    const struct kv_tensor *norm = find(w, "model.norm.weight");
-    if (c->tied_embeddings && !emb) emb = head;
-    if (!emb)
-        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
-                       "missing tensor 'model.embed_tokens.weight'");
-    if (!c->tied_embeddings && !head)
-        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
-                       "missing tensor 'lm_head.weight' (tie_word_embeddings is false)");
-    if (!norm)
-        return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
-                       "missing tensor 'model.norm.weight'");
-    int rc = bind_one(m, w, KV_W_TOK_EMB, 0, emb, err);
-    if (!rc && !c->tied_embeddings) rc = bind_one(m, w, KV_W_LM_HEAD, 0, head, err);
-    if (!rc) rc = bind_one(m, w, KV_W_OUT_NORM, 0, norm, err);
-    if (rc) return rc;
-    char name[KV_MAX_NAME_LEN + 64];
-    for (int64_t l = 0; l < c->n_layers; l++) {
-        for (size_t i = 0; i < sizeof unsupported_biases / sizeof unsupported_biases[0]; i++) {
-            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, unsupported_biases[i]);
-            const struct kv_tensor *t = find(w, name);
-            if (t)
-                return kv_fail(err, KV_EUNSUPPORTED, w->shards[t->file].path, t->offset,
-                               "tensor '%s': this bias is not supported", name);
-        }
-        for (size_t i = 0; i < sizeof layer_names / sizeof layer_names[0]; i++) {
-            enum kv_wkind k = layer_names[i].kinds[0];
-            snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, layer_names[i].name);
-            const struct kv_tensor *t = find(w, name);
-            int optional = (k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !attn_bias;
-            if (!t && optional) continue;
-            if (!t)
-                return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
-                               "missing tensor '%s'%s", name,
-                               k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV
-                                   ? " (attention_bias is true)"
-                                   : "");
-            if ((rc = bind_one(m, w, k, l, t, err))) return rc;
-        }
-    }
-    return KV_OK;
-}
-
 /* Bind stored tensor t as the weights e->kinds of layer (see struct
- * kv_hf_name). A Conv1D weight is converted to f32 and transposed into a
+ * kv_arch_tensor). A Conv1D weight is converted to f32 and transposed into a
  * block the model owns; the pieces of a stacked tensor are bound as slices. */
-static int bind_entry(struct kv_model *m, const struct hf_weights *w, const struct kv_hf_name *e,
+static int bind_entry(struct kv_model *m, const struct hf_weights *w, const struct kv_arch_tensor *e,
                       int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
     const char *path = w->shards[t->file].path;
     if (e->n_kinds == 1 && !e->conv) return kv_model_bind(m, e->kinds[0], layer, t, path, err);
@@ -553,49 +436,64 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
     return KV_OK;
 }
 
-const char *kv_hf_alt_name(enum kv_arch arch, const char *name) {
-    size_t np = strlen(GPT2_PREFIX);
-    return arch == KV_ARCH_GPT2 && strncmp(name, GPT2_PREFIX, np) == 0 ? name + np : NULL;
-}
-
-/* GPT-2's tensor name, with the "transformer." prefix or without it. */
-static const struct kv_tensor *find_gpt2(const struct hf_weights *w, const char *name) {
+/* The stored tensor of name, also found without the names' optional prefix
+ * (GPT-2 checkpoints exist both ways). */
+static const struct kv_tensor *find_named(const struct hf_weights *w,
+                                          const struct kv_arch_names *nm, const char *name) {
     const struct kv_tensor *t = find(w, name);
-    const char *alt = kv_hf_alt_name(KV_ARCH_GPT2, name);
+    const char *alt = kv_arch_unprefixed(nm, name);
     if (!t && alt) t = find(w, alt);
     return t;
 }
 
-static int bind_gpt2(struct kv_model *m, const struct hf_weights *w, struct kv_err *err) {
+/* Bind every weight of the model's architecture from its HF names (arch.h):
+ * the globals (the head only when untied; a tied checkpoint may store only
+ * the head, which then serves as the embedding), then each layer's.
+ * attn_bias: config.json's attention_bias, which makes an architecture's
+ * optional q/k/v biases required. */
+static int bind_weights(struct kv_model *m, const struct hf_weights *w, int attn_bias,
+                        struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t n;
-    const struct kv_hf_name *g = kv_hf_names(KV_ARCH_GPT2, 0, &n);
-    const struct kv_tensor *head = find(w, "lm_head.weight");
-    for (int64_t i = 0; i < n; i++) {
-        enum kv_wkind k = g[i].kinds[0];
+    const struct kv_arch_desc *a = kv_arch_desc(c->arch);
+    const struct kv_arch_names *nm = &a->hf;
+    const struct kv_arch_tensor *he = kv_arch_find(nm, KV_W_LM_HEAD, NULL);
+    const struct kv_tensor *head = he ? find_named(w, nm, he->name) : NULL;
+    for (int64_t i = 0; i < nm->n_globals; i++) {
+        const struct kv_arch_tensor *e = &nm->globals[i];
+        enum kv_wkind k = e->kinds[0];
         if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
-        const struct kv_tensor *t = find_gpt2(w, g[i].name);
+        const struct kv_tensor *t = find_named(w, nm, e->name);
         if (!t && k == KV_W_TOK_EMB && c->tied_embeddings) t = head;
         if (!t)
             return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET, "missing tensor '%s'%s",
-                           g[i].name,
-                           k == KV_W_LM_HEAD ? " (tie_word_embeddings is false)" : "");
-        int rc = bind_entry(m, w, &g[i], 0, t, err);
+                           e->name, k == KV_W_LM_HEAD ? " (tie_word_embeddings is false)" : "");
+        int rc = bind_entry(m, w, e, 0, t, err);
         if (rc) return rc;
     }
-    const struct kv_hf_name *ln = kv_hf_names(KV_ARCH_GPT2, 1, &n);
     char name[KV_MAX_NAME_LEN + 64];
-    for (int64_t l = 0; l < c->n_layers; l++)
-        for (int64_t i = 0; i < n; i++) {
-            snprintf(name, sizeof name, "%s%lld.%s", kv_hf_layer_prefix(KV_ARCH_GPT2),
-                     (long long)l, ln[i].name);
-            const struct kv_tensor *t = find_gpt2(w, name);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        for (int64_t i = 0; i < a->n_hf_refused; i++) {
+            snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l,
+                     a->hf_refused[i]);
+            const struct kv_tensor *t = find(w, name);
+            if (t)
+                return kv_fail(err, KV_EUNSUPPORTED, w->shards[t->file].path, t->offset,
+                               "tensor '%s': this bias is not supported", name);
+        }
+        for (int64_t i = 0; i < nm->n_layer; i++) {
+            const struct kv_arch_tensor *e = &nm->layer[i];
+            snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
+            const struct kv_tensor *t = find_named(w, nm, name);
+            int optional = kv_wkind_use(c, e->kinds[0]) == KV_WUSE_OPTIONAL;
+            if (!t && optional && !attn_bias) continue;
             if (!t)
                 return kv_fail(err, KV_EFORMAT, w->list_path, KV_NO_OFFSET,
-                               "missing tensor '%s'", name);
-            int rc = bind_entry(m, w, &ln[i], l, t, err);
+                               "missing tensor '%s'%s", name,
+                               optional ? " (attention_bias is true)" : "");
+            int rc = bind_entry(m, w, e, l, t, err);
             if (rc) return rc;
         }
+    }
     return KV_OK;
 }
 
@@ -630,7 +528,7 @@ static int load_dir(const char *dir, struct kv_model **out, char **paths, struct
     else if (!(rc = add_shard(&w, dir, "model.safetensors", single, err)))
         rc = open_shards(&w, m, err);
     if (!rc)
-        rc = cfg.arch == KV_ARCH_GPT2 ? bind_gpt2(m, &w, err) : bind_weights(m, &w, attn_bias, err);
+        rc = bind_weights(m, &w, attn_bias, err);
     weights_free(&w);
 
     if (!rc && kv_path_kind(paths[3]) == 0) {

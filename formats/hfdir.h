@@ -9,7 +9,8 @@
  *       model-00001-of-0000N.safetensors ...
  *     tokenizer.json                 optional; loaded when present (tokjson.h)
  *
- * Llama tensor names (every linear weight is [out, in] row-major):
+ * The tensor names are the architecture table's (lib/arch.h); for Llama
+ * (every linear weight is [out, in] row-major):
  *
  *     model.embed_tokens.weight                      [vocab, d]
  *     model.layers.N.input_layernorm.weight          [d]
@@ -53,28 +54,6 @@
 
 #include "kvformats.h"
 #include "model.h"
-
-/* One HF tensor and the kvcal weights it holds: kinds[0..n_kinds) stacked
- * along the output axis (GPT-2's c_attn is q, k and v), stored [in, out]
- * (GPT-2's Conv1D) when conv, else as kvcal keeps them. Shared by the
- * loader and the writer (formats/hfwrite.c). */
-struct kv_hf_name {
-    const char *name; /* whole name for globals; for layers the part after
-                         kv_hf_layer_prefix and the layer number and a dot */
-    enum kv_wkind kinds[3];
-    int n_kinds;
-    int conv;
-};
-
-/* The architecture's tensor table: globals (layer 0) or per-layer
- * entries, *n of them. The globals include the untied head "lm_head.weight"
- * (kind KV_W_LM_HEAD). */
-const struct kv_hf_name *kv_hf_names(enum kv_arch arch, int per_layer, int64_t *n);
-/* "model.layers." (llama) or "transformer.h." (gpt2). */
-const char *kv_hf_layer_prefix(enum kv_arch arch);
-/* The other spelling of a tensor name: name without its optional gpt2
- * "transformer." prefix, or NULL when the architecture or name has none. */
-const char *kv_hf_alt_name(enum kv_arch arch, const char *name);
 
 /* Read config.json at path into *cfg (rope layout KV_ROPE_HALF; bos/eos -1
  * when absent; has_qkv_bias mirrors attention_bias for llama). For gpt2:

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "arch.h"
 #include "err.h"
 #include "hfdir.h"
 #include "mapfile.h"
@@ -36,11 +37,11 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
                        "gpt2 with %lld heads of %lld for dim %lld has no HF config (n_embd / "
                        "n_head is the head size)",
                        (long long)c->n_heads, (long long)c->head_dim, (long long)c->dim);
+    const struct kv_arch_desc *a = kv_arch_desc(c->arch);
     json_t *o = json_object(), *arch = json_array();
-    int bad = !o || !arch || json_array_append_new(arch, json_string(gpt2 ? "GPT2LMHeadModel"
-                                                                          : "LlamaForCausalLM"));
+    int bad = !o || !arch || json_array_append_new(arch, json_string(a->hf_class));
     bad |= jset(o, "architectures", arch);
-    bad |= jset(o, "model_type", json_string(gpt2 ? "gpt2" : "llama"));
+    bad |= jset(o, "model_type", json_string(a->name));
     if (gpt2) {
         bad |= jset(o, "n_embd", json_integer(c->dim));
         bad |= jset(o, "n_layer", json_integer(c->n_layers));
@@ -106,7 +107,7 @@ static int fill_text(int fd, const char *path, const char *tmp, void *ctx, struc
  * for a model with interleaved rope pairs, else r itself. */
 static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
     int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
-    if (c->arch != KV_ARCH_LLAMA || c->rope_layout != KV_ROPE_INTERLEAVED || !qk) return r;
+    if (!kv_arch_desc(c->arch)->rope || c->rope_layout != KV_ROPE_INTERLEAVED || !qk) return r;
     int64_t dh = c->head_dim, j = r % dh, half = dh / 2;
     return r - j + (j % 2 ? half + j / 2 : j / 2);
 }
@@ -115,7 +116,7 @@ static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
  * kinds stacked along the output axis, then transposed for a Conv1D. An
  * absent optional weight (a Llama bias some layer lacks) is written as
  * zeros. */
-static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv_hf_name *e,
+static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv_arch_tensor *e,
                      int64_t layer, const char *name, enum kv_dtype dtype, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
     int64_t rows[3], s[2], total = 0, cols = 1;
@@ -148,21 +149,19 @@ static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv
 static int add_weights(struct kv_stw *w, const struct kv_model *m, enum kv_dtype dtype,
                        struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t n;
-    const struct kv_hf_name *g = kv_hf_names(c->arch, 0, &n);
+    const struct kv_arch_names *nm = &kv_arch_desc(c->arch)->hf;
     int rc = KV_OK;
-    for (int64_t i = 0; !rc && i < n; i++)
-        if (kv_wkind_use(c, g[i].kinds[0]) != KV_WUSE_NONE)
-            rc = add_entry(w, m, &g[i], 0, g[i].name, dtype, err);
-    const struct kv_hf_name *ln = kv_hf_names(c->arch, 1, &n);
+    for (int64_t i = 0; !rc && i < nm->n_globals; i++)
+        if (kv_wkind_use(c, nm->globals[i].kinds[0]) != KV_WUSE_NONE)
+            rc = add_entry(w, m, &nm->globals[i], 0, nm->globals[i].name, dtype, err);
     char name[512];
     for (int64_t l = 0; !rc && l < c->n_layers; l++)
-        for (int64_t i = 0; !rc && i < n; i++) {
-            int use = kv_wkind_use(c, ln[i].kinds[0]);
+        for (int64_t i = 0; !rc && i < nm->n_layer; i++) {
+            int use = kv_wkind_use(c, nm->layer[i].kinds[0]);
             if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !c->has_qkv_bias)) continue;
-            snprintf(name, sizeof name, "%s%lld.%s", kv_hf_layer_prefix(c->arch), (long long)l,
-                     ln[i].name);
-            rc = add_entry(w, m, &ln[i], l, name, dtype, err);
+            snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l,
+                     nm->layer[i].name);
+            rc = add_entry(w, m, &nm->layer[i], l, name, dtype, err);
         }
     return rc;
 }

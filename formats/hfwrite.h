@@ -2,7 +2,7 @@
  * kv_hf_write_byte_tokenizer in kvcal.h).
  *
  * Writes what formats/hfdir.h reads, with the tensor names of its tables
- * (kv_hf_names):
+ * (the architecture table, lib/arch.h):
  *
  *     config.json        llama: LlamaForCausalLM keys (hidden_size,
  *                          intermediate_size, num_hidden_layers,

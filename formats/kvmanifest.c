@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
 #include "json.h"
 #include "limits.h"
@@ -414,7 +415,6 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
     if (rc) return rc;
     struct kv_config *c = &mf->cfg;
     memset(c, 0, sizeof *c);
-    c->arch = KV_ARCH_LLAMA;
     const char *fp, *arch;
     if ((rc = kv_json_get_str(mo, "fingerprint", path, 1, &fp, err)))
         return in_ctx(rc, err, "model");
@@ -425,11 +425,11 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                        fp);
     memcpy(mf->fingerprint, fp, 65);
     if ((rc = kv_json_get_str(mo, "arch", path, 1, &arch, err))) return in_ctx(rc, err, "model");
-    if (!strcmp(arch, kv_arch_name(KV_ARCH_GPT2)))
-        c->arch = KV_ARCH_GPT2;
-    else if (strcmp(arch, kv_arch_name(KV_ARCH_LLAMA)) != 0)
+    const struct kv_arch_desc *ad = kv_arch_by_name(arch);
+    if (!ad)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model: arch '%.64s' is not supported, expected 'llama' or 'gpt2'", arch);
+                       "model: arch '%.64s' is not supported, expected %s", arch, kv_arch_list());
+    c->arch = ad->id;
     double eps = 0;
     if ((rc = kv_json_get_int(mo, "dim", path, 1, KV_MAX_DIM, 1, &c->dim, err)) ||
         (rc = kv_json_get_int(mo, "hidden_dim", path, 1, KV_MAX_DIM, 1, &c->hidden_dim, err)) ||

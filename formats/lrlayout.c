@@ -4,29 +4,27 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "arch.h"
 #include "err.h"
-#include "hfdir.h"
 
-int kv_lrl_has_rope(enum kv_arch arch) { return arch != KV_ARCH_GPT2; }
-
-/* The attention module's name inside a layer. */
-static const char *attn_module(enum kv_arch arch) {
-    return arch == KV_ARCH_GPT2 ? "attn." : "self_attn.";
-}
+int kv_lrl_has_rope(enum kv_arch arch) { return kv_arch_desc(arch)->rope; }
 
 void kv_lrl_layer_name(char *buf, enum kv_arch arch, int64_t l, const char *rest) {
-    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s", kv_hf_layer_prefix(arch), (long long)l, rest);
+    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s", kv_arch_desc(arch)->hf.layer_prefix,
+             (long long)l, rest);
 }
 
 void kv_lrl_attn_name(char *buf, enum kv_arch arch, int64_t l, char c, const char *rest) {
-    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c%s", kv_hf_layer_prefix(arch), (long long)l,
-             attn_module(arch), c, rest);
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c%s", a->hf.layer_prefix, (long long)l, a->hf_attn,
+             c, rest);
 }
 
 void kv_lrl_unit_name(char *buf, enum kv_arch arch, int64_t l, int which, const char *kind,
                       int64_t u) {
-    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_%s.%lld.weight", kv_hf_layer_prefix(arch),
-             (long long)l, attn_module(arch), kv_lrl_side_char(which), kind, (long long)u);
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_%s.%lld.weight", a->hf.layer_prefix,
+             (long long)l, a->hf_attn, kv_lrl_side_char(which), kind, (long long)u);
 }
 
 int kv_lrl_mode_allowed(enum kv_lr_mode mode, int which) {

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
-#include "hfdir.h"
 #include "lrlayout.h"
 #include "lrmodel.h"
 #include "safetensors.h"
@@ -91,29 +91,6 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
     return rc;
 }
 
-/* The per-layer tensors besides K and V, in file order: kvcal's kind and
- * its name after the layer prefix for llama and for gpt2 (NULL where the
- * architecture has no such tensor). KV_W_K stands for both K/V sides. */
-static const struct {
-    enum kv_wkind kind;
-    const char *llama, *gpt2;
-} layer_tensors[] = {
-    {KV_W_ATTN_NORM, "input_layernorm.weight", "ln_1.weight"},
-    {KV_W_ATTN_NORM_B, NULL, "ln_1.bias"},
-    {KV_W_Q, "self_attn.q_proj.weight", "attn.q_proj.weight"},
-    {KV_W_BQ, "self_attn.q_proj.bias", "attn.q_proj.bias"},
-    {KV_W_K, NULL, NULL},
-    {KV_W_O, "self_attn.o_proj.weight", "attn.o_proj.weight"},
-    {KV_W_BO, NULL, "attn.o_proj.bias"},
-    {KV_W_FFN_NORM, "post_attention_layernorm.weight", "ln_2.weight"},
-    {KV_W_FFN_NORM_B, NULL, "ln_2.bias"},
-    {KV_W_GATE, "mlp.gate_proj.weight", NULL},
-    {KV_W_UP, "mlp.up_proj.weight", "mlp.c_fc.weight"},
-    {KV_W_BUP, NULL, "mlp.c_fc.bias"},
-    {KV_W_DOWN, "mlp.down_proj.weight", "mlp.c_proj.weight"},
-    {KV_W_BDOWN, NULL, "mlp.c_proj.bias"},
-};
-
 /* Weight kind of m (layer l) as a tensor [rows, cols] (cols 0: a vector);
  * absent optional weights are skipped. */
 static int add_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind kind, int64_t l,
@@ -130,28 +107,26 @@ static int add_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind 
 static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
                        const struct kv_lowrank *lr, const char *path, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t d = c->dim, n_glob = 0;
+    int64_t d = c->dim;
     char name[KV_LRL_NAME_CAP];
     int rc = kv_stw_add_meta(w, "format", "pt", err);
-    const struct kv_hf_name *glob = kv_hf_names(c->arch, 0, &n_glob);
-    for (int64_t i = 0; i < n_glob && !rc; i++) {
-        enum kv_wkind k = glob[i].kinds[0];
-        KV_ASSERT(glob[i].n_kinds == 1 && !glob[i].conv);
+    const struct kv_arch_desc *a = kv_arch_desc(c->arch);
+    for (int64_t i = 0; i < a->hf.n_globals && !rc; i++) {
+        const struct kv_arch_tensor *e = &a->hf.globals[i];
+        enum kv_wkind k = e->kinds[0];
+        KV_ASSERT(e->n_kinds == 1 && !e->conv);
         if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
-        rc = add_weight(w, m, k, 0, glob[i].name, err);
+        rc = add_weight(w, m, k, 0, e->name, err);
     }
     for (int64_t l = 0; l < c->n_layers && !rc; l++) {
         const struct kv_lr_layer *z = &lr->layers[l];
         int fq = z->k.mode == KV_LR_FUSED_QUERY, fo = z->v.mode == KV_LR_FUSED_OUTPUT;
-        for (size_t i = 0; i < sizeof layer_tensors / sizeof layer_tensors[0] && !rc; i++) {
-            enum kv_wkind k = layer_tensors[i].kind;
-            const char *rest = c->arch == KV_ARCH_GPT2 ? layer_tensors[i].gpt2
-                                                       : layer_tensors[i].llama;
+        for (int64_t i = 0; i < a->n_lr_layer && !rc; i++) {
+            enum kv_wkind k = a->lr_layer[i].kinds[0];
+            const char *rest = a->lr_layer[i].name;
             if (k == KV_W_K) {
                 if (!(rc = add_side(w, bufs, m, lr, l, 0, path, err)))
                     rc = add_side(w, bufs, m, lr, l, 1, path, err);
-            } else if (!rest) {
-                continue;
             } else if (k == KV_W_Q && fq) {
                 kv_lrl_attn_name(name, c->arch, l, 'q', "_fused.weight");
                 rc = add_f32(w, name, z->q_fused, z->q_cols, d, err);

@@ -1,6 +1,7 @@
 /* The architecture table (arch.h). */
 #include "arch.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "err.h"
@@ -46,6 +47,23 @@ static const struct kv_arch_tensor llama_gguf_layer[] = {
     {"ffn_down.weight", ONE(KV_W_DOWN), 0},       {"ffn_up.weight", ONE(KV_W_UP), 0},
 };
 
+static const struct kv_arch_tensor llama_lr_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {NULL, ONE(KV_W_K), 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+};
+
+/* biases HF Llama can carry but kvcal's forward pass has no place for */
+static const char *const llama_hf_refused[] = {
+    "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
+};
+
 /* ---------------------------------------------------------------- gpt2 */
 
 #define GPT2_PREFIX "transformer."
@@ -73,6 +91,24 @@ static const struct kv_arch_tensor gpt2_hf_layer[] = {
     {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
 };
 
+/* a compressed directory stores GPT-2 unfused and [out, in], under HF
+ * Llama-like names inside GPT-2's layer */
+static const struct kv_arch_tensor gpt2_lr_layer[] = {
+    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
+    {"attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {NULL, ONE(KV_W_K), 0},
+    {"attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"attn.o_proj.bias", ONE(KV_W_BO), 0},
+    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
+    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
+    {"mlp.c_fc.weight", ONE(KV_W_UP), 0},
+    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
+    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 0},
+    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
+};
+
 /* ---------------------------------------------------------------- the table */
 
 static const struct kv_arch_desc archs[] = {
@@ -88,10 +124,14 @@ static const struct kv_arch_desc archs[] = {
             .mha = 0,
             .hf_class = "LlamaForCausalLM",
             .hf_attn = "self_attn.",
+            .hf_refused = llama_hf_refused,
+            .n_hf_refused = COUNT(llama_hf_refused),
             .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
                    llama_hf_layer, COUNT(llama_hf_layer)},
             .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
                      llama_gguf_layer, COUNT(llama_gguf_layer)},
+            .lr_layer = llama_lr_layer,
+            .n_lr_layer = COUNT(llama_lr_layer),
         },
     [KV_ARCH_GPT2] =
         {
@@ -108,6 +148,8 @@ static const struct kv_arch_desc archs[] = {
             .hf = {GPT2_PREFIX "h.", GPT2_PREFIX, gpt2_hf_globals, COUNT(gpt2_hf_globals),
                    gpt2_hf_layer, COUNT(gpt2_hf_layer)},
             .gguf = {"blk.", NULL, NULL, 0, NULL, 0},
+            .lr_layer = gpt2_lr_layer,
+            .n_lr_layer = COUNT(gpt2_lr_layer),
         },
 };
 
@@ -138,4 +180,25 @@ const struct kv_arch_tensor *kv_arch_find(const struct kv_arch_names *names, enu
                 return &t[i];
             }
     return NULL;
+}
+
+const char *kv_arch_unprefixed(const struct kv_arch_names *names, const char *name) {
+    const char *p = names->optional_prefix;
+    size_t n = p ? strlen(p) : 0;
+    return p && !strncmp(name, p, n) ? name + n : NULL;
+}
+
+const char *kv_arch_list(void) {
+    static char list[256];
+    if (!list[0]) { /* the table is constant, so every caller writes the same bytes */
+        size_t n = 0, count = 0, total = 0;
+        for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) total += archs[i].name != NULL;
+        for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
+            if (!archs[i].name) continue;
+            const char *sep = count == 0 ? "" : count + 1 == total ? " or " : ", ";
+            n += (size_t)snprintf(list + n, sizeof list - n, "%s'%s'", sep, archs[i].name);
+            count++;
+        }
+    }
+    return list;
 }

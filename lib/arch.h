@@ -51,13 +51,32 @@ struct kv_arch_desc {
     const char *hf_attn;    /* HF module path of the attention block in a layer
                                ("self_attn.", "attn."): compressed tensors are named
                                after it */
+    /* HF per-layer tensors some checkpoints carry that kvcal's forward pass
+     * has no place for: a checkpoint holding one is refused by name */
+    const char *const *hf_refused;
+    int64_t n_hf_refused;
     struct kv_arch_names hf, gguf;
+    /* The weights file of a compressed model directory (formats/lrweights.c):
+     * hf's globals, then per layer these, in this order, one weight each in
+     * [out, in] (nothing stacked or transposed) after hf.layer_prefix; the
+     * entry of kind KV_W_K with a NULL name stands for the K and V sides,
+     * named after hf_attn. */
+    const struct kv_arch_tensor *lr_layer;
+    int64_t n_lr_layer;
 };
 
 /* The row of architecture a (KV_ASSERT on an unknown one). */
 const struct kv_arch_desc *kv_arch_desc(enum kv_arch a);
 /* The row named name ("llama"), or NULL. */
 const struct kv_arch_desc *kv_arch_by_name(const char *name);
+
+/* "'llama' or 'gpt2'": every architecture's name, for messages that say
+ * what was expected. */
+const char *kv_arch_list(void);
+
+/* name without names' optional prefix ("transformer.h.0.ln_1.weight" ->
+ * "h.0.ln_1.weight"), or NULL when names has none or name lacks it. */
+const char *kv_arch_unprefixed(const struct kv_arch_names *names, const char *name);
 
 /* The entry of names holding weight kind (global or per layer), or NULL;
  * *part receives its index among the entry's stacked kinds. */
