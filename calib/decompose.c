@@ -1,6 +1,6 @@
 /* kvcal decompose: units, spectra, rank allocation and factors (DESIGN §3–§5).
  *
- * kv_decompose checks the options, builds every layer's
+ * kv_decompose checks the options (decompose_check.c), builds every layer's
  * slots and their spectra (decompose_slots.c), allocates ranks
  * (decompose_alloc.c, decompose_budget.c) and emits the factors
  * (decompose_factors.c); decompose_ctx.h describes the objects they share. */
@@ -37,117 +37,153 @@ int kv_alloc_parse(const char *s) {
     return -1;
 }
 
-int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
-                 struct kv_decompose_opts *o, struct kv_lowrank **out, struct kv_err *err) {
-    const struct kv_config *c = &m->cfg;
-    double t0 = kv_now();
-    if ((unsigned)o->method >= KV_METHOD_COUNT || (unsigned)o->alloc >= KV_ALLOC_COUNT)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "unknown method or allocation");
+void kv_decompose_defaults(struct kv_decompose_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->method = KV_METHOD_PALU;
+    o->group_size = o->rank_multiple = o->min_rank = 1;
+    o->kv_bits = 16;
+    o->seq_len = 256;
+    o->calib_windows = 8;
+}
+
+/* Zeros to their defaults, then every rule. seq_len and calib_windows
+ * describe calib_tokens, so their zeros are read as the defaults for the
+ * check only: layer-budget still refuses windows it was not given. */
+static int check_all(const struct kv_model *m, const struct kv_stats *s,
+                     struct kv_decompose_opts *o, struct kv_err *err) {
+    if (!o->kv_bits) o->kv_bits = 16;
+    if (!o->group_size) o->group_size = 1;
+    if (!o->rank_multiple) o->rank_multiple = 1;
+    if (!o->min_rank) o->min_rank = 1;
+    struct kv_decompose_opts d, chk = *o;
+    kv_decompose_defaults(&d);
+    if (!chk.seq_len) chk.seq_len = d.seq_len;
+    if (!chk.calib_windows) chk.calib_windows = d.calib_windows;
+    const char *const *names = o->names ? o->names : kv_decompose_flag_names;
+    int rc = kv_dec_check_opts(&chk, s || o->stats_path, o->calib_tokens || o->text_path, names, err);
+    if (rc) return rc;
     if (o->alloc == KV_ALLOC_DEFAULT) {
         static const enum kv_alloc def[KV_METHOD_COUNT] = {
             KV_ALLOC_UNIFORM, KV_ALLOC_UNIFORM, KV_ALLOC_EPS,
             KV_ALLOC_PROGRESSIVE, KV_ALLOC_REMOVAL, KV_ALLOC_REMOVAL};
         o->alloc = o->eps > 0 && o->ratio <= 0 ? KV_ALLOC_EPS : def[o->method];
     }
-    if (!o->kv_bits) o->kv_bits = 16;
-    o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
-    if (!s && o->method != KV_METHOD_SVD && o->method != KV_METHOD_LORC)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--method %s needs calibration statistics (--stats)", kv_method_name(o->method));
-    if (o->eps != 0 && !(o->eps > 0 && o->eps <= 1))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--eps %g is outside (0, 1]", o->eps);
-    if (o->ratio != 0 && !(o->ratio > 0 && o->ratio <= 1))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--ratio %g is outside (0, 1]", o->ratio);
-    if (o->eps > 0 && o->ratio > 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "give --eps or --ratio, not both");
-    enum kv_alloc a = o->alloc;
-    int needs_ratio = a == KV_ALLOC_UNIFORM || a == KV_ALLOC_FISHER || a == KV_ALLOC_REMOVAL;
-    if (needs_ratio && o->ratio <= 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--alloc %s needs --ratio", kv_alloc_name(a));
-    if (a == KV_ALLOC_EPS && o->eps <= 0 && o->ratio <= 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--alloc eps needs --eps or --ratio");
-    if (a == KV_ALLOC_GLOBAL && o->eps <= 0 && o->ratio <= 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--alloc global needs --ratio or --eps");
-    if (a == KV_ALLOC_PROGRESSIVE && o->ratio <= 0 && o->d_min <= 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--alloc progressive needs --ratio or --d-min");
-    if (a == KV_ALLOC_LAYER_BUDGET && o->error_budget <= 0 && o->ratio <= 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--alloc layer-budget needs --error-budget or --ratio");
-    if (o->eps > 0 && a != KV_ALLOC_EPS && a != KV_ALLOC_GLOBAL)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--eps applies to --alloc eps or global, not %s", kv_alloc_name(a));
-    if (o->group_size < 0 || o->group_size > c->n_kv_heads || (o->group_size && c->n_kv_heads % o->group_size))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--group-size %lld does not divide the %lld kv heads", (long long)o->group_size,
-                       (long long)c->n_kv_heads);
-    if (o->kv_bits != 16 && o->kv_bits != 8 && o->kv_bits != 4 && o->kv_bits != 3 && o->kv_bits != 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "--kv-bits %d is not one of 16, 8, 4, 3, 2",
-                       o->kv_bits);
-    if (s && !kv_shapes_match(c, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim,
-                              "statistics", NULL, err))
-        return KV_EINVAL;
+    return kv_decompose_check_model(o, m, s, names, err);
+}
 
-    struct kv_dec_ctx x = {m, s, o, NULL, 0, 0, err};
-    int rc = kv_dec_build_slots(&x);
+/* The smallest cache the options allow, every slot at its smallest rank,
+ * against the byte target. */
+static int check_floor(struct kv_dec_ctx *x, int64_t target, int64_t base) {
+    const struct kv_decompose_opts *o = x->o;
+    const char *const *n = x->names;
+    for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].rank = kv_dec_round_rank(o, 0, x->slots[i].m);
+    int64_t floor = kv_dec_total_bytes(x), skipped = 0;
+    for (int64_t i = 0; i < x->n_slots; i++) skipped += x->slots[i].skip;
+    if (floor > target && skipped)
+        return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s %g is below %.4f, the smallest cache with the %lld units that "
+                       "%s %g leaves uncompressed",
+                       n[KV_DECOMPOSE_OPT_RATIO], o->ratio, (double)floor / (double)base,
+                       (long long)skipped, n[KV_DECOMPOSE_OPT_COND_SKIP], o->cond_skip);
+    if (floor > target)
+        return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s %g is below %.4f, the smallest cache that %s %lld and %s %lld allow",
+                       n[KV_DECOMPOSE_OPT_RATIO], o->ratio, (double)floor / (double)base,
+                       n[KV_DECOMPOSE_OPT_MIN_RANK], (long long)o->min_rank,
+                       n[KV_DECOMPOSE_OPT_RANK_MULTIPLE], (long long)o->rank_multiple);
+    return KV_OK;
+}
+
+/* Every slot's rank by the allocation, and o->param, achieved_bytes and
+ * least_bytes. */
+static int allocate(struct kv_dec_ctx *x, int64_t target) {
+    struct kv_decompose_opts *o = x->o;
+    enum kv_alloc a = o->alloc;
+    int rc = KV_OK;
+    switch (a) {
+    case KV_ALLOC_GLOBAL: kv_dec_global_ranks(x, target, o->eps); o->param = 0; break;
+    case KV_ALLOC_LAYER_BUDGET: rc = kv_dec_layer_budget(x, target); break;
+    case KV_ALLOC_PROGRESSIVE:
+        if (target > 0) o->param = kv_dec_search_param(x, a, target);
+        else kv_dec_param_ranks(x, a, o->param = o->d_min / (o->d_max > 0 ? o->d_max : 1.0));
+        break;
+    case KV_ALLOC_EPS:
+        if (target > 0) o->param = kv_dec_search_param(x, a, target);
+        else kv_dec_param_ranks(x, a, o->param = o->eps);
+        break;
+    case KV_ALLOC_REMOVAL: o->param = 1.0 - kv_dec_search_param(x, a, target); break;
+    default: o->param = kv_dec_search_param(x, a, target); break;
+    }
+    o->achieved_bytes = rc ? 0 : kv_dec_total_bytes(x);
+    if (!rc && target > 0 && a != KV_ALLOC_GLOBAL && a != KV_ALLOC_UNIFORM) {
+        /* the allocation's own parameter at its most aggressive end still
+         * keeps more than the target (e.g. progressive with d_max = 1 keeps
+         * the most sensitive layer whole): say so instead of pretending */
+        int64_t *save = malloc((size_t)(x->n_slots > 0 ? x->n_slots : 1) * sizeof *save);
+        if (save) {
+            for (int64_t i = 0; i < x->n_slots; i++) save[i] = x->slots[i].rank;
+            if (a != KV_ALLOC_LAYER_BUDGET) {
+                kv_dec_param_ranks(x, a, 0.0);
+                o->least_bytes = kv_dec_total_bytes(x);
+            }
+            for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].rank = save[i];
+            free(save);
+        }
+    }
+    return rc;
+}
+
+/* What the result says beyond its factors: the predicted errors, whether the
+ * target was reached, and the units a Hadamard rotation leaves out. */
+static void summarize(const struct kv_lowrank *lr, struct kv_decompose_opts *o) {
+    double ke = 0, kd = 0, ve = 0, vd = 0;
+    for (int64_t l = 0; l < lr->n_layers; l++) {
+        kv_lr_side_error(lr, l, 0, &ke, &kd);
+        kv_lr_side_error(lr, l, 1, &ve, &vd);
+    }
+    o->error_k = ke > 0 ? kd / ke : 0;
+    o->error_v = ve > 0 ? vd / ve : 0;
+    int64_t comp = kv_lr_bytes(lr, (int)o->kv_bits);
+    o->target_reached = !(o->ratio > 0 && o->least_bytes > o->target_bytes && comp > o->target_bytes);
+    o->odd_rank_units = 0;
+    if (o->hadamard)
+        for (int64_t l = 0; l < lr->n_layers; l++)
+            for (int k = 0; k < 2; k++) {
+                const struct kv_lr_side *sd = k ? &lr->layers[l].v : &lr->layers[l].k;
+                for (int64_t u = 0; u < sd->n_units; u++) {
+                    int64_t r = sd->units[u].rank;
+                    o->odd_rank_units += r > 1 && (r & 1);
+                }
+            }
+}
+
+int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
+                 struct kv_decompose_opts *o, struct kv_lowrank **out, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    double t0 = kv_now();
+    o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
+    o->target_reached = 1, o->odd_rank_units = 0, o->error_k = o->error_v = 0;
+    int rc = check_all(m, s, o, err);
+    if (rc) return rc;
+
+    enum kv_alloc a = o->alloc;
+    struct kv_dec_ctx x = {m, s, o, o->names ? o->names : kv_decompose_flag_names, NULL, 0, 0, err};
+    rc = kv_dec_build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = kv_dec_lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->has_fisher)))))
         rc = kv_dec_fisher_scores(&x);
     int64_t base = kv_lr_base_bytes(c);
     int64_t target = o->ratio > 0 ? (int64_t)llround(o->ratio * (double)base) : 0;
-    if (!rc && target > 0) {
-        /* the floor: every slot at its smallest rank */
-        for (int64_t i = 0; i < x.n_slots; i++) x.slots[i].rank = kv_dec_round_rank(o, 0, x.slots[i].m);
-        int64_t floor = kv_dec_total_bytes(&x), skipped = 0;
-        for (int64_t i = 0; i < x.n_slots; i++) skipped += x.slots[i].skip;
-        if (floor > target && skipped)
-            rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                         "--ratio %g is below %.4f, the smallest cache with the %lld units that "
-                         "--cond-skip %g leaves uncompressed",
-                         o->ratio, (double)floor / (double)base, (long long)skipped, o->cond_skip);
-        else if (floor > target)
-            rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                         "--ratio %g is below %.4f, the smallest cache that --min-rank %lld and "
-                         "--rank-multiple %lld allow",
-                         o->ratio, (double)floor / (double)base, (long long)(o->min_rank > 0 ? o->min_rank : 1),
-                         (long long)(o->rank_multiple > 0 ? o->rank_multiple : 1));
-    }
-    if (!rc) {
-        switch (a) {
-        case KV_ALLOC_GLOBAL: kv_dec_global_ranks(&x, target, o->eps); o->param = 0; break;
-        case KV_ALLOC_LAYER_BUDGET: rc = kv_dec_layer_budget(&x, target); break;
-        case KV_ALLOC_PROGRESSIVE:
-            if (target > 0) o->param = kv_dec_search_param(&x, a, target);
-            else kv_dec_param_ranks(&x, a, o->param = o->d_min / (o->d_max > 0 ? o->d_max : 1.0));
-            break;
-        case KV_ALLOC_EPS:
-            if (target > 0) o->param = kv_dec_search_param(&x, a, target);
-            else kv_dec_param_ranks(&x, a, o->param = o->eps);
-            break;
-        case KV_ALLOC_REMOVAL: o->param = 1.0 - kv_dec_search_param(&x, a, target); break;
-        default: o->param = kv_dec_search_param(&x, a, target); break;
-        }
-    }
+    if (!rc && target > 0) rc = check_floor(&x, target, base);
+    if (!rc) rc = allocate(&x, target);
     o->target_bytes = target;
-    o->achieved_bytes = rc ? 0 : kv_dec_total_bytes(&x);
-    if (!rc && target > 0 && a != KV_ALLOC_GLOBAL && a != KV_ALLOC_UNIFORM) {
-        /* the allocation's own parameter at its most aggressive end still
-         * keeps more than the target (e.g. progressive with d_max = 1 keeps
-         * the most sensitive layer whole): say so instead of pretending */
-        int64_t *save = malloc((size_t)(x.n_slots > 0 ? x.n_slots : 1) * sizeof *save);
-        if (save) {
-            for (int64_t i = 0; i < x.n_slots; i++) save[i] = x.slots[i].rank;
-            if (a != KV_ALLOC_LAYER_BUDGET) {
-                kv_dec_param_ranks(&x, a, 0.0);
-                o->least_bytes = kv_dec_total_bytes(&x);
-            }
-            for (int64_t i = 0; i < x.n_slots; i++) x.slots[i].rank = save[i];
-            free(save);
-        }
-    }
     if (!rc) rc = kv_dec_build_lowrank(&x, out);
+    if (!rc) summarize(*out, o);
     kv_dec_slots_free(x.slots, x.n_slots);
     o->lapack_seconds = x.lapack_s;
     o->seconds = kv_now() - t0;
+    /* a numerical failure is in the statistics' numbers: name the file */
+    if (rc == KV_ENUMERIC && !err->path[0] && o->stats_path)
+        snprintf(err->path, sizeof err->path, "%s", o->stats_path);
     return rc;
 }

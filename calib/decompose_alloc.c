@@ -213,10 +213,7 @@ done:
  * units (its KV heads × d_h). */
 int kv_dec_fisher_scores(struct kv_dec_ctx *x) {
     const struct kv_stats *s = x->s;
-    if (!x->o->fisher && !(s && s->has_fisher))
-        return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--alloc fisher needs fisher statistics (blk.N.fisher.k/v), which this "
-                       "stats file does not have");
+    KV_ASSERT(x->o->fisher || (s && s->has_fisher)); /* kv_decompose_check_model */
     int64_t dh = x->m->cfg.head_dim;
     for (int64_t i = 0; i < x->n_slots; i++) {
         const struct kv_dec_slot *sl = &x->slots[i];

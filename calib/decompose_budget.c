@@ -127,7 +127,8 @@ int kv_dec_layer_budget(struct kv_dec_ctx *x, int64_t target) {
     const struct kv_config *c = &x->m->cfg;
     if (!o->calib_tokens || o->calib_windows <= 0 || o->seq_len < 2)
         return kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "--alloc layer-budget measures layer outputs and needs calibration text (--text)");
+                       "%s layer-budget measures layer outputs and needs calibration text (%s)",
+                       x->names[KV_DECOMPOSE_OPT_ALLOC], x->names[KV_DECOMPOSE_OPT_TEXT]);
     int64_t L = c->n_layers, W = o->calib_windows, seq = o->seq_len;
     struct lbctx b = {x, NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0};
     int rc = kv_fwd_init(x->m, seq, &b.f, x->err);

@@ -12,12 +12,14 @@
  * whitened methods is exactly the sum of the dropped eigenvalues.
  *
  * The modules, in the order a run uses them:
+ *   decompose_check.c    the option rules (kv_decompose_check, _check_model)
  *   decompose_slots.c    the bases: one slot list per method (build_slots)
  *   decompose_alloc.c    rank allocation: a parameter's ranks, the searches,
  *                        global greedy, LoRC conditions, Fisher scores
  *   decompose_budget.c   Eigen Attention's measured per-layer error budget
  *   decompose_factors.c  the factors of the chosen ranks (build_lowrank)
- *   decompose.c          the driver: option checks, kv_decompose */
+ *   decompose.c          the driver, kv_decompose
+ *   decompose_records.c  the manifest's records and kv_decompose_write */
 #ifndef KV_DECOMPOSE_CTX_H
 #define KV_DECOMPOSE_CTX_H
 
@@ -52,6 +54,7 @@ struct kv_dec_ctx {
     const struct kv_model *m;
     const struct kv_stats *s;
     struct kv_decompose_opts *o;
+    const char *const *names; /* how messages name the options (never NULL) */
     struct kv_dec_slot *slots;
     int64_t n_slots;
     double lapack_s;
@@ -62,6 +65,15 @@ struct kv_dec_ctx {
 static inline void *kv_dec_calloc(int64_t n, size_t sz) {
     return calloc((size_t)(n > 0 ? n : 1), sz);
 }
+
+/* ---- decompose_check.c */
+
+/* kv_decompose_check with the inputs' presence given: have_stats (a
+ * statistics file or handle) and have_text (calibration text or tokens). */
+int kv_dec_check_opts(const struct kv_decompose_opts *o, int have_stats, int have_text,
+                      const char *const *names, struct kv_err *err);
+/* names, or the quantity names when NULL. */
+const char *const *kv_dec_names(const char *const *names);
 
 /* ---- decompose_slots.c */
 
