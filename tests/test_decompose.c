@@ -8,7 +8,9 @@
  *                       measured with naive loops over the calibration windows
  *                       (Y = X Wᵀ + b from captured attention inputs, Y' from
  *                       the emitted factors), and `energy` equals ‖Y‖²_F;
- *                       post-RoPE rotations against captured post-RoPE keys.
+ *                       post-RoPE rotations against captured post-RoPE keys;
+ *   decompose_outputs   the summaries beside the factors (predicted errors,
+ *                       odd-rank units, target reached) recounted from them.
  *
  * The allocations are test_decompose_alloc.c's, the options
  * test_decompose_opts.c's and the latent-cache forward test_latent.c's.
@@ -307,5 +309,82 @@ Test(decompose_error, svd_without_stats_is_the_weight_error) {
         kvt_assert_close_f64(gote, refe, nu, 0, 1e-9, "svd weight-metric energy");
         kv_lr_free(lr);
     }
+    kv_model_close(m);
+}
+
+/* ================================================================ outputs */
+
+/* What kv_decompose reports beside the factors, recounted from them: the
+ * predicted error of all K and V units, the units of odd rank a Hadamard
+ * rotation leaves out, and whether a ratio out of the allocation's reach
+ * was missed. */
+Test(decompose_outputs, summaries_match_the_factors, .timeout = 120) {
+    struct shared sh = open_shared(1);
+    struct kv_stats *s = collect(sh.m, sh.tok, SEQ, CAL_WINDOWS);
+    struct {
+        enum kv_method method;
+        double ratio;
+        int64_t mult;
+        int hadamard, reached;
+    } cases[] = {
+        {KV_METHOD_ZACK, 0.5, 3, 1, 1}, {KV_METHOD_ZACK, 0.5, 3, 0, 1}, {KV_METHOD_PALU, 0.5, 1, 1, 1},
+        {KV_METHOD_LORC, 0.2, 1, 0, 0}, {KV_METHOD_EIGEN, 0, 1, 1, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct kv_decompose_opts o = opts_of(cases[i].method, KV_ALLOC_DEFAULT, cases[i].ratio > 0 ? 0 : 0.9,
+                                             cases[i].ratio, 1);
+        o.rank_multiple = cases[i].mult, o.hadamard = cases[i].hadamard;
+        char what[96];
+        snprintf(what, sizeof what, "%s ratio %g multiple %lld%s", kv_method_name(cases[i].method),
+                 cases[i].ratio, (long long)cases[i].mult, cases[i].hadamard ? " hadamard" : "");
+        struct kv_lowrank *lr = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_decompose(sh.m, s, &o, &lr, &err), KV_OK, "%s: %s", what, fmt_err(&err));
+        double e[2] = {0, 0}, d[2] = {0, 0};
+        int64_t odd = 0;
+        for (int64_t l = 0; l < lr->n_layers; l++)
+            for (int side = 0; side < 2; side++) {
+                const struct kv_lr_side *sd = side_of(lr, l, side);
+                for (int64_t u = 0; u < sd->n_units; u++) {
+                    e[side] += sd->units[u].energy, d[side] += sd->units[u].dropped;
+                    odd += sd->units[u].rank > 1 && sd->units[u].rank % 2;
+                }
+            }
+        double want_k = e[0] > 0 ? d[0] / e[0] : 0, want_v = e[1] > 0 ? d[1] / e[1] : 0;
+        kvt_assert_close_f64(&o.error_k, &want_k, 1, 0, 1e-12, what);
+        kvt_assert_close_f64(&o.error_v, &want_v, 1, 0, 1e-12, what);
+        cr_assert_eq(o.odd_rank_units, cases[i].hadamard ? odd : 0, "%s: %lld odd-rank units, counted %lld",
+                     what, (long long)o.odd_rank_units, (long long)odd);
+        if (cases[i].hadamard && cases[i].mult == 3) cr_assert_gt(odd, 0, "%s: no odd rank to count", what);
+        cr_assert_eq(o.target_reached, cases[i].reached, "%s: target_reached %d", what, o.target_reached);
+        if (!cases[i].reached)
+            cr_assert(o.least_bytes > o.target_bytes && kv_lr_bytes(lr, 16) > o.target_bytes,
+                      "%s: least %lld, target %lld", what, (long long)o.least_bytes,
+                      (long long)o.target_bytes);
+        kv_lr_free(lr);
+    }
+    kv_stats_free(s);
+    shared_free(&sh);
+}
+
+/* A numerical failure names the statistics file when the options have it. */
+Test(decompose_outputs, numerical_errors_name_the_statistics_file) {
+    struct kv_model *m = random_model(KV_ROPE_INTERLEAVED, 0, 91);
+    int32_t *tok = random_tokens(64, 97, 92);
+    struct kv_stats *s = collect(m, tok, 64, 1);
+    s->layers[1].xtx[3] = NAN;
+    for (int named = 0; named < 2; named++) {
+        struct kv_decompose_opts o = opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 0, 0.5, 1);
+        o.stats_path = named ? "bad.kvstats" : NULL;
+        struct kv_lowrank *lr = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_decompose(m, s, &o, &lr, &err), KV_ENUMERIC, "%s", fmt_err(&err));
+        cr_assert_null(lr);
+        cr_assert_str_eq(err.path, named ? "bad.kvstats" : "");
+    }
+    kv_stats_free(s);
+    free(tok);
     kv_model_close(m);
 }
