@@ -232,15 +232,46 @@ const char *kv_alloc_name(enum kv_alloc a);
 int kv_method_parse(const char *s);
 int kv_alloc_parse(const char *s);
 
-/* alloc KV_ALLOC_DEFAULT and kv_bits 0 are resolved in place (to the
- * method's allocation and 16), so the struct tells what ran. */
+/* The options of a decomposition as messages name them: a check takes
+ * names[KV_DECOMPOSE_OPT_COUNT] indexed by this enum (a program passes its
+ * flags, "--eps"), or NULL for the library's own quantity names ("eps",
+ * "group size"). */
+enum kv_decompose_opt {
+    KV_DECOMPOSE_OPT_METHOD,
+    KV_DECOMPOSE_OPT_ALLOC,
+    KV_DECOMPOSE_OPT_EPS,
+    KV_DECOMPOSE_OPT_RATIO,
+    KV_DECOMPOSE_OPT_GROUP_SIZE,
+    KV_DECOMPOSE_OPT_RANK_MULTIPLE,
+    KV_DECOMPOSE_OPT_MIN_RANK,
+    KV_DECOMPOSE_OPT_D_MIN,
+    KV_DECOMPOSE_OPT_D_MAX,
+    KV_DECOMPOSE_OPT_COND_SKIP,
+    KV_DECOMPOSE_OPT_ERROR_BUDGET,
+    KV_DECOMPOSE_OPT_STATS,
+    KV_DECOMPOSE_OPT_TEXT,
+    KV_DECOMPOSE_OPT_SEQ_LEN,
+    KV_DECOMPOSE_OPT_WINDOWS,
+    KV_DECOMPOSE_OPT_KV_BITS,
+    KV_DECOMPOSE_OPT_COUNT
+};
+
+/* `kvcal decompose`'s flags ("--method", "--eps", ...), indexed by enum
+ * kv_decompose_opt. kv_decompose's messages have always named these, so
+ * they are its default (kv_decompose_opts.names NULL). */
+extern const char *const kv_decompose_flag_names[KV_DECOMPOSE_OPT_COUNT];
+
+/* A zero field means its default where a default is listed; kv_decompose
+ * resolves alloc KV_ALLOC_DEFAULT, kv_bits 0 and group_size, rank_multiple,
+ * min_rank 0 in place (to the method's allocation, 16 and 1), so the struct
+ * tells what ran. */
 struct kv_decompose_opts {
     enum kv_method method;
     enum kv_alloc alloc;
     double eps;            /* (0, 1]; 0 = not given */
     double ratio;          /* (0, 1] fraction of base KV bytes kept; 0 = not given */
     int64_t group_size;    /* KV heads per unit for svd/palu/fdc values (default 1) */
-    int64_t rank_multiple; /* ranks rounded up to a multiple (default 1) */
+    int64_t rank_multiple; /* ranks rounded up to a multiple, 1 .. 2^20 (default 1) */
     int64_t min_rank;      /* floor per unit (default 1) */
     double d_min, d_max;   /* lorc: rank fractions of eq. 13 (d_max default 1; d_min
                               searched for --ratio when 0) */
@@ -249,11 +280,19 @@ struct kv_decompose_opts {
     double error_budget;   /* layer-budget: e_b, normalised layer output error */
     const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats: Σ of
                               fisher_k/v over the rows of the slot's units, when they have it) */
-    int kv_bits;           /* latent storage bits: 16, 8, 4, 3 or 2 (byte accounting) */
+    int64_t kv_bits;       /* latent storage bits: 16 (default), 8, 4, 3 or 2 (byte accounting) */
     int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
-    /* layer-budget measures real layer outputs on these windows */
+    /* layer-budget measures real layer outputs on these windows (tokens
+     * [calib_windows][seq_len]; kv_decompose_defaults: windows of 256, 8) */
     const int32_t *calib_tokens;
     int64_t calib_windows, seq_len;
+    /* The inputs as given, for the checks and the manifest (may be NULL):
+     * the statistics file s was read from, and layer-budget's text. */
+    const char *stats_path;
+    const char *text_path;
+    /* How messages name the options (enum kv_decompose_opt); NULL:
+     * kv_decompose_flag_names. */
+    const char *const *names;
     kv_progress_fn progress;
     void *progress_ctx;
     /* out */
@@ -264,20 +303,71 @@ struct kv_decompose_opts {
     int64_t least_bytes;    /* the smallest cache the allocation reaches at all (its
                                parameter at the aggressive end; 0 when not computed):
                                above target_bytes, the target is out of its reach */
+    int target_reached;     /* 0 when a ratio was given, least_bytes is above the target
+                               and so is the cache written; else 1 */
     double param;          /* the allocation's parameter as run: eps, width fraction
                               (uniform, fisher), removal rate, d_min/d_max
                               (progressive), e_b (layer-budget); 0 for global */
+    double error_k, error_v; /* predicted calibration error of all K (V) units:
+                                Σ dropped / Σ energy (0 without energy) */
+    int64_t odd_rank_units; /* with hadamard: units of odd rank > 1, which the rotation
+                               leaves out (its blocks are powers of two dividing the
+                               rank); 0 without */
 };
 
+/* `kvcal decompose`'s defaults: everything zero but method palu,
+ * group_size, rank_multiple and min_rank 1, kv_bits 16, and layer-budget
+ * windows of seq_len 256, calib_windows 8. */
+void kv_decompose_defaults(struct kv_decompose_opts *o);
+
+/* The rules on the options alone, checkable before a model loads: eps and
+ * ratio in (0, 1], not both, and the one each allocation needs; an
+ * allocation's own options (d_min, d_max, cond_skip only with progressive,
+ * error_budget only with layer-budget); group_size, rank_multiple, min_rank,
+ * kv_bits (kv_lr_bits_valid), seq_len and calib_windows in range; fisher
+ * needs stats_path (or o->fisher scores) and layer-budget text_path. names
+ * (enum kv_decompose_opt) say how the message calls the options; NULL: the
+ * quantity names ("eps 1.5 is outside (0, 1]"). KV_EINVAL with no path
+ * naming the first rule broken, in a fixed order. */
+int kv_decompose_check(const struct kv_decompose_opts *o, const char *const *names,
+                       struct kv_err *err);
+
+/* The rules that need the model m and the statistics s (NULL: none), after
+ * kv_decompose_check: a method other than svd and lorc needs statistics,
+ * group_size divides the model's KV heads, s has m's shapes, and fisher
+ * allocation needs Fisher sums in s (or o->fisher). KV_EINVAL: about the
+ * options (no path), or naming o->stats_path when it is about that file. */
+int kv_decompose_check_model(const struct kv_decompose_opts *o, const struct kv_model *m,
+                             const struct kv_stats *s, const char *const *names,
+                             struct kv_err *err);
+
 /* Build low-rank K/V factors for m from its statistics s (which may be NULL
- * for svd and lorc: then errors are measured in the weight metric). Only
- * the shapes of s are checked here; kv_stats_matches_model checks that s
- * came from m. The
- * result records per unit the calibration energy and the dropped energy
- * (the predicted ‖Y − Y'‖²_F). Errors: KV_EINVAL for impossible options
- * (naming the option), KV_ENUMERIC naming the layer and unit. */
+ * for svd and lorc: then errors are measured in the weight metric). Checks
+ * the options first (kv_decompose_check with seq_len and calib_windows 0
+ * read as their defaults, then kv_decompose_check_model, naming the options
+ * as o->names does), with calib_tokens standing for text_path and s for
+ * stats_path. Only the shapes of s are checked here; kv_stats_matches_model
+ * checks that s came from m. The result records per unit the calibration
+ * energy and the dropped energy (the predicted ‖Y − Y'‖²_F). Errors:
+ * KV_EINVAL for impossible options (naming the option), KV_ENUMERIC naming
+ * the layer and unit (and o->stats_path as the path when given). */
 int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
                  struct kv_decompose_opts *o, struct kv_lowrank **out, struct kv_err *err);
+
+/* The manifest's records of a run: *options_json, the compact JSON object of
+ * the options as run (o after kv_decompose), and *stats_json (may be NULL
+ * when not wanted), the statistics s read from o->stats_path, or null
+ * without s. Both malloc'd; the caller frees them. */
+int kv_decompose_records(const struct kv_decompose_opts *o, const struct kv_stats *s,
+                         char **options_json, char **stats_json, struct kv_err *err);
+
+/* Write lr, decomposed from m with o and s, as a compressed model directory
+ * dir (kv_lr_dir_write) whose manifest carries kv_decompose_records.
+ * model_path and tokenizer_path are as given (see struct kv_lr_dir_info). */
+int kv_decompose_write(const struct kv_model *m, const struct kv_lowrank *lr,
+                       const struct kv_decompose_opts *o, const struct kv_stats *s,
+                       const char *model_path, const char *tokenizer_path, const char *dir,
+                       struct kv_err *err);
 
 #ifdef __cplusplus
 }

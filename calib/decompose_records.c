@@ -1,0 +1,102 @@
+/* The manifest's records of a decomposition ("options" and "stats" in
+ * kvcal.json), built from the options as run, and the write of the
+ * compressed model directory with them. */
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decompose_ctx.h"
+#include "err.h"
+
+/* A JSON string that never fails on a path: each byte that starts no valid
+ * UTF-8 character becomes U+FFFD, the rest is kept. */
+static json_t *json_text(const char *s) {
+    json_t *j = json_string(s);
+    if (j) return j;
+    size_t n = strlen(s), o = 0;
+    char *buf = malloc(3 * n + 1);
+    if (!buf) return NULL;
+    for (size_t i = 0; i < n;) {
+        size_t k = 1;
+        for (; k <= 4 && i + k <= n; k++) {
+            json_t *t = json_stringn(s + i, k);
+            if (t) {
+                json_decref(t);
+                break;
+            }
+        }
+        if (k <= 4 && i + k <= n) {
+            memcpy(buf + o, s + i, k);
+            o += k;
+            i += k;
+        } else {
+            memcpy(buf + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    j = json_stringn(buf, o);
+    free(buf);
+    return j;
+}
+
+/* A real, or null when it is not finite (JSON has no NaN). */
+static json_t *json_real_or_null(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+static json_t *options_record(const struct kv_decompose_opts *o) {
+    json_t *jo = json_pack("{s:s, s:s, s:o, s:o, s:I, s:I, s:I, s:i, s:b, s:o}", "method",
+                           kv_method_name(o->method), "alloc", kv_alloc_name(o->alloc), "eps",
+                           o->eps > 0 ? json_real(o->eps) : json_null(), "ratio",
+                           o->ratio > 0 ? json_real(o->ratio) : json_null(), "group_size",
+                           (json_int_t)o->group_size, "rank_multiple", (json_int_t)o->rank_multiple,
+                           "min_rank", (json_int_t)o->min_rank, "kv_bits", (int)o->kv_bits,
+                           "hadamard", o->hadamard, "searched_parameter", json_real_or_null(o->param));
+    if (jo && o->method == KV_METHOD_LORC) {
+        double dmax = o->d_max > 0 ? o->d_max : 1.0;
+        /* with a ratio, progressive searched d_min / d_max: record the d_min it ran */
+        double dmin = o->alloc == KV_ALLOC_PROGRESSIVE && o->ratio > 0 ? o->param * dmax : o->d_min;
+        json_object_set_new(jo, "d_min", json_real(dmin));
+        json_object_set_new(jo, "d_max", json_real(dmax));
+        json_object_set_new(jo, "cond_skip", o->cond_skip > 0 ? json_real(o->cond_skip) : json_null());
+    }
+    return jo;
+}
+
+static json_t *stats_record(const struct kv_decompose_opts *o, const struct kv_stats *s) {
+    if (!s) return json_null();
+    struct kv_stats_info si = kv_stats_info(s);
+    return json_pack("{s:o, s:s, s:I, s:I, s:I, s:b}", "path",
+                     o->stats_path ? json_text(o->stats_path) : json_null(), "model_fingerprint",
+                     si.fingerprint, "tokens", (json_int_t)si.tokens, "windows",
+                     (json_int_t)si.windows, "seq_len", (json_int_t)si.seq_len, "fisher",
+                     si.has_fisher);
+}
+
+int kv_decompose_records(const struct kv_decompose_opts *o, const struct kv_stats *s,
+                         char **options_json, char **stats_json, struct kv_err *err) {
+    json_t *jo = options_record(o), *js = stats_json ? stats_record(o, s) : NULL;
+    char *ot = jo ? json_dumps(jo, JSON_COMPACT) : NULL;
+    char *st = js ? json_dumps(js, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+    json_decref(jo), json_decref(js);
+    if (!ot || (stats_json && !st)) {
+        free(ot), free(st);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for the manifest's records");
+    }
+    *options_json = ot;
+    if (stats_json) *stats_json = st;
+    return KV_OK;
+}
+
+int kv_decompose_write(const struct kv_model *m, const struct kv_lowrank *lr,
+                       const struct kv_decompose_opts *o, const struct kv_stats *s,
+                       const char *model_path, const char *tokenizer_path, const char *dir,
+                       struct kv_err *err) {
+    char *ot, *st;
+    int rc = kv_decompose_records(o, s, &ot, &st, err);
+    if (rc) return rc;
+    struct kv_lr_dir_info info = {model_path, tokenizer_path, ot, st};
+    rc = kv_lr_dir_write(m, lr, &info, dir, err);
+    free(ot), free(st);
+    return rc;
+}

@@ -1,0 +1,298 @@
+/* The bases of a decomposition: the slots of every layer, one list per
+ * method, each unit with its basis and reporting covariance
+ * (decompose_ctx.h).
+ *
+ * Allocation Gram per method (m = unit width):
+ *   svd, lorc       W_u W_uᵀ                     (C_x = I; lorc units = all g heads)
+ *   palu, fdc V     output covariance W C_x Wᵀ   (units of group_size heads)
+ *   eigen K         Σ_i C_q,i + Σ_j C_k,j pre-RoPE, one basis shared by all heads
+ *   eigen V         C_v,j per head, one rank per layer (the max over heads)
+ *   fdc/zack K      Σ_{i→j} q_rope_i + k_rope_j per KV head (post-RoPE stats)
+ *   zack V          C_v,j + Σ_{i→j} W_O,i W_O,iᵀ per KV head */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decompose_ctx.h"
+#include "err.h"
+#include "kvstats.h"
+#include "linalg.h"
+#include "model.h"
+
+void kv_dec_slots_free(struct kv_dec_slot *sl, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        free(sl[i].lam), free(sl[i].vecs), free(sl[i].tail);
+        if (sl[i].units)
+            for (int64_t u = 0; u < sl[i].n_units; u++) free(sl[i].units[u].cov);
+        free(sl[i].units);
+    }
+    free(sl);
+}
+
+/* Gram W_u W_uᵀ of rows r0 .. r0+mm-1 of a [*, d] weight. */
+int kv_dec_weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double *out,
+                       struct kv_err *err) {
+    double *wd = malloc((size_t)(mm * d) * sizeof *wd);
+    if (!wd) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    for (int64_t i = 0; i < mm * d; i++) wd[i] = (double)w[r0 * d + i];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)mm, (int)d, 1.0, wd, (int)d, 0.0,
+                out, (int)mm);
+    for (int64_t i = 0; i < mm; i++)
+        for (int64_t j = 0; j < i; j++) out[i * mm + j] = out[j * mm + i];
+    free(wd);
+    return KV_OK;
+}
+
+/* Output covariances of every head of `which` (0 K, 1 V, 2 Q) as blocks of
+ * `block` heads, [heads/block][block*d_h][block*d_h] in a malloc'd *out
+ * (one W C_x product for all of them); weight Grams without statistics. */
+static int out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, double **out) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t heads = which == 2 ? c->n_heads : c->n_kv_heads, bw = block * c->head_dim;
+    double *o = malloc((size_t)(heads * bw * c->head_dim) * sizeof *o);
+    if (!o) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = KV_OK;
+    if (x->s) {
+        rc = kv_stats_out_cov_blocks(x->s, x->m, l, which, block, o, x->err);
+    } else {
+        static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
+        for (int64_t k = 0; k < heads / block && !rc; k++)
+            rc = kv_dec_weight_gram(x->m->layers[l].w[wk[which]], k * bw, bw, c->dim, o + k * bw * bw, x->err);
+    }
+    if (rc) {
+        free(o);
+        return rc;
+    }
+    *out = o;
+    return KV_OK;
+}
+
+int kv_dec_eigh(struct kv_dec_ctx *x, const double *a, int64_t n, double *w, double *vec,
+                const char *what) {
+    double t0 = kv_now();
+    int rc = kv_la_eigh(a, n, w, vec, what, x->err);
+    x->lapack_s += kv_now() - t0;
+    for (int64_t i = 0; i < n; i++)
+        if (w[i] < 0) w[i] = 0;
+    return rc;
+}
+
+static struct kv_dec_slot *new_slot(struct kv_dec_ctx *x, int64_t l, int side, int64_t mm, int64_t n_units,
+                             int64_t n_spec) {
+    struct kv_dec_slot *tmp = realloc(x->slots, (size_t)(x->n_slots + 1) * sizeof *tmp);
+    if (!tmp) return NULL;
+    x->slots = tmp;
+    struct kv_dec_slot *sl = &x->slots[x->n_slots++];
+    memset(sl, 0, sizeof *sl);
+    sl->layer = l, sl->side = side, sl->m = mm, sl->n_units = n_units, sl->n_spec = n_spec;
+    sl->lam = kv_dec_calloc(n_spec * mm, sizeof *sl->lam);
+    sl->vecs = kv_dec_calloc(n_spec * mm * mm, sizeof *sl->vecs);
+    sl->units = kv_dec_calloc(n_units, sizeof *sl->units);
+    if (!sl->lam || !sl->vecs || !sl->units) return NULL;
+    for (int64_t u = 0; u < n_units; u++)
+        if (!(sl->units[u].cov = kv_dec_calloc(mm * mm, sizeof(double)))) return NULL;
+    return sl;
+}
+
+static void add_to(double *acc, const double *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] += a[i];
+}
+
+/* One slot per unit of s heads, covering the g KV heads: the allocation
+ * Gram is the output covariance, or the weight Gram when weight_metric. */
+static int plain_slots(struct kv_dec_ctx *x, int64_t l, int side, int64_t s, int weight_metric) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t g = c->n_kv_heads, dh = c->head_dim, mm = s * dh;
+    double *covs, *wg = NULL;
+    int rc = out_covs(x, l, side, s, &covs);
+    if (rc) return rc;
+    if (weight_metric && x->s && !(wg = malloc((size_t)(mm * mm) * sizeof *wg)))
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    for (int64_t h0 = 0; h0 < g && !rc; h0 += s) {
+        struct kv_dec_slot *sl = new_slot(x, l, side, mm, 1, 1);
+        if (!sl) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        sl->units[0].head0 = h0, sl->units[0].nh = s, sl->units[0].vec = sl->vecs;
+        memcpy(sl->units[0].cov, covs + (h0 / s) * mm * mm, (size_t)(mm * mm) * sizeof *covs);
+        const double *gram = sl->units[0].cov;
+        if (wg) {
+            if ((rc = kv_dec_weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], h0 * dh, mm, c->dim, wg,
+                                  x->err)))
+                break;
+            gram = wg;
+        }
+        char what[96];
+        snprintf(what, sizeof what, "layer %lld %s unit of heads %lld..%lld", (long long)l,
+                 side ? "v" : "k", (long long)h0, (long long)(h0 + s - 1));
+        rc = kv_dec_eigh(x, gram, mm, sl->lam, sl->vecs, what);
+    }
+    free(covs), free(wg);
+    return rc;
+}
+
+/* fdc/zack keys: per KV head, Gram of the stacked post-RoPE [Q; K]. */
+static int rotation_key_slots(struct kv_dec_ctx *x, int64_t l) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t g = c->n_kv_heads, dh = c->head_dim, grp = c->n_heads / g, n2 = dh * dh;
+    const struct kv_stats_layer *L = &x->s->layers[l];
+    double *gram = malloc((size_t)n2 * sizeof *gram);
+    if (!gram) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = KV_OK;
+    for (int64_t j = 0; j < g && !rc; j++) {
+        struct kv_dec_slot *sl = new_slot(x, l, 0, dh, 1, 1);
+        if (!sl) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        sl->rotation = 1;
+        sl->units[0].head0 = j, sl->units[0].nh = 1, sl->units[0].vec = sl->vecs;
+        memcpy(sl->units[0].cov, L->k_cov + j * n2, (size_t)n2 * sizeof *gram);
+        memcpy(gram, L->k_cov + j * n2, (size_t)n2 * sizeof *gram);
+        for (int64_t i = j * grp; i < (j + 1) * grp; i++) add_to(gram, L->q_cov + i * n2, n2);
+        char what[96];
+        snprintf(what, sizeof what, "layer %lld k rotation of head %lld", (long long)l, (long long)j);
+        rc = kv_dec_eigh(x, gram, dh, sl->lam, sl->vecs, what);
+    }
+    free(gram);
+    return rc;
+}
+
+/* Eigen Attention keys: with RoPE one pre-RoPE basis from Σ C_q + Σ C_k
+ * shared by all heads (paper §4.3); without RoPE (gpt2, the paper's OPT/MPT
+ * form) a basis per head from its own C_q + C_k, which queries and keys
+ * share, so attention runs in the low-rank space (fused_query). Values: a
+ * basis per head, one rank per layer. */
+static int eigen_slots(struct kv_dec_ctx *x, int64_t l) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t g = c->n_kv_heads, h = c->n_heads, dh = c->head_dim, n2 = dh * dh;
+    int per_head = c->arch != KV_ARCH_LLAMA; /* then h == g */
+    double *gram = kv_dec_calloc(n2, sizeof *gram), *qc = NULL, *kc = NULL, *vc = NULL;
+    struct kv_dec_slot *sk = new_slot(x, l, 0, dh, g, per_head ? g : 1);
+    int rc = KV_OK;
+    if (!gram || !sk) {
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        goto done;
+    }
+    if ((rc = out_covs(x, l, 2, 1, &qc)) || (rc = out_covs(x, l, 0, 1, &kc)) ||
+        (rc = out_covs(x, l, 1, 1, &vc)))
+        goto done;
+    char what[96];
+    if (per_head) {
+        for (int64_t j = 0; j < g && !rc; j++) {
+            sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs + j * n2;
+            memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
+            memcpy(gram, qc + j * n2, (size_t)n2 * sizeof *gram);
+            add_to(gram, kc + j * n2, n2);
+            snprintf(what, sizeof what, "layer %lld q-k basis of head %lld", (long long)l, (long long)j);
+            rc = kv_dec_eigh(x, gram, dh, sk->lam + j * dh, sk->vecs + j * n2, what);
+        }
+        if (rc) goto done;
+    } else {
+        for (int64_t i = 0; i < h; i++) add_to(gram, qc + i * n2, n2);
+        for (int64_t j = 0; j < g; j++) {
+            sk->units[j].head0 = j, sk->units[j].nh = 1, sk->units[j].vec = sk->vecs;
+            memcpy(sk->units[j].cov, kc + j * n2, (size_t)n2 * sizeof *kc);
+            add_to(gram, kc + j * n2, n2);
+        }
+        snprintf(what, sizeof what, "layer %lld shared key basis", (long long)l);
+        if ((rc = kv_dec_eigh(x, gram, dh, sk->lam, sk->vecs, what))) goto done;
+    }
+    struct kv_dec_slot *sv = new_slot(x, l, 1, dh, g, g);
+    if (!sv) {
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        goto done;
+    }
+    for (int64_t j = 0; j < g && !rc; j++) {
+        sv->units[j].head0 = j, sv->units[j].nh = 1, sv->units[j].vec = sv->vecs + j * n2;
+        memcpy(sv->units[j].cov, vc + j * n2, (size_t)n2 * sizeof *vc);
+        snprintf(what, sizeof what, "layer %lld v head %lld", (long long)l, (long long)j);
+        rc = kv_dec_eigh(x, sv->units[j].cov, dh, sv->lam + j * dh, sv->vecs + j * n2, what);
+    }
+done:
+    free(gram), free(qc), free(kc), free(vc);
+    return rc;
+}
+
+/* ZACK values: per KV head, Gram of [V_j; W_O,iᵀ for its query heads]. */
+static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t g = c->n_kv_heads, dh = c->head_dim, d = c->dim, grp = c->n_heads / g;
+    int64_t qd = c->n_heads * dh;
+    const float *wo = x->m->layers[l].w[KV_W_O]; /* [d, h*d_h] */
+    double *gram = malloc((size_t)(dh * dh) * sizeof *gram);
+    double *blk = malloc((size_t)(d * dh) * sizeof *blk), *vc = NULL;
+    if (!gram || !blk) {
+        free(gram), free(blk);
+        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    int rc = out_covs(x, l, 1, 1, &vc);
+    for (int64_t j = 0; j < g && !rc; j++) {
+        struct kv_dec_slot *sl = new_slot(x, l, 1, dh, 1, 1);
+        if (!sl) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        sl->units[0].head0 = j, sl->units[0].nh = 1, sl->units[0].vec = sl->vecs;
+        memcpy(sl->units[0].cov, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *vc);
+        memcpy(gram, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *gram);
+        /* W_O,i W_O,iᵀ = B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
+        for (int64_t i = j * grp; i < (j + 1) * grp; i++) {
+            for (int64_t r = 0; r < d; r++)
+                for (int64_t a = 0; a < dh; a++) blk[r * dh + a] = (double)wo[r * qd + i * dh + a];
+            cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)dh, (int)d, 1.0, blk, (int)dh,
+                        1.0, gram, (int)dh);
+        }
+        for (int64_t a = 0; a < dh; a++)
+            for (int64_t b = 0; b < a; b++) gram[a * dh + b] = gram[b * dh + a];
+        char what[96];
+        snprintf(what, sizeof what, "layer %lld v-o rotation of head %lld", (long long)l, (long long)j);
+        rc = kv_dec_eigh(x, gram, dh, sl->lam, sl->vecs, what);
+    }
+    free(gram), free(blk), free(vc);
+    return rc;
+}
+
+int kv_dec_build_slots(struct kv_dec_ctx *x) {
+    const struct kv_config *c = &x->m->cfg;
+    struct kv_decompose_opts *o = x->o;
+    int64_t g = c->n_kv_heads, s = o->group_size > 0 ? o->group_size : 1;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        int rc = KV_OK;
+        switch (o->method) {
+        case KV_METHOD_SVD:
+            if (!(rc = plain_slots(x, l, 0, s, 1))) rc = plain_slots(x, l, 1, s, 1);
+            break;
+        case KV_METHOD_LORC:
+            if (!(rc = plain_slots(x, l, 0, g, 1))) rc = plain_slots(x, l, 1, g, 1);
+            break;
+        case KV_METHOD_PALU:
+            if (!(rc = plain_slots(x, l, 0, s, 0))) rc = plain_slots(x, l, 1, s, 0);
+            break;
+        case KV_METHOD_EIGEN: rc = eigen_slots(x, l); break;
+        case KV_METHOD_FDC:
+            if (!(rc = rotation_key_slots(x, l))) rc = plain_slots(x, l, 1, s, 0);
+            break;
+        case KV_METHOD_ZACK:
+            if (!(rc = rotation_key_slots(x, l))) rc = zack_value_slots(x, l);
+            break;
+        default: KV_ASSERT(0);
+        }
+        if (rc) return rc;
+        if (o->progress) o->progress(o->progress_ctx, l + 1, c->n_layers, 0);
+    }
+    for (int64_t i = 0; i < x->n_slots; i++) {
+        struct kv_dec_slot *sl = &x->slots[i];
+        for (int64_t k = 0; k < sl->n_spec * sl->m; k++) sl->energy += sl->lam[k];
+        if (!(sl->tail = kv_dec_calloc(sl->m + 1, sizeof *sl->tail)))
+            return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        for (int64_t r = sl->m - 1; r >= 0; r--) {
+            double t = 0;
+            for (int64_t k = 0; k < sl->n_spec; k++) t += sl->lam[k * sl->m + r];
+            sl->tail[r] = sl->tail[r + 1] + (sl->energy > 0 ? t / sl->energy : 0);
+        }
+    }
+    return KV_OK;
+}

@@ -1,0 +1,330 @@
+/* kvcal decompose: low-rank K/V factors under a budget, written as a
+ * compressed model directory with its manifest. The rules on the options,
+ * the decomposition and the manifest's records are the library's
+ * (kv_decompose_check, kv_decompose_check_model, kv_decompose,
+ * kv_decompose_write): this file parses, loads, calls and prints. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+
+/* The command line as parsed: the options table writes here. */
+static struct {
+    const char *model, *tokenizer, *stats, *out, *method, *alloc, *text;
+    int64_t threads;
+    int json, quiet;
+    struct kv_decompose_opts o;
+} A;
+
+static const struct cli_opt opts[] = {
+    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
+     "the model's tokenizer when it has none inside (copied into the output)"},
+    {"stats", 's', OPT_STR, &A.stats, "FILE",
+     "statistics from 'kvcal collect' (needed by every method except svd and lorc)"},
+    {"output", 'o', OPT_STR, &A.out, "DIR", "output directory (created; an earlier output is replaced)"},
+    {"method", 0, OPT_STR, &A.method, "M", "svd, palu (default), eigen, lorc, fdc or zack"},
+    {"alloc", 0, OPT_STR, &A.alloc, "A",
+     "rank allocation: eps, uniform, fisher, progressive, removal,\n"
+     "layer-budget or global (default: the method's own; see below)"},
+    {"eps", 0, OPT_DOUBLE, &A.o.eps, "E", "keep the fraction E in (0, 1] of each unit's energy"},
+    {"ratio", 0, OPT_DOUBLE, &A.o.ratio, "R", "keep the fraction R in (0, 1] of the KV bytes per token"},
+    {"group-size", 0, OPT_INT, &A.o.group_size, "S",
+     "KV heads per unit for svd, palu and fdc values: 1 = per head (M-LRD, default),\n"
+     "all = joint (J-LRD), between = groups (G-LRD)"},
+    {"rank-multiple", 0, OPT_INT, &A.o.rank_multiple, "N", "round every rank up to a multiple of N (default 1)"},
+    {"min-rank", 0, OPT_INT, &A.o.min_rank, "N", "smallest rank of a unit (default 1)"},
+    {"d-min", 0, OPT_DOUBLE, &A.o.d_min, "F", "lorc: smallest layer rank as a fraction (eq. 13)"},
+    {"d-max", 0, OPT_DOUBLE, &A.o.d_max, "F", "lorc: largest layer rank as a fraction (default 1)"},
+    {"cond-skip", 0, OPT_DOUBLE, &A.o.cond_skip, "X",
+     "lorc: leave layers whose log10 cumulative condition number exceeds X uncompressed"},
+    {"error-budget", 0, OPT_DOUBLE, &A.o.error_budget, "E",
+     "layer-budget: largest normalised layer output error ‖y'−y‖/‖y‖ per layer"},
+    {"text", 't', OPT_STR, &A.text, "FILE",
+     "layer-budget: calibration text whose windows measure the layer outputs"},
+    {"seq-len", 0, OPT_INT, &A.o.seq_len, "N", "layer-budget: window length (default 256)"},
+    {"windows", 0, OPT_INT, &A.o.calib_windows, "W", "layer-budget: windows measured (default 8)"},
+    {"kv-bits", 0, OPT_INT, &A.o.kv_bits, "B",
+     "latent storage for the byte budget: 16 (fp16, default), 8, 4, 3 or 2 (per-token\n"
+     "asymmetric integers with an fp16 scale and zero point per unit)"},
+    {"hadamard", 0, OPT_FLAG, &A.o.hadamard, NULL,
+     "fuse a Walsh-Hadamard rotation into the factors (spreads latent outliers before\n"
+     "quantization; exact in float)"},
+    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
+    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON object on stdout"},
+    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+};
+static const struct cli_cmd cmd = {
+    "decompose", "--model PATH [--stats FILE] -o DIR (--eps E | --ratio R) [options]",
+    "Build low-rank K/V factors and write a model that caches latents.",
+    "methods (DESIGN.md §3; every one emits down/up factors per unit):\n"
+    "  svd    plain SVD of W_k, W_v (no calibration), uniform ranks: the baseline\n"
+    "  palu   whitened SVD: eigenvectors of the output covariance W C_x Wᵀ, units of\n"
+    "         --group-size heads; keys rebuilt before RoPE, values fused into W_o\n"
+    "  eigen  Eigen Attention: one key basis per layer from C_q + C_k shared by all\n"
+    "         heads (query stays full), a value basis per head, one rank per layer\n"
+    "  lorc   LoRC: joint plain SVD per layer, ranks from cumulative condition numbers\n"
+    "  fdc    post-RoPE key rotation from q_rope/k_rope statistics (scores on rotated\n"
+    "         q·k, no key reconstruction); values as palu\n"
+    "  zack   keys as fdc; values rotated with the V–W_O pair, fused into W_v and W_o\n"
+    "\nallocations (default in brackets):\n"
+    "  eps          per unit, the smallest rank keeping E of the energy [eigen]\n"
+    "  uniform      the same fraction of every unit [svd, palu]\n"
+    "  fisher       ranks in proportion to each unit's Fisher information, Σ (∂L/∂W)²\n"
+    "               over its rows of W_k or W_v (needs 'kvcal collect --fisher' stats)\n"
+    "  progressive  LoRC eqs. 12-13, --d-min/--d-max, --cond-skip [lorc]\n"
+    "  removal      one singular-value removal rate for all units [fdc, zack]\n"
+    "  layer-budget Eigen Attention §4.4: per layer, eps drops by 0.02 while the layer's\n"
+    "               measured output error stays under --error-budget (needs --text)\n"
+    "  global       greedy: drop the direction with the least relative error per byte\n"
+    "               (each unit's error weighted by its Fisher information when the stats\n"
+    "               have it)\n"
+    "With --ratio the allocation's parameter is searched for the smallest cache of at\n"
+    "least R of the base KV bytes per token (global stops at the first at or below R);\n"
+    "the achieved ratio is printed and recorded, with a warning when the allocation\n"
+    "cannot get that small. --eps 1 (or\n"
+    "--ratio 1) keeps every rank: the compressed model then equals the base.\n"
+    "\nthe predicted error of a unit is the calibration energy its dropped directions\n"
+    "carry, Σ‖y − y'‖² over the calibration tokens, relative to Σ‖y‖².\n"
+    "\nexamples:\n"
+    "  kvcal decompose -m tinystories-656K -s 656K.kvstats --eps 0.9 -o out-656K\n"
+    "  kvcal decompose -m stories260K.bin --tokenizer tok512.bin -s 260K.kvstats \\\n"
+    "      --method palu --group-size 2 --ratio 0.5 -o out-260K\n"
+    "  kvcal decompose -m stories260K.bin --method lorc --ratio 0.5 -o out-lorc\n",
+    opts, (int)(sizeof opts / sizeof opts[0]), 0};
+
+/* What one run loads. */
+struct inputs {
+    struct kv_model *m;
+    struct kv_stats *s;
+    int32_t *ids; /* layer-budget's calibration tokens */
+};
+
+static void inputs_free(struct inputs *in) {
+    free(in->ids);
+    kv_stats_free(in->s);
+    kv_model_close(in->m);
+}
+
+static void side_ranks(const struct kv_lowrank *lr, int64_t l, int which, char *buf, size_t cap) {
+    size_t n = 0;
+    buf[0] = 0;
+    if (kv_lr_mode_of(lr, l, which) == KV_LR_FULL) {
+        snprintf(buf, cap, "full");
+        return;
+    }
+    for (int64_t u = 0; u < kv_lr_n_units(lr, l, which) && n + 16 < cap; u++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", u ? "," : "",
+                              (long long)kv_lr_unit_info(lr, l, which, u).rank);
+}
+
+static const char *mode_short(enum kv_lr_mode m) {
+    switch (m) {
+    case KV_LR_FULL: return "full";
+    case KV_LR_PREROPE_LATENT: return "latent";
+    case KV_LR_FUSED_OUTPUT: return "fused";
+    case KV_LR_FUSED_QUERY: return "query";
+    case KV_LR_POSTROPE_ROTATION: return "rotate";
+    default: return kv_lr_mode_name(m);
+    }
+}
+
+/* The options as the library takes them, checked: -1 to go on, else the
+ * exit code (a usage error). */
+static int resolve_options(void) {
+    if (!A.model) return cli_usage_error(&cmd, "missing --model");
+    if (!A.out) return cli_usage_error(&cmd, "missing --output");
+    if (A.method) {
+        int method = kv_method_parse(A.method);
+        if (method < 0)
+            return cli_usage_error(&cmd, "unknown --method '%s' (svd, palu, eigen, lorc, fdc, zack)",
+                                   A.method);
+        A.o.method = (enum kv_method)method;
+    }
+    if (A.alloc) {
+        int alloc = kv_alloc_parse(A.alloc);
+        if (alloc < 0)
+            return cli_usage_error(&cmd, "unknown --alloc '%s' (eps, uniform, fisher, progressive, "
+                                         "removal, global)", A.alloc);
+        A.o.alloc = (enum kv_alloc)alloc;
+    }
+    A.o.stats_path = A.stats, A.o.text_path = A.text, A.o.names = kv_decompose_flag_names;
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (kv_decompose_check(&A.o, kv_decompose_flag_names, &err)) return cli_usage_error(&cmd, "%s", err.msg);
+    if (A.threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
+    return -1;
+}
+
+/* The output checked, then the model, the statistics and the rules on both,
+ * and layer-budget's tokens: -1 to go on, else the exit code. */
+static int load_inputs(struct inputs *in) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    kv_set_threads((int)A.threads);
+    if (kv_lr_dir_check(A.out, "--output", &err)) return cli_report(&err);
+    int rc = cli_load_model(A.model, A.tokenizer, &in->m);
+    if (rc) return rc;
+    if (A.stats && (kv_stats_open(A.stats, &in->s, &err) || !kv_stats_matches_model(in->s, in->m, A.stats, &err)))
+        return cli_report(&err);
+    if (kv_decompose_check_model(&A.o, in->m, in->s, kv_decompose_flag_names, &err)) {
+        if (!err.path[0]) return cli_usage_error(&cmd, "%s", err.msg);
+        /* about the statistics file: an error, printed as it always was
+         * (without the detection site under -v) */
+        char buf[2400];
+        kv_err_format(&err, buf, sizeof buf, 0);
+        fprintf(stderr, "kvcal: %s\n", buf);
+        return EXIT_ERR;
+    }
+    if (A.o.alloc == KV_ALLOC_LAYER_BUDGET) {
+        int64_t n_ids = 0, seq = A.o.seq_len;
+        size_t n_bytes = 0;
+        if ((rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes))) return rc;
+        if (n_ids / seq < A.o.calib_windows) A.o.calib_windows = n_ids / seq;
+        if (A.o.calib_windows < 1) {
+            fprintf(stderr, "kvcal: %s: %lld tokens, fewer than one window of %lld\n", A.text,
+                    (long long)n_ids, (long long)seq);
+            return EXIT_ERR;
+        }
+        A.o.calib_tokens = in->ids;
+    }
+    return -1;
+}
+
+static void print_warnings(const struct kv_model *m, const struct kv_lowrank *lr) {
+    if (A.o.odd_rank_units)
+        fprintf(stderr, "kvcal: warning: --hadamard leaves %lld units of odd rank unrotated (a "
+                        "block is the largest power of two dividing the rank); add "
+                        "--rank-multiple 8\n", (long long)A.o.odd_rank_units);
+    int64_t base = kv_lr_base_bytes(kv_model_config(m)), comp = kv_lr_bytes(lr, (int)A.o.kv_bits);
+    if (!A.o.target_reached)
+        fprintf(stderr,
+                "kvcal: warning: --alloc %s cannot reach --ratio %g for this model: its smallest "
+                "cache keeps %.4f%s; wrote that\n",
+                kv_alloc_name(A.o.alloc), A.o.ratio, (double)comp / (double)base,
+                A.o.alloc == KV_ALLOC_PROGRESSIVE ? " (eq. 13 keeps the most sensitive layer at "
+                                                    "--d-max: lower it to go further)"
+                                                  : "");
+}
+
+static json_t *json_layers(const struct kv_lowrank *lr) {
+    json_t *layers = json_array();
+    int bits = (int)A.o.kv_bits;
+    for (int64_t l = 0; l < kv_lr_info(lr).n_layers; l++) {
+        json_t *side[2];
+        for (int k = 0; k < 2; k++) {
+            json_t *ranks = json_array();
+            for (int64_t u = 0; u < kv_lr_n_units(lr, l, k); u++)
+                json_array_append_new(ranks, json_integer(kv_lr_unit_info(lr, l, k, u).rank));
+            side[k] = json_pack("{s:s, s:o, s:o, s:I}", "mode", kv_lr_mode_name(kv_lr_mode_of(lr, l, k)),
+                                "ranks", ranks, "predicted_error",
+                                cli_json_real(kv_lr_side_error(lr, l, k, NULL, NULL)), "bytes",
+                                (json_int_t)kv_lr_side_bytes(lr, l, k, bits));
+        }
+        json_array_append_new(layers, json_pack("{s:I, s:o, s:o}", "layer", (json_int_t)l, "k",
+                                                side[0], "v", side[1]));
+    }
+    return layers;
+}
+
+static int print_json(const struct inputs *in, const struct kv_lowrank *lr, double write_s) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    char *opts_txt;
+    if (kv_decompose_records(&A.o, in->s, &opts_txt, NULL, &err)) return cli_report(&err);
+    json_t *jo = json_loads(opts_txt, 0, NULL); /* the manifest's "options", as written */
+    free(opts_txt);
+    int64_t base = kv_lr_base_bytes(kv_model_config(in->m)), comp = kv_lr_bytes(lr, (int)A.o.kv_bits);
+    double ratio = A.o.ratio;
+    json_t *o2 = json_pack(
+        "{s:o, s:o, s:s, s:s, s:o, s:{s:I, s:I, s:o, s:o, s:o}, s:{s:o, s:o}, s:o, s:o, s:o, s:o}",
+        "model", cli_json_text(A.model), "output", cli_json_text(A.out), "method",
+        kv_method_name(A.o.method), "alloc", kv_alloc_name(A.o.alloc), "options", jo,
+        "kv_bytes_per_token", "base", (json_int_t)base, "compressed", (json_int_t)comp, "ratio",
+        cli_json_real((double)comp / (double)base), "target", ratio > 0 ? json_real(ratio) : json_null(),
+        "target_reached", json_boolean(A.o.target_reached), "predicted_error", "k",
+        cli_json_real(A.o.error_k), "v", cli_json_real(A.o.error_v), "layers", json_layers(lr),
+        "seconds", cli_json_real(A.o.seconds), "lapack_seconds", cli_json_real(A.o.lapack_seconds),
+        "write_seconds", cli_json_real(write_s));
+    return cli_print_json(o2, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+}
+
+static void print_text(const struct inputs *in, const struct kv_lowrank *lr, double write_s) {
+    const struct kv_config *c = kv_model_config(in->m);
+    const struct kv_decompose_opts *o = &A.o;
+    int bits = (int)o->kv_bits;
+    char desc[512];
+    cli_describe_config(c, desc, sizeof desc);
+    printf("model     %s\n          %s\n", A.model, desc);
+    if (in->s) {
+        struct kv_stats_info si = kv_stats_info(in->s);
+        printf("stats     %s: %lld tokens in %lld windows of %lld%s\n", A.stats, (long long)si.tokens,
+               (long long)si.windows, (long long)si.seq_len, si.has_fisher ? ", with fisher statistics" : "");
+    }
+    printf("method    %s, alloc %s", kv_method_name(o->method), kv_alloc_name(o->alloc));
+    if (o->eps > 0) printf(", eps %g", o->eps);
+    if (o->ratio > 0) printf(", ratio %g (searched parameter %.4f)", o->ratio, o->param);
+    printf(", group %lld, rank multiple %lld, min rank %lld, %s%s\n", (long long)o->group_size,
+           (long long)o->rank_multiple, (long long)o->min_rank,
+           bits == 16 ? "fp16 latents" : "quantized latents", o->hadamard ? ", hadamard" : "");
+    printf("\nlayer  k mode  k ranks          k err    v mode  v ranks          v err    bytes/token\n");
+    for (int64_t l = 0; l < kv_lr_info(lr).n_layers; l++) {
+        char kr[128], vr[128];
+        side_ranks(lr, l, 0, kr, sizeof kr);
+        side_ranks(lr, l, 1, vr, sizeof vr);
+        int64_t lb = kv_lr_side_bytes(lr, l, 0, bits) + kv_lr_side_bytes(lr, l, 1, bits);
+        printf("%5lld  %-6s  %-15s %6.2f%%   %-6s  %-15s %6.2f%%   %lld / %lld\n", (long long)l,
+               mode_short(kv_lr_mode_of(lr, l, 0)), kr, 100 * kv_lr_side_error(lr, l, 0, NULL, NULL),
+               mode_short(kv_lr_mode_of(lr, l, 1)), vr, 100 * kv_lr_side_error(lr, l, 1, NULL, NULL),
+               (long long)lb, (long long)(2 * c->n_kv_heads * c->head_dim * 2));
+    }
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, bits);
+    printf("\npredicted calibration error: k %.3f%%, v %.3f%% of the output energy\n", 100 * o->error_k,
+           100 * o->error_v);
+    printf("kv cache  %lld bytes/token compressed vs %lld base: %.4f kept", (long long)comp,
+           (long long)base, (double)comp / (double)base);
+    if (o->ratio > 0) printf(" (target %.4f%s)", o->ratio, o->target_reached ? "" : ", not reachable");
+    printf("\ntime      %.3f s (eigendecompositions %.3f s), write %.3f s\n", o->seconds,
+           o->lapack_seconds, write_s);
+    printf("wrote     %s\n", A.out);
+}
+
+/* Decompose, warn, write the directory, print. */
+static int run(struct inputs *in) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct cli_progress prog;
+    cli_progress_start(&prog, "layers", A.quiet || A.json);
+    A.o.progress = cli_progress_cb, A.o.progress_ctx = &prog;
+    struct kv_lowrank *lr = NULL;
+    int rc = kv_decompose(in->m, in->s, &A.o, &lr, &err);
+    cli_progress_end(&prog);
+    A.o.progress = NULL, A.o.progress_ctx = NULL;
+    if (rc) return cli_report(&err);
+    print_warnings(in->m, lr);
+    double tw = kv_now();
+    rc = kv_decompose_write(in->m, lr, &A.o, in->s, A.model, A.tokenizer, A.out, &err);
+    tw = kv_now() - tw;
+    if (rc) rc = cli_report(&err);
+    else if (A.json) rc = print_json(in, lr, tw);
+    else print_text(in, lr, tw);
+    kv_lr_free(lr);
+    return rc;
+}
+
+int cmd_decompose(int argc, char **argv) {
+    memset(&A, 0, sizeof A);
+    kv_decompose_defaults(&A.o);
+    const char *pos[1];
+    int n_pos;
+    int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    if ((rc = resolve_options()) >= 0) return rc;
+    struct inputs in = {0};
+    if ((rc = load_inputs(&in)) < 0) rc = run(&in);
+    inputs_free(&in);
+    return rc;
+}
