@@ -59,7 +59,7 @@ static int check_all(const struct kv_model *m, const struct kv_stats *s,
     kv_decompose_defaults(&d);
     if (!chk.seq_len) chk.seq_len = d.seq_len;
     if (!chk.calib_windows) chk.calib_windows = d.calib_windows;
-    const char *const *names = o->names ? o->names : kv_decompose_flag_names;
+    const char *const *names = kv_dec_names(o->names);
     int rc = kv_dec_check_opts(&chk, s || o->stats_path, o->calib_tokens || o->text_path, names, err);
     if (rc) return rc;
     if (o->alloc == KV_ALLOC_DEFAULT) {
@@ -167,7 +167,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (rc) return rc;
 
     enum kv_alloc a = o->alloc;
-    struct kv_dec_ctx x = {m, s, o, o->names ? o->names : kv_decompose_flag_names, NULL, 0, 0, err};
+    struct kv_dec_ctx x = {m, s, o, kv_dec_names(o->names), NULL, 0, 0, err};
     rc = kv_dec_build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = kv_dec_lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->has_fisher)))))

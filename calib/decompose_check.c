@@ -8,25 +8,6 @@
 #include "kvstats.h"
 #include "model.h"
 
-const char *const kv_decompose_flag_names[KV_DECOMPOSE_OPT_COUNT] = {
-    [KV_DECOMPOSE_OPT_METHOD] = "--method",
-    [KV_DECOMPOSE_OPT_ALLOC] = "--alloc",
-    [KV_DECOMPOSE_OPT_EPS] = "--eps",
-    [KV_DECOMPOSE_OPT_RATIO] = "--ratio",
-    [KV_DECOMPOSE_OPT_GROUP_SIZE] = "--group-size",
-    [KV_DECOMPOSE_OPT_RANK_MULTIPLE] = "--rank-multiple",
-    [KV_DECOMPOSE_OPT_MIN_RANK] = "--min-rank",
-    [KV_DECOMPOSE_OPT_D_MIN] = "--d-min",
-    [KV_DECOMPOSE_OPT_D_MAX] = "--d-max",
-    [KV_DECOMPOSE_OPT_COND_SKIP] = "--cond-skip",
-    [KV_DECOMPOSE_OPT_ERROR_BUDGET] = "--error-budget",
-    [KV_DECOMPOSE_OPT_STATS] = "--stats",
-    [KV_DECOMPOSE_OPT_TEXT] = "--text",
-    [KV_DECOMPOSE_OPT_SEQ_LEN] = "--seq-len",
-    [KV_DECOMPOSE_OPT_WINDOWS] = "--windows",
-    [KV_DECOMPOSE_OPT_KV_BITS] = "--kv-bits",
-};
-
 /* The library's own words for the options, for callers with no flags. */
 static const char *const quantity_names[KV_DECOMPOSE_OPT_COUNT] = {
     [KV_DECOMPOSE_OPT_METHOD] = "method",

@@ -200,8 +200,6 @@ struct kv_layer_spectrum {
 int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                             struct kv_layer_spectrum *out, struct kv_err *err);
 
-/* Sorted eigenvalues (descending) of a symmetric n×n float64 matrix, by
- * LAPACKE dsyevd on a copy. NaN/Inf input is KV_ENUMERIC naming `what`. */
 /* ---------------------------------------------------------------- decompose */
 
 enum kv_method {
@@ -256,11 +254,6 @@ enum kv_decompose_opt {
     KV_DECOMPOSE_OPT_COUNT
 };
 
-/* `kvcal decompose`'s flags ("--method", "--eps", ...), indexed by enum
- * kv_decompose_opt. kv_decompose's messages have always named these, so
- * they are its default (kv_decompose_opts.names NULL). */
-extern const char *const kv_decompose_flag_names[KV_DECOMPOSE_OPT_COUNT];
-
 /* A zero field means its default where a default is listed; kv_decompose
  * resolves alloc KV_ALLOC_DEFAULT, kv_bits 0 and group_size, rank_multiple,
  * min_rank 0 in place (to the method's allocation, 16 and 1), so the struct
@@ -290,8 +283,8 @@ struct kv_decompose_opts {
      * the statistics file s was read from, and layer-budget's text. */
     const char *stats_path;
     const char *text_path;
-    /* How messages name the options (enum kv_decompose_opt); NULL:
-     * kv_decompose_flag_names. */
+    /* How messages name the options (enum kv_decompose_opt; a program
+     * passes its flags); NULL: the library's quantity names. */
     const char *const *names;
     kv_progress_fn progress;
     void *progress_ctx;

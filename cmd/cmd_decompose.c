@@ -12,6 +12,26 @@
 #include "commands.h"
 
 /* The command line as parsed: the options table writes here. */
+/* How kvcal decompose names each option in the library's messages. */
+static const char *const flag_names[KV_DECOMPOSE_OPT_COUNT] = {
+    [KV_DECOMPOSE_OPT_METHOD] = "--method",
+    [KV_DECOMPOSE_OPT_ALLOC] = "--alloc",
+    [KV_DECOMPOSE_OPT_EPS] = "--eps",
+    [KV_DECOMPOSE_OPT_RATIO] = "--ratio",
+    [KV_DECOMPOSE_OPT_GROUP_SIZE] = "--group-size",
+    [KV_DECOMPOSE_OPT_RANK_MULTIPLE] = "--rank-multiple",
+    [KV_DECOMPOSE_OPT_MIN_RANK] = "--min-rank",
+    [KV_DECOMPOSE_OPT_D_MIN] = "--d-min",
+    [KV_DECOMPOSE_OPT_D_MAX] = "--d-max",
+    [KV_DECOMPOSE_OPT_COND_SKIP] = "--cond-skip",
+    [KV_DECOMPOSE_OPT_ERROR_BUDGET] = "--error-budget",
+    [KV_DECOMPOSE_OPT_STATS] = "--stats",
+    [KV_DECOMPOSE_OPT_TEXT] = "--text",
+    [KV_DECOMPOSE_OPT_SEQ_LEN] = "--seq-len",
+    [KV_DECOMPOSE_OPT_WINDOWS] = "--windows",
+    [KV_DECOMPOSE_OPT_KV_BITS] = "--kv-bits",
+};
+
 static struct {
     const char *model, *tokenizer, *stats, *out, *method, *alloc, *text;
     int64_t threads;
@@ -151,10 +171,10 @@ static int resolve_options(void) {
                                          "removal, global)", A.alloc);
         A.o.alloc = (enum kv_alloc)alloc;
     }
-    A.o.stats_path = A.stats, A.o.text_path = A.text, A.o.names = kv_decompose_flag_names;
+    A.o.stats_path = A.stats, A.o.text_path = A.text, A.o.names = flag_names;
     struct kv_err err;
     kv_err_clear(&err);
-    if (kv_decompose_check(&A.o, kv_decompose_flag_names, &err)) return cli_usage_error(&cmd, "%s", err.msg);
+    if (kv_decompose_check(&A.o, flag_names, &err)) return cli_usage_error(&cmd, "%s", err.msg);
     if (A.threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
     return -1;
 }
@@ -170,7 +190,7 @@ static int load_inputs(struct inputs *in) {
     if (rc) return rc;
     if (A.stats && (kv_stats_open(A.stats, &in->s, &err) || !kv_stats_matches_model(in->s, in->m, A.stats, &err)))
         return cli_report(&err);
-    if (kv_decompose_check_model(&A.o, in->m, in->s, kv_decompose_flag_names, &err)) {
+    if (kv_decompose_check_model(&A.o, in->m, in->s, flag_names, &err)) {
         if (!err.path[0]) return cli_usage_error(&cmd, "%s", err.msg);
         /* about the statistics file: an error, printed as it always was
          * (without the detection site under -v) */

@@ -129,12 +129,35 @@ static inline struct kv_stats *collect(const struct kv_model *m, const int32_t *
     return s;
 }
 
+/* kvcal decompose's flags, the names the CLI-facing tests expect in the
+ * library's messages (kv_decompose_opts.names). */
+static const char *const kv_decompose_flag_names[KV_DECOMPOSE_OPT_COUNT] = {
+    [KV_DECOMPOSE_OPT_METHOD] = "--method",
+    [KV_DECOMPOSE_OPT_ALLOC] = "--alloc",
+    [KV_DECOMPOSE_OPT_EPS] = "--eps",
+    [KV_DECOMPOSE_OPT_RATIO] = "--ratio",
+    [KV_DECOMPOSE_OPT_GROUP_SIZE] = "--group-size",
+    [KV_DECOMPOSE_OPT_RANK_MULTIPLE] = "--rank-multiple",
+    [KV_DECOMPOSE_OPT_MIN_RANK] = "--min-rank",
+    [KV_DECOMPOSE_OPT_D_MIN] = "--d-min",
+    [KV_DECOMPOSE_OPT_D_MAX] = "--d-max",
+    [KV_DECOMPOSE_OPT_COND_SKIP] = "--cond-skip",
+    [KV_DECOMPOSE_OPT_ERROR_BUDGET] = "--error-budget",
+    [KV_DECOMPOSE_OPT_STATS] = "--stats",
+    [KV_DECOMPOSE_OPT_TEXT] = "--text",
+    [KV_DECOMPOSE_OPT_SEQ_LEN] = "--seq-len",
+    [KV_DECOMPOSE_OPT_WINDOWS] = "--windows",
+    [KV_DECOMPOSE_OPT_KV_BITS] = "--kv-bits",
+};
+
+
 static inline struct kv_decompose_opts opts_of(enum kv_method method, enum kv_alloc alloc, double eps,
                                         double ratio, int64_t group) {
     struct kv_decompose_opts o;
     memset(&o, 0, sizeof o);
     o.method = method, o.alloc = alloc, o.eps = eps, o.ratio = ratio, o.group_size = group;
     o.kv_bits = 16;
+    o.names = kv_decompose_flag_names;
     return o;
 }
 

@@ -382,7 +382,8 @@ Test(decompose_check, model_rules_name_quantities_or_flags_and_the_file) {
 }
 
 /* kv_decompose names the options as o->names says, also in the messages
- * only a run can give (the floor of the cache); NULL is the flags. */
+ * only a run can give (the floor of the cache); NULL is the library's
+ * quantity names. */
 Test(decompose_check, kv_decompose_names_options_as_asked) {
     struct opts_env e = opts_env();
     const char *names[KV_DECOMPOSE_OPT_COUNT];
@@ -398,13 +399,13 @@ Test(decompose_check, kv_decompose_names_options_as_asked) {
         cr_assert_eq(kv_decompose(e.m, e.s, &o, &lr, &err), KV_EINVAL);
         cr_assert_null(lr);
         cr_assert_str_eq(err.msg, given ? "R 0.01 is below 0.1250, the smallest cache that m 1 and k 1 allow"
-                                        : "--ratio 0.01 is below 0.1250, the smallest cache that --min-rank 1 "
-                                          "and --rank-multiple 1 allow");
+                                        : "ratio 0.01 is below 0.1250, the smallest cache that min rank 1 "
+                                          "and rank multiple 1 allow");
         o = opts_of(KV_METHOD_PALU, KV_ALLOC_UNIFORM, 1.5, 0, 1);
         o.names = given ? names : NULL;
         kv_err_clear(&err);
         cr_assert_eq(kv_decompose(e.m, e.s, &o, &lr, &err), KV_EINVAL);
-        cr_assert_str_eq(err.msg, given ? "E 1.5 is outside (0, 1]" : "--eps 1.5 is outside (0, 1]");
+        cr_assert_str_eq(err.msg, given ? "E 1.5 is outside (0, 1]" : "eps 1.5 is outside (0, 1]");
     }
     opts_env_free(&e);
 }

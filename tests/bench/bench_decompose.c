@@ -6,7 +6,7 @@
  * and reports its wall time and the part spent in its eigendecompositions
  * (o.seconds, o.lapack_seconds). The reference, "LAPACK alone", is
  * kv_la_eigh on random symmetric matrices of exactly the sizes and count
- * that method's decomposition performs (calib/decompose.c):
+ * that method's decomposition performs (calib/decompose_*.c):
  *
  *   svd, palu (group s)  2·L·(g/s) of s·d_h      (K and V units)
  *   eigen                L·(1 + g) of d_h        (shared key basis, V per head)
