@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "decompose_ctx.h"
 #include "err.h"
 #include "kvstats.h"
@@ -176,7 +177,8 @@ int kv_dec_build_lowrank(struct kv_dec_ctx *x, struct kv_lowrank **out) {
         struct kv_lr_side *sd = sl->side ? &lr->layers[sl->layer].v : &lr->layers[sl->layer].k;
         if (sl->skip) continue;
         /* keys without RoPE fold their up projection into the query */
-        enum kv_lr_mode kmode = c->arch == KV_ARCH_LLAMA ? KV_LR_PREROPE_LATENT : KV_LR_FUSED_QUERY;
+        enum kv_lr_mode kmode =
+            kv_arch_desc(c->arch)->rope ? KV_LR_PREROPE_LATENT : KV_LR_FUSED_QUERY;
         sd->mode = sl->side ? KV_LR_FUSED_OUTPUT : (sl->rotation ? KV_LR_POSTROPE_ROTATION : kmode);
         struct kv_lr_unit *nu = realloc(sd->units, (size_t)(sd->n_units + sl->n_units) * sizeof *nu);
         if (!nu) {

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "decompose_ctx.h"
 #include "err.h"
 #include "kvstats.h"
@@ -168,7 +169,7 @@ static int rotation_key_slots(struct kv_dec_ctx *x, int64_t l) {
 static int eigen_slots(struct kv_dec_ctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, h = c->n_heads, dh = c->head_dim, n2 = dh * dh;
-    int per_head = c->arch != KV_ARCH_LLAMA; /* then h == g */
+    int per_head = !kv_arch_desc(c->arch)->rope; /* fused_query keys; then h == g */
     double *gram = kv_dec_calloc(n2, sizeof *gram), *qc = NULL, *kc = NULL, *vc = NULL;
     struct kv_dec_slot *sk = new_slot(x, l, 0, dh, g, per_head ? g : 1);
     int rc = KV_OK;

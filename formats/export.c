@@ -198,23 +198,37 @@ static int check_output(const char *model_path, const char *out, int is_dir,
 /* ================================================================ targets */
 
 /* Add the target for weight `kind` of `layer`, stored in tensor t (of
- * files[file]), checking t's dtype and shape. A gpt2 source stores K and V
- * inside the Conv1D c_attn, weight [d, qd + 2 kd] ([in, out]) and bias
- * [qd + 2 kd], q, k and v along the output axis; any other source stores
+ * files[file]), checking t's dtype and shape. Where the architecture table
+ * stacks it with other weights (gpt2's c_attn: q, k and v along the output
+ * axis, weight [d, qd + 2 kd] as a Conv1D stores it, [in, out], and bias
+ * [qd + 2 kd]), it is rows r0.. of that tensor; any other source stores
  * each as its own [kd, d] / [kd] tensor. */
 static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file,
                       const struct kv_tensor *t, const char *path, struct kv_err *err) {
     const struct kv_config *c = &j->m->cfg;
-    const int64_t kd = c->n_kv_heads * c->head_dim, qd = c->n_heads * c->head_dim, d = c->dim;
+    const int64_t kd = c->n_kv_heads * c->head_dim, d = c->dim;
     const int is_bias = kind == KV_W_BK || kind == KV_W_BV;
-    const int c_attn = c->arch == KV_ARCH_GPT2, is_v = kind == KV_W_V || kind == KV_W_BV;
+    int part = 0;
+    const struct kv_arch_tensor *e =
+        j->m->format == KV_FORMAT_HF ? kv_arch_find(&kv_arch_desc(c->arch)->hf, kind, &part) : NULL;
+    int64_t out = kd, r0 = 0; /* the tensor's output rows, and this weight's first */
+    if (e && e->n_kinds > 1) {
+        out = 0;
+        for (int k = 0; k < e->n_kinds; k++) {
+            int64_t s[2];
+            kv_model_expected_shape(c, e->kinds[k], s);
+            if (k < part) r0 += s[0];
+            out += s[0];
+        }
+    }
+    const int conv = e && e->conv;
     if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
                        "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",
                        t->name, kv_dtype_name(t->dtype));
-    int64_t out = c_attn ? qd + 2 * kd : kd, want[2] = {out, 0};
+    int64_t want[2] = {out, 0};
     int nd = is_bias ? 1 : 2;
-    if (!is_bias) want[0] = c_attn ? d : kd, want[1] = c_attn ? out : d;
+    if (!is_bias) want[0] = conv ? d : out, want[1] = conv ? out : d;
     int ok = t->ndim == nd;
     for (int i = 0; i < nd && ok; i++) ok = t->shape[i] == want[i];
     int64_t stored_n = want[0] * (is_bias ? 1 : want[1]);
@@ -238,9 +252,9 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     x->stored_n = stored_n;
     x->rows = kd;
     x->cols = is_bias ? 1 : d;
-    x->base = c_attn ? qd + (is_v ? kd : 0) : 0;
-    x->os = c_attn ? 1 : x->cols;
-    x->is = c_attn ? out : 1;
+    x->base = conv ? r0 : r0 * x->cols;
+    x->os = conv ? 1 : x->cols;
+    x->is = conv ? out : 1;
     return KV_OK;
 }
 
