@@ -4,10 +4,12 @@
  * test per file; a file with console blocks skips when the shared test data
  * is absent. Run from the repository root, as make test does; `make docs`
  * rewrites the blocks after a meant change. */
+#include <glob.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -45,6 +47,24 @@ Test(docs, formats_examples_print_what_they_show) { check_file("docs/formats.md"
 Test(docs, results_examples_print_what_they_show) { check_file("docs/results.md"); }
 Test(docs, performance_examples_print_what_they_show) { check_file("docs/performance.md"); }
 Test(docs, correctness_examples_print_what_they_show) { check_file("docs/correctness.md"); }
+Test(docs, design_examples_print_what_they_show) { check_file("docs/design.md"); }
+
+/* A new document gets its test above: every markdown file in docs/ is one of these. */
+Test(docs, every_document_is_checked) {
+    static const char *const checked[] = {"docs/formats.md", "docs/results.md",
+                                          "docs/performance.md", "docs/correctness.md",
+                                          "docs/design.md"};
+    glob_t g;
+    cr_assert_eq(glob("docs/*.md", 0, NULL, &g), 0, "no docs/*.md from %s", getcwd(NULL, 0));
+    for (size_t i = 0; i < g.gl_pathc; i++) {
+        int found = 0;
+        for (size_t j = 0; j < sizeof checked / sizeof checked[0]; j++)
+            found |= !strcmp(g.gl_pathv[i], checked[j]);
+        cr_assert(found, "%s has no test in tests/test_docs.c", g.gl_pathv[i]);
+    }
+    cr_assert_eq(g.gl_pathc, sizeof checked / sizeof checked[0]);
+    globfree(&g);
+}
 
 /* The checker itself, on a file of shell commands (no shared data needed):
  * a timing may change, a digit of a result may not, and the failure names
