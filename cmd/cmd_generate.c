@@ -1,9 +1,34 @@
-/* kvcal generate: greedy decoding with the reference forward pass. */
+/* kvcal generate: greedy decoding with the reference forward pass
+ * (kv_generate_greedy); this file prints its tokens. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 #include "commands.h"
+
+/* The options as the library's messages name them. */
+static const char *const gen_names[KV_GENERATE_OPT_COUNT] = {[KV_GENERATE_OPT_STEPS] = "-n"};
+
+struct gen_print {
+    int ids;          /* --ids: generated token ids instead of text */
+    int64_t produced; /* generated tokens printed so far */
+};
+
+/* The prompt's text as it is, then each generated token as it comes. */
+static int print_token(void *ctx, int32_t id, const char *piece, size_t len, int prompt) {
+    struct gen_print *p = ctx;
+    if (prompt) {
+        if (!p->ids) fwrite(piece, 1, len, stdout);
+        return 0;
+    }
+    if (p->ids)
+        printf("%s%d", p->produced ? " " : "", id);
+    else
+        fwrite(piece, 1, len, stdout);
+    fflush(stdout);
+    p->produced++;
+    return 0;
+}
 
 int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *tokenizer = NULL, *prompt = "";
@@ -29,7 +54,9 @@ int cmd_generate(int argc, char **argv) {
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     if (!model) return cli_usage_error(&cmd, "missing --model");
-    if (steps < 1) return cli_usage_error(&cmd, "-n must be at least 1");
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (kv_generate_check(steps, gen_names, &err)) return cli_usage_error(&cmd, "%s", err.msg);
     kv_set_threads((int)threads);
     struct kv_model *m;
     if ((rc = cli_load_model(model, tokenizer, &m))) return rc;
@@ -39,61 +66,14 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE\n");
         return EXIT_ERR;
     }
-    struct kv_err err;
-    kv_err_clear(&err);
-    int32_t *ids = NULL;
-    int64_t n_prompt = 0;
-    struct kv_fwd *f = NULL;
-    if ((rc = kv_tok_encode(tok, prompt, strlen(prompt), 1, &ids, &n_prompt, &err))) goto fail;
-    int64_t ctx = n_prompt + steps;
-    int32_t *seq = realloc(ids, (size_t)ctx * sizeof *seq);
-    if (!seq) {
-        err = (struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"};
-        rc = KV_ENOMEM;
-        goto fail;
-    }
-    ids = seq;
-    if ((rc = kv_fwd_init(m, ctx, &f, &err))) goto fail;
-    int64_t vocab = kv_model_config(m)->vocab_size, len = n_prompt;
-    for (int64_t i = 0; i < n_prompt; i++) {
-        char piece[256];
-        size_t pl = kv_tok_decode(tok, i ? ids[i - 1] : -1, ids[i], piece, sizeof piece);
-        if (!show_ids) fwrite(piece, 1, pl < sizeof piece ? pl : sizeof piece, stdout);
-    }
-    double t0 = kv_now();
-    int64_t produced = 0, run_from = 0;
-    while (produced < steps) {
-        if ((rc = kv_fwd_run(f, ids + run_from, len - run_from, run_from, NULL, &err))) goto fail;
-        const float *lg = kv_fwd_logits(f) + (len - run_from - 1) * vocab;
-        int32_t best = 0;
-        for (int64_t j = 1; j < vocab; j++)
-            if (lg[j] > lg[best]) best = (int32_t)j;
-        if (best == kv_tok_bos(tok) || best == kv_tok_eos(tok)) break;
-        ids[len] = best;
-        if (show_ids) {
-            printf("%s%d", produced ? " " : "", best);
-        } else {
-            char piece[256];
-            size_t pl = kv_tok_decode(tok, ids[len - 1], best, piece, sizeof piece);
-            fwrite(piece, 1, pl < sizeof piece ? pl : sizeof piece, stdout);
-        }
-        fflush(stdout);
-        run_from = len;
-        len++;
-        produced++;
-    }
+    struct gen_print p = {.ids = show_ids};
+    struct kv_generate_result r;
+    rc = kv_generate_greedy(m, tok, prompt, steps, print_token, &p, &r, &err);
+    kv_model_close(m);
+    if (rc) return cli_report(&err);
     printf("\n");
     fflush(stdout); /* keep the text ahead of the summary when both streams are merged */
-    double dt = kv_now() - t0;
-    fprintf(stderr, "generated %lld tokens in %.2f s (%.1f tokens/s)\n", (long long)produced, dt,
-            dt > 0 ? (double)produced / dt : 0.0);
-    kv_fwd_free(f);
-    free(ids);
-    kv_model_close(m);
+    fprintf(stderr, "generated %lld tokens in %.2f s (%.1f tokens/s)\n", (long long)r.generated,
+            r.seconds, r.seconds > 0 ? (double)r.generated / r.seconds : 0.0);
     return EXIT_OK;
-fail:
-    kv_fwd_free(f);
-    free(ids);
-    kv_model_close(m);
-    return cli_report(&err);
 }

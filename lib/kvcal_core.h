@@ -444,6 +444,42 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
                         int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
                         void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
 
+/* ---------------------------------------------------------------- greedy generation */
+
+/* The options of a greedy decoding as a caller names them in messages: a
+ * check given names (indexed by this enum) words its message with them, so
+ * a program's message names its own flag ("-n"); NULL names use the
+ * library's ("steps"). */
+enum kv_generate_opt { KV_GENERATE_OPT_STEPS, KV_GENERATE_OPT_COUNT };
+
+/* KV_OK when steps, the number of tokens to generate, is at least 1; else
+ * KV_EINVAL "<steps> must be at least 1". */
+int kv_generate_check(int64_t steps, const char *const *names, struct kv_err *err);
+
+/* Called with each token of the sequence in order: the prompt's (BOS
+ * first) with prompt 1, then each generated token with prompt 0. piece is
+ * the token's text decoded after the token before it (kv_tok_decode; len
+ * at most 256 bytes, not NUL-terminated), valid during the call. A
+ * non-zero return stops the decoding (kv_generate_greedy then returns
+ * KV_OK with the tokens so far). */
+typedef int (*kv_generate_fn)(void *ctx, int32_t id, const char *piece, size_t len, int prompt);
+
+struct kv_generate_result {
+    int64_t prompt_tokens; /* BOS and the prompt's tokens */
+    int64_t generated;     /* tokens generated: steps, or fewer when BOS or EOS came first */
+    double seconds;        /* wall time of the decoding, after the prompt's callbacks */
+};
+
+/* Greedy decoding (temperature 0) with the reference forward pass: prompt
+ * (UTF-8, may be "") is encoded with BOS by tok, runs in one forward pass,
+ * then up to steps times the argmax of the last position's logits (the
+ * first of equal ones) is appended and run as one position over the
+ * cache. Decoding stops before a BOS or EOS token. tok must be non-NULL
+ * (the model's own: kv_model_tokenizer). */
+int kv_generate_greedy(const struct kv_model *m, const struct kv_tokenizer *tok,
+                       const char *prompt, int64_t steps, kv_generate_fn on_token, void *ctx,
+                       struct kv_generate_result *out, struct kv_err *err);
+
 #ifdef __cplusplus
 }
 #endif
