@@ -92,6 +92,26 @@ struct kv_calib_input {
 
 struct kv_calib; /* inputs, the window plan, and the tokens of one input */
 
+/* The options of the calibration data as a caller names them in messages.
+ * A check given names (indexed by this enum) words each message as the
+ * caller's own, with its option names ("--seq-len must be at least 2, got
+ * 1" for kvcal collect); NULL names keep the library's wording ("sequence
+ * length must be at least 2, found 1"). */
+enum kv_calib_opt {
+    KV_CALIB_OPT_SEQ_LEN,
+    KV_CALIB_OPT_SAMPLES,
+    KV_CALIB_OPT_SHARD, /* shard_index and shard_count, written I/N */
+    KV_CALIB_OPT_COUNT
+};
+
+/* KV_OK when o describes a plan kv_calib_open can draw: seq_len at least
+ * 2, samples 0 (every window) or more, and a shard (kv_calib_shard_valid);
+ * else KV_EINVAL naming the first option that is not. kv_calib_open makes
+ * the same check (with NULL names) before it reads anything. */
+int kv_calib_check(const struct kv_calib_opts *o, const char *const *names, struct kv_err *err);
+/* 1 when shard I/N = index/count names one: 0 <= index < count. */
+int kv_calib_shard_valid(int64_t index, int64_t count);
+
 /* Read, hash and tokenize every input, then draw the window plan: the chosen
  * windows in (input, window) order. Errors name the file (and the line and
  * byte offset for JSON lines). Only the tokens of one input stay in memory. */
@@ -162,12 +182,53 @@ struct kv_collect_opts {
     int64_t checkpoint_every;
     kv_progress_fn progress;  /* done/total count this run's windows */
     void *progress_ctx;
+    int64_t resumed_from;        /* out of kv_collect_start: the checkpoint's next window,
+                                    -1 for fresh statistics */
     int64_t checkpoints_written; /* out: checkpoint files written */
     double seconds;              /* out: wall time of the windows and writes */
     double loss;                 /* out: mean window loss of this run (fisher), else 0 */
+    int64_t run_windows;         /* out: windows this run summed (none before a resume) */
+    double tokens_per_s;         /* out: run_windows x seq_len / seconds (0 without time) */
 };
 int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
                    struct kv_collect_opts *opts, struct kv_err *err);
+
+/* The options of a collect run as a caller names them in messages (see
+ * enum kv_calib_opt, whose names it starts with: a collect names array
+ * serves kv_calib_check as it is). */
+enum kv_collect_opt {
+    KV_COLLECT_OPT_SEQ_LEN = KV_CALIB_OPT_SEQ_LEN,
+    KV_COLLECT_OPT_SAMPLES = KV_CALIB_OPT_SAMPLES,
+    KV_COLLECT_OPT_SHARD = KV_CALIB_OPT_SHARD,
+    KV_COLLECT_OPT_SEQUENTIAL = KV_CALIB_OPT_COUNT,
+    KV_COLLECT_OPT_CHECKPOINT_EVERY,
+    KV_COLLECT_OPT_TEXT,   /* the calibration inputs */
+    KV_COLLECT_OPT_OUTPUT, /* out_path */
+    KV_COLLECT_OPT_RESUME, /* continuing a checkpoint (kv_collect_start's resume) */
+    KV_COLLECT_OPT_COUNT
+};
+
+/* Before any work, the options of a collect run: kv_calib_check of
+ * o->data, checkpoint_every 0 (never) or more, and sequential only with
+ * samples (without them every window is taken in order anyway). KV_EINVAL
+ * names the first option that is wrong. */
+int kv_collect_check_options(const struct kv_collect_opts *o, const char *const *names,
+                             struct kv_err *err);
+/* Before any work, where a collect run will write: o->out_path must not be
+ * a directory, nor the model (model_path) or one of the inputs
+ * (inputs[0..n_inputs)), nor, without resume, hold an unfinished
+ * checkpoint; and its folder must take a new file now (a probe file is
+ * created and removed), not after hours of windows. KV_EINVAL (KV_EIO for
+ * the folder) naming out_path otherwise. */
+int kv_collect_check_output(const struct kv_collect_opts *o, int resume, const char *model_path,
+                            const char *const *inputs, int64_t n_inputs,
+                            const char *const *names, struct kv_err *err);
+/* The statistics a collect run of m sums into (*out, kv_stats_free): with
+ * resume and a file at o->out_path, the checkpoint read back from it (then
+ * o->resume is set and o->resumed_from is its next window); else fresh
+ * statistics for m (o->resume cleared, o->resumed_from -1). */
+int kv_collect_start(const struct kv_model *m, int resume, struct kv_collect_opts *o,
+                     struct kv_stats **out, struct kv_err *err);
 
 /* Output covariance Σ yᵀy of KV heads head0 .. head0+nh-1 of the layer's K
  * (which = 0) or V (which = 1) projection, or of query heads (which = 2,
