@@ -33,6 +33,8 @@ struct kv_train_log {
     double grad_norm;      /* before clipping */
     double eval_loss;      /* mean held-out loss, NaN when not evaluated at this step */
     double seconds;        /* wall time of this run's steps so far */
+    int due;               /* a step a log shows: the first and the last, every
+                              log_every-th, and each one evaluated */
 };
 
 struct kv_train_opts {
@@ -50,6 +52,7 @@ struct kv_train_opts {
     double bos_fraction;            /* fraction of windows that start with BOS */
     uint64_t seed;
     int64_t eval_every, eval_windows, ckpt_every;
+    int64_t log_every;              /* steps between the log lines kv_train_log.due marks */
     enum kv_dtype out_dtype;        /* F16, BF16 or F32 */
     /* Called after each step; non-zero stops the run after a checkpoint
      * (KV_EINVAL "interrupted"). */
@@ -65,6 +68,49 @@ struct kv_train_opts {
 /* Defaults for every field but cfg and the paths. */
 void kv_train_defaults(struct kv_train_opts *o);
 int kv_train(struct kv_train_opts *o, struct kv_err *err);
+
+/* The options of a training run as a caller names them in messages: a
+ * check given names (indexed by this enum) words each message as the
+ * caller's own, with its option names ("--dim 250 is not a positive
+ * multiple of --heads 4" for kvcal train); NULL names use the library's. */
+enum kv_train_opt {
+    KV_TRAIN_OPT_ARCH,
+    KV_TRAIN_OPT_DIM,
+    KV_TRAIN_OPT_HEADS,
+    KV_TRAIN_OPT_KV_HEADS,
+    KV_TRAIN_OPT_SEQ_LEN,
+    KV_TRAIN_OPT_BATCH,
+    KV_TRAIN_OPT_STEPS,
+    KV_TRAIN_OPT_LOG_EVERY,
+    KV_TRAIN_OPT_WARMUP,
+    KV_TRAIN_OPT_LR,
+    KV_TRAIN_OPT_MIN_LR,
+    KV_TRAIN_OPT_WEIGHT_DECAY,
+    KV_TRAIN_OPT_CLIP,
+    KV_TRAIN_OPT_COUNT
+};
+
+/* The architecture of a fresh model (*cfg, for kv_train_opts.cfg; the
+ * vocabulary comes from the tokenizer): arch "llama" (RMSNorm, RoPE
+ * rotate-half theta 1e4, GQA, SwiGLU) or "gpt2" (learned positions, one KV
+ * head per head, tied embeddings), width dim, n_layers, n_heads of
+ * dim/n_heads; n_kv_heads < 0 takes the default (llama n_heads/2, at least
+ * 1; gpt2 n_heads), hidden < 0 too (llama 8d/3 rounded up to 64, gpt2 4d);
+ * ctx is the context it is made for (gpt2's positions). KV_EINVAL for an
+ * unknown arch, dim not a positive multiple of n_heads (or n_layers < 1),
+ * n_heads not a multiple of n_kv_heads, or gpt2 with fewer KV heads. */
+int kv_train_config(const char *arch, int64_t dim, int64_t n_layers, int64_t n_heads,
+                    int64_t n_kv_heads, int64_t hidden, int64_t ctx, struct kv_config *cfg,
+                    const char *const *names, struct kv_err *err);
+/* Before any work, the options of o a caller sets: seq_len at least 2,
+ * batch, steps and log_every at least 1, warmup at least 0; lr positive,
+ * min_lr, weight_decay and grad_clip at least 0. KV_EINVAL names each group
+ * (NULL names: "training options are out of range", as kv_train says for
+ * these and the rest of its options). */
+int kv_train_check(const struct kv_train_opts *o, const char *const *names, struct kv_err *err);
+/* Before any work: KV_OK unless o->resume and there is no checkpoint at
+ * o->ckpt_path to resume from (KV_EIO naming it). */
+int kv_train_check_resume(const struct kv_train_opts *o, struct kv_err *err);
 
 /* ---------------------------------------------------------------- calibration data */
 
