@@ -164,7 +164,6 @@ static const char *const own_names[KV_COLLECT_OPT_COUNT] = {
     [KV_COLLECT_OPT_SEQ_LEN] = "sequence length",
     [KV_COLLECT_OPT_SAMPLES] = "samples",
     [KV_COLLECT_OPT_SHARD] = "shard",
-    [KV_COLLECT_OPT_SEQUENTIAL] = "sequential",
     [KV_COLLECT_OPT_CHECKPOINT_EVERY] = "checkpoint every",
     [KV_COLLECT_OPT_TEXT] = "calibration",
     [KV_COLLECT_OPT_OUTPUT] = "the output path",
@@ -179,10 +178,6 @@ int kv_collect_check_options(const struct kv_collect_opts *o, const char *const 
     if (o->checkpoint_every < 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be 0 (never) or more, got %lld",
                        n[KV_COLLECT_OPT_CHECKPOINT_EVERY], (long long)o->checkpoint_every);
-    if (o->data->sequential && o->data->samples == 0)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "%s needs %s N (without it every window is used, in order)",
-                       n[KV_COLLECT_OPT_SEQUENTIAL], n[KV_COLLECT_OPT_SAMPLES]);
     return KV_OK;
 }
 

@@ -246,8 +246,7 @@ enum kv_collect_opt {
     KV_COLLECT_OPT_SEQ_LEN = KV_CALIB_OPT_SEQ_LEN,
     KV_COLLECT_OPT_SAMPLES = KV_CALIB_OPT_SAMPLES,
     KV_COLLECT_OPT_SHARD = KV_CALIB_OPT_SHARD,
-    KV_COLLECT_OPT_SEQUENTIAL = KV_CALIB_OPT_COUNT,
-    KV_COLLECT_OPT_CHECKPOINT_EVERY,
+    KV_COLLECT_OPT_CHECKPOINT_EVERY = KV_CALIB_OPT_COUNT,
     KV_COLLECT_OPT_TEXT,   /* the calibration inputs */
     KV_COLLECT_OPT_OUTPUT, /* out_path */
     KV_COLLECT_OPT_RESUME, /* continuing a checkpoint (kv_collect_start's resume) */
@@ -255,9 +254,9 @@ enum kv_collect_opt {
 };
 
 /* Before any work, the options of a collect run: kv_calib_check of
- * o->data, checkpoint_every 0 (never) or more, and sequential only with
- * samples (without them every window is taken in order anyway). KV_EINVAL
- * names the first option that is wrong. */
+ * o->data, and checkpoint_every 0 (never) or more (kv_collect_run reads a
+ * negative one as never; a caller's option is refused). KV_EINVAL names
+ * the first option that is wrong. */
 int kv_collect_check_options(const struct kv_collect_opts *o, const char *const *names,
                              struct kv_err *err);
 /* Before any work, where a collect run will write: o->out_path must not be

@@ -40,7 +40,6 @@ static const char *const collect_names[KV_COLLECT_OPT_COUNT] = {
     [KV_COLLECT_OPT_SEQ_LEN] = "--seq-len",
     [KV_COLLECT_OPT_SAMPLES] = "--samples",
     [KV_COLLECT_OPT_SHARD] = "--shard",
-    [KV_COLLECT_OPT_SEQUENTIAL] = "--sequential",
     [KV_COLLECT_OPT_CHECKPOINT_EVERY] = "--checkpoint-every",
     [KV_COLLECT_OPT_TEXT] = "--text",
     [KV_COLLECT_OPT_OUTPUT] = "--output",
@@ -246,16 +245,23 @@ int cmd_collect(int argc, char **argv) {
     if (!a->model) return cli_usage_error(cmd, "missing --model");
     if (a->texts.n == 0) return cli_usage_error(cmd, "missing --text");
     if (!a->output) return cli_usage_error(cmd, "missing --output");
-    /* the command line's own: the seed is read signed, and negative counts
-     * of threads are typing mistakes (the library takes them as "all") */
-    if (a->seed < 0) return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
-    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
     struct kv_calib_opts copt = {a->seq_len, a->samples, a->sequential, (uint64_t)a->seed, 0, 1};
     struct kv_collect_opts o = {.out_path = a->output, .data = &copt, .fisher = a->fisher,
                                 .checkpoint_every = a->every};
     struct kv_err err;
     kv_err_clear(&err);
+    /* the library's rules and the command line's own, in the order the
+     * command has always checked them. The command line's: the seed is read
+     * signed; a negative thread count is a typing mistake (the library reads
+     * it as every core); and --sequential alone is a flag that changes
+     * nothing (the plan of every window is in order already) */
+    if (kv_calib_check(&copt, collect_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (a->seed < 0) return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
     if (kv_collect_check_options(&o, collect_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
+    if (a->sequential && a->samples == 0)
+        return cli_usage_error(cmd, "--sequential needs --samples N (without it every window is "
+                                    "used, in order)");
     if (a->shard && (parse_shard(a->shard, &copt.shard_index, &copt.shard_count) ||
                      !kv_calib_shard_valid(copt.shard_index, copt.shard_count)))
         return cli_usage_error(cmd, "--shard needs I/N with 0 <= I < N, got '%s'", a->shard);
