@@ -183,7 +183,8 @@ static void print_text(const struct bench_out *p, const char *source, const char
         for (int g = 0; g < b->n_cfg; g++)
             for (int ti = 0; ti < b->n_cache; ti++) {
                 int t = b->caches[ti];
-                const struct kvrt_bench_cell *x = kvrt_bench_cell(b, g, t, i), *f = kvrt_bench_cell(b, 0, t, i);
+                const struct kvrt_bench_cell *x = kvrt_bench_cell(b, g, t, i);
+                const struct kvrt_bench_cell *f = kvrt_bench_cell(b, 0, t, i); /* full */
                 double gbs = x->bytes / x->us_step / 1e3;
                 char peak[16] = "-";
                 if (cuda && p->dev.peak_gbs > 0)
@@ -195,7 +196,8 @@ static void print_text(const struct bench_out *p, const char *source, const char
             }
 }
 
-static int print_json(const struct bench_out *p, const char *preset, const char *dir, const char *note) {
+static int print_json(const struct bench_out *p, const char *preset, const char *dir,
+                      const char *note) {
     const struct kvrt_bench *b = &p->b;
     const struct kv_config *c = kv_model_config(b->m);
     int cuda = b->backend == KVRT_BACKEND_CUDA;
@@ -229,7 +231,8 @@ static int print_json(const struct bench_out *p, const char *preset, const char 
         for (int g = 0; g < b->n_cfg; g++)
             for (int ti = 0; ti < b->n_cache; ti++) {
                 int t = b->caches[ti];
-                const struct kvrt_bench_cell *x = kvrt_bench_cell(b, g, t, i), *f = kvrt_bench_cell(b, 0, t, i);
+                const struct kvrt_bench_cell *x = kvrt_bench_cell(b, g, t, i);
+                const struct kvrt_bench_cell *f = kvrt_bench_cell(b, 0, t, i); /* full */
                 double gbs = x->bytes / x->us_step / 1e3;
                 json_array_append_new(
                     rows,
@@ -295,7 +298,8 @@ static int check_args(const struct cli_cmd *cmd, struct bench_args *a, struct kv
     if (!isnan(a->keep) && a->dir)
         return cli_usage_error(cmd, "--keep needs --synthetic (a manifest has its own ranks)");
     b->keep = isnan(a->keep) ? 0.5 : a->keep;
-    if (kvrt_bench_check_keep(b->keep, bench_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (kvrt_bench_check_keep(b->keep, bench_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
     if (!strcmp(a->cache, "both"))
         b->caches[0] = KVRT_DTYPE_F16, b->caches[1] = KVRT_DTYPE_F32, b->n_cache = 2;
     else if (kvrt_dtype_parse(a->cache) >= 0)
@@ -366,7 +370,8 @@ int cmd_bench_attn(int argc, char **argv) {
             rc = print_json(&p, a->preset, a->dir, note[0] ? note : NULL);
         } else {
             char src[1100];
-            snprintf(src, sizeof src, "%s%s", a->dir ? "manifest " : "", a->dir ? a->dir : a->preset);
+            snprintf(src, sizeof src, "%s%s", a->dir ? "manifest " : "",
+                     a->dir ? a->dir : a->preset);
             print_text(&p, src, note[0] ? note : NULL);
         }
     }

@@ -212,14 +212,16 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
         kv_model_close(m);
         return EXIT_ERR;
     }
-    if (!quiet) fprintf(stderr, "reading and tokenizing %d input%s\n", a->texts.n, a->texts.n > 1 ? "s" : "");
+    if (!quiet)
+        fprintf(stderr, "reading and tokenizing %d input%s\n", a->texts.n,
+                a->texts.n > 1 ? "s" : "");
     if (!(rc = kv_calib_open(a->texts.v, a->texts.n, tok, o->data, &c, &err)))
         rc = kv_collect_start(m, a->resume, o, &s, &err);
     if (!rc && a->resume && !o->resume && !quiet)
         fprintf(stderr, "kvcal: %s: no checkpoint yet; starting from the first window\n", a->output);
     if (!rc && o->resume && !quiet)
-        fprintf(stderr, "resuming %s at window %lld of %lld\n", a->output, (long long)o->resumed_from,
-                (long long)kv_stats_info(s).plan_windows);
+        fprintf(stderr, "resuming %s at window %lld of %lld\n", a->output,
+                (long long)o->resumed_from, (long long)kv_stats_info(s).plan_windows);
     if (!rc) rc = run_windows(m, c, s, o, quiet, &err);
     if (rc) {
         cli_report(&err);
@@ -256,8 +258,10 @@ int cmd_collect(int argc, char **argv) {
      * it as every core); and --sequential alone is a flag that changes
      * nothing (the plan of every window is in order already) */
     if (kv_calib_check(&copt, collect_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
-    if (a->seed < 0) return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
-    if (kv_collect_check_options(&o, collect_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (a->seed < 0)
+        return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
+    if (kv_collect_check_options(&o, collect_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
     if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
     if (a->sequential && a->samples == 0)
         return cli_usage_error(cmd, "--sequential needs --samples N (without it every window is "
@@ -266,7 +270,8 @@ int cmd_collect(int argc, char **argv) {
                      !kv_calib_shard_valid(copt.shard_index, copt.shard_count)))
         return cli_usage_error(cmd, "--shard needs I/N with 0 <= I < N, got '%s'", a->shard);
     kv_set_threads((int)a->threads);
-    if (kv_collect_check_output(&o, a->resume, a->model, a->texts.v, a->texts.n, collect_names, &err))
+    if (kv_collect_check_output(&o, a->resume, a->model, a->texts.v, a->texts.n, collect_names,
+                                &err))
         return cli_report_refusal(&err);
     return collect(a, &o);
 }

@@ -194,7 +194,8 @@ static const struct cli_cmd verify_cmd = {
     verify_opts, (int)(sizeof verify_opts / sizeof verify_opts[0]), 0};
 
 static const char *latent_name(int bits) {
-    return bits == 16 ? "fp16" : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2");
+    return bits == 16 ? "fp16"
+                      : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2");
 }
 
 /* A compressed model's run against its base, as one JSON object or text. */
@@ -343,7 +344,8 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
     struct kv_err err;
     kv_err_clear(&err);
     if (!a->model) return cli_usage_error(cmd, "missing --model");
-    if (!a->text == !a->tokens) return cli_usage_error(cmd, "give exactly one of --text or --tokens");
+    if (!a->text == !a->tokens)
+        return cli_usage_error(cmd, "give exactly one of --text or --tokens");
     if (kv_ppl_check(a->seq_len, a->max_windows, ppl_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
     if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
@@ -362,7 +364,8 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
         return cli_usage_error(cmd, "--device-tol needs --device twin or cuda");
     int dt = kvrt_dtype_parse(a->cache ? a->cache : "f16");
     if (dt < 0) return cli_usage_error(cmd, "--cache '%s' is not one of f16, f32", a->cache);
-    if (kv_ppl_check_tol(a->device_tol, ppl_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (kv_ppl_check_tol(a->device_tol, ppl_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
     dv->o.backend = (enum kvrt_backend)(dv->on ? be : KVRT_BACKEND_TWIN);
     dv->o.cache = (enum kvrt_dtype)dt;
     dv->tol = isnan(a->device_tol) ? 1e-3 : a->device_tol;
