@@ -1,6 +1,13 @@
-/* kvcal collect: plan -> windows -> accumulated sums -> checkpoints/output. */
+/* kvcal collect: plan -> windows -> accumulated sums -> checkpoints/output,
+ * and the checks and setup a collect run makes before any of that. */
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "err.h"
 #include "kvcalib.h"
@@ -143,6 +150,108 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     }
     opts->seconds = kv_now() - t0;
     opts->loss = s->next_window > start ? loss_sum / (double)(s->next_window - start) : 0;
+    opts->run_windows = s->next_window - start;
+    opts->tokens_per_s =
+        opts->seconds > 0 ? (double)(opts->run_windows * o->seq_len) / opts->seconds : 0;
     kv_accum_free(a);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- before the run */
+
+/* The library's own names of the options, for messages without the caller's. */
+static const char *const own_names[KV_COLLECT_OPT_COUNT] = {
+    [KV_COLLECT_OPT_SEQ_LEN] = "sequence length",
+    [KV_COLLECT_OPT_SAMPLES] = "samples",
+    [KV_COLLECT_OPT_SHARD] = "shard",
+    [KV_COLLECT_OPT_CHECKPOINT_EVERY] = "checkpoint every",
+    [KV_COLLECT_OPT_TEXT] = "calibration",
+    [KV_COLLECT_OPT_OUTPUT] = "the output path",
+    [KV_COLLECT_OPT_RESUME] = "resume",
+};
+
+int kv_collect_check_options(const struct kv_collect_opts *o, const char *const *names,
+                             struct kv_err *err) {
+    int rc = kv_calib_check(o->data, names, err);
+    if (rc) return rc;
+    const char *const *n = names ? names : own_names;
+    if (o->checkpoint_every < 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be 0 (never) or more, got %lld",
+                       n[KV_COLLECT_OPT_CHECKPOINT_EVERY], (long long)o->checkpoint_every);
+    return KV_OK;
+}
+
+static int same_file(const struct stat *a, const char *path) {
+    struct stat b;
+    return stat(path, &b) == 0 && a->st_dev == b.st_dev && a->st_ino == b.st_ino;
+}
+
+/* What an existing out_path may not be: a directory, an input, or a
+ * checkpoint that a run without resume would overwrite. */
+static int check_existing(const char *out, const struct stat *st, int resume,
+                          const char *model_path, const char *const *inputs, int64_t n_inputs,
+                          const char *const *n, struct kv_err *err) {
+    if (S_ISDIR(st->st_mode))
+        return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET, "is a directory; %s names the statistics file",
+                       n[KV_COLLECT_OPT_OUTPUT]);
+    int clash = same_file(st, model_path);
+    for (int64_t i = 0; i < n_inputs && !clash; i++) clash = same_file(st, inputs[i]);
+    if (clash)
+        return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                       "is also the model or a %s input; refusing to overwrite it",
+                       n[KV_COLLECT_OPT_TEXT]);
+    if (resume || !kv_stats_probe(out)) return KV_OK;
+    struct kv_stats *s;
+    struct kv_err ignored;
+    kv_err_clear(&ignored);
+    /* a file that does not open is not a checkpoint to protect */
+    if (kv_stats_open(out, &s, &ignored) != KV_OK) return KV_OK;
+    int64_t done = s->next_window, plan = s->plan_windows;
+    kv_stats_free(s);
+    if (done < plan)
+        return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
+                       "holds an unfinished checkpoint (%lld of %lld windows); add %s to "
+                       "continue it, or remove the file to start over",
+                       (long long)done, (long long)plan, n[KV_COLLECT_OPT_RESUME]);
+    return KV_OK;
+}
+
+int kv_collect_check_output(const struct kv_collect_opts *o, int resume, const char *model_path,
+                            const char *const *inputs, int64_t n_inputs,
+                            const char *const *names, struct kv_err *err) {
+    const char *out = o->out_path, *const *n = names ? names : own_names;
+    struct stat st;
+    int rc;
+    if (stat(out, &st) == 0 &&
+        (rc = check_existing(out, &st, resume, model_path, inputs, n_inputs, n, err)))
+        return rc;
+    /* the folder must take OUT.tmp now, not after hours of windows */
+    size_t len = strlen(out) + 16;
+    char *probe = malloc(len);
+    if (!probe) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    snprintf(probe, len, "%s.probe", out);
+    int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    int e = errno;
+    if (fd >= 0) {
+        close(fd);
+        unlink(probe);
+    }
+    free(probe);
+    if (fd >= 0 || e == EEXIST) return KV_OK;
+    char eb[256];
+    snprintf(eb, sizeof eb, "%s", strerror(e));
+    for (char *p = eb; *p; p++) *p = (char)tolower((unsigned char)*p);
+    return kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot write there: %s", eb);
+}
+
+int kv_collect_start(const struct kv_model *m, int resume, struct kv_collect_opts *o,
+                     struct kv_stats **out, struct kv_err *err) {
+    struct stat st;
+    *out = NULL;
+    o->resume = resume && stat(o->out_path, &st) == 0;
+    o->resumed_from = -1;
+    if (!o->resume) return kv_stats_init(kv_model_config(m), out, err);
+    int rc = kv_stats_open(o->out_path, out, err);
+    if (!rc) o->resumed_from = (*out)->next_window;
     return rc;
 }

@@ -252,25 +252,38 @@ static int draw(const struct kv_calib_opts *o, int64_t total, int64_t **out, int
     return KV_OK;
 }
 
-static int check_opts(const struct kv_calib_opts *o, int64_t n_paths, struct kv_err *err) {
-    if (n_paths < 1)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "no calibration inputs given");
+int kv_calib_shard_valid(int64_t index, int64_t count) {
+    return count >= 1 && index >= 0 && index < count;
+}
+
+/* Given names, a message is the caller's ("--seq-len must be at least 2,
+ * got 1"); without, the library's own wording, as its callers know it. */
+int kv_calib_check(const struct kv_calib_opts *o, const char *const *names, struct kv_err *err) {
     if (o->seq_len < 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "sequence length must be at least 2, found %lld", (long long)o->seq_len);
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be at least 2, got %lld",
+                               names[KV_CALIB_OPT_SEQ_LEN], (long long)o->seq_len)
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "sequence length must be at least 2, found %lld",
+                               (long long)o->seq_len);
     if (o->samples < 0)
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "%s must be 0 (every window) or more, got %lld",
+                               names[KV_CALIB_OPT_SAMPLES], (long long)o->samples)
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "samples must be 0 (every window) or positive, found %lld",
+                               (long long)o->samples);
+    if (kv_calib_shard_valid(o->shard_index, o->shard_count)) return KV_OK;
+    if (names)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "samples must be 0 (every window) or positive, found %lld",
-                       (long long)o->samples);
+                       "%s needs I/N with 0 <= I < N, got '%lld/%lld'", names[KV_CALIB_OPT_SHARD],
+                       (long long)o->shard_index, (long long)o->shard_count);
     if (o->shard_count < 1)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "shard count must be at least 1, found %lld", (long long)o->shard_count);
-    if (o->shard_index < 0 || o->shard_index >= o->shard_count)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "shard index %lld is outside 0..%lld for %lld shards",
-                       (long long)o->shard_index, (long long)(o->shard_count - 1),
-                       (long long)o->shard_count);
-    return KV_OK;
+    return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                   "shard index %lld is outside 0..%lld for %lld shards",
+                   (long long)o->shard_index, (long long)(o->shard_count - 1),
+                   (long long)o->shard_count);
 }
 
 static int make_plan(struct kv_calib *c, const struct kv_calib_opts *o, struct kv_err *err) {
@@ -329,7 +342,9 @@ int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tok
                   const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err) {
     KV_ASSERT(tok && opts && out && (paths || n_paths <= 0));
     *out = NULL;
-    int rc = check_opts(opts, n_paths, err);
+    if (n_paths < 1)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "no calibration inputs given");
+    int rc = kv_calib_check(opts, NULL, err);
     if (rc) return rc;
 
     struct kv_calib *c = calloc(1, sizeof *c);

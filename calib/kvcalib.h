@@ -33,6 +33,8 @@ struct kv_train_log {
     double grad_norm;      /* before clipping */
     double eval_loss;      /* mean held-out loss, NaN when not evaluated at this step */
     double seconds;        /* wall time of this run's steps so far */
+    int due;               /* a step a log shows: the first and the last, every
+                              log_every-th, and each one evaluated */
 };
 
 struct kv_train_opts {
@@ -50,6 +52,7 @@ struct kv_train_opts {
     double bos_fraction;            /* fraction of windows that start with BOS */
     uint64_t seed;
     int64_t eval_every, eval_windows, ckpt_every;
+    int64_t log_every;              /* steps between the log lines kv_train_log.due marks */
     enum kv_dtype out_dtype;        /* F16, BF16 or F32 */
     /* Called after each step; non-zero stops the run after a checkpoint
      * (KV_EINVAL "interrupted"). */
@@ -65,6 +68,49 @@ struct kv_train_opts {
 /* Defaults for every field but cfg and the paths. */
 void kv_train_defaults(struct kv_train_opts *o);
 int kv_train(struct kv_train_opts *o, struct kv_err *err);
+
+/* The options of a training run as a caller names them in messages: a
+ * check given names (indexed by this enum) words each message as the
+ * caller's own, with its option names ("--dim 250 is not a positive
+ * multiple of --heads 4" for kvcal train); NULL names use the library's. */
+enum kv_train_opt {
+    KV_TRAIN_OPT_ARCH,
+    KV_TRAIN_OPT_DIM,
+    KV_TRAIN_OPT_HEADS,
+    KV_TRAIN_OPT_KV_HEADS,
+    KV_TRAIN_OPT_SEQ_LEN,
+    KV_TRAIN_OPT_BATCH,
+    KV_TRAIN_OPT_STEPS,
+    KV_TRAIN_OPT_LOG_EVERY,
+    KV_TRAIN_OPT_WARMUP,
+    KV_TRAIN_OPT_LR,
+    KV_TRAIN_OPT_MIN_LR,
+    KV_TRAIN_OPT_WEIGHT_DECAY,
+    KV_TRAIN_OPT_CLIP,
+    KV_TRAIN_OPT_COUNT
+};
+
+/* The architecture of a fresh model (*cfg, for kv_train_opts.cfg; the
+ * vocabulary comes from the tokenizer): arch "llama" (RMSNorm, RoPE
+ * rotate-half theta 1e4, GQA, SwiGLU) or "gpt2" (learned positions, one KV
+ * head per head, tied embeddings), width dim, n_layers, n_heads of
+ * dim/n_heads; n_kv_heads < 0 takes the default (llama n_heads/2, at least
+ * 1; gpt2 n_heads), hidden < 0 too (llama 8d/3 rounded up to 64, gpt2 4d);
+ * ctx is the context it is made for (gpt2's positions). KV_EINVAL for an
+ * unknown arch, dim not a positive multiple of n_heads (or n_layers < 1),
+ * n_heads not a multiple of n_kv_heads, or gpt2 with fewer KV heads. */
+int kv_train_config(const char *arch, int64_t dim, int64_t n_layers, int64_t n_heads,
+                    int64_t n_kv_heads, int64_t hidden, int64_t ctx, struct kv_config *cfg,
+                    const char *const *names, struct kv_err *err);
+/* Before any work, the options of o a caller sets: seq_len at least 2,
+ * batch, steps and log_every at least 1, warmup at least 0; lr positive,
+ * min_lr, weight_decay and grad_clip at least 0. KV_EINVAL names each group
+ * (NULL names: "training options are out of range", as kv_train says for
+ * these and the rest of its options). */
+int kv_train_check(const struct kv_train_opts *o, const char *const *names, struct kv_err *err);
+/* Before any work: KV_OK unless o->resume and there is no checkpoint at
+ * o->ckpt_path to resume from (KV_EIO naming it). */
+int kv_train_check_resume(const struct kv_train_opts *o, struct kv_err *err);
 
 /* ---------------------------------------------------------------- calibration data */
 
@@ -91,6 +137,26 @@ struct kv_calib_input {
 };
 
 struct kv_calib; /* inputs, the window plan, and the tokens of one input */
+
+/* The options of the calibration data as a caller names them in messages.
+ * A check given names (indexed by this enum) words each message as the
+ * caller's own, with its option names ("--seq-len must be at least 2, got
+ * 1" for kvcal collect); NULL names keep the library's wording ("sequence
+ * length must be at least 2, found 1"). */
+enum kv_calib_opt {
+    KV_CALIB_OPT_SEQ_LEN,
+    KV_CALIB_OPT_SAMPLES,
+    KV_CALIB_OPT_SHARD, /* shard_index and shard_count, written I/N */
+    KV_CALIB_OPT_COUNT
+};
+
+/* KV_OK when o describes a plan kv_calib_open can draw: seq_len at least
+ * 2, samples 0 (every window) or more, and a shard (kv_calib_shard_valid);
+ * else KV_EINVAL naming the first option that is not. kv_calib_open makes
+ * the same check (with NULL names) before it reads anything. */
+int kv_calib_check(const struct kv_calib_opts *o, const char *const *names, struct kv_err *err);
+/* 1 when shard I/N = index/count names one: 0 <= index < count. */
+int kv_calib_shard_valid(int64_t index, int64_t count);
 
 /* Read, hash and tokenize every input, then draw the window plan: the chosen
  * windows in (input, window) order. Errors name the file (and the line and
@@ -162,12 +228,52 @@ struct kv_collect_opts {
     int64_t checkpoint_every;
     kv_progress_fn progress;  /* done/total count this run's windows */
     void *progress_ctx;
+    int64_t resumed_from;        /* out of kv_collect_start: the checkpoint's next window,
+                                    -1 for fresh statistics */
     int64_t checkpoints_written; /* out: checkpoint files written */
     double seconds;              /* out: wall time of the windows and writes */
     double loss;                 /* out: mean window loss of this run (fisher), else 0 */
+    int64_t run_windows;         /* out: windows this run summed (none before a resume) */
+    double tokens_per_s;         /* out: run_windows x seq_len / seconds (0 without time) */
 };
 int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
                    struct kv_collect_opts *opts, struct kv_err *err);
+
+/* The options of a collect run as a caller names them in messages (see
+ * enum kv_calib_opt, whose names it starts with: a collect names array
+ * serves kv_calib_check as it is). */
+enum kv_collect_opt {
+    KV_COLLECT_OPT_SEQ_LEN = KV_CALIB_OPT_SEQ_LEN,
+    KV_COLLECT_OPT_SAMPLES = KV_CALIB_OPT_SAMPLES,
+    KV_COLLECT_OPT_SHARD = KV_CALIB_OPT_SHARD,
+    KV_COLLECT_OPT_CHECKPOINT_EVERY = KV_CALIB_OPT_COUNT,
+    KV_COLLECT_OPT_TEXT,   /* the calibration inputs */
+    KV_COLLECT_OPT_OUTPUT, /* out_path */
+    KV_COLLECT_OPT_RESUME, /* continuing a checkpoint (kv_collect_start's resume) */
+    KV_COLLECT_OPT_COUNT
+};
+
+/* Before any work, the options of a collect run: kv_calib_check of
+ * o->data, and checkpoint_every 0 (never) or more (kv_collect_run reads a
+ * negative one as never; a caller's option is refused). KV_EINVAL names
+ * the first option that is wrong. */
+int kv_collect_check_options(const struct kv_collect_opts *o, const char *const *names,
+                             struct kv_err *err);
+/* Before any work, where a collect run will write: o->out_path must not be
+ * a directory, nor the model (model_path) or one of the inputs
+ * (inputs[0..n_inputs)), nor, without resume, hold an unfinished
+ * checkpoint; and its folder must take a new file now (a probe file is
+ * created and removed), not after hours of windows. KV_EINVAL (KV_EIO for
+ * the folder) naming out_path otherwise. */
+int kv_collect_check_output(const struct kv_collect_opts *o, int resume, const char *model_path,
+                            const char *const *inputs, int64_t n_inputs,
+                            const char *const *names, struct kv_err *err);
+/* The statistics a collect run of m sums into (*out, kv_stats_free): with
+ * resume and a file at o->out_path, the checkpoint read back from it (then
+ * o->resume is set and o->resumed_from is its next window); else fresh
+ * statistics for m (o->resume cleared, o->resumed_from -1). */
+int kv_collect_start(const struct kv_model *m, int resume, struct kv_collect_opts *o,
+                     struct kv_stats **out, struct kv_err *err);
 
 /* Output covariance Σ yᵀy of KV heads head0 .. head0+nh-1 of the layer's K
  * (which = 0) or V (which = 1) projection, or of query heads (which = 2,

@@ -51,7 +51,85 @@ void kv_train_defaults(struct kv_train_opts *o) {
     o->eval_every = 100;
     o->eval_windows = 32;
     o->ckpt_every = 100;
+    o->log_every = 10;
     o->out_dtype = KV_DTYPE_F16;
+}
+
+/* ---------------------------------------------------------------- checks */
+
+/* The library's own names of the options, for messages without the caller's. */
+static const char *const own_names[KV_TRAIN_OPT_COUNT] = {
+    [KV_TRAIN_OPT_ARCH] = "architecture",
+    [KV_TRAIN_OPT_DIM] = "dim",
+    [KV_TRAIN_OPT_HEADS] = "heads",
+    [KV_TRAIN_OPT_KV_HEADS] = "kv heads",
+    [KV_TRAIN_OPT_SEQ_LEN] = "seq len",
+    [KV_TRAIN_OPT_BATCH] = "batch",
+    [KV_TRAIN_OPT_STEPS] = "steps",
+    [KV_TRAIN_OPT_LOG_EVERY] = "log every",
+    [KV_TRAIN_OPT_WARMUP] = "warmup",
+    [KV_TRAIN_OPT_LR] = "lr",
+    [KV_TRAIN_OPT_MIN_LR] = "min lr",
+    [KV_TRAIN_OPT_WEIGHT_DECAY] = "weight decay",
+    [KV_TRAIN_OPT_CLIP] = "clip",
+};
+
+int kv_train_config(const char *arch, int64_t dim, int64_t n_layers, int64_t n_heads,
+                    int64_t n_kv_heads, int64_t hidden, int64_t ctx, struct kv_config *cfg,
+                    const char *const *names, struct kv_err *err) {
+    const char *const *n = names ? names : own_names;
+    struct kv_config c = {0};
+    if (!strcmp(arch, "llama"))
+        c.arch = KV_ARCH_LLAMA;
+    else if (!strcmp(arch, "gpt2"))
+        c.arch = KV_ARCH_GPT2;
+    else
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "unknown %s '%s' (llama or gpt2)",
+                       n[KV_TRAIN_OPT_ARCH], arch);
+    int gpt2 = c.arch == KV_ARCH_GPT2;
+    if (dim <= 0 || n_layers <= 0 || n_heads <= 0 || dim % n_heads)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not a positive multiple of %s %lld",
+                       n[KV_TRAIN_OPT_DIM], (long long)dim, n[KV_TRAIN_OPT_HEADS], (long long)n_heads);
+    if (n_kv_heads < 0) n_kv_heads = gpt2 ? n_heads : (n_heads > 1 ? n_heads / 2 : 1);
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not a multiple of %s %lld",
+                       n[KV_TRAIN_OPT_HEADS], (long long)n_heads, n[KV_TRAIN_OPT_KV_HEADS],
+                       (long long)n_kv_heads);
+    if (gpt2 && n_kv_heads != n_heads)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "gpt2 has one KV head per head (%s %lld, %s %lld)",
+                       n[KV_TRAIN_OPT_KV_HEADS], (long long)n_kv_heads, n[KV_TRAIN_OPT_HEADS],
+                       (long long)n_heads);
+    if (hidden < 0) hidden = gpt2 ? 4 * dim : (8 * dim / 3 + 63) / 64 * 64;
+    c.dim = dim, c.n_layers = n_layers, c.n_heads = n_heads, c.n_kv_heads = n_kv_heads;
+    c.head_dim = dim / n_heads, c.hidden_dim = hidden, c.max_seq_len = ctx;
+    c.norm_eps = 1e-5f, c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF;
+    c.tied_embeddings = gpt2;
+    *cfg = c;
+    return KV_OK;
+}
+
+int kv_train_check(const struct kv_train_opts *o, const char *const *names, struct kv_err *err) {
+    if (o->seq_len < 2 || o->batch < 1 || o->steps < 1 || o->warmup < 0 || o->log_every < 1)
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "%s must be at least 2, %s, %s and %s at least 1, %s at least 0",
+                               names[KV_TRAIN_OPT_SEQ_LEN], names[KV_TRAIN_OPT_BATCH],
+                               names[KV_TRAIN_OPT_STEPS], names[KV_TRAIN_OPT_LOG_EVERY],
+                               names[KV_TRAIN_OPT_WARMUP])
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "training options are out of range");
+    if (!(o->lr > 0) || !(o->min_lr >= 0) || !(o->weight_decay >= 0) || !(o->grad_clip >= 0))
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "%s must be positive; %s, %s and %s at least 0",
+                               names[KV_TRAIN_OPT_LR], names[KV_TRAIN_OPT_MIN_LR],
+                               names[KV_TRAIN_OPT_WEIGHT_DECAY], names[KV_TRAIN_OPT_CLIP])
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "training options are out of range");
+    return KV_OK;
+}
+
+int kv_train_check_resume(const struct kv_train_opts *o, struct kv_err *err) {
+    struct stat st;
+    if (o->resume && stat(o->ckpt_path, &st) != 0)
+        return kv_fail(err, KV_EIO, o->ckpt_path, KV_NO_OFFSET, "no checkpoint to resume from");
+    return KV_OK;
 }
 
 static uint64_t splitmix(uint64_t *s) {
@@ -430,11 +508,11 @@ static int write_outputs(struct trainer *t, const char *tok_path, struct kv_err 
 
 static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *err) {
     struct kv_train_opts *o = t->o;
-    if (o->seq_len < 2 || o->batch < 1 || o->steps < 1 || o->warmup < 0 || !(o->lr > 0) ||
-        !(o->min_lr >= 0) || !(o->weight_decay >= 0) || !(o->beta1 >= 0 && o->beta1 < 1) ||
-        !(o->beta2 >= 0 && o->beta2 < 1) || !(o->adam_eps > 0) || !(o->grad_clip >= 0) ||
-        !(o->bos_fraction >= 0 && o->bos_fraction <= 1) || o->eval_every < 0 ||
-        o->eval_windows < 0 || o->ckpt_every < 0)
+    int rc = kv_train_check(o, NULL, err);
+    if (rc) return rc;
+    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
+        !(o->adam_eps > 0) || !(o->bos_fraction >= 0 && o->bos_fraction <= 1) ||
+        o->eval_every < 0 || o->eval_windows < 0 || o->ckpt_every < 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "training options are out of range");
     /* nothing is created before the inputs are known to be readable */
     const char *ins[2] = {o->train_path, o->eval_path};
@@ -453,11 +531,9 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
         snprintf(tok_path, cap, "%s", o->tokenizer_path);
     } else {
         snprintf(tok_path, cap, "%s/tokenizer.json", o->out_dir);
-        int rc = kv_hf_write_byte_tokenizer(tok_path, err);
-        if (rc) return rc;
+        if ((rc = kv_hf_write_byte_tokenizer(tok_path, err))) return rc;
     }
-    int rc = kv_tok_open(tok_path, &t->tok, err);
-    if (rc) return rc;
+    if ((rc = kv_tok_open(tok_path, &t->tok, err))) return rc;
     struct kv_config c = o->cfg;
     c.vocab_size = kv_tok_n_vocab(t->tok);
     c.bos_id = kv_tok_bos(t->tok), c.eos_id = kv_tok_eos(t->tok);
@@ -528,6 +604,7 @@ int kv_train(struct kv_train_opts *o, struct kv_err *err) {
         r[4] = lg.grad_norm, r[5] = lg.eval_loss;
         lg.seconds = kv_now() - t0;
         lg.run_tokens = t.tokens - tok0;
+        lg.due = lg.step == 1 || lg.step % o->log_every == 0 || last || !isnan(lg.eval_loss);
         int stop = o->log && o->log(o->log_ctx, &lg);
         if (stop || last || (o->ckpt_every && t.step % o->ckpt_every == 0))
             rc = ckpt_write(&t, err);

@@ -146,6 +146,13 @@ int cli_report(const struct kv_err *err) {
     return EXIT_ERR;
 }
 
+int cli_report_refusal(const struct kv_err *err) {
+    char buf[2400];
+    kv_err_format(err, buf, sizeof buf, 0);
+    fprintf(stderr, "kvcal: %s\n", buf);
+    return EXIT_ERR;
+}
+
 void cli_progress_start(struct cli_progress *p, const char *what, int quiet) {
     p->what = what;
     p->t0 = kv_now();

@@ -54,6 +54,11 @@ int cli_usage_error(const struct cli_cmd *cmd, const char *fmt, ...)
 /* Print a library error ("kvcal: path: offset N: msg") and return EXIT_ERR. */
 int cli_report(const struct kv_err *err);
 
+/* Print a refusal that a library check made before any work (the user's
+ * mistake, not the library's failure) as cli_report does, but never with
+ * the detection site of -v. Returns EXIT_ERR. */
+int cli_report_refusal(const struct kv_err *err);
+
 /* Global -v: add detection sites to error messages. */
 extern int cli_verbose;
 

@@ -161,6 +161,8 @@ int kvrt_time_step(struct kvrt *rt, int64_t layer, int64_t pos, int64_t iters, d
  *   "gpt2-xl"    d 1600, 25 heads, MHA, head_dim 64, learned positions (no RoPE)
  * NULL-terminated list of the names. */
 const char *const *kvrt_synth_presets(void);
+/* 1 when name is one of kvrt_synth_presets(). */
+int kvrt_synth_preset_valid(const char *name);
 /* A model of the preset with n_layers layers (an 8-entry vocabulary and a
  * small FFN; only its attention is meant to run). KV_EINVAL naming the
  * preset when it is unknown. */
@@ -180,6 +182,100 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
  * manifest's ranks can be timed without its weights. */
 int kvrt_synth_fill_factors(struct kv_lowrank *lr, uint64_t seed, struct kv_err *err);
 int kvrt_synth_model_for(const struct kv_lowrank *lr, struct kv_model **out, struct kv_err *err);
+
+/* ---------------------------------------------------------------- benchmark tables */
+
+/* The options of a benchmark as a caller names them in messages: a check
+ * given names (indexed by this enum) words its message with them ("--ctx
+ * length 0 is outside 1..1048575" for kvcal bench-attn); NULL names use
+ * the library's ("context length 0 ..."). */
+enum kvrt_bench_opt {
+    KVRT_BENCH_OPT_CTX,    /* the context lengths timed */
+    KVRT_BENCH_OPT_KEEP,   /* synthetic latents' mean rank / head_dim */
+    KVRT_BENCH_OPT_ITERS,  /* timed steps per layer and context */
+    KVRT_BENCH_OPT_LAYERS, /* layers timed */
+    KVRT_BENCH_OPT_COUNT
+};
+
+/* KV_OK when a decode step at context ctx (ctx cached positions and one
+ * appended) fits a runtime: 1 <= ctx <= kvrt_max_ctx() - 1. */
+int kvrt_bench_check_ctx(int64_t ctx, const char *const *names, struct kv_err *err);
+/* KV_OK when keep is within (0, 1]: the mean latent rank per KV head of
+ * synthetic compressed attention as a fraction of head_dim
+ * (kvrt_synth_lowrank makes the same check). */
+int kvrt_bench_check_keep(double keep, const char *const *names, struct kv_err *err);
+/* KV_OK when iters and layers are at least 1. */
+int kvrt_bench_check(int64_t iters, int64_t layers, const char *const *names,
+                     struct kv_err *err);
+/* Timed steps per layer and context when a caller gives none: 50 on cuda,
+ * 3 on the (slower) twin. */
+int64_t kvrt_bench_default_iters(enum kvrt_backend backend);
+/* KV_OK when a manifest's lr has at least `layers` layers to time. */
+int kvrt_bench_check_manifest(const struct kv_lowrank *lr, int64_t layers,
+                              const char *const *names, struct kv_err *err);
+/* A manifest read alone (kv_lr_manifest_read) made ready to time: its
+ * first `layers` layers (<= 0: all; kvrt_bench_check_manifest), random
+ * factors (kvrt_synth_fill_factors) and a random model of its shapes in *m
+ * (kv_model_close). Quantized latents are timed unquantized: lr's kv_bits
+ * becomes 16 and *quantized_bits says what the manifest had (0 when 16). */
+int kvrt_bench_manifest(struct kv_lowrank *lr, int64_t layers, struct kv_model **m,
+                        int *quantized_bits, struct kv_err *err);
+
+#define KVRT_BENCH_MAX_CTXS 64 /* context lengths one table holds */
+#define KVRT_BENCH_MAX_CFGS 4
+
+/* One row label of the table: a configuration timed at every context. */
+struct kvrt_bench_cfg {
+    const char *name;             /* "full", "manifest", "prerope_latent+fused_output", ... */
+    enum kv_lr_mode kmode, vmode; /* the synthetic modes it is made with */
+    int manifest;                 /* the manifest's own modes and ranks instead */
+    /* as timed, per cache dtype (index enum kvrt_dtype): */
+    int64_t kv_total[2];          /* KV bytes per token over the timed layers */
+    enum kv_lr_mode lk, lv;       /* modes of layer 0 as the runtime runs them */
+    int mixed;                    /* the layers differ in modes */
+};
+
+/* One (configuration, cache dtype, context): means over the timed layers. */
+struct kvrt_bench_cell {
+    double us_step;  /* a whole decode step, microseconds (kvrt_time_step) */
+    double us_attn;  /* of which the attention kernels */
+    double bytes;    /* bytes the step moves: (ctx+1) x cached bytes per token + weights */
+    double kv_layer; /* cached bytes per token and layer */
+};
+
+/* A decode-attention benchmark: what to time (set by the caller) and the
+ * table (filled by kvrt_bench_run). */
+struct kvrt_bench {
+    enum kvrt_backend backend;
+    int64_t ctx[KVRT_BENCH_MAX_CTXS]; /* ascending and distinct */
+    int n_ctx;
+    int caches[2], n_cache;           /* enum kvrt_dtype, in table order */
+    int64_t iters;
+    double keep;                      /* synthetic latents (kvrt_synth_lowrank) */
+    const struct kv_model *m;         /* the model timed, every layer of it */
+    struct kv_lowrank *lr;            /* a manifest's (kvrt_bench_manifest), or NULL */
+    /* out */
+    struct kvrt_bench_cfg cfgs[KVRT_BENCH_MAX_CFGS]; /* full first: speedups are against it */
+    int n_cfg;
+    struct kvrt_bench_cell *cells;    /* kvrt_bench_cell; kvrt_bench_release frees them */
+};
+
+/* Time every configuration (full and the manifest's with lr, else full and
+ * two synthetic latent ones, fused_query keys for models without RoPE and
+ * prerope_latent otherwise, and postrope_rotation), cache dtype, layer and
+ * context: per layer one fill of the cache to the longest context, then
+ * kvrt_time_step at each context from the longest down. progress (may be
+ * NULL) counts (configuration, cache, layer, context) steps; non-zero stops
+ * the run (KV_EINVAL). Runtime errors say which configuration, cache and
+ * context length they came from. */
+int kvrt_bench_run(struct kvrt_bench *b, kv_progress_fn progress, void *ctx,
+                   struct kv_err *err);
+/* The cell of configuration cfg (index into b->cfgs), cache dtype cache
+ * (enum kvrt_dtype) and context b->ctx[ctx_i]. */
+const struct kvrt_bench_cell *kvrt_bench_cell(const struct kvrt_bench *b, int cfg, int cache,
+                                              int ctx_i);
+/* Free the table (not m or lr, which stay the caller's). */
+void kvrt_bench_release(struct kvrt_bench *b);
 
 #ifdef __cplusplus
 }

@@ -57,6 +57,12 @@ static struct kv_config synth_config(enum kv_arch arch, int64_t n_layers, int64_
     return c;
 }
 
+int kvrt_synth_preset_valid(const char *name) {
+    for (size_t i = 0; i < N_PRESETS; i++)
+        if (name && !strcmp(name, presets[i].name)) return 1;
+    return 0;
+}
+
 int kvrt_synth_model(const char *preset, int64_t n_layers, struct kv_model **out,
                      struct kv_err *err) {
     const struct synth_preset *p = NULL;
@@ -187,8 +193,8 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "key mode 'fused_query' needs a model without rope, found arch '%s'",
                        kv_arch_name(c->arch));
-    if (!(keep > 0 && keep <= 1))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "keep %g is not within (0, 1]", keep);
+    int rc = kvrt_bench_check_keep(keep, NULL, err);
+    if (rc) return rc;
     int64_t L = c->n_layers, g = c->n_kv_heads, dh = c->head_dim;
     int64_t r = (int64_t)llround(keep * (double)dh);
     if (r < 1) r = 1;

@@ -444,6 +444,74 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
                         int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
                         void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
 
+/* ---------------------------------------------------------------- greedy generation */
+
+/* The options of a greedy decoding as a caller names them in messages: a
+ * check given names (indexed by this enum) words its message with them, so
+ * a program's message names its own flag ("-n"); NULL names use the
+ * library's ("steps"). */
+enum kv_generate_opt { KV_GENERATE_OPT_STEPS, KV_GENERATE_OPT_COUNT };
+
+/* KV_OK when steps, the number of tokens to generate, is at least 1; else
+ * KV_EINVAL "<steps> must be at least 1". */
+int kv_generate_check(int64_t steps, const char *const *names, struct kv_err *err);
+
+/* Called with each token of the sequence in order: the prompt's (BOS
+ * first) with prompt 1, then each generated token with prompt 0. piece is
+ * the token's text decoded after the token before it (kv_tok_decode; len
+ * at most 256 bytes, not NUL-terminated), valid during the call. A
+ * non-zero return stops the decoding (kv_generate_greedy then returns
+ * KV_OK with the tokens so far). */
+typedef int (*kv_generate_fn)(void *ctx, int32_t id, const char *piece, size_t len, int prompt);
+
+struct kv_generate_result {
+    int64_t prompt_tokens; /* BOS and the prompt's tokens */
+    int64_t generated;     /* tokens generated: steps, or fewer when BOS or EOS came first */
+    double seconds;        /* wall time of the decoding, after the prompt's callbacks */
+};
+
+/* Greedy decoding (temperature 0) with the reference forward pass: prompt
+ * (UTF-8, may be "") is encoded with BOS by tok, runs in one forward pass,
+ * then up to steps times the argmax of the last position's logits (the
+ * first of equal ones) is appended and run as one position over the
+ * cache. Decoding stops before a BOS or EOS token. tok must be non-NULL
+ * (the model's own: kv_model_tokenizer). */
+int kv_generate_greedy(const struct kv_model *m, const struct kv_tokenizer *tok,
+                       const char *prompt, int64_t steps, kv_generate_fn on_token, void *ctx,
+                       struct kv_generate_result *out, struct kv_err *err);
+
+/* ---------------------------------------------------------------- perplexity: checks */
+
+/* The options of a perplexity run as a caller names them in messages
+ * (kv_ppl_check, kv_ppl_check_tol, kv_ppl_device_verdict): given names
+ * (indexed by this enum) a message is worded as the caller's own, with its
+ * option names ("--seq-len must be at least 2, got 1" for kvcal verify);
+ * NULL names keep the library's wording. */
+enum kv_ppl_opt {
+    KV_PPL_OPT_SEQ_LEN,
+    KV_PPL_OPT_MAX_WINDOWS,
+    KV_PPL_OPT_DEVICE_TOL, /* the device run's tolerance */
+    KV_PPL_OPT_COUNT
+};
+
+/* Before any work: KV_OK when seq_len is at least 2 (kv_ppl_run and the
+ * comparisons refuse shorter windows the same way) and max_windows is 0
+ * (every window) or more; else KV_EINVAL. The runs themselves read a
+ * negative max_windows as every window; a caller's option is refused. */
+int kv_ppl_check(int64_t seq_len, int64_t max_windows, const char *const *names,
+                 struct kv_err *err);
+/* KV_OK when tol, the largest |device ppl / cpu ppl - 1| a caller accepts
+ * (kv_ppl_device_verdict), is at least 0 (or NaN: not given); else
+ * KV_EINVAL. */
+int kv_ppl_check_tol(double tol, const char *const *names, struct kv_err *err);
+/* The device run's relative perplexity difference, dev.ppl / cpu ppl - 1,
+ * where cpu is the compressed run when r has one, else the base. */
+double kv_compare_dev_rel(const struct kv_compare_result *r);
+/* KV_OK when r has no device run or |kv_compare_dev_rel(r)| <= tol; else
+ * KV_ENUMERIC with both perplexities and the difference. */
+int kv_ppl_device_verdict(const struct kv_compare_result *r, double tol, const char *const *names,
+                          struct kv_err *err);
+
 #ifdef __cplusplus
 }
 #endif

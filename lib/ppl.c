@@ -15,12 +15,56 @@ double kv_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Windows of the protocol: n_tokens / seq_len, at most max_windows (> 0). */
+/* Given names, a message is the caller's ("--seq-len must be at least 2,
+ * got 1"); without, the library's own wording, as its callers know it. */
+int kv_ppl_check(int64_t seq_len, int64_t max_windows, const char *const *names,
+                 struct kv_err *err) {
+    if (seq_len < 2)
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be at least 2, got %lld",
+                               names[KV_PPL_OPT_SEQ_LEN], (long long)seq_len)
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "seq-len %lld is too short, need at least 2", (long long)seq_len);
+    if (max_windows < 0)
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be positive",
+                               names[KV_PPL_OPT_MAX_WINDOWS])
+                     : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                               "max windows must be 0 (every window) or more, found %lld",
+                               (long long)max_windows);
+    return KV_OK;
+}
+
+int kv_ppl_check_tol(double tol, const char *const *names, struct kv_err *err) {
+    if (tol < 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be at least 0, got %g",
+                       names ? names[KV_PPL_OPT_DEVICE_TOL] : "device tolerance", tol);
+    return KV_OK;
+}
+
+/* The run the device is compared with: the compressed one when there is one. */
+static const struct kv_ppl_result *dev_reference(const struct kv_compare_result *r) {
+    return r->comp.windows > 0 ? &r->comp : &r->base;
+}
+
+double kv_compare_dev_rel(const struct kv_compare_result *r) {
+    return r->dev.ppl / dev_reference(r)->ppl - 1;
+}
+
+int kv_ppl_device_verdict(const struct kv_compare_result *r, double tol, const char *const *names,
+                          struct kv_err *err) {
+    double rel = kv_compare_dev_rel(r);
+    if (!r->has_dev || fabs(rel) <= tol) return KV_OK;
+    return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
+                   "device ppl %.6f differs from the cpu's %.6f by %.2e relative, more than %s %g",
+                   r->dev.ppl, dev_reference(r)->ppl, fabs(rel),
+                   names ? names[KV_PPL_OPT_DEVICE_TOL] : "the tolerance", tol);
+}
+
+/* Windows of the protocol: n_tokens / seq_len, at most max_windows (> 0;
+ * <= 0 is every window). */
 static int count_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows, int64_t *out,
                          struct kv_err *err) {
-    if (seq_len < 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "seq-len %lld is too short, need at least 2",
-                       (long long)seq_len);
+    int rc = kv_ppl_check(seq_len, 0, NULL, err);
+    if (rc) return rc;
     int64_t windows = n_tokens / seq_len;
     if (windows == 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,

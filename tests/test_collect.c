@@ -434,3 +434,126 @@ Test(collect_cli, fisher_misuse_messages) {
     unlink(plain), unlink(fi), rmdir(dir);
     free(plain), free(fi), free(out), free(dir);
 }
+
+/* ------------------------------------------------------------ the library's checks */
+
+static const char *const collect_flags[KV_COLLECT_OPT_COUNT] = {
+    [KV_COLLECT_OPT_SEQ_LEN] = "--seq-len", [KV_COLLECT_OPT_SAMPLES] = "--samples",
+    [KV_COLLECT_OPT_SHARD] = "--shard", [KV_COLLECT_OPT_CHECKPOINT_EVERY] = "--checkpoint-every",
+    [KV_COLLECT_OPT_TEXT] = "--text", [KV_COLLECT_OPT_OUTPUT] = "--output",
+    [KV_COLLECT_OPT_RESUME] = "--resume"};
+
+Test(collect_check, options_in_the_library_words_or_the_callers) {
+    struct kv_calib_opts d = {256, 0, 0, 0, 0, 1};
+    struct kv_collect_opts o = {.data = &d, .checkpoint_every = 0};
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_collect_check_options(&o, collect_flags, &err), KV_OK);
+    o.checkpoint_every = -2;
+    cr_assert_eq(kv_collect_check_options(&o, collect_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--checkpoint-every must be 0 (never) or more, got -2");
+    cr_assert_eq(kv_collect_check_options(&o, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "checkpoint every must be 0 (never) or more, got -2");
+    d.seq_len = 1; /* the data's rules come first, from kv_calib_check */
+    cr_assert_eq(kv_collect_check_options(&o, collect_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--seq-len must be at least 2, got 1");
+}
+
+Test(collect_check, where_a_run_may_write) {
+    char *dir = kvt_temp_dir();
+    char *in = kvt_path(dir, "in.txt"), *out = kvt_path(dir, "s.kvstats");
+    FILE *f = fopen(in, "w");
+    cr_assert_not_null(f);
+    fputs("Once upon a time.\n", f);
+    fclose(f);
+    struct kv_calib_opts d = {16, 0, 0, 0, 0, 1};
+    struct kv_collect_opts o = {.out_path = out, .data = &d};
+    const char *inputs[1] = {in};
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_collect_check_output(&o, 0, "absent-model", inputs, 1, collect_flags, &err),
+                 KV_OK, "%s", err.msg);
+    struct stat st;
+    cr_assert_neq(stat(out, &st), 0, "the check leaves nothing behind");
+    char *probe = kvt_path(dir, "s.kvstats.probe");
+    cr_assert_neq(stat(probe, &st), 0, "the probe is removed");
+    free(probe);
+    /* the output is the input */
+    o.out_path = in;
+    cr_assert_eq(kv_collect_check_output(&o, 0, "absent-model", inputs, 1, collect_flags, &err),
+                 KV_EINVAL);
+    cr_assert_str_eq(err.path, in);
+    cr_assert_str_eq(err.msg, "is also the model or a --text input; refusing to overwrite it");
+    cr_assert_eq(kv_collect_check_output(&o, 0, in, NULL, 0, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "is also the model or a calibration input; refusing to overwrite it");
+    /* a directory */
+    o.out_path = dir;
+    cr_assert_eq(kv_collect_check_output(&o, 0, "m", inputs, 1, collect_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "is a directory; --output names the statistics file");
+    /* a folder that does not exist */
+    char *nowhere = kvt_path(dir, "no/such/dir/s.kvstats");
+    o.out_path = nowhere;
+    cr_assert_eq(kv_collect_check_output(&o, 0, "m", inputs, 1, collect_flags, &err), KV_EIO);
+    cr_assert_str_eq(err.msg, "cannot write there: no such file or directory");
+    cr_assert_str_eq(err.path, nowhere);
+    free(nowhere);
+    unlink(in), rmdir(dir);
+    free(in), free(out), free(dir);
+}
+
+static int stop_at_3(void *ctx, int64_t done, int64_t total, int64_t tokens) {
+    (void)ctx, (void)total, (void)tokens;
+    return done == 3;
+}
+
+/* A fresh start, a resume of a checkpoint, and an unfinished checkpoint
+ * that only a resume may touch. */
+Test(collect_check, start_fresh_or_from_the_checkpoint, .timeout = 120) {
+    KVT_NEED_SHARED(mp, MODEL);
+    char model[1024];
+    snprintf(model, sizeof model, "%s", mp);
+    KVT_NEED_SHARED(tp, TOK);
+    struct kv_model *m;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_model_open(model, tp, &m, &err), KV_OK, "%s", err.msg);
+    char *dir = kvt_temp_dir(), *out = kvt_path(dir, "s.kvstats"), *txt = kvt_path(dir, "in.txt");
+    FILE *f = fopen(txt, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 100; i++) fputs("Once upon a time there was a cat. ", f);
+    fclose(f);
+    const char *inputs[1] = {txt};
+    struct kv_calib_opts d = {16, 8, 1, 0, 0, 1};
+    struct kv_calib *c;
+    cr_assert_eq(kv_calib_open(inputs, 1, kv_model_tokenizer(m), &d, &c, &err), KV_OK, "%s", err.msg);
+    struct kv_collect_opts o = {.out_path = out, .data = &d, .progress = stop_at_3};
+    struct kv_stats *s;
+    /* --resume without a file starts fresh */
+    cr_assert_eq(kv_collect_start(m, 1, &o, &s, &err), KV_OK, "%s", err.msg);
+    cr_assert(!o.resume && o.resumed_from == -1 && s->windows == 0 && s->n_inputs == 0);
+    /* stopped after 3 of 8 windows: a checkpoint */
+    cr_assert_eq(kv_collect_run(m, c, s, &o, &err), KV_EINVAL);
+    cr_assert_eq(o.run_windows, 3);
+    cr_assert(o.tokens_per_s > 0 && o.seconds > 0);
+    cr_assert_float_eq(o.tokens_per_s, 3 * 16 / o.seconds, 1e-9 * o.tokens_per_s);
+    kv_stats_free(s);
+    cr_assert_eq(kv_collect_check_output(&o, 0, model, inputs, 1, collect_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "holds an unfinished checkpoint (3 of 8 windows); add --resume to "
+                              "continue it, or remove the file to start over");
+    cr_assert_eq(kv_collect_check_output(&o, 1, model, inputs, 1, collect_flags, &err), KV_OK,
+                 "%s", err.msg);
+    /* without resume a run would start over; with it, it continues at 3 */
+    cr_assert_eq(kv_collect_start(m, 0, &o, &s, &err), KV_OK, "%s", err.msg);
+    cr_assert(!o.resume && o.resumed_from == -1 && s->plan_windows == 0);
+    kv_stats_free(s);
+    cr_assert_eq(kv_collect_start(m, 1, &o, &s, &err), KV_OK, "%s", err.msg);
+    cr_assert(o.resume && o.resumed_from == 3 && s->next_window == 3 && s->plan_windows == 8);
+    o.progress = NULL;
+    cr_assert_eq(kv_collect_run(m, c, s, &o, &err), KV_OK, "%s", err.msg);
+    cr_assert(o.run_windows == 5 && s->windows == 8);
+    kv_stats_free(s);
+    kv_calib_free(c);
+    unlink(out), unlink(txt), rmdir(dir);
+    free(out), free(txt), free(dir);
+    kv_model_close(m);
+}

@@ -736,3 +736,38 @@ Test(dataset, bad_options_are_refused) {
     free(text);
     kv_tok_free(tok);
 }
+
+/* The same rules in a caller's words: kvcal collect names its flags. */
+Test(dataset, checks_word_messages_with_the_callers_names) {
+    static const char *const flags[KV_CALIB_OPT_COUNT] = {
+        [KV_CALIB_OPT_SEQ_LEN] = "--seq-len", [KV_CALIB_OPT_SAMPLES] = "--samples",
+        [KV_CALIB_OPT_SHARD] = "--shard"};
+    struct {
+        int64_t seq_len, samples, shard_index, shard_count;
+        const char *msg;
+    } rows[] = {
+        {1, 0, 0, 1, "--seq-len must be at least 2, got 1"},
+        {64, -1, 0, 1, "--samples must be 0 (every window) or more, got -1"},
+        {64, 0, 2, 2, "--shard needs I/N with 0 <= I < N, got '2/2'"},
+        {64, 0, 0, 0, "--shard needs I/N with 0 <= I < N, got '0/0'"},
+        {64, 0, -1, 3, "--shard needs I/N with 0 <= I < N, got '-1/3'"},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        struct kv_calib_opts o = opts_of(rows[i].seq_len);
+        o.samples = rows[i].samples;
+        o.shard_index = rows[i].shard_index;
+        o.shard_count = rows[i].shard_count;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_calib_check(&o, flags, &err), KV_EINVAL, "row %zu", i);
+        cr_assert_str_eq(err.msg, rows[i].msg);
+        cr_assert_eq(kv_calib_check(&o, NULL, &err), KV_EINVAL, "row %zu", i);
+    }
+    struct kv_calib_opts ok = opts_of(2);
+    ok.shard_index = 1, ok.shard_count = 2;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_calib_check(&ok, flags, &err), KV_OK);
+    cr_assert(kv_calib_shard_valid(0, 1) && kv_calib_shard_valid(3, 4));
+    cr_assert(!kv_calib_shard_valid(4, 4) && !kv_calib_shard_valid(-1, 4) && !kv_calib_shard_valid(0, 0));
+}

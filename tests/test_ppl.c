@@ -432,3 +432,66 @@ Test(ppl_device, a_failing_device_stops_the_run_with_its_status) {
     free(D.kc), free(D.vc);
     kv_model_close(m);
 }
+
+/* ------------------------------------------------------------ checks */
+
+static const char *const ppl_flags[KV_PPL_OPT_COUNT] = {
+    [KV_PPL_OPT_SEQ_LEN] = "--seq-len", [KV_PPL_OPT_MAX_WINDOWS] = "--max-windows",
+    [KV_PPL_OPT_DEVICE_TOL] = "--device-tol"};
+
+Test(ppl_check, options_in_the_library_words_or_the_callers) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_ppl_check(2, 0, NULL, &err), KV_OK);
+    cr_assert_eq(kv_ppl_check(1, 0, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "seq-len 1 is too short, need at least 2");
+    cr_assert_eq(kv_ppl_check(0, 0, ppl_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--seq-len must be at least 2, got 0");
+    cr_assert_eq(kv_ppl_check(16, -1, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "max windows must be 0 (every window) or more, found -1");
+    cr_assert_eq(kv_ppl_check(16, -3, ppl_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--max-windows must be positive");
+    cr_assert_eq(kv_ppl_check_tol(0, ppl_flags, &err), KV_OK);
+    cr_assert_eq(kv_ppl_check_tol(NAN, ppl_flags, &err), KV_OK, "NaN is 'not given'");
+    cr_assert_eq(kv_ppl_check_tol(-1, ppl_flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--device-tol must be at least 0, got -1");
+    cr_assert_eq(kv_ppl_check_tol(-0.5, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "device tolerance must be at least 0, got -0.5");
+    /* the runs refuse short windows with the same rule */
+    int32_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    struct kv_config c = {0};
+    c.dim = 8, c.hidden_dim = 16, c.n_layers = 1, c.n_heads = 2, c.n_kv_heads = 2;
+    c.head_dim = 4, c.vocab_size = 16, c.max_seq_len = 8, c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f, c.bos_id = 1, c.eos_id = 2;
+    struct kv_model *m;
+    cr_assert_eq(kv_model_init_random(&c, 1, &m, &err), KV_OK, "%s", err.msg);
+    struct kv_ppl_result r;
+    cr_assert_eq(kv_ppl_run(m, ids, 8, 1, 0, NULL, NULL, &r, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "seq-len 1 is too short, need at least 2");
+    kv_model_close(m);
+}
+
+Test(ppl_check, the_device_verdict_compares_with_the_compressed_run_when_there_is_one) {
+    struct kv_compare_result r;
+    memset(&r, 0, sizeof r);
+    r.base.ppl = 10, r.base.windows = 2;
+    r.has_dev = 1, r.dev.ppl = 10.02, r.dev.windows = 2;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_float_eq(kv_compare_dev_rel(&r), 0.002, 1e-12);
+    cr_assert_eq(kv_ppl_device_verdict(&r, 1e-3, ppl_flags, &err), KV_ENUMERIC);
+    cr_assert_str_eq(err.msg, "device ppl 10.020000 differs from the cpu's 10.000000 by 2.00e-03 "
+                              "relative, more than --device-tol 0.001");
+    cr_assert_eq(kv_ppl_device_verdict(&r, 1e-3, NULL, &err), KV_ENUMERIC);
+    cr_assert(strstr(err.msg, "more than the tolerance 0.001"), "%s", err.msg);
+    cr_assert_eq(kv_ppl_device_verdict(&r, 3e-3, ppl_flags, &err), KV_OK);
+    /* with a compressed run, the device is held against it */
+    r.comp.ppl = 10.02, r.comp.windows = 2;
+    cr_assert_float_eq(kv_compare_dev_rel(&r), 0, 1e-15);
+    cr_assert_eq(kv_ppl_device_verdict(&r, 0, ppl_flags, &err), KV_OK);
+    r.dev.ppl = NAN;
+    cr_assert_eq(kv_ppl_device_verdict(&r, 1, ppl_flags, &err), KV_ENUMERIC, "NaN never passes");
+    /* no device run: nothing to judge */
+    r.has_dev = 0;
+    cr_assert_eq(kv_ppl_device_verdict(&r, 0, ppl_flags, &err), KV_OK);
+}

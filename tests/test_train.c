@@ -275,3 +275,136 @@ Test(train, corrupt_checkpoints) {
     cr_assert_str_eq(err.path, st);
     free(bytes), free(st), free(model), free(text), free(dir), free(out), free(ck);
 }
+
+/* ------------------------------------------------------------ options */
+
+Test(train, config_defaults_follow_the_architecture) {
+    struct kv_config c;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_train_config("llama", 256, 4, 4, -1, -1, 512, &c, NULL, &err), KV_OK, "%s", err.msg);
+    cr_assert(c.arch == KV_ARCH_LLAMA && c.dim == 256 && c.n_layers == 4 && c.n_heads == 4);
+    cr_assert_eq(c.n_kv_heads, 2);
+    cr_assert_eq(c.head_dim, 64);
+    cr_assert_eq(c.hidden_dim, 704, "8d/3 rounded up to 64: %lld", (long long)c.hidden_dim);
+    cr_assert(c.max_seq_len == 512 && c.rope_layout == KV_ROPE_HALF && !c.tied_embeddings);
+    cr_assert(c.norm_eps == 1e-5f && c.rope_theta == 10000.0f);
+    cr_assert_eq(kv_train_config("llama", 64, 1, 1, -1, 100, 16, &c, NULL, &err), KV_OK);
+    cr_assert(c.n_kv_heads == 1 && c.hidden_dim == 100);
+    cr_assert_eq(kv_train_config("gpt2", 96, 2, 6, -1, -1, 128, &c, NULL, &err), KV_OK, "%s", err.msg);
+    cr_assert(c.arch == KV_ARCH_GPT2 && c.n_kv_heads == 6 && c.hidden_dim == 384 && c.tied_embeddings);
+}
+
+Test(train, config_refusals_name_the_callers_options) {
+    static const char *const flags[KV_TRAIN_OPT_COUNT] = {
+        [KV_TRAIN_OPT_ARCH] = "--arch", [KV_TRAIN_OPT_DIM] = "--dim",
+        [KV_TRAIN_OPT_HEADS] = "--heads", [KV_TRAIN_OPT_KV_HEADS] = "--kv-heads"};
+    const struct {
+        const char *arch;
+        int64_t dim, layers, heads, kv;
+        const char *own, *cli;
+    } rows[] = {
+        {"foo", 64, 1, 4, -1, "unknown architecture 'foo' (llama or gpt2)",
+         "unknown --arch 'foo' (llama or gpt2)"},
+        {"llama", 250, 1, 4, -1, "dim 250 is not a positive multiple of heads 4",
+         "--dim 250 is not a positive multiple of --heads 4"},
+        {"llama", 64, 0, 4, -1, "dim 64 is not a positive multiple of heads 4",
+         "--dim 64 is not a positive multiple of --heads 4"},
+        {"llama", 64, 1, 4, 3, "heads 4 is not a multiple of kv heads 3",
+         "--heads 4 is not a multiple of --kv-heads 3"},
+        {"llama", 64, 1, 4, 0, "heads 4 is not a multiple of kv heads 0",
+         "--heads 4 is not a multiple of --kv-heads 0"},
+        {"gpt2", 64, 1, 4, 2, "gpt2 has one KV head per head (kv heads 2, heads 4)",
+         "gpt2 has one KV head per head (--kv-heads 2, --heads 4)"},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        struct kv_config c;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_train_config(rows[i].arch, rows[i].dim, rows[i].layers, rows[i].heads,
+                                     rows[i].kv, -1, 64, &c, NULL, &err), KV_EINVAL, "row %zu", i);
+        cr_assert_str_eq(err.msg, rows[i].own);
+        cr_assert_eq(kv_train_config(rows[i].arch, rows[i].dim, rows[i].layers, rows[i].heads,
+                                     rows[i].kv, -1, 64, &c, flags, &err), KV_EINVAL, "row %zu", i);
+        cr_assert_str_eq(err.msg, rows[i].cli);
+    }
+}
+
+Test(train, option_checks_name_each_group_or_say_out_of_range) {
+    static const char *const flags[KV_TRAIN_OPT_COUNT] = {
+        [KV_TRAIN_OPT_SEQ_LEN] = "--seq-len", [KV_TRAIN_OPT_BATCH] = "--batch",
+        [KV_TRAIN_OPT_STEPS] = "--steps", [KV_TRAIN_OPT_LOG_EVERY] = "--log-every",
+        [KV_TRAIN_OPT_WARMUP] = "--warmup", [KV_TRAIN_OPT_LR] = "--lr",
+        [KV_TRAIN_OPT_MIN_LR] = "--min-lr", [KV_TRAIN_OPT_WEIGHT_DECAY] = "--weight-decay",
+        [KV_TRAIN_OPT_CLIP] = "--clip"};
+    const char *counts = "--seq-len must be at least 2, --batch, --steps and --log-every at "
+                         "least 1, --warmup at least 0";
+    const char *rates = "--lr must be positive; --min-lr, --weight-decay and --clip at least 0";
+    struct kv_train_opts o;
+    struct kv_err err;
+    kv_err_clear(&err);
+    tiny_opts(&o, KV_ARCH_LLAMA);
+    cr_assert_eq(kv_train_check(&o, flags, &err), KV_OK, "%s", err.msg);
+    for (int k = 0; k < 9; k++) {
+        tiny_opts(&o, KV_ARCH_LLAMA);
+        const char *want = k < 5 ? counts : rates;
+        switch (k) {
+        case 0: o.seq_len = 1; break;
+        case 1: o.batch = 0; break;
+        case 2: o.steps = 0; break;
+        case 3: o.log_every = 0; break;
+        case 4: o.warmup = -1; break;
+        case 5: o.lr = 0; break;
+        case 6: o.min_lr = -1; break;
+        case 7: o.weight_decay = NAN; break;
+        default: o.grad_clip = -0.5; break;
+        }
+        cr_assert_eq(kv_train_check(&o, flags, &err), KV_EINVAL, "case %d", k);
+        cr_assert_str_eq(err.msg, want, "case %d", k);
+        cr_assert_eq(kv_train_check(&o, NULL, &err), KV_EINVAL, "case %d", k);
+        cr_assert_str_eq(err.msg, "training options are out of range", "case %d", k);
+    }
+    /* a resume needs its checkpoint */
+    tiny_opts(&o, KV_ARCH_LLAMA);
+    char *dir = kvt_temp_dir(), *ck = kvt_path(dir, "absent.ckpt");
+    o.ckpt_path = ck;
+    cr_assert_eq(kv_train_check_resume(&o, &err), KV_OK);
+    o.resume = 1;
+    cr_assert_eq(kv_train_check_resume(&o, &err), KV_EIO);
+    cr_assert_str_eq(err.msg, "no checkpoint to resume from");
+    cr_assert_str_eq(err.path, ck);
+    free(ck);
+    kvt_rm_dir(dir);
+}
+
+struct due_log {
+    int64_t due[64];
+    int64_t n;
+};
+
+static int record_due(void *ctx, const struct kv_train_log *l) {
+    struct due_log *d = ctx;
+    if (l->due && d->n < 64) d->due[d->n++] = l->step;
+    return 0;
+}
+
+Test(train, log_lines_are_due_at_the_first_last_every_nth_and_evaluated_steps) {
+    char *text = write_text(4000), *dir = kvt_temp_dir();
+    char *out = kvt_path(dir, "m"), *ck = kvt_path(dir, "m.ckpt");
+    struct kv_train_opts o;
+    tiny_opts(&o, KV_ARCH_LLAMA);
+    struct due_log d = {0};
+    o.steps = 8, o.log_every = 3, o.eval_every = 5, o.eval_windows = 1;
+    o.train_path = text, o.eval_path = text, o.out_dir = out, o.ckpt_path = ck;
+    o.log = record_due, o.log_ctx = &d;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_train(&o, &err), KV_OK, "%s", err.msg);
+    const int64_t want[] = {1, 3, 5, 6, 8};
+    cr_assert_eq(d.n, 5, "%lld steps due", (long long)d.n);
+    for (int i = 0; i < 5; i++) cr_assert_eq(d.due[i], want[i], "due %d", i);
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    free(text), free(dir), free(out), free(ck);
+}

@@ -22,6 +22,120 @@ static void rank_text(int64_t a, int64_t b, char *buf, size_t cap) {
         snprintf(buf, cap, "%lld/%lld", (long long)a, (long long)b);
 }
 
+/* The header of `kvcal inspect STATS`: the run, its inputs and the table's title. */
+static void stats_header_text(const char *path, const struct kv_stats *s) {
+    struct kv_stats_info si = kv_stats_info(s);
+    printf("stats      %s (kvcal.stats, written by kvcal %s)\n", path, si.version);
+    printf("model      fingerprint %s\n           dim %lld, %lld layers, %lld heads (%lld kv), "
+           "head_dim %lld\n", si.fingerprint, (long long)si.dim, (long long)si.n_layers,
+           (long long)si.n_heads, (long long)si.n_kv_heads, (long long)si.head_dim);
+    printf("tokens     %lld in %lld windows of %lld (%s", (long long)si.tokens,
+           (long long)si.windows, (long long)si.seq_len, si.sampling);
+    if (!strcmp(si.sampling, "random")) printf(", seed %llu", (unsigned long long)si.seed);
+    if (si.shard_count > 1) printf(", shard %lld/%lld", (long long)si.shard_index, (long long)si.shard_count);
+    printf(")\n");
+    if (si.next_window < si.plan_windows)
+        printf("checkpoint %lld of %lld planned windows done; finish with 'kvcal collect --resume'\n",
+               (long long)si.next_window, (long long)si.plan_windows);
+    for (int64_t i = 0; i < si.n_inputs; i++) {
+        const struct kv_stats_input *in = kv_stats_input(s, i);
+        printf("input      %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows\n",
+               in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
+               (long long)in->windows);
+    }
+    if (si.has_fisher)
+        printf("fisher     yes: squared W_k/W_v gradients and ∂L/∂k, ∂L/∂v Grams of %lld "
+               "windows (per layer below)\n", (long long)si.windows);
+    else
+        printf("fisher     none ('kvcal collect --fisher' adds them; --alloc fisher needs "
+               "them)\n");
+    printf("\neffective rank = fewest eigen-directions keeping 90%%/99%% of the energy\n");
+    printf("%-6s %12s %12s %14s   per kv head 0..%lld: K|V|K post-rope, of %lld\n", "layer",
+           "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(si.n_kv_heads - 1),
+           (long long)si.head_dim);
+}
+
+/* Layer l's spectrum as a JSON object (with K/V ranks when there is a model). */
+static json_t *stats_layer_json(const struct kv_stats *s, int with_model, int64_t l,
+                                const struct kv_layer_spectrum *sp) {
+    struct kv_stats_info si = kv_stats_info(s);
+    const struct kv_head_spectrum *heads = sp->heads;
+    json_t *hs = json_array();
+    for (int64_t j = 0; j < si.n_kv_heads; j++) {
+        json_t *h = json_pack("{s:I, s:[I,I]}", "kv_head", (json_int_t)j,
+                              "k_rope_rank", (json_int_t)heads[j].krope90,
+                              (json_int_t)heads[j].krope99);
+        if (h && with_model) {
+            json_object_set_new(h, "k_rank", json_pack("[I,I]", (json_int_t)heads[j].k90, (json_int_t)heads[j].k99));
+            json_object_set_new(h, "v_rank", json_pack("[I,I]", (json_int_t)heads[j].v90, (json_int_t)heads[j].v99));
+        }
+        json_array_append_new(hs, h);
+    }
+    json_t *fi = si.has_fisher ? json_pack("{s:o, s:o}", "k",
+                                           cli_json_real(kv_stats_fisher_total(s, l, 0)), "v",
+                                           cli_json_real(kv_stats_fisher_total(s, l, 1)))
+                               : json_null();
+    return json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o, s:o}", "layer", (json_int_t)l,
+                     "trace", cli_json_real(sp->trace), "lambda_max", cli_json_real(sp->lambda_max),
+                     "lambda_min", cli_json_real(sp->lambda_min), "cond", cli_json_real(sp->cond),
+                     "xtx_rank", (json_int_t)sp->x90, (json_int_t)sp->x99, "heads", hs, "fisher",
+                     fi);
+}
+
+/* Layer l's spectrum as one row of the text table. */
+static void stats_layer_text(const struct kv_stats *s, int64_t l, const struct kv_layer_spectrum *sp) {
+    struct kv_stats_info si = kv_stats_info(s);
+    char xr[32], cond[32];
+    snprintf(xr, sizeof xr, "%lld/%lld of %lld", (long long)sp->x90, (long long)sp->x99,
+             (long long)si.dim);
+    if (isfinite(sp->cond))
+        snprintf(cond, sizeof cond, "%.3e", sp->cond);
+    else
+        snprintf(cond, sizeof cond, "inf");
+    printf("%-6lld %12.4e %12s %14s  ", (long long)l, sp->trace, cond, xr);
+    for (int64_t j = 0; j < si.n_kv_heads; j++) {
+        char a[24], b[24], c[24];
+        rank_text(sp->heads[j].k90, sp->heads[j].k99, a, sizeof a);
+        rank_text(sp->heads[j].v90, sp->heads[j].v99, b, sizeof b);
+        rank_text(sp->heads[j].krope90, sp->heads[j].krope99, c, sizeof c);
+        printf(" %s|%s|%s", a, b, c);
+    }
+    printf("\n");
+}
+
+/* The whole statistics file as one JSON object; layers is consumed. */
+static int stats_json(const char *path, const struct kv_stats *s, json_t *layers) {
+    struct kv_stats_info si = kv_stats_info(s);
+    json_t *ins = cli_json_stats_inputs(s);
+    json_t *o = json_pack("{s:o, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:o}",
+                          "path", cli_json_text(path), "type", "kvcal.stats", "version", si.version,
+                          "fingerprint", si.fingerprint, "n_layers", (json_int_t)si.n_layers,
+                          "dim", (json_int_t)si.dim, "n_heads", (json_int_t)si.n_heads,
+                          "n_kv_heads", (json_int_t)si.n_kv_heads, "head_dim",
+                          (json_int_t)si.head_dim, "seq_len", (json_int_t)si.seq_len, "tokens",
+                          (json_int_t)si.tokens, "windows", (json_int_t)si.windows, "sampling",
+                          si.sampling, "plan_windows", (json_int_t)si.plan_windows,
+                          "next_window", (json_int_t)si.next_window, "inputs", ins, "layers", layers);
+    if (o) json_object_set_new(o, "fisher", json_boolean(si.has_fisher));
+    return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+}
+
+/* Each layer's Fisher information and its share of the total. */
+static void stats_fisher_text(const struct kv_stats *s) {
+    int64_t n_layers = kv_stats_info(s).n_layers;
+    double all = 0;
+    for (int64_t l = 0; l < n_layers; l++) all += kv_stats_fisher_total(s, l, 0) + kv_stats_fisher_total(s, l, 1);
+    printf("\nfisher information Σ (∂L/∂W)² of each layer's K and V projection, and its "
+           "share of the total\n%-6s %12s %12s %8s %8s\n", "layer", "K", "V", "K %", "V %");
+    for (int64_t l = 0; l < n_layers; l++) {
+        double k = kv_stats_fisher_total(s, l, 0), v = kv_stats_fisher_total(s, l, 1);
+        printf("%-6lld %12.4e %12.4e %7.2f%% %7.2f%%\n", (long long)l, k, v,
+               all > 0 ? 100 * k / all : 0.0, all > 0 ? 100 * v / all : 0.0);
+    }
+}
+
+/* `kvcal inspect STATS`: the run and, per layer, the spectra (with a
+ * model, its K and V output ranks too). */
 static int inspect_stats(const char *path, const char *model, const char *tokenizer, int json) {
     struct kv_err err;
     kv_err_clear(&err);
@@ -41,38 +155,9 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
         }
     }
     struct kv_stats_info si = kv_stats_info(s);
-    int64_t g = si.n_kv_heads;
-    struct kv_head_spectrum *heads = calloc((size_t)g, sizeof *heads);
+    struct kv_head_spectrum *heads = calloc((size_t)si.n_kv_heads, sizeof *heads);
     json_t *layers = json ? json_array() : NULL;
-    if (!json) {
-        printf("stats      %s (kvcal.stats, written by kvcal %s)\n", path, si.version);
-        printf("model      fingerprint %s\n           dim %lld, %lld layers, %lld heads (%lld kv), "
-               "head_dim %lld\n", si.fingerprint, (long long)si.dim, (long long)si.n_layers,
-               (long long)si.n_heads, (long long)si.n_kv_heads, (long long)si.head_dim);
-        printf("tokens     %lld in %lld windows of %lld (%s", (long long)si.tokens,
-               (long long)si.windows, (long long)si.seq_len, si.sampling);
-        if (!strcmp(si.sampling, "random")) printf(", seed %llu", (unsigned long long)si.seed);
-        if (si.shard_count > 1) printf(", shard %lld/%lld", (long long)si.shard_index, (long long)si.shard_count);
-        printf(")\n");
-        if (si.next_window < si.plan_windows)
-            printf("checkpoint %lld of %lld planned windows done; finish with 'kvcal collect --resume'\n",
-                   (long long)si.next_window, (long long)si.plan_windows);
-        for (int64_t i = 0; i < si.n_inputs; i++) {
-            const struct kv_stats_input *in = kv_stats_input(s, i);
-            printf("input      %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows\n",
-                   in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
-                   (long long)in->windows);
-        }
-        if (si.has_fisher)
-            printf("fisher     yes: squared W_k/W_v gradients and ∂L/∂k, ∂L/∂v Grams of %lld "
-                   "windows (per layer below)\n", (long long)si.windows);
-        else
-            printf("fisher     none ('kvcal collect --fisher' adds them; --alloc fisher needs "
-                   "them)\n");
-        printf("\neffective rank = fewest eigen-directions keeping 90%%/99%% of the energy\n");
-        printf("%-6s %12s %12s %14s   per kv head 0..%lld: K|V|K post-rope, of %lld\n", "layer",
-               "trace(XtX)", "cond(XtX)", "XtX rank", (long long)(g - 1), (long long)si.head_dim);
-    }
+    if (!json) stats_header_text(path, s);
     rc = EXIT_OK;
     for (int64_t l = 0; l < si.n_layers && heads; l++) {
         struct kv_layer_spectrum sp = {.heads = heads};
@@ -81,78 +166,19 @@ static int inspect_stats(const char *path, const char *model, const char *tokeni
             rc = cli_report(&err);
             break;
         }
-        if (json) {
-            json_t *hs = json_array();
-            for (int64_t j = 0; j < g; j++) {
-                json_t *h = json_pack("{s:I, s:[I,I]}", "kv_head", (json_int_t)j,
-                                      "k_rope_rank", (json_int_t)heads[j].krope90,
-                                      (json_int_t)heads[j].krope99);
-                if (h && m) {
-                    json_object_set_new(h, "k_rank", json_pack("[I,I]", (json_int_t)heads[j].k90, (json_int_t)heads[j].k99));
-                    json_object_set_new(h, "v_rank", json_pack("[I,I]", (json_int_t)heads[j].v90, (json_int_t)heads[j].v99));
-                }
-                json_array_append_new(hs, h);
-            }
-            json_t *fi = si.has_fisher ? json_pack("{s:o, s:o}", "k",
-                                                   cli_json_real(kv_stats_fisher_total(s, l, 0)), "v",
-                                                   cli_json_real(kv_stats_fisher_total(s, l, 1)))
-                                       : json_null();
-            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o, s:[I,I], s:o, s:o}",
-                                                    "layer", (json_int_t)l, "trace",
-                                                    cli_json_real(sp.trace), "lambda_max",
-                                                    cli_json_real(sp.lambda_max), "lambda_min",
-                                                    cli_json_real(sp.lambda_min), "cond",
-                                                    cli_json_real(sp.cond), "xtx_rank",
-                                                    (json_int_t)sp.x90, (json_int_t)sp.x99,
-                                                    "heads", hs, "fisher", fi));
-        } else {
-            char xr[32], cond[32];
-            snprintf(xr, sizeof xr, "%lld/%lld of %lld", (long long)sp.x90, (long long)sp.x99,
-                     (long long)si.dim);
-            if (isfinite(sp.cond))
-                snprintf(cond, sizeof cond, "%.3e", sp.cond);
-            else
-                snprintf(cond, sizeof cond, "inf");
-            printf("%-6lld %12.4e %12s %14s  ", (long long)l, sp.trace, cond, xr);
-            for (int64_t j = 0; j < g; j++) {
-                char a[24], b[24], c[24];
-                rank_text(heads[j].k90, heads[j].k99, a, sizeof a);
-                rank_text(heads[j].v90, heads[j].v99, b, sizeof b);
-                rank_text(heads[j].krope90, heads[j].krope99, c, sizeof c);
-                printf(" %s|%s|%s", a, b, c);
-            }
-            printf("\n");
-        }
+        if (json)
+            json_array_append_new(layers, stats_layer_json(s, m != NULL, l, &sp));
+        else
+            stats_layer_text(s, l, &sp);
     }
     if (!heads) rc = cli_report(&(struct kv_err){.code = KV_ENOMEM, .off = KV_NO_OFFSET, .msg = "out of memory"});
     if (json && rc == EXIT_OK) {
-        json_t *ins = cli_json_stats_inputs(s);
-        json_t *o = json_pack("{s:o, s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:o}",
-                              "path", cli_json_text(path), "type", "kvcal.stats", "version", si.version,
-                              "fingerprint", si.fingerprint, "n_layers", (json_int_t)si.n_layers,
-                              "dim", (json_int_t)si.dim, "n_heads", (json_int_t)si.n_heads,
-                              "n_kv_heads", (json_int_t)si.n_kv_heads, "head_dim",
-                              (json_int_t)si.head_dim, "seq_len", (json_int_t)si.seq_len, "tokens",
-                              (json_int_t)si.tokens, "windows", (json_int_t)si.windows, "sampling",
-                              si.sampling, "plan_windows", (json_int_t)si.plan_windows,
-                              "next_window", (json_int_t)si.next_window, "inputs", ins, "layers", layers);
-        if (o) json_object_set_new(o, "fisher", json_boolean(si.has_fisher));
+        rc = stats_json(path, s, layers);
         layers = NULL;
-        rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else if (!json && rc == EXIT_OK && !m) {
         printf("\n(K and V output ranks need the model: add --model PATH)\n");
     }
-    if (!json && rc == EXIT_OK && si.has_fisher) {
-        double all = 0;
-        for (int64_t l = 0; l < si.n_layers; l++) all += kv_stats_fisher_total(s, l, 0) + kv_stats_fisher_total(s, l, 1);
-        printf("\nfisher information Σ (∂L/∂W)² of each layer's K and V projection, and its "
-               "share of the total\n%-6s %12s %12s %8s %8s\n", "layer", "K", "V", "K %", "V %");
-        for (int64_t l = 0; l < si.n_layers; l++) {
-            double k = kv_stats_fisher_total(s, l, 0), v = kv_stats_fisher_total(s, l, 1);
-            printf("%-6lld %12.4e %12.4e %7.2f%% %7.2f%%\n", (long long)l, k, v,
-                   all > 0 ? 100 * k / all : 0.0, all > 0 ? 100 * v / all : 0.0);
-        }
-    }
+    if (!json && rc == EXIT_OK && si.has_fisher) stats_fisher_text(s);
     json_decref(layers);
     free(heads);
     kv_stats_free(s);

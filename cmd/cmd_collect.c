@@ -1,0 +1,277 @@
+/* kvcal collect: float64 calibration statistics into a .kvstats file. The
+ * checks, the resume and the run are the library's (kv_collect_*); this
+ * file reads the command line, handles Ctrl-C and prints. */
+#include <jansson.h>
+#include <math.h>
+#include <omp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+
+static volatile sig_atomic_t interrupted = 0;
+static void on_signal(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
+static int progress(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
+    cli_progress_cb(ctx, done, total, tokens_done);
+    return interrupted != 0;
+}
+
+/* "I/N": two integers; whether they name a shard is the library's rule
+ * (kv_calib_shard_valid). */
+static int parse_shard(const char *s, int64_t *idx, int64_t *cnt) {
+    char *end;
+    long long a = strtoll(s, &end, 10);
+    if (end == s || *end != '/') return -1;
+    const char *b = end + 1;
+    long long c = strtoll(b, &end, 10);
+    if (end == b || *end) return -1;
+    *idx = a, *cnt = c;
+    return 0;
+}
+
+/* The options as the library's messages name them. */
+static const char *const collect_names[KV_COLLECT_OPT_COUNT] = {
+    [KV_COLLECT_OPT_SEQ_LEN] = "--seq-len",
+    [KV_COLLECT_OPT_SAMPLES] = "--samples",
+    [KV_COLLECT_OPT_SHARD] = "--shard",
+    [KV_COLLECT_OPT_CHECKPOINT_EVERY] = "--checkpoint-every",
+    [KV_COLLECT_OPT_TEXT] = "--text",
+    [KV_COLLECT_OPT_OUTPUT] = "--output",
+    [KV_COLLECT_OPT_RESUME] = "--resume",
+};
+
+/* What the command line gives (file scope: the option table points into it). */
+static struct collect_args {
+    const char *model, *tokenizer, *output, *shard;
+    struct cli_list texts;
+    int64_t seq_len, samples, seed, every, threads;
+    int sequential, resume, json, quiet, fisher;
+} A = {.seq_len = 256};
+
+static const struct cli_opt collect_opts[] = {
+    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
+     "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
+    {"text", 't', OPT_LIST, &A.texts, "FILE",
+     "calibration text: .txt, .gz, .jsonl or .jsonl.gz; repeat for more files"},
+    {"output", 'o', OPT_STR, &A.output, "FILE", "statistics file to write (.kvstats)"},
+    {"seq-len", 0, OPT_INT, &A.seq_len, "N", "window length in tokens (default 256)"},
+    {"samples", 'n', OPT_INT, &A.samples, "N", "windows to use (default: every window)"},
+    {"seed", 0, OPT_INT, &A.seed, "S", "seed of the random window draw (default 0)"},
+    {"sequential", 0, OPT_FLAG, &A.sequential, NULL,
+     "take the first --samples windows instead of a random draw"},
+    {"fisher", 0, OPT_FLAG, &A.fisher, NULL,
+     "also Fisher statistics for --alloc fisher: a backward pass per window\n"
+     "(about 3.5x the time)"},
+    {"shard", 0, OPT_STR, &A.shard, "I/N",
+     "keep every N-th planned window starting at I (0-based), for merging later"},
+    {"checkpoint-every", 0, OPT_INT, &A.every, "K",
+     "rewrite the output every K windows so an interrupted run can --resume"},
+    {"resume", 0, OPT_FLAG, &A.resume, NULL,
+     "continue from the checkpoint in --output (same options and inputs)"},
+    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
+    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON summary on stdout"},
+    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+};
+
+static const struct cli_cmd collect_cmd = {
+    "collect", "--model PATH --text FILE [--text FILE ...] -o OUT.kvstats [options]",
+    "Stream calibration text through the model and sum, in float64, the second-order\n"
+    "statistics the decompositions need: per layer the attention input XᵀX and Σx,\n"
+    "and the post-RoPE QᵀQ per query head and KᵀK per KV head. Memory does not grow\n"
+    "with the number of windows.",
+    "windows: each input file is one token stream with BOS at its start, cut into\n"
+    "non-overlapping windows of --seq-len (remainder dropped); windows never span two\n"
+    "files. Documents in a .jsonl file (one {\"text\": ...} per line) are joined with\n"
+    "a blank line. With --samples N, N windows are drawn at random (--seed) from all\n"
+    "inputs, or the first N are taken with --sequential, and run in file order.\n"
+    "\n"
+    "--fisher also runs a forward and backward pass per window (its first seq-len - 1\n"
+    "tokens predicting the next ones) and sums, per layer, the squared gradient of\n"
+    "the window's mean loss for every row of W_k and W_v, the Fisher information\n"
+    "that 'kvcal decompose --alloc fisher' allocates ranks by and '--alloc global'\n"
+    "weights errors by, and the Gram of the loss gradient with respect to each KV\n"
+    "head's keys and values. The backward pass keeps the window's activations and\n"
+    "makes a run about 3.5x as long. Shards merge only with shards collected alike.\n"
+    "\n"
+    "the output is a GGUF file (general.type kvcal.stats) of float64 sums plus the\n"
+    "model fingerprint and each input's sha256. Sums merge exactly: collect shards\n"
+    "(different files, or --shard I/N of the same plan) on several machines and\n"
+    "combine them with 'kvcal merge'. With --checkpoint-every K the output is\n"
+    "rewritten atomically every K windows; after a crash or Ctrl-C, run the same\n"
+    "command with --resume and the result is bit-identical to an uninterrupted run\n"
+    "with the same thread count.\n"
+    "\nexamples:\n"
+    "  kvcal collect -m stories260K.bin --tokenizer tok512.bin -t val1k.txt -o s.kvstats\n"
+    "  kvcal collect -m tinystories-656K -t c4-part1.jsonl.gz -t c4-part2.jsonl.gz \\\n"
+    "      --samples 512 --seed 1 --seq-len 256 --checkpoint-every 64 -o 656K.kvstats\n"
+    "  kvcal collect ... --shard 0/2 -o a.kvstats   # and --shard 1/2 -o b.kvstats\n"
+    "  kvcal collect -m tinystories-656K -t val1k.txt --samples 256 --fisher -o f.kvstats\n"
+    "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
+    collect_opts, (int)(sizeof collect_opts / sizeof collect_opts[0]), 0};
+
+static int print_json(const struct collect_args *a, const struct kv_stats *s,
+                      const struct kv_collect_opts *o) {
+    struct kv_stats_info si = kv_stats_info(s);
+    json_t *ins = cli_json_stats_inputs(s);
+    json_t *out = json_pack(
+        "{s:o, s:o, s:s, s:I, s:I, s:I, s:s, s:I, s:I, s:o, s:I, s:I, s:o, s:o, s:i, s:o}",
+        "output", cli_json_text(a->output), "model", cli_json_text(a->model), "fingerprint",
+        si.fingerprint, "seq_len", (json_int_t)a->seq_len, "tokens", (json_int_t)si.tokens,
+        "windows", (json_int_t)si.windows, "sampling", si.sampling, "seed", (json_int_t)si.seed,
+        "plan_windows", (json_int_t)si.plan_windows, "inputs", ins, "resumed_from",
+        (json_int_t)o->resumed_from, "checkpoints", (json_int_t)o->checkpoints_written,
+        "tokens_per_s", cli_json_real(o->tokens_per_s), "seconds", cli_json_real(o->seconds),
+        "threads", omp_get_max_threads(), "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+    if (out) {
+        json_object_set_new(out, "fisher", json_boolean(si.has_fisher));
+        json_object_set_new(out, "mean_loss", si.has_fisher && o->run_windows > 0
+                                                  ? cli_json_real(o->loss) : json_null());
+    }
+    return cli_print_json(out, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+}
+
+static void print_text(const struct collect_args *a, const struct kv_model *m,
+                       const struct kv_stats *s, const struct kv_collect_opts *o) {
+    struct kv_stats_info si = kv_stats_info(s);
+    char desc[512];
+    cli_describe_config(kv_model_config(m), desc, sizeof desc);
+    printf("model     %s\n          %s\n          fingerprint %s\n", a->model, desc, si.fingerprint);
+    for (int64_t i = 0; i < si.n_inputs; i++) {
+        const struct kv_stats_input *in = kv_stats_input(s, i);
+        printf("input     %s: %llu bytes, sha256 %.16s…, %lld tokens, %lld windows used\n",
+               in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
+               (long long)in->windows);
+    }
+    if (!strcmp(si.sampling, "random"))
+        printf("plan      %lld windows of %lld, drawn at random (seed %llu)", (long long)si.plan_windows,
+               (long long)a->seq_len, (unsigned long long)si.seed);
+    else
+        printf("plan      %lld windows of %lld, in order", (long long)si.plan_windows, (long long)a->seq_len);
+    if (si.shard_count > 1)
+        printf(", shard %lld/%lld", (long long)si.shard_index, (long long)si.shard_count);
+    printf("\n");
+    printf("summed    %lld tokens in %lld windows", (long long)si.tokens, (long long)si.windows);
+    if (o->resumed_from >= 0) printf(" (resumed at window %lld)", (long long)o->resumed_from);
+    printf("\n");
+    if (si.has_fisher) {
+        printf("fisher    a backward pass per window");
+        if (o->run_windows > 0)
+            printf(", mean loss %.4f (ppl %.2f) over %lld windows", o->loss, exp(o->loss),
+                   (long long)o->run_windows);
+        printf("\n");
+    }
+    if (o->run_windows > 0)
+        printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", o->tokens_per_s,
+               omp_get_max_threads(), o->seconds, cli_peak_rss_mib());
+    if (o->run_windows > 0)
+        printf("wrote     %s\n", a->output);
+    else
+        printf("kept      %s: it was already complete, nothing to do\n", a->output);
+}
+
+/* kv_collect_run with its progress on stderr, stopped by Ctrl-C or SIGTERM. */
+static int run_windows(const struct kv_model *m, struct kv_calib *c, struct kv_stats *s,
+                       struct kv_collect_opts *o, int quiet, struct kv_err *err) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESETHAND; /* a second Ctrl-C stops at once */
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    struct cli_progress bar;
+    cli_progress_start(&bar, "windows", quiet);
+    o->progress = progress, o->progress_ctx = &bar;
+    int rc = kv_collect_run(m, c, s, o, err);
+    cli_progress_end(&bar);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    return rc;
+}
+
+/* Everything after the checks: the model, the inputs, the statistics to
+ * continue or start, the run and its summary. */
+static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
+    struct kv_model *m = NULL;
+    struct kv_calib *c = NULL;
+    struct kv_stats *s = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    int rc, quiet = a->quiet || a->json;
+    if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    if (!tok) {
+        fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE "
+                        "(llama2.c tokenizer.bin, tokenizer.json or .gguf)\n");
+        kv_model_close(m);
+        return EXIT_ERR;
+    }
+    if (!quiet)
+        fprintf(stderr, "reading and tokenizing %d input%s\n", a->texts.n,
+                a->texts.n > 1 ? "s" : "");
+    if (!(rc = kv_calib_open(a->texts.v, a->texts.n, tok, o->data, &c, &err)))
+        rc = kv_collect_start(m, a->resume, o, &s, &err);
+    if (!rc && a->resume && !o->resume && !quiet)
+        fprintf(stderr, "kvcal: %s: no checkpoint yet; starting from the first window\n", a->output);
+    if (!rc && o->resume && !quiet)
+        fprintf(stderr, "resuming %s at window %lld of %lld\n", a->output,
+                (long long)o->resumed_from, (long long)kv_stats_info(s).plan_windows);
+    if (!rc) rc = run_windows(m, c, s, o, quiet, &err);
+    if (rc) {
+        cli_report(&err);
+        rc = interrupted ? 128 + SIGINT : EXIT_ERR; /* as a shell reports an interrupted command */
+    } else if (a->json) {
+        rc = print_json(a, s, o);
+    } else {
+        print_text(a, m, s, o);
+    }
+    kv_stats_free(s);
+    kv_calib_free(c);
+    kv_model_close(m);
+    return rc;
+}
+
+int cmd_collect(int argc, char **argv) {
+    const struct cli_cmd *cmd = &collect_cmd;
+    struct collect_args *a = &A;
+    const char *pos[1];
+    int n_pos;
+    int rc = cli_parse(cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    if (!a->model) return cli_usage_error(cmd, "missing --model");
+    if (a->texts.n == 0) return cli_usage_error(cmd, "missing --text");
+    if (!a->output) return cli_usage_error(cmd, "missing --output");
+    struct kv_calib_opts copt = {a->seq_len, a->samples, a->sequential, (uint64_t)a->seed, 0, 1};
+    struct kv_collect_opts o = {.out_path = a->output, .data = &copt, .fisher = a->fisher,
+                                .checkpoint_every = a->every};
+    struct kv_err err;
+    kv_err_clear(&err);
+    /* the library's rules and the command line's own, in the order the
+     * command has always checked them. The command line's: the seed is read
+     * signed; a negative thread count is a typing mistake (the library reads
+     * it as every core); and --sequential alone is a flag that changes
+     * nothing (the plan of every window is in order already) */
+    if (kv_calib_check(&copt, collect_names, &err)) return cli_usage_error(cmd, "%s", err.msg);
+    if (a->seed < 0)
+        return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
+    if (kv_collect_check_options(&o, collect_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
+    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
+    if (a->sequential && a->samples == 0)
+        return cli_usage_error(cmd, "--sequential needs --samples N (without it every window is "
+                                    "used, in order)");
+    if (a->shard && (parse_shard(a->shard, &copt.shard_index, &copt.shard_count) ||
+                     !kv_calib_shard_valid(copt.shard_index, copt.shard_count)))
+        return cli_usage_error(cmd, "--shard needs I/N with 0 <= I < N, got '%s'", a->shard);
+    kv_set_threads((int)a->threads);
+    if (kv_collect_check_output(&o, a->resume, a->model, a->texts.v, a->texts.n, collect_names,
+                                &err))
+        return cli_report_refusal(&err);
+    return collect(a, &o);
+}

@@ -1,0 +1,398 @@
+/* kvcal verify: perplexity under the windows protocol (kv_ppl_run, or
+ * kv_ppl_compare* against a compressed model or a device). This file reads
+ * the command line, opens the runtime for --device and prints. */
+#include <jansson.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+#include "kvrt.h"
+
+/* --device twin|cuda: a third run with the attention on the runtime. */
+struct device {
+    int on;
+    struct kvrt_opts o;
+    double tol;        /* --device-tol */
+    char desc[512];    /* "twin (cpu), f32 cache" or "cuda: NAME (sm_90, 132 SMs), f16 cache" */
+};
+
+/* Open the runtime for m's attention (lr's with --compressed) and describe
+ * it. Prints errors. */
+static int device_open(struct device *dv, const struct kv_model *m, const struct kv_lowrank *lr,
+                       int64_t seq_len, struct kvrt **rt) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    dv->o.max_ctx = seq_len;
+    if (kvrt_open(m, lr, &dv->o, rt, &err)) return cli_report(&err);
+    const char *cache = kvrt_dtype_name(dv->o.cache);
+    if (dv->o.backend == KVRT_BACKEND_TWIN) {
+        snprintf(dv->desc, sizeof dv->desc, "twin (cpu), %s cache", cache);
+        return EXIT_OK;
+    }
+    struct kvrt_device d;
+    if (kvrt_device_query(dv->o.device, &d, &err)) {
+        kvrt_close(*rt);
+        *rt = NULL;
+        return cli_report(&err);
+    }
+    snprintf(dv->desc, sizeof dv->desc, "cuda: %s (sm_%d%d, %d SMs), %s cache", d.name, d.cc_major,
+             d.cc_minor, d.sm_count, cache);
+    return EXIT_OK;
+}
+
+/* The windows of base and, with lr, compressed on the cpu, plus the device
+ * run with dv->on. Prints errors, naming src for those of the run itself. */
+static int run_windows(const struct kv_model *m, const struct kv_lowrank *lr, int bits,
+                       struct device *dv, const int32_t *ids, int64_t n, int64_t seq_len,
+                       int64_t max_windows, int quiet, const char *src,
+                       struct kv_compare_result *r) {
+    struct kvrt *rt = NULL;
+    int rc = dv->on ? device_open(dv, m, lr, seq_len, &rt) : EXIT_OK;
+    if (rc) return rc;
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct cli_progress prog;
+    cli_progress_start(&prog, "windows", quiet);
+    if (rt) {
+        const struct kv_fwd_hooks hk = {.ctx = rt, .attn = kvrt_fwd_attn};
+        rc = kv_ppl_compare_attn(m, lr, bits, &hk, ids, n, seq_len, max_windows, cli_progress_cb,
+                                 &prog, r, &err);
+    } else {
+        rc = kv_ppl_compare(m, lr, bits, ids, n, seq_len, max_windows, cli_progress_cb, &prog, r,
+                            &err);
+    }
+    cli_progress_end(&prog);
+    if (rc && rt && kvrt_error(rt)->code != KV_OK) {
+        rc = cli_report(kvrt_error(rt)); /* the runtime knows what failed */
+    } else if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+        rc = cli_report(&err);
+    }
+    kvrt_close(rt);
+    return rc;
+}
+
+static double tokens_per_s(const struct kv_ppl_result *r, int64_t seq_len) {
+    return r->seconds > 0 ? (double)(r->windows * seq_len) / r->seconds : 0;
+}
+
+/* The device run against cpu (the compressed run, or the base): text lines
+ * after a blank one, or fields of the JSON object o. */
+static void device_print(const struct device *dv, const struct kv_compare_result *r,
+                         const struct kv_ppl_result *cpu, int64_t seq_len, json_t *o) {
+    double rel = kv_compare_dev_rel(r), tps = tokens_per_s(&r->dev, seq_len);
+    if (o) {
+        json_t *f = json_pack(
+            "{s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:I, s:I, s:o, s:o, s:o, s:o}", "device",
+            kvrt_backend_name(dv->o.backend), "device_desc", dv->desc, "cache",
+            kvrt_dtype_name(dv->o.cache), "device_ppl", cli_json_real(r->dev.ppl), "device_nll",
+            cli_json_real(r->dev.nll), "device_rel_ppl", cli_json_real(rel), "device_tol",
+            cli_json_real(dv->tol), "max_rel_logit", cli_json_real(r->max_rel_logit),
+            "max_rel_logit_window", (json_int_t)r->max_rel_window, "max_rel_logit_position",
+            (json_int_t)r->max_rel_pos, "device_kl", cli_json_real(r->dev_kl), "device_top1",
+            cli_json_real(r->dev_top1), "device_tokens_per_s", cli_json_real(tps),
+            "device_seconds", cli_json_real(r->dev.seconds));
+        if (f) json_object_update(o, f);
+        json_decref(f);
+        return;
+    }
+    printf("\ndevice      %s, %.0f tokens/s\n", dv->desc, tps);
+    printf("device ppl  %-11.4f (cpu %.4f, rel diff %+.2e, tolerance %g)\n", r->dev.ppl, cpu->ppl,
+           rel, dv->tol);
+    printf("logits      max rel diff %.2e at window %lld position %lld; kl %.2e nats per token, "
+           "KL(cpu || device); top-1 %.4f\n",
+           r->max_rel_logit, (long long)r->max_rel_window, (long long)r->max_rel_pos, r->dev_kl,
+           r->dev_top1);
+}
+
+/* The options as the library's messages name them. */
+static const char *const ppl_names[KV_PPL_OPT_COUNT] = {
+    [KV_PPL_OPT_SEQ_LEN] = "--seq-len",
+    [KV_PPL_OPT_MAX_WINDOWS] = "--max-windows",
+    [KV_PPL_OPT_DEVICE_TOL] = "--device-tol",
+};
+
+/* Exit 3 with a line on stderr when a device run's ppl is off by more than
+ * --device-tol (kv_ppl_device_verdict); rc otherwise. */
+static int device_verdict(const struct device *dv, const struct kv_compare_result *r, int rc) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (rc || !dv->on || !kv_ppl_device_verdict(r, dv->tol, ppl_names, &err)) return rc;
+    fprintf(stderr, "kvcal: %s\n", err.msg);
+    return EXIT_TOLERANCE;
+}
+
+/* What the command line gives (file scope: the option table points into it). */
+static struct verify_args {
+    const char *model, *tokenizer, *text, *tokens, *comp, *device, *cache;
+    int64_t seq_len, max_windows, threads, kv_bits;
+    int json, quiet, hadamard;
+    double device_tol; /* NaN: not given */
+} A = {.seq_len = 256, .device = "cpu", .device_tol = NAN};
+
+static const struct cli_opt verify_opts[] = {
+    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
+     "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
+    {"text", 't', OPT_STR, &A.text, "FILE", "evaluation text, .txt or .gz (one document)"},
+    {"tokens", 0, OPT_STR, &A.tokens, "FILE",
+     "pre-tokenized ids (little-endian uint32) instead of --text; include BOS yourself"},
+    {"compressed", 0, OPT_STR, &A.comp, "DIR",
+     "also run the compressed model in DIR (from 'kvcal decompose') with a cache that\n"
+     "stores latents, and compare it with the base: ppl, kl, top-1, kv bytes"},
+    {"kv-bits", 0, OPT_INT, &A.kv_bits, "B",
+     "with --compressed: latent storage 16, 8, 4, 3 or 2 bits (default: the manifest's);\n"
+     "below 16, per-token asymmetric quantization with fp16 scale and zero point"},
+    {"hadamard", 0, OPT_FLAG, &A.hadamard, NULL,
+     "with --compressed: fuse a Walsh-Hadamard rotation into the factors before running\n"
+     "(as decompose --hadamard; no-op when the directory already has one)"},
+    {"device", 0, OPT_STR, &A.device, "D",
+     "cpu (default), twin or cuda: also run every window with the attention on the\n"
+     "runtime (twin: its cpu twin of the gpu kernels; cuda: the gpu) and compare"},
+    {"cache", 0, OPT_STR, &A.cache, "T",
+     "with --device twin or cuda: the runtime's cache storage, f16 (default) or f32"},
+    {"device-tol", 0, OPT_DOUBLE, &A.device_tol, "X",
+     "with --device twin or cuda: largest |device ppl / cpu ppl - 1| accepted (default\n"
+     "1e-3); beyond it verify exits 3"},
+    {"seq-len", 0, OPT_INT, &A.seq_len, "N", "window length in tokens (default 256)"},
+    {"max-windows", 0, OPT_INT, &A.max_windows, "W", "evaluate only the first W windows"},
+    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
+    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON object on stdout"},
+    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+};
+
+static const struct cli_cmd verify_cmd = {
+    "verify", "--model PATH --text FILE [--compressed DIR] [options]",
+    "Report the perplexity of a model on held-out text.",
+    "protocol (windows): the text is one document with BOS once at its start; its tokens\n"
+    "are cut into non-overlapping windows of --seq-len (the remainder is dropped); each\n"
+    "window runs on its own and positions 1..seq-len-1 are scored; ppl = exp(mean nll).\n"
+    "\nwith --compressed the base model and the compressed one run the same windows; the\n"
+    "compressed cache stores only latents: keys rebuilt from them before RoPE (palu,\n"
+    "eigen, svd, lorc), or scored as rotated post-RoPE q·k (fdc, zack); values stay\n"
+    "latent and go through the fused output projection. KV bytes per token count fp16\n"
+    "for the base and, for latents, their codes plus scale and zero point.\n"
+    "\nwith --device twin or cuda a further run of the same windows puts every layer's\n"
+    "attention on the runtime (kvrt: decode steps, one token at a time, over its own KV\n"
+    "cache; with --compressed the compressed model's latent cache, else the base's full\n"
+    "one) while the rest of the model stays on the cpu. It is compared with the cpu run\n"
+    "of the same model: device ppl and its relative difference, the largest relative\n"
+    "logit difference (max over the vocabulary of |device - cpu| over the largest |cpu|\n"
+    "logit, maximum over scored positions) and where it is, KL(cpu || device) and top-1\n"
+    "agreement. An f16 cache (the default) rounds what it stores, as a deployment would;\n"
+    "f32 reproduces the cpu path to rounding. When |device ppl / cpu ppl - 1| exceeds\n"
+    "--device-tol verify prints the numbers, says so on stderr and exits 3.\n"
+    "\nexamples:\n"
+    "  kvcal verify --model stories260K.bin --tokenizer tok512.bin --text val1k.txt\n"
+    "  kvcal verify --model tinystories-656K --compressed out-656K --text wiki.test.raw\n"
+    "  kvcal verify --model tinystories-656K --text wiki.test.raw --seq-len 256 --json\n"
+    "  kvcal verify --model tinystories-656K --compressed out-656K --text wiki.test.raw \\\n"
+    "      --device cuda --max-windows 50\n",
+    verify_opts, (int)(sizeof verify_opts / sizeof verify_opts[0]), 0};
+
+static const char *latent_name(int bits) {
+    return bits == 16 ? "fp16"
+                      : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2");
+}
+
+/* A compressed model's run against its base, as one JSON object or text. */
+static int print_compressed(const struct verify_args *a, const char *src, size_t n_bytes,
+                            const struct kv_model *m, const struct kv_lowrank *lr, int bits,
+                            const struct device *dv, const struct kv_compare_result *r) {
+    struct kv_lr_info li = kv_lr_info(lr);
+    const struct kv_config *c = kv_model_config(m);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, bits), seq_len = a->seq_len;
+    double ratio = (double)comp / (double)base;
+    double tb = tokens_per_s(&r->base, seq_len), tc = tokens_per_s(&r->comp, seq_len);
+    if (a->json) {
+        json_t *o = json_pack(
+            "{s:s, s:o, s:o, s:o, s:s, s:s, s:i, s:b, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, "
+            "s:o, s:o, s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
+            "protocol", "windows", "model", cli_json_text(a->model), "compressed",
+            cli_json_text(a->comp), "text", cli_json_text(src), "method", li.method, "alloc",
+            li.alloc, "kv_bits", bits, "hadamard", li.hadamard, "seq_len", (json_int_t)seq_len,
+            "tokens", (json_int_t)r->comp.tokens, "windows", (json_int_t)r->comp.windows, "scored",
+            (json_int_t)r->comp.scored, "nll", cli_json_real(r->comp.nll), "ppl",
+            cli_json_real(r->comp.ppl), "base_nll", cli_json_real(r->base.nll), "base_ppl",
+            cli_json_real(r->base.ppl), "delta_ppl", cli_json_real(r->comp.ppl - r->base.ppl), "kl",
+            cli_json_real(r->kl), "top1", cli_json_real(r->top1), "kv_bytes_per_token", "base",
+            (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
+            "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
+            "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);
+        return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    }
+    char desc[512];
+    cli_describe_config(c, desc, sizeof desc);
+    printf("model       %s\n            %s\n", a->model, desc);
+    printf("compressed  %s: %s, alloc %s, %s latents%s\n", a->comp, li.method, li.alloc,
+           latent_name(bits), li.hadamard ? ", hadamard" : "");
+    if (a->text)
+        printf("text        %s: %zu bytes, %lld tokens with BOS\n", a->text, n_bytes, (long long)r->comp.tokens);
+    else
+        printf("tokens      %s: %lld tokens\n", src, (long long)r->comp.tokens);
+    printf("protocol    windows: seq-len %lld, non-overlapping, remainder dropped, positions "
+           "1..%lld scored\n", (long long)seq_len, (long long)(seq_len - 1));
+    printf("windows     %lld, %lld scored tokens\n", (long long)r->comp.windows, (long long)r->comp.scored);
+    printf("\n            base        compressed\n");
+    printf("ppl         %-11.4f %.4f   (delta %+.4f, %+.2f%%)\n", r->base.ppl, r->comp.ppl,
+           r->comp.ppl - r->base.ppl, 100 * (r->comp.ppl / r->base.ppl - 1));
+    printf("nll         %-11.6f %.6f\n", r->base.nll, r->comp.nll);
+    printf("kv bytes    %-11lld %lld per token   (%.4f of base)\n", (long long)base, (long long)comp, ratio);
+    printf("kl          %.6f nats per token, KL(base || compressed)\n", r->kl);
+    printf("top-1       %.4f of positions agree\n", r->top1);
+    printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n", tb, tc,
+           cli_peak_rss_mib());
+    if (dv->on) device_print(dv, r, &r->comp, seq_len, NULL);
+    return EXIT_OK;
+}
+
+/* Base against compressed: both models on the same windows. */
+static int verify_compressed(const struct verify_args *a, const char *src, struct kv_model *m,
+                             const int32_t *ids, int64_t n, size_t n_bytes, struct device *dv) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_lowrank *lr;
+    if (kv_lr_dir_open(a->comp, m, &lr, &err)) return cli_report(&err);
+    struct kv_lr_info li = kv_lr_info(lr);
+    if (a->hadamard && !li.hadamard && kv_lr_fuse_hadamard(lr, &err)) {
+        kv_lr_free(lr);
+        return cli_report(&err);
+    }
+    int bits = a->kv_bits ? (int)a->kv_bits : li.kv_bits;
+    kv_lr_set_kv_bits(lr, bits, &err); /* what the runtime is asked to cache; checked above */
+    struct kv_compare_result r;
+    int rc = run_windows(m, lr, bits, dv, ids, n, a->seq_len, a->max_windows, a->quiet || a->json,
+                         src, &r);
+    if (!rc) rc = device_verdict(dv, &r, print_compressed(a, src, n_bytes, m, lr, bits, dv, &r));
+    kv_lr_free(lr);
+    return rc;
+}
+
+/* The base model alone, as one JSON object or text. */
+static int print_base(const struct verify_args *a, const char *src, size_t n_bytes,
+                      const struct kv_model *m, const struct device *dv,
+                      const struct kv_compare_result *cr, const struct kv_ppl_result *r) {
+    double tps = tokens_per_s(r, a->seq_len);
+    int nthreads = omp_get_max_threads();
+    if (a->json) {
+        json_t *o = json_pack("{s:s, s:o, s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:i, s:o}",
+                              "protocol", "windows", "model", cli_json_text(a->model), "format",
+                              kv_format_name(kv_model_format(m)), "text", cli_json_text(src),
+                              "seq_len", (json_int_t)a->seq_len, "tokens", (json_int_t)r->tokens,
+                              "windows", (json_int_t)r->windows, "scored", (json_int_t)r->scored,
+                              "params", (json_int_t)kv_model_n_params(m), "nll",
+                              cli_json_real(r->nll), "ppl", cli_json_real(r->ppl), "tokens_per_s",
+                              cli_json_real(tps), "seconds", cli_json_real(r->seconds), "threads",
+                              nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        if (o && dv->on) device_print(dv, cr, r, a->seq_len, o);
+        return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    }
+    char desc[512], np[32];
+    cli_describe_config(kv_model_config(m), desc, sizeof desc);
+    cli_human_count((double)kv_model_n_params(m), np, sizeof np);
+    printf("model     %s (%s, %s params)\n          %s\n", a->model,
+           kv_format_name(kv_model_format(m)), np, desc);
+    if (a->text)
+        printf("text      %s: %zu bytes, %lld tokens with BOS\n", a->text, n_bytes, (long long)r->tokens);
+    else
+        printf("tokens    %s: %lld tokens\n", a->tokens, (long long)r->tokens);
+    printf("protocol  windows: seq-len %lld, non-overlapping, remainder dropped, "
+           "positions 1..%lld scored\n", (long long)a->seq_len, (long long)(a->seq_len - 1));
+    printf("windows   %lld, %lld scored tokens\n", (long long)r->windows, (long long)r->scored);
+    printf("nll       %.6f\n", r->nll);
+    printf("ppl       %.4f\n", r->ppl);
+    printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
+           r->seconds, cli_peak_rss_mib());
+    if (dv->on) device_print(dv, cr, r, a->seq_len, NULL);
+    return EXIT_OK;
+}
+
+/* The base model's windows, with a device run against them with --device. */
+static int verify_base(const struct verify_args *a, const char *src, struct kv_model *m,
+                       const int32_t *ids, int64_t n, size_t n_bytes, struct device *dv) {
+    struct kv_compare_result cr;
+    struct kv_ppl_result r;
+    int rc;
+    if (dv->on) { /* the device against the base */
+        rc = run_windows(m, NULL, 16, dv, ids, n, a->seq_len, a->max_windows, a->quiet || a->json,
+                         src, &cr);
+        r = cr.base;
+    } else {
+        struct cli_progress prog;
+        cli_progress_start(&prog, "windows", a->quiet || a->json);
+        struct kv_err err;
+        kv_err_clear(&err);
+        rc = kv_ppl_run(m, ids, n, a->seq_len, a->max_windows, cli_progress_cb, &prog, &r, &err);
+        cli_progress_end(&prog);
+        if (rc) {
+            if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+            rc = cli_report(&err);
+        }
+    }
+    if (rc) return rc;
+    return device_verdict(dv, &cr, print_base(a, src, n_bytes, m, dv, &cr, &r));
+}
+
+/* The checks of the options, in the order the command has always made
+ * them: the command line's own, and the library's rules with its names.
+ * Fills dv. Returns -1 to go on, or EXIT_USAGE after the message. */
+static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, struct device *dv) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    if (!a->model) return cli_usage_error(cmd, "missing --model");
+    if (!a->text == !a->tokens)
+        return cli_usage_error(cmd, "give exactly one of --text or --tokens");
+    if (kv_ppl_check(a->seq_len, a->max_windows, ppl_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
+    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
+    if (a->kv_bits && !a->comp) return cli_usage_error(cmd, "--kv-bits needs --compressed");
+    if (a->hadamard && !a->comp) return cli_usage_error(cmd, "--hadamard needs --compressed");
+    if (a->kv_bits && !kv_lr_bits_valid(a->kv_bits))
+        return cli_usage_error(cmd, "--kv-bits %lld is not one of " KV_LR_BITS_LIST,
+                               (long long)a->kv_bits);
+    *dv = (struct device){.on = strcmp(a->device, "cpu") != 0};
+    kvrt_opts_default(&dv->o);
+    int be = kvrt_backend_parse(a->device);
+    if (dv->on && be < 0)
+        return cli_usage_error(cmd, "--device '%s' is not one of cpu, twin, cuda", a->device);
+    if (a->cache && !dv->on) return cli_usage_error(cmd, "--cache needs --device twin or cuda");
+    if (!isnan(a->device_tol) && !dv->on)
+        return cli_usage_error(cmd, "--device-tol needs --device twin or cuda");
+    int dt = kvrt_dtype_parse(a->cache ? a->cache : "f16");
+    if (dt < 0) return cli_usage_error(cmd, "--cache '%s' is not one of f16, f32", a->cache);
+    if (kv_ppl_check_tol(a->device_tol, ppl_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
+    dv->o.backend = (enum kvrt_backend)(dv->on ? be : KVRT_BACKEND_TWIN);
+    dv->o.cache = (enum kvrt_dtype)dt;
+    dv->tol = isnan(a->device_tol) ? 1e-3 : a->device_tol;
+    return -1;
+}
+
+int cmd_verify(int argc, char **argv) {
+    const struct verify_args *a = &A;
+    const char *pos[1];
+    int n_pos;
+    int rc = cli_parse(&verify_cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    struct device dv;
+    if ((rc = check_args(&verify_cmd, a, &dv)) >= 0) return rc;
+    kv_set_threads((int)a->threads);
+
+    const char *src = a->text ? a->text : a->tokens;
+    struct kv_model *m;
+    if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
+    int32_t *ids;
+    int64_t n;
+    size_t n_bytes;
+    if (!(rc = cli_load_tokens(m, a->text, a->tokens, &ids, &n, &n_bytes))) {
+        rc = a->comp ? verify_compressed(a, src, m, ids, n, n_bytes, &dv)
+                     : verify_base(a, src, m, ids, n, n_bytes, &dv);
+        free(ids);
+    }
+    kv_model_close(m);
+    return rc;
+}
