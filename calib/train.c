@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "arch.h"
 #include "backward.h"
 #include "err.h"
 #include "kvcalib.h"
@@ -79,31 +80,28 @@ int kv_train_config(const char *arch, int64_t dim, int64_t n_layers, int64_t n_h
                     const char *const *names, struct kv_err *err) {
     const char *const *n = names ? names : own_names;
     struct kv_config c = {0};
-    if (!strcmp(arch, "llama"))
-        c.arch = KV_ARCH_LLAMA;
-    else if (!strcmp(arch, "gpt2"))
-        c.arch = KV_ARCH_GPT2;
-    else
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "unknown %s '%s' (llama or gpt2)",
-                       n[KV_TRAIN_OPT_ARCH], arch);
-    int gpt2 = c.arch == KV_ARCH_GPT2;
+    const struct kv_arch_desc *a = kv_arch_by_name(arch);
+    if (!a)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "unknown %s '%s' (%s)",
+                       n[KV_TRAIN_OPT_ARCH], arch, kv_arch_list(0));
+    c.arch = a->id;
     if (dim <= 0 || n_layers <= 0 || n_heads <= 0 || dim % n_heads)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not a positive multiple of %s %lld",
                        n[KV_TRAIN_OPT_DIM], (long long)dim, n[KV_TRAIN_OPT_HEADS], (long long)n_heads);
-    if (n_kv_heads < 0) n_kv_heads = gpt2 ? n_heads : (n_heads > 1 ? n_heads / 2 : 1);
+    if (n_kv_heads < 0) n_kv_heads = a->mha ? n_heads : (n_heads > 1 ? n_heads / 2 : 1);
     if (n_kv_heads <= 0 || n_heads % n_kv_heads)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not a multiple of %s %lld",
                        n[KV_TRAIN_OPT_HEADS], (long long)n_heads, n[KV_TRAIN_OPT_KV_HEADS],
                        (long long)n_kv_heads);
-    if (gpt2 && n_kv_heads != n_heads)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "gpt2 has one KV head per head (%s %lld, %s %lld)",
-                       n[KV_TRAIN_OPT_KV_HEADS], (long long)n_kv_heads, n[KV_TRAIN_OPT_HEADS],
-                       (long long)n_heads);
-    if (hidden < 0) hidden = gpt2 ? 4 * dim : (8 * dim / 3 + 63) / 64 * 64;
+    if (a->mha && n_kv_heads != n_heads)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s has one KV head per head (%s %lld, %s %lld)",
+                       a->name, n[KV_TRAIN_OPT_KV_HEADS], (long long)n_kv_heads,
+                       n[KV_TRAIN_OPT_HEADS], (long long)n_heads);
+    if (hidden < 0) hidden = a->gelu_mlp ? 4 * dim : (8 * dim / 3 + 63) / 64 * 64;
     c.dim = dim, c.n_layers = n_layers, c.n_heads = n_heads, c.n_kv_heads = n_kv_heads;
     c.head_dim = dim / n_heads, c.hidden_dim = hidden, c.max_seq_len = ctx;
     c.norm_eps = 1e-5f, c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF;
-    c.tied_embeddings = gpt2;
+    c.tied_embeddings = a->tied_default;
     *cfg = c;
     return KV_OK;
 }
@@ -537,8 +535,9 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
     struct kv_config c = o->cfg;
     c.vocab_size = kv_tok_n_vocab(t->tok);
     c.bos_id = kv_tok_bos(t->tok), c.eos_id = kv_tok_eos(t->tok);
-    if (c.arch == KV_ARCH_GPT2) c.has_qkv_bias = 1;
-    if (c.arch == KV_ARCH_GPT2 && o->seq_len > c.max_seq_len)
+    const struct kv_arch_desc *a = kv_arch_desc(c.arch);
+    if (a->qkv_bias == KV_WUSE_REQUIRED) c.has_qkv_bias = 1;
+    if (!a->rope && o->seq_len > c.max_seq_len) /* learned positions end there */
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "window of %lld tokens exceeds the model's %lld positions",
                        (long long)o->seq_len, (long long)c.max_seq_len);

@@ -307,7 +307,7 @@ void cli_human_count(double v, char *buf, size_t cap) {
 
 void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
     char pos[64];
-    if (c->arch == KV_ARCH_GPT2)
+    if (!kv_arch_has_rope(c->arch))
         snprintf(pos, sizeof pos, "%lld learned positions", (long long)c->max_seq_len);
     else
         snprintf(pos, sizeof pos, "rope %s theta %g",

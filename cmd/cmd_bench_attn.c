@@ -150,7 +150,7 @@ static void print_text(const struct bench_out *p, const char *source, const char
     printf("shapes     %s: d %lld, %lld heads, %lld kv heads, head_dim %lld, %lld layer%s timed, ",
            source, (long long)c->dim, (long long)c->n_heads, (long long)c->n_kv_heads,
            (long long)c->head_dim, (long long)c->n_layers, c->n_layers == 1 ? "" : "s");
-    if (c->arch == KV_ARCH_LLAMA)
+    if (kv_arch_has_rope(c->arch))
         printf("rope theta %g\n", (double)c->rope_theta);
     else
         printf("no rope (learned positions)\n");
@@ -210,8 +210,8 @@ static int print_json(const struct bench_out *p, const char *preset, const char 
         json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:o}", "arch", kv_arch_name(c->arch), "dim",
                   (json_int_t)c->dim, "n_heads", (json_int_t)c->n_heads, "n_kv_heads",
                   (json_int_t)c->n_kv_heads, "head_dim", (json_int_t)c->head_dim, "layers_timed",
-                  (json_int_t)c->n_layers, "rope", c->arch == KV_ARCH_LLAMA, "rope_theta",
-                  c->arch == KV_ARCH_LLAMA ? cli_json_real(c->rope_theta) : json_null());
+                  (json_int_t)c->n_layers, "rope", kv_arch_has_rope(c->arch), "rope_theta",
+                  kv_arch_has_rope(c->arch) ? cli_json_real(c->rope_theta) : json_null());
     json_t *cfgs = json_array(), *rows = json_array();
     for (int g = 0; g < b->n_cfg; g++) {
         const struct kvrt_bench_cfg *x = &b->cfgs[g];

@@ -7,8 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvrt.h"
+#include "arch.h"
 #include "err.h"
+#include "kvrt.h"
 #include "kvrt_plan.h"
 #include "limits.h"
 #include "lrmodel.h"
@@ -292,7 +293,7 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
     p->n_layers = c->n_layers, p->dim = c->dim, p->n_heads = c->n_heads;
     p->n_kv_heads = c->n_kv_heads, p->head_dim = c->head_dim, p->grp = c->n_heads / c->n_kv_heads;
     p->max_ctx = o->max_ctx;
-    p->rope = c->arch == KV_ARCH_LLAMA, p->rope_half = c->rope_layout == KV_ROPE_HALF;
+    p->rope = kv_arch_desc(c->arch)->rope, p->rope_half = c->rope_layout == KV_ROPE_HALF;
     p->scale = (float)(1.0 / sqrt((double)c->head_dim));
     p->f16 = o->cache == KVRT_DTYPE_F16;
     p->sm_count = o->sm_count > 0 ? o->sm_count : 132;

@@ -105,7 +105,7 @@ static void set_configs(struct kvrt_bench *b) {
         b->cfgs[1] = (struct kvrt_bench_cfg){.name = "manifest", .manifest = 1};
         b->n_cfg = 2;
     } else {
-        int rope = kv_model_config(b->m)->arch == KV_ARCH_LLAMA;
+        int rope = kv_arch_has_rope(kv_model_config(b->m)->arch);
         memcpy(b->cfgs, rope ? rope_cfgs : norope_cfgs, sizeof rope_cfgs);
         b->n_cfg = 3;
     }

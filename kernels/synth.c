@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "err.h"
 #include "kvrt.h"
 #include "lrmodel.h"
@@ -51,8 +52,9 @@ static struct kv_config synth_config(enum kv_arch arch, int64_t n_layers, int64_
     c.n_heads = n_heads, c.n_kv_heads = n_kv_heads, c.head_dim = head_dim;
     c.vocab_size = 8, c.norm_eps = 1e-5f;
     c.rope_layout = KV_ROPE_HALF, c.rope_theta = 1e4f;
-    c.has_qkv_bias = arch == KV_ARCH_GPT2;
-    c.max_seq_len = arch == KV_ARCH_GPT2 ? SYNTH_GPT2_POSITIONS : 4096;
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    c.has_qkv_bias = a->qkv_bias == KV_WUSE_REQUIRED;
+    c.max_seq_len = a->rope ? 4096 : SYNTH_GPT2_POSITIONS;
     c.bos_id = c.eos_id = -1;
     return c;
 }
@@ -79,7 +81,7 @@ int kvrt_synth_model(const char *preset, int64_t n_layers, struct kv_model **out
     struct kv_config c =
         synth_config(p->arch, n_layers, p->dim, p->n_heads, p->n_kv_heads, p->head_dim);
     c.max_seq_len = p->max_seq_len;
-    if (p->arch == KV_ARCH_LLAMA) c.rope_theta = p->rope_theta;
+    if (kv_arch_has_rope(p->arch)) c.rope_theta = p->rope_theta;
     return kv_model_init_random(&c, 1, out, err);
 }
 
@@ -189,7 +191,7 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
     if (vmode != KV_LR_FULL && vmode != KV_LR_FUSED_OUTPUT)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "value mode '%s' is not one of full, fused_output", kv_lr_mode_name(vmode));
-    if (kmode == KV_LR_FUSED_QUERY && c->arch != KV_ARCH_GPT2)
+    if (kmode == KV_LR_FUSED_QUERY && kv_arch_has_rope(c->arch))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "key mode 'fused_query' needs a model without rope, found arch '%s'",
                        kv_arch_name(c->arch));

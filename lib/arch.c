@@ -122,6 +122,7 @@ static const struct kv_arch_desc archs[] = {
             .qkv_bias = KV_WUSE_OPTIONAL,
             .block_biases = 0,
             .mha = 0,
+            .tied_default = 0,
             .hf_class = "LlamaForCausalLM",
             .hf_attn = "self_attn.",
             .hf_refused = llama_hf_refused,
@@ -143,6 +144,7 @@ static const struct kv_arch_desc archs[] = {
             .qkv_bias = KV_WUSE_REQUIRED,
             .block_biases = 1,
             .mha = 1,
+            .tied_default = 1,
             .hf_class = "GPT2LMHeadModel",
             .hf_attn = "attn.",
             .hf = {GPT2_PREFIX "h.", GPT2_PREFIX, gpt2_hf_globals, COUNT(gpt2_hf_globals),
@@ -188,17 +190,21 @@ const char *kv_arch_unprefixed(const struct kv_arch_names *names, const char *na
     return p && !strncmp(name, p, n) ? name + n : NULL;
 }
 
-const char *kv_arch_list(void) {
-    static char list[256];
+const char *kv_arch_list(int quoted) {
+    static char lists[2][256];
+    char *list = lists[quoted != 0];
     if (!list[0]) { /* the table is constant, so every caller writes the same bytes */
         size_t n = 0, count = 0, total = 0;
         for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) total += archs[i].name != NULL;
         for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
             if (!archs[i].name) continue;
             const char *sep = count == 0 ? "" : count + 1 == total ? " or " : ", ";
-            n += (size_t)snprintf(list + n, sizeof list - n, "%s'%s'", sep, archs[i].name);
+            const char *q = quoted ? "'" : "";
+            n += (size_t)snprintf(list + n, sizeof lists[0] - n, "%s%s%s%s", sep, q, archs[i].name, q);
             count++;
         }
     }
     return list;
 }
+
+int kv_arch_has_rope(enum kv_arch a) { return kv_arch_desc(a)->rope; }

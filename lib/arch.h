@@ -47,6 +47,7 @@ struct kv_arch_desc {
     int qkv_bias;           /* KV_WUSE_OPTIONAL or KV_WUSE_REQUIRED (model.h) */
     int block_biases;       /* output projection, MLP and norm biases, all required */
     int mha;                /* as many KV heads as query heads */
+    int tied_default;       /* a fresh model of the family (kvcal train) ties its head */
     const char *hf_class;   /* config.json "architectures" entry kvcal writes */
     const char *hf_attn;    /* HF module path of the attention block in a layer
                                ("self_attn.", "attn."): compressed tensors are named
@@ -70,9 +71,9 @@ const struct kv_arch_desc *kv_arch_desc(enum kv_arch a);
 /* The row named name ("llama"), or NULL. */
 const struct kv_arch_desc *kv_arch_by_name(const char *name);
 
-/* "'llama' or 'gpt2'": every architecture's name, for messages that say
- * what was expected. */
-const char *kv_arch_list(void);
+/* Every architecture's name, for messages that say what was expected:
+ * "'llama' or 'gpt2'" (quoted) or "llama or gpt2". */
+const char *kv_arch_list(int quoted);
 
 /* name without names' optional prefix ("transformer.h.0.ln_1.weight" ->
  * "h.0.ln_1.weight"), or NULL when names has none or name lacks it. */

@@ -106,6 +106,9 @@ enum kv_arch {
     KV_ARCH_GPT2 = 1,  /* LayerNorm, learned positions, MHA, GELU(tanh), biases */
 };
 const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
+/* 1 when the architecture rotates queries and keys (RoPE), 0 when it adds
+ * learned positions to the embedding instead. */
+int kv_arch_has_rope(enum kv_arch a);
 
 /* How RoPE pairs dimensions within a head of size d_h. */
 enum kv_rope_layout {

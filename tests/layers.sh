@@ -72,18 +72,25 @@ for from in $layers; do
 done
 
 # ---------------------------------------------------------------- 2. symbols
+# the objects of the sources there are now (not stale ones of renamed
+# files), brought up to date first
+objs=()
+for l in $layers; do
+    for c in "$l"/*.c; do objs+=("$build/obj/${c%.c}.o"); done
+done
+make -s --no-print-directory "${objs[@]}" >/dev/null || { echo "layers: make ${objs[*]} failed"; exit 1; }
 declare -A defined_in
 for l in $layers; do
-    for o in "$build"/obj/"$l"/*.o; do
-        [[ -e $o ]] || continue
+    for c in "$l"/*.c; do
+        o=$build/obj/${c%.c}.o
         while read -r sym; do defined_in[$sym]+=" $l"; done < <(nm -g --defined-only "$o" | awk '{print $3}')
     done
 done
 syms=0
 for l in $layers; do
     allowed=" $l ${uses[$l]} "
-    for o in "$build"/obj/"$l"/*.o; do
-        [[ -e $o ]] || { fail "no objects in $build/obj/$l: run make first"; break; }
+    for c in "$l"/*.c; do
+        o=$build/obj/${c%.c}.o
         while read -r sym; do
             owners=${defined_in[$sym]:-}
             [[ -z $owners ]] && continue # a system library's
