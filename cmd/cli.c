@@ -237,34 +237,9 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
 }
 
 json_t *cli_json_text(const char *s) {
-    json_t *j = json_string(s);
-    if (j) return j;
-    /* Rebuild: copy each character jansson's own UTF-8 check accepts, and
-     * U+FFFD for each byte that starts no valid character. */
-    size_t n = strlen(s), o = 0;
-    char *buf = malloc(3 * n + 1);
-    if (!buf) return NULL;
-    for (size_t i = 0; i < n;) {
-        size_t k = 1;
-        for (; k <= 4 && i + k <= n; k++) {
-            json_t *t = json_stringn(s + i, k);
-            if (t) {
-                json_decref(t);
-                break;
-            }
-        }
-        if (k <= 4 && i + k <= n) {
-            memcpy(buf + o, s + i, k);
-            o += k;
-            i += k;
-        } else {
-            memcpy(buf + o, "\xef\xbf\xbd", 3);
-            o += 3;
-            i++;
-        }
-    }
-    j = json_stringn(buf, o);
-    free(buf);
+    char *r = kv_utf8_repair(s);
+    json_t *j = r ? json_string(r) : NULL;
+    free(r);
     return j;
 }
 

@@ -158,3 +158,30 @@ int kv_json_get_bool(const json_t *obj, const char *key, const char *path, int r
     *out = json_is_true(v);
     return KV_OK;
 }
+
+char *kv_utf8_repair(const char *s) {
+    size_t n = strlen(s), o = 0;
+    char *buf = malloc(3 * n + 1);
+    if (!buf) return NULL;
+    for (size_t i = 0; i < n;) {
+        size_t k = 1; /* the shortest prefix jansson's UTF-8 check accepts */
+        for (; k <= 4 && i + k <= n; k++) {
+            json_t *t = json_stringn(s + i, k);
+            if (t) {
+                json_decref(t);
+                break;
+            }
+        }
+        if (k <= 4 && i + k <= n) {
+            memcpy(buf + o, s + i, k);
+            o += k;
+            i += k;
+        } else {
+            memcpy(buf + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    buf[o] = 0;
+    return buf;
+}

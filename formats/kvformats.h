@@ -33,6 +33,12 @@ int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err)
  * NUL-terminated buffer. */
 int kv_text_read(const char *path, char **out, size_t *len, struct kv_err *err);
 
+/* A copy of s that a JSON file can hold: each byte that starts no valid
+ * UTF-8 character (as jansson judges it) becomes U+FFFD, the rest is kept.
+ * For paths and names that are bytes, not text. malloc'd; NULL without
+ * memory. */
+char *kv_utf8_repair(const char *s);
+
 /* Read little-endian uint32 token ids (a --tokens file). */
 int kv_tokens_read(const char *path, int32_t **ids, int64_t *n, int32_t n_vocab,
                    struct kv_err *err);
