@@ -32,6 +32,13 @@ struct cli_opt {
     const char *help;
 };
 
+/* The options most commands share, each worded once. */
+#define CLI_OPT_MODEL(dst) {"model", 'm', OPT_STR, (dst), "PATH", "model: HF directory, .gguf or llama2.c .bin"}
+#define CLI_OPT_THREADS(dst) \
+    {"threads", 0, OPT_INT, (dst), "N", "threads for BLAS and OpenMP (default: all cores)"}
+#define CLI_OPT_JSON(dst) {"json", 0, OPT_FLAG, (dst), NULL, "print one JSON object on stdout"}
+#define CLI_OPT_QUIET(dst) {"quiet", 'q', OPT_FLAG, (dst), NULL, "no progress on stderr"}
+
 struct cli_cmd {
     const char *name;
     const char *usage;    /* "--model M --text T [options]" */

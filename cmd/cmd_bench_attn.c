@@ -41,8 +41,8 @@ static const struct cli_opt bench_opts[] = {
     {"layers", 0, OPT_INT, &A.layers, "N",
      "layers to time: the preset's model gets N (default 1); a\n"
      "manifest's first N (default all)"},
-    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON object on stdout"},
-    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+    CLI_OPT_JSON(&A.json),
+    CLI_OPT_QUIET(&A.quiet),
 };
 
 static const struct cli_cmd bench_cmd = {

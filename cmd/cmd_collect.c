@@ -55,7 +55,7 @@ static struct collect_args {
 } A = {.seq_len = 256};
 
 static const struct cli_opt collect_opts[] = {
-    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    CLI_OPT_MODEL(&A.model),
     {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
      "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
     {"text", 't', OPT_LIST, &A.texts, "FILE",
@@ -75,9 +75,9 @@ static const struct cli_opt collect_opts[] = {
      "rewrite the output every K windows so an interrupted run can --resume"},
     {"resume", 0, OPT_FLAG, &A.resume, NULL,
      "continue from the checkpoint in --output (same options and inputs)"},
-    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
+    CLI_OPT_THREADS(&A.threads),
     {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON summary on stdout"},
-    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+    CLI_OPT_QUIET(&A.quiet),
 };
 
 static const struct cli_cmd collect_cmd = {

@@ -40,7 +40,7 @@ static struct {
 } A;
 
 static const struct cli_opt opts[] = {
-    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    CLI_OPT_MODEL(&A.model),
     {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
      "the model's tokenizer when it has none inside (copied into the output)"},
     {"stats", 's', OPT_STR, &A.stats, "FILE",
@@ -73,9 +73,9 @@ static const struct cli_opt opts[] = {
     {"hadamard", 0, OPT_FLAG, &A.o.hadamard, NULL,
      "fuse a Walsh-Hadamard rotation into the factors (spreads latent outliers before\n"
      "quantization; exact in float)"},
-    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
-    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON object on stdout"},
-    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+    CLI_OPT_THREADS(&A.threads),
+    CLI_OPT_JSON(&A.json),
+    CLI_OPT_QUIET(&A.quiet),
 };
 static const struct cli_cmd cmd = {
     "decompose", "--model PATH [--stats FILE] -o DIR (--eps E | --ratio R) [options]",

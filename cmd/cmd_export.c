@@ -25,7 +25,7 @@ int cmd_export(int argc, char **argv) {
          "override the base model's tokenizer (only for loading; nothing is copied)"},
         {"output", 'o', OPT_STR, &out, "OUT",
          "where to write: a directory for an HF source, else one file"},
-        {"json", 0, OPT_FLAG, &json, NULL, "print one JSON object on stdout"},
+        CLI_OPT_JSON(&json),
     };
     const struct cli_cmd cmd = {
         "export", "--dense DIR --model PATH -o OUT [options]",

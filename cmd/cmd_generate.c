@@ -35,7 +35,7 @@ int cmd_generate(int argc, char **argv) {
     int64_t steps = 200, threads = 0;
     int show_ids = 0;
     const struct cli_opt opts[] = {
-        {"model", 'm', OPT_STR, &model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+        CLI_OPT_MODEL(&model),
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE", "override the model's tokenizer"},
         {"prompt", 'p', OPT_STR, &prompt, "TEXT", "text to continue (default: start from BOS)"},
         {"steps", 'n', OPT_INT, &steps, "N", "number of tokens to generate (default 200)"},

@@ -398,7 +398,7 @@ int cmd_inspect(int argc, char **argv) {
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE", "tokenizer to load alongside the model"},
         {"model", 'm', OPT_STR, &model, "PATH",
          "base model: K/V spectra of a .kvstats file, factor checks of a directory"},
-        {"json", 0, OPT_FLAG, &json, NULL, "print one JSON object on stdout"},
+        CLI_OPT_JSON(&json),
     };
     const struct cli_cmd cmd = {
         "inspect", "PATH [--json]  |  STATS.kvstats [--model PATH] [--json]",

@@ -134,7 +134,7 @@ static struct verify_args {
 } A = {.seq_len = 256, .device = "cpu", .device_tol = NAN};
 
 static const struct cli_opt verify_opts[] = {
-    {"model", 'm', OPT_STR, &A.model, "PATH", "model: HF directory, .gguf or llama2.c .bin"},
+    CLI_OPT_MODEL(&A.model),
     {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
      "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
     {"text", 't', OPT_STR, &A.text, "FILE", "evaluation text, .txt or .gz (one document)"},
@@ -159,9 +159,9 @@ static const struct cli_opt verify_opts[] = {
      "1e-3); beyond it verify exits 3"},
     {"seq-len", 0, OPT_INT, &A.seq_len, "N", "window length in tokens (default 256)"},
     {"max-windows", 0, OPT_INT, &A.max_windows, "W", "evaluate only the first W windows"},
-    {"threads", 0, OPT_INT, &A.threads, "N", "threads for BLAS and OpenMP (default: all cores)"},
-    {"json", 0, OPT_FLAG, &A.json, NULL, "print one JSON object on stdout"},
-    {"quiet", 'q', OPT_FLAG, &A.quiet, NULL, "no progress on stderr"},
+    CLI_OPT_THREADS(&A.threads),
+    CLI_OPT_JSON(&A.json),
+    CLI_OPT_QUIET(&A.quiet),
 };
 
 static const struct cli_cmd verify_cmd = {
