@@ -64,7 +64,7 @@ static void head_grams(double *cov, const double *b, int64_t n, int64_t nh, int6
 static int on_attn_in(void *ctx, int64_t layer, const float *x, int64_t n, int64_t pos0) {
     struct kv_accum *a = ctx;
     struct kv_stats_layer *L = &a->s->layers[layer];
-    int64_t d = a->s->dim;
+    int64_t d = a->s->info.dim;
     int64_t bad = widen(a->buf, x, n, d);
     if (bad >= 0) {
         a->bad_what = "attention input", a->bad_layer = layer, a->bad_row = pos0 + bad;
@@ -85,7 +85,7 @@ static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64
                  int64_t pos0) {
     struct kv_accum *a = ctx;
     struct kv_stats_layer *L = &a->s->layers[layer];
-    int64_t h = a->s->n_heads, g = a->s->n_kv_heads, dh = a->s->head_dim;
+    int64_t h = a->s->info.n_heads, g = a->s->info.n_kv_heads, dh = a->s->info.head_dim;
     int64_t bad = widen(a->buf, q, n, h * dh);
     if (bad >= 0) {
         a->bad_what = "post-rope query", a->bad_layer = layer, a->bad_row = pos0 + bad;
@@ -104,13 +104,13 @@ static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64
 /* One window's Fisher sums (see the top of the file). */
 static int add_fisher(struct kv_accum *a, const int32_t *ids, struct kv_err *err) {
     struct kv_stats *s = a->s;
-    int64_t n = a->seq_len - 1, d = s->dim, g = s->n_kv_heads, dh = s->head_dim, kd = g * dh;
+    int64_t n = a->seq_len - 1, d = s->info.dim, g = s->info.n_kv_heads, dh = s->info.head_dim, kd = g * dh;
     int rc = kv_grad_run(a->g, ids, n, &a->loss, err);
     if (rc) return rc;
     if (!isfinite(a->loss))
         return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET, "non-finite loss %g", a->loss);
     double *rs = a->colsum;
-    for (int64_t l = 0; l < s->n_layers; l++)
+    for (int64_t l = 0; l < s->info.n_layers; l++)
         for (int side = 0; side < 2; side++) {
             struct kv_stats_layer *L = &s->layers[l];
             const float *gw = kv_grad_of(a->g, side ? KV_W_V : KV_W_K, l); /* [kd, d] */
@@ -152,11 +152,11 @@ void kv_accum_free(struct kv_accum *a) {
 int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
                   struct kv_accum **out, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (s->n_layers != c->n_layers || s->dim != c->dim || s->n_heads != c->n_heads ||
-        s->n_kv_heads != c->n_kv_heads || s->head_dim != c->head_dim)
+    if (s->info.n_layers != c->n_layers || s->info.dim != c->dim || s->info.n_heads != c->n_heads ||
+        s->info.n_kv_heads != c->n_kv_heads || s->info.head_dim != c->head_dim)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "statistics shaped for another model (dim %lld, %lld layers)",
-                       (long long)s->dim, (long long)s->n_layers);
+                       (long long)s->info.dim, (long long)s->info.n_layers);
     struct kv_accum *a = calloc(1, sizeof *a);
     if (!a) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     a->m = m;
@@ -167,13 +167,13 @@ int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
         kv_accum_free(a);
         return rc;
     }
-    if (s->has_fisher && seq_len < 2) {
+    if (s->info.has_fisher && seq_len < 2) {
         kv_accum_free(a);
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "fisher statistics need windows of at least 2 tokens, got %lld",
                        (long long)seq_len);
     }
-    if (s->has_fisher && (rc = kv_grad_init(m, seq_len - 1, &a->g, err))) {
+    if (s->info.has_fisher && (rc = kv_grad_init(m, seq_len - 1, &a->g, err))) {
         kv_accum_free(a);
         return rc;
     }
@@ -215,12 +215,12 @@ static void mirror(double *a, int64_t n) {
 
 void kv_accum_sync(struct kv_accum *a) {
     struct kv_stats *s = a->s;
-    int64_t dh = s->head_dim;
-    for (int64_t l = 0; l < s->n_layers; l++) {
-        mirror(s->layers[l].xtx, s->dim);
-        for (int64_t i = 0; i < s->n_heads; i++) mirror(s->layers[l].q_cov + i * dh * dh, dh);
-        for (int64_t i = 0; i < s->n_kv_heads; i++) mirror(s->layers[l].k_cov + i * dh * dh, dh);
-        for (int64_t i = 0; i < s->n_kv_heads && s->has_fisher; i++) {
+    int64_t dh = s->info.head_dim;
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
+        mirror(s->layers[l].xtx, s->info.dim);
+        for (int64_t i = 0; i < s->info.n_heads; i++) mirror(s->layers[l].q_cov + i * dh * dh, dh);
+        for (int64_t i = 0; i < s->info.n_kv_heads; i++) mirror(s->layers[l].k_cov + i * dh * dh, dh);
+        for (int64_t i = 0; i < s->info.n_kv_heads && s->info.has_fisher; i++) {
             mirror(s->layers[l].grad_k_cov + i * dh * dh, dh);
             mirror(s->layers[l].grad_v_cov + i * dh * dh, dh);
         }
@@ -230,11 +230,11 @@ void kv_accum_sync(struct kv_accum *a) {
 /* ------------------------------------------------------------------ merge */
 
 int kv_stats_check_complete(const struct kv_stats *s, const char *path, struct kv_err *err) {
-    if (s->next_window < s->plan_windows)
+    if (s->info.next_window < s->info.plan_windows)
         return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
                        "an unfinished checkpoint (%lld of %lld windows); finish it with "
-                       "'kvcal collect --resume' first", (long long)s->next_window,
-                       (long long)s->plan_windows);
+                       "'kvcal collect --resume' first", (long long)s->info.next_window,
+                       (long long)s->info.plan_windows);
     return KV_OK;
 }
 
@@ -262,58 +262,58 @@ int kv_stats_merge_files(const char *const *paths, int64_t n, const char *out_pa
 
 int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b_path,
                    struct kv_err *err) {
-    if (strcmp(acc->fingerprint, b->fingerprint))
+    if (strcmp(acc->info.fingerprint, b->info.fingerprint))
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "collected on another model (fingerprint %.12s, the first shard has %.12s)",
-                       b->fingerprint, acc->fingerprint);
-    if (acc->n_layers != b->n_layers || acc->dim != b->dim || acc->n_heads != b->n_heads ||
-        acc->n_kv_heads != b->n_kv_heads || acc->head_dim != b->head_dim)
+                       b->info.fingerprint, acc->info.fingerprint);
+    if (acc->info.n_layers != b->info.n_layers || acc->info.dim != b->info.dim || acc->info.n_heads != b->info.n_heads ||
+        acc->info.n_kv_heads != b->info.n_kv_heads || acc->info.head_dim != b->info.head_dim)
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "shaped for another model (dim %lld, %lld layers; the first shard has dim "
-                       "%lld, %lld layers)", (long long)b->dim, (long long)b->n_layers,
-                       (long long)acc->dim, (long long)acc->n_layers);
-    if (acc->has_fisher != b->has_fisher)
+                       "%lld, %lld layers)", (long long)b->info.dim, (long long)b->info.n_layers,
+                       (long long)acc->info.dim, (long long)acc->info.n_layers);
+    if (acc->info.has_fisher != b->info.has_fisher)
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "%s fisher statistics and the first shard %s; collect every shard with "
-                       "--fisher, or none", b->has_fisher ? "has" : "has no",
-                       acc->has_fisher ? "has them" : "has none");
-    if (acc->seq_len != b->seq_len)
+                       "--fisher, or none", b->info.has_fisher ? "has" : "has no",
+                       acc->info.has_fisher ? "has them" : "has none");
+    if (acc->info.seq_len != b->info.seq_len)
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "seq-len %lld differs from the first shard's %lld; statistics of different "
-                       "window lengths do not add up", (long long)b->seq_len,
-                       (long long)acc->seq_len);
+                       "window lengths do not add up", (long long)b->info.seq_len,
+                       (long long)acc->info.seq_len);
     int rc = kv_stats_check_complete(b, b_path, err);
     if (rc) return rc;
-    if (acc->next_window < acc->plan_windows)
+    if (acc->info.next_window < acc->info.plan_windows)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "the first shard is an unfinished checkpoint (%lld of %lld windows)",
-                       (long long)acc->next_window, (long long)acc->plan_windows);
+                       (long long)acc->info.next_window, (long long)acc->info.plan_windows);
     /* the same shard twice (a plan is its sampling, seed, size, shard and inputs) */
-    int same_plan = strcmp(acc->sampling, "merged") && !strcmp(acc->sampling, b->sampling) &&
-                    acc->seed == b->seed && acc->samples == b->samples &&
-                    acc->shard_index == b->shard_index && acc->shard_count == b->shard_count &&
-                    acc->plan_windows == b->plan_windows && acc->n_inputs == b->n_inputs;
-    for (int64_t i = 0; same_plan && i < acc->n_inputs; i++)
+    int same_plan = strcmp(acc->info.sampling, "merged") && !strcmp(acc->info.sampling, b->info.sampling) &&
+                    acc->info.seed == b->info.seed && acc->info.samples == b->info.samples &&
+                    acc->info.shard_index == b->info.shard_index && acc->info.shard_count == b->info.shard_count &&
+                    acc->info.plan_windows == b->info.plan_windows && acc->info.n_inputs == b->info.n_inputs;
+    for (int64_t i = 0; same_plan && i < acc->info.n_inputs; i++)
         same_plan = !strcmp(acc->inputs[i].sha256, b->inputs[i].sha256);
     if (same_plan)
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                        "the same windows as the first shard (same inputs, plan and shard "
                        "%lld/%lld); merging would count them twice",
-                       (long long)b->shard_index, (long long)b->shard_count);
+                       (long long)b->info.shard_index, (long long)b->info.shard_count);
     int64_t tokens, windows;
-    if (__builtin_add_overflow(acc->tokens, b->tokens, &tokens) ||
-        __builtin_add_overflow(acc->windows, b->windows, &windows))
+    if (__builtin_add_overflow(acc->info.tokens, b->info.tokens, &tokens) ||
+        __builtin_add_overflow(acc->info.windows, b->info.windows, &windows))
         return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
-                       "its %lld tokens overflow the merged count of %lld", (long long)b->tokens,
-                       (long long)acc->tokens);
+                       "its %lld tokens overflow the merged count of %lld", (long long)b->info.tokens,
+                       (long long)acc->info.tokens);
     /* check every input first, so a refusal leaves acc untouched */
     for (int pass = 0; pass < 2; pass++)
-        for (int64_t i = 0; i < b->n_inputs; i++) {
+        for (int64_t i = 0; i < b->info.n_inputs; i++) {
             const struct kv_stats_input *in = &b->inputs[i];
             int64_t j = 0;
-            for (; j < acc->n_inputs; j++)
+            for (; j < acc->info.n_inputs; j++)
                 if (!strcmp(acc->inputs[j].sha256, in->sha256)) break;
-            if (j == acc->n_inputs) {
+            if (j == acc->info.n_inputs) {
                 rc = pass ? kv_stats_add_input(acc, in->path, in->sha256, in->bytes,
                                                    in->tokens, in->windows, err)
                               : KV_OK;
@@ -328,14 +328,14 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
                                "input '%s' has %lld tokens here and %lld in the first shard; "
                                "were the shards tokenized differently?", in->path,
                                (long long)in->tokens, (long long)acc->inputs[j].tokens);
-            if (w > in->tokens / acc->seq_len)
+            if (w > in->tokens / acc->info.seq_len)
                 return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
                                "merging would count %lld windows of input '%s', which holds only "
                                "%lld; is a shard given twice?", (long long)w, in->path,
-                               (long long)(in->tokens / acc->seq_len));
+                               (long long)(in->tokens / acc->info.seq_len));
             if (pass) acc->inputs[j].windows = w;
         }
-    for (int64_t l = 0; l < acc->n_layers; l++)
+    for (int64_t l = 0; l < acc->info.n_layers; l++)
         for (int t = 0; t < kv_stats_layer_tensors(acc); t++) {
             char name[64];
             int64_t shape[3];
@@ -345,14 +345,14 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
             const double *y = kv_stats_tensor_data(b, l, t);
             for (int64_t i = 0; i < n; i++) x[i] += y[i];
         }
-    acc->tokens = tokens;
-    acc->windows = windows;
-    snprintf(acc->sampling, sizeof acc->sampling, "merged");
-    acc->seed = 0;
-    acc->samples = 0;
-    acc->shard_index = 0;
-    acc->shard_count = 1;
-    acc->plan_windows = acc->windows;
-    acc->next_window = acc->windows;
+    acc->info.tokens = tokens;
+    acc->info.windows = windows;
+    snprintf(acc->info.sampling, sizeof acc->info.sampling, "merged");
+    acc->info.seed = 0;
+    acc->info.samples = 0;
+    acc->info.shard_index = 0;
+    acc->info.shard_count = 1;
+    acc->info.plan_windows = acc->info.windows;
+    acc->info.next_window = acc->info.windows;
     return KV_OK;
 }

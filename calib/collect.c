@@ -20,15 +20,15 @@ static const char *sampling_of(const struct kv_calib_opts *o) {
 /* Fill a fresh s with the run's identity and plan. */
 static int start_fresh(struct kv_stats *s, const char *fp, struct kv_calib *c,
                        const struct kv_calib_opts *o, struct kv_err *err) {
-    snprintf(s->fingerprint, sizeof s->fingerprint, "%s", fp);
-    s->seq_len = o->seq_len;
-    snprintf(s->sampling, sizeof s->sampling, "%s", sampling_of(o));
-    s->seed = o->samples > 0 && !o->sequential ? o->seed : 0;
-    s->samples = o->samples;
-    s->shard_index = o->shard_index;
-    s->shard_count = o->shard_count;
-    s->plan_windows = kv_calib_n_windows(c);
-    s->next_window = 0;
+    snprintf(s->info.fingerprint, sizeof s->info.fingerprint, "%s", fp);
+    s->info.seq_len = o->seq_len;
+    snprintf(s->info.sampling, sizeof s->info.sampling, "%s", sampling_of(o));
+    s->info.seed = o->samples > 0 && !o->sequential ? o->seed : 0;
+    s->info.samples = o->samples;
+    s->info.shard_index = o->shard_index;
+    s->info.shard_count = o->shard_count;
+    s->info.plan_windows = kv_calib_n_windows(c);
+    s->info.next_window = 0;
     for (int64_t i = 0; i < kv_calib_n_inputs(c); i++) {
         const struct kv_calib_input *in = kv_calib_input(c, i);
         int rc = kv_stats_add_input(s, in->path, in->sha256, in->bytes, in->tokens, 0, err);
@@ -47,25 +47,25 @@ static int start_fresh(struct kv_stats *s, const char *fp, struct kv_calib *c,
 static int check_resume(const struct kv_stats *s, const char *fp, struct kv_calib *c,
                         const struct kv_calib_opts *o, int fisher, const char *path,
                         struct kv_err *err) {
-    if (strcmp(s->fingerprint, fp))
-        return DIFFER("the model fingerprint", "%.12s", s->fingerprint, fp);
-    if (s->seq_len != o->seq_len)
-        return DIFFER("--seq-len", "%lld", (long long)s->seq_len, (long long)o->seq_len);
-    if (strcmp(s->sampling, sampling_of(o)))
-        return DIFFER("the sampling", "%s", s->sampling, sampling_of(o));
-    if (s->samples != o->samples)
-        return DIFFER("--samples", "%lld", (long long)s->samples, (long long)o->samples);
-    if (!strcmp(s->sampling, "random") && s->seed != o->seed)
-        return DIFFER("--seed", "%llu", (unsigned long long)s->seed, (unsigned long long)o->seed);
-    if (s->shard_index != o->shard_index || s->shard_count != o->shard_count)
+    if (strcmp(s->info.fingerprint, fp))
+        return DIFFER("the model fingerprint", "%.12s", s->info.fingerprint, fp);
+    if (s->info.seq_len != o->seq_len)
+        return DIFFER("--seq-len", "%lld", (long long)s->info.seq_len, (long long)o->seq_len);
+    if (strcmp(s->info.sampling, sampling_of(o)))
+        return DIFFER("the sampling", "%s", s->info.sampling, sampling_of(o));
+    if (s->info.samples != o->samples)
+        return DIFFER("--samples", "%lld", (long long)s->info.samples, (long long)o->samples);
+    if (!strcmp(s->info.sampling, "random") && s->info.seed != o->seed)
+        return DIFFER("--seed", "%llu", (unsigned long long)s->info.seed, (unsigned long long)o->seed);
+    if (s->info.shard_index != o->shard_index || s->info.shard_count != o->shard_count)
         return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
                        "checkpoint does not match this run: --shard is %lld/%lld there and "
-                       "%lld/%lld here", (long long)s->shard_index, (long long)s->shard_count,
+                       "%lld/%lld here", (long long)s->info.shard_index, (long long)s->info.shard_count,
                        (long long)o->shard_index, (long long)o->shard_count);
-    if (s->n_inputs != kv_calib_n_inputs(c))
-        return DIFFER("the number of --text inputs", "%lld", (long long)s->n_inputs,
+    if (s->info.n_inputs != kv_calib_n_inputs(c))
+        return DIFFER("the number of --text inputs", "%lld", (long long)s->info.n_inputs,
                       (long long)kv_calib_n_inputs(c));
-    for (int64_t i = 0; i < s->n_inputs; i++) {
+    for (int64_t i = 0; i < s->info.n_inputs; i++) {
         const struct kv_calib_input *in = kv_calib_input(c, i);
         if (s->inputs[i].tokens != in->tokens)
             return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
@@ -78,11 +78,11 @@ static int check_resume(const struct kv_stats *s, const char *fp, struct kv_cali
                            "%.12s, the checkpoint recorded %.12s for '%s'", (long long)i + 1,
                            in->path, in->sha256, s->inputs[i].sha256, s->inputs[i].path);
     }
-    if (s->plan_windows != kv_calib_n_windows(c))
-        return DIFFER("the planned window count", "%lld", (long long)s->plan_windows,
+    if (s->info.plan_windows != kv_calib_n_windows(c))
+        return DIFFER("the planned window count", "%lld", (long long)s->info.plan_windows,
                       (long long)kv_calib_n_windows(c));
-    if (s->has_fisher != (fisher != 0))
-        return DIFFER("--fisher", "%s", s->has_fisher ? "on" : "off", fisher ? "on" : "off");
+    if (s->info.has_fisher != (fisher != 0))
+        return DIFFER("--fisher", "%s", s->info.has_fisher ? "on" : "off", fisher ? "on" : "off");
     return KV_OK;
 }
 
@@ -94,7 +94,7 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     int rc = kv_model_fingerprint(m, fp, err);
     if (rc) return rc;
     int fresh = !opts->resume;
-    if (fresh && (s->windows || s->n_inputs))
+    if (fresh && (s->info.windows || s->info.n_inputs))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "a fresh run needs empty statistics from kv_stats_init");
     if (fresh && !(rc = start_fresh(s, fp, c, o, err)) && opts->fisher)
@@ -105,7 +105,7 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     struct kv_accum *a;
     if ((rc = kv_accum_init(m, s, o->seq_len, &a, err))) return rc;
     double t0 = kv_now();
-    int64_t n = s->plan_windows, start = s->next_window, since_write = 0;
+    int64_t n = s->info.plan_windows, start = s->info.next_window, since_write = 0;
     int stop = 0;
     double loss_sum = 0;
     opts->checkpoints_written = 0;
@@ -120,10 +120,10 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
             break;
         }
         loss_sum += kv_accum_loss(a);
-        s->tokens += o->seq_len;
-        s->windows++;
+        s->info.tokens += o->seq_len;
+        s->info.windows++;
         s->inputs[input].windows++;
-        s->next_window = i + 1;
+        s->info.next_window = i + 1;
         since_write++;
         if (opts->progress)
             stop = opts->progress(opts->progress_ctx, i + 1 - start, n - start,
@@ -138,19 +138,19 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
     }
     if (!rc) {
         kv_accum_sync(a);
-        if (stop && s->next_window < n)
+        if (stop && s->info.next_window < n)
             rc = out ? kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
                                "interrupted after %lld of %lld windows; the checkpoint is saved, "
-                               "continue with --resume", (long long)s->next_window, (long long)n)
+                               "continue with --resume", (long long)s->info.next_window, (long long)n)
                      : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                                "interrupted after %lld of %lld windows",
-                               (long long)s->next_window, (long long)n);
+                               (long long)s->info.next_window, (long long)n);
         else if (out && (since_write || fresh))
             rc = kv_stats_write(s, out, err);
     }
     opts->seconds = kv_now() - t0;
-    opts->loss = s->next_window > start ? loss_sum / (double)(s->next_window - start) : 0;
-    opts->run_windows = s->next_window - start;
+    opts->loss = s->info.next_window > start ? loss_sum / (double)(s->info.next_window - start) : 0;
+    opts->run_windows = s->info.next_window - start;
     opts->tokens_per_s =
         opts->seconds > 0 ? (double)(opts->run_windows * o->seq_len) / opts->seconds : 0;
     kv_accum_free(a);
@@ -206,7 +206,7 @@ static int check_existing(const char *out, const struct stat *st, int resume,
     kv_err_clear(&ignored);
     /* a file that does not open is not a checkpoint to protect */
     if (kv_stats_open(out, &s, &ignored) != KV_OK) return KV_OK;
-    int64_t done = s->next_window, plan = s->plan_windows;
+    int64_t done = s->info.next_window, plan = s->info.plan_windows;
     kv_stats_free(s);
     if (done < plan)
         return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
@@ -252,6 +252,6 @@ int kv_collect_start(const struct kv_model *m, int resume, struct kv_collect_opt
     o->resumed_from = -1;
     if (!o->resume) return kv_stats_init(kv_model_config(m), out, err);
     int rc = kv_stats_open(o->out_path, out, err);
-    if (!rc) o->resumed_from = (*out)->next_window;
+    if (!rc) o->resumed_from = (*out)->info.next_window;
     return rc;
 }

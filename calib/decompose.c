@@ -137,7 +137,7 @@ static int allocate(struct kv_dec_ctx *x, int64_t target) {
  * target was reached, and the units a Hadamard rotation leaves out. */
 static void summarize(const struct kv_lowrank *lr, struct kv_decompose_opts *o) {
     double ke = 0, kd = 0, ve = 0, vd = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         kv_lr_side_error(lr, l, 0, &ke, &kd);
         kv_lr_side_error(lr, l, 1, &ve, &vd);
     }
@@ -147,7 +147,7 @@ static void summarize(const struct kv_lowrank *lr, struct kv_decompose_opts *o) 
     o->target_reached = !(o->ratio > 0 && o->least_bytes > o->target_bytes && comp > o->target_bytes);
     o->odd_rank_units = 0;
     if (o->hadamard)
-        for (int64_t l = 0; l < lr->n_layers; l++)
+        for (int64_t l = 0; l < lr->info.n_layers; l++)
             for (int k = 0; k < 2; k++) {
                 const struct kv_lr_side *sd = k ? &lr->layers[l].v : &lr->layers[l].k;
                 for (int64_t u = 0; u < sd->n_units; u++) {
@@ -170,7 +170,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     struct kv_dec_ctx x = {m, s, o, kv_dec_names(o->names), NULL, 0, 0, err};
     rc = kv_dec_build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = kv_dec_lorc_conditions(&x);
-    if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->has_fisher)))))
+    if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->info.has_fisher)))))
         rc = kv_dec_fisher_scores(&x);
     int64_t base = kv_lr_base_bytes(c);
     int64_t target = o->ratio > 0 ? (int64_t)llround(o->ratio * (double)base) : 0;

@@ -213,7 +213,7 @@ done:
  * units (its KV heads × d_h). */
 int kv_dec_fisher_scores(struct kv_dec_ctx *x) {
     const struct kv_stats *s = x->s;
-    KV_ASSERT(x->o->fisher || (s && s->has_fisher)); /* kv_decompose_check_model */
+    KV_ASSERT(x->o->fisher || (s && s->info.has_fisher)); /* kv_decompose_check_model */
     int64_t dh = x->m->cfg.head_dim;
     for (int64_t i = 0; i < x->n_slots; i++) {
         const struct kv_dec_slot *sl = &x->slots[i];

@@ -120,10 +120,10 @@ int kv_decompose_check_model(const struct kv_decompose_opts *o, const struct kv_
     if (group < 1 || group > g || g % group)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld does not divide the model's %lld kv heads",
                        n[KV_DECOMPOSE_OPT_GROUP_SIZE], (long long)group, (long long)g);
-    if (s && !kv_shapes_match(c, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim,
+    if (s && !kv_shapes_match(c, s->info.n_layers, s->info.dim, s->info.n_heads, s->info.n_kv_heads, s->info.head_dim,
                               "statistics", o->stats_path, err))
         return KV_EINVAL;
-    if (o->alloc == KV_ALLOC_FISHER && !o->fisher && !(s && s->has_fisher)) {
+    if (o->alloc == KV_ALLOC_FISHER && !o->fisher && !(s && s->info.has_fisher)) {
         /* the file is the subject when it has a name */
         if (o->stats_path)
             return kv_fail(err, KV_EINVAL, o->stats_path, KV_NO_OFFSET,

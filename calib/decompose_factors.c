@@ -162,14 +162,14 @@ int kv_dec_build_lowrank(struct kv_dec_ctx *x, struct kv_lowrank **out) {
     const struct kv_config *c = &m->cfg;
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     if (!lr) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    snprintf(lr->method, sizeof lr->method, "%s", kv_method_name(x->o->method));
-    snprintf(lr->alloc, sizeof lr->alloc, "%s", kv_alloc_name(x->o->alloc));
-    lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim;
-    lr->kv_bits = x->o->kv_bits;
+    snprintf(lr->info.method, sizeof lr->info.method, "%s", kv_method_name(x->o->method));
+    snprintf(lr->info.alloc, sizeof lr->info.alloc, "%s", kv_alloc_name(x->o->alloc));
+    lr->info.n_layers = c->n_layers, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = c->head_dim;
+    lr->info.kv_bits = x->o->kv_bits;
     int rc = KV_OK;
-    if (x->s) snprintf(lr->model_fingerprint, sizeof lr->model_fingerprint, "%s", x->s->fingerprint);
-    else rc = kv_model_fingerprint(m, lr->model_fingerprint, x->err); /* memoised in m */
+    if (x->s) snprintf(lr->info.model_fingerprint, sizeof lr->info.model_fingerprint, "%s", x->s->info.fingerprint);
+    else rc = kv_model_fingerprint(m, lr->info.model_fingerprint, x->err); /* memoised in m */
     if (!rc && !(lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers)))
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t i = 0; i < x->n_slots && !rc; i++) {

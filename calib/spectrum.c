@@ -19,7 +19,7 @@ static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int6
                         int which, int64_t head0, int64_t nh, int64_t block, double *out,
                         struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    KV_ASSERT(layer >= 0 && layer < s->n_layers && s->dim == c->dim);
+    KV_ASSERT(layer >= 0 && layer < s->info.n_layers && s->info.dim == c->dim);
     KV_ASSERT(which >= 0 && which <= 2);
     KV_ASSERT(head0 >= 0 && nh > 0 && head0 + nh <= (which == 2 ? c->n_heads : c->n_kv_heads));
     KV_ASSERT(block > 0 && nh % block == 0);
@@ -45,7 +45,7 @@ static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int6
                     wd, (int)d, 0.0, o, (int)bw);
         if (!bias) continue;
         const float *b = bias + r0;
-        double n = (double)s->tokens;
+        double n = (double)s->info.tokens;
         /* ws = W_k Σx [bw] */
         cblas_dgemv(CblasRowMajor, CblasNoTrans, (int)bw, (int)d, 1.0, wd, (int)d, L->xsum, 1, 0.0,
                     t, 1);
@@ -71,7 +71,7 @@ int kv_stats_out_cov_blocks(const struct kv_stats *s, const struct kv_model *m, 
 
 int kv_stats_layer_spectrum(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                             struct kv_layer_spectrum *out, struct kv_err *err) {
-    int64_t d = s->dim, dh = s->head_dim, g = s->n_kv_heads;
+    int64_t d = s->info.dim, dh = s->info.head_dim, g = s->info.n_kv_heads;
     const struct kv_stats_layer *L = &s->layers[layer];
     double *lam = malloc((size_t)(d > dh ? d : dh) * sizeof *lam);
     /* every kv head's K and V output covariance: one blocked call each */

@@ -65,7 +65,7 @@ static enum kv_wkind bias_kind(enum kv_wkind w) { return w == KV_W_K ? KV_W_BK :
 static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
                          struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+    if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "factors", NULL, err))
         return KV_EINVAL;
     KV_ASSERT(lr->layers);
@@ -777,13 +777,13 @@ int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
                        "is a %s but the model was loaded as %s", is_dir ? "directory" : "file",
                        kv_format_name(fmt));
     if ((rc = check_output(model_path, out, is_dir, err))) return rc;
-    if (lr->model_fingerprint[0]) {
+    if (lr->info.model_fingerprint[0]) {
         char fp[65];
         if ((rc = kv_model_fingerprint(m, fp, err))) return rc;
-        if (strcmp(fp, lr->model_fingerprint) != 0)
+        if (strcmp(fp, lr->info.model_fingerprint) != 0)
             return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
                            "model fingerprint %.12s does not match the factors' %.12s",
-                           fp, lr->model_fingerprint);
+                           fp, lr->info.model_fingerprint);
     }
 
     struct job j = {.m = m, .lr = lr};

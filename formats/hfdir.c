@@ -120,7 +120,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
     if (strcmp(s, "llama") != 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model_type '%.64s' is not supported, expected %s", s, kv_arch_list());
+                       "model_type '%.64s' is not supported, expected %s", s, kv_arch_list(1));
     s = "silu";
     if ((rc = kv_json_get_str(root, "hidden_act", path, 0, &s, err))) return rc;
     if (strcmp(s, "silu") != 0)

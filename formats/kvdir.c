@@ -235,10 +235,10 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     if (rc) return rc;
     char fp[65];
     if ((rc = kv_model_fingerprint(m, fp, err))) return rc;
-    if (lr->model_fingerprint[0] && strcmp(lr->model_fingerprint, fp) != 0)
+    if (lr->info.model_fingerprint[0] && strcmp(lr->info.model_fingerprint, fp) != 0)
         return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
                        "factors were made from model %.12s but this model is %.12s",
-                       lr->model_fingerprint, fp);
+                       lr->info.model_fingerprint, fp);
 
     char *out = trim_dir(dir), *parent = out ? kv_path_dir(out) : NULL;
     size_t n = out ? strlen(out) + 32 : 0;

@@ -185,8 +185,8 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, root, "format", json_string(MANIFEST_FORMAT));
     jset(&b, root, "version", json_integer(MANIFEST_VERSION));
     jset(&b, root, "kvcal_version", json_string(KVCAL_VERSION));
-    jset(&b, root, "method", json_text(lr->method));
-    jset(&b, root, "alloc", json_text(lr->alloc));
+    jset(&b, root, "method", json_text(lr->info.method));
+    jset(&b, root, "alloc", json_text(lr->info.alloc));
     jset(&b, root, "options", options);
 
     json_t *mo = jset(&b, root, "model", json_object());
@@ -223,14 +223,14 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     }
 
     json_t *lo = jset(&b, root, "latent", json_object());
-    jset(&b, lo, "dtype", json_string(lr->kv_bits >= 16 ? "f16" : "int"));
-    jset(&b, lo, "bits", json_integer(lr->kv_bits));
-    jset(&b, lo, "quantization", quant_json(&b, lr->kv_bits));
-    jset(&b, lo, "hadamard", json_boolean(lr->hadamard));
+    jset(&b, lo, "dtype", json_string(lr->info.kv_bits >= 16 ? "f16" : "int"));
+    jset(&b, lo, "bits", json_integer(lr->info.kv_bits));
+    jset(&b, lo, "quantization", quant_json(&b, lr->info.kv_bits));
+    jset(&b, lo, "hadamard", json_boolean(lr->info.hadamard));
     jset(&b, root, "weights", json_string(KV_LRL_WEIGHTS_NAME));
     jset(&b, root, "weight_layout", json_string(WEIGHT_LAYOUT));
 
-    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, lr->kv_bits);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, lr->info.kv_bits);
     json_t *bo = jset(&b, root, "kv_bytes_per_token", json_object());
     jset(&b, bo, "base", json_integer(base));
     jset(&b, bo, "compressed", json_integer(comp));
@@ -239,7 +239,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     /* summed unit by unit over all layers (not side by side), as version 1
      * manifests have always recorded it */
     double en[2] = {0, 0}, dr[2] = {0, 0};
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         for (int w = 0; w < 2; w++) {
             const struct kv_lr_side *s = kv_lr_side(lr, l, w);
             for (int64_t u = 0; u < s->n_units; u++)
@@ -250,7 +250,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, po, "v", json_real(rel_error(dr[1], en[1])));
 
     json_t *layers = jset(&b, root, "layers", json_array());
-    for (int64_t l = 0; l < lr->n_layers && !b.bad; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers && !b.bad; l++) {
         json_t *yo = json_object();
         jset(&b, yo, "index", json_integer(l));
         jset(&b, yo, "k", side_json(&b, m, lr, l, 0));
@@ -428,7 +428,7 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
     const struct kv_arch_desc *ad = kv_arch_by_name(arch);
     if (!ad)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "model: arch '%.64s' is not supported, expected %s", arch, kv_arch_list());
+                       "model: arch '%.64s' is not supported, expected %s", arch, kv_arch_list(1));
     c->arch = ad->id;
     double eps = 0;
     if ((rc = kv_json_get_int(mo, "dim", path, 1, KV_MAX_DIM, 1, &c->dim, err)) ||
@@ -474,7 +474,7 @@ static int parse_latent(const json_t *root, const char *path, struct kv_lowrank 
     const char *dtype;
     if ((rc = kv_json_get_int(lo, "bits", path, 1, 16, 1, &bits, err)) ||
         (rc = kv_json_get_str(lo, "dtype", path, 1, &dtype, err)) ||
-        (rc = kv_json_get_bool(lo, "hadamard", path, 1, &lr->hadamard, err)))
+        (rc = kv_json_get_bool(lo, "hadamard", path, 1, &lr->info.hadamard, err)))
         return in_ctx(rc, err, "latent");
     if (!kv_lr_bits_valid(bits))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
@@ -484,7 +484,7 @@ static int parse_latent(const json_t *root, const char *path, struct kv_lowrank 
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "latent: dtype '%.32s' does not match %lld bits, expected '%s'", dtype,
                        (long long)bits, want);
-    lr->kv_bits = (int)bits;
+    lr->info.kv_bits = (int)bits;
     return KV_OK;
 }
 
@@ -516,7 +516,7 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
     int rc = get_arr(uo, "heads", path, &heads, err);
     if (rc) return in_ctx(rc, err, ctx);
     size_t nh = json_array_size(heads);
-    int64_t g = lr->n_kv_heads;
+    int64_t g = lr->info.n_kv_heads;
     for (size_t j = 0; j < nh; j++) {
         json_t *h = json_array_get(heads, j);
         json_int_t first = json_integer_value(json_array_get(heads, 0));
@@ -539,9 +539,9 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
         (rc = kv_json_get_num(uo, "energy", path, 0, 1, &x->energy, err)) ||
         (rc = kv_json_get_num(uo, "dropped", path, 0, 1, &x->dropped, err)))
         return in_ctx(rc, err, ctx);
-    if (x->rank > x->n_heads * lr->head_dim)
+    if (x->rank > x->n_heads * lr->info.head_dim)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: rank %lld is not within 1..%lld",
-                       ctx, (long long)x->rank, (long long)(x->n_heads * lr->head_dim));
+                       ctx, (long long)x->rank, (long long)(x->n_heads * lr->info.head_dim));
     if (lat != offset)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: latent_offset is %lld, expected %lld (the ranks of the units before)",
@@ -629,10 +629,10 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
     if (s->mode == KV_LR_FULL && nu)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: mode 'full' has %zu units, expected none", ctx, nu);
-    if (s->mode != KV_LR_FULL && (nu == 0 || nu > (size_t)lr->n_kv_heads))
+    if (s->mode != KV_LR_FULL && (nu == 0 || nu > (size_t)lr->info.n_kv_heads))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: mode '%s' has %zu units, expected 1..%lld", ctx, mn, nu,
-                       (long long)lr->n_kv_heads);
+                       (long long)lr->info.n_kv_heads);
     if (nu && (!(s->units = calloc(nu, sizeof *s->units)) ||
                !(nm->unit = calloc(nu, sizeof *nm->unit))))
         return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
@@ -692,27 +692,27 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     if (!lr) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     const struct kv_config *c = &mf->cfg;
-    lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim;
-    memcpy(lr->model_fingerprint, mf->fingerprint, 65);
+    lr->info.n_layers = c->n_layers, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = c->head_dim;
+    memcpy(lr->info.model_fingerprint, mf->fingerprint, 65);
     json_t *layers = NULL;
-    if ((rc = copy_label(root, "method", path, lr->method, sizeof lr->method, err)) ||
-        (rc = copy_label(root, "alloc", path, lr->alloc, sizeof lr->alloc, err)) ||
+    if ((rc = copy_label(root, "method", path, lr->info.method, sizeof lr->info.method, err)) ||
+        (rc = copy_label(root, "alloc", path, lr->info.alloc, sizeof lr->info.alloc, err)) ||
         (rc = parse_latent(root, path, lr, err)) ||
         (rc = get_arr(root, "layers", path, &layers, err)))
         goto fail;
-    if (json_array_size(layers) != (size_t)lr->n_layers) {
+    if (json_array_size(layers) != (size_t)lr->info.n_layers) {
         rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                      "key 'layers' has %zu entries, expected n_layers %lld",
-                     json_array_size(layers), (long long)lr->n_layers);
+                     json_array_size(layers), (long long)lr->info.n_layers);
         goto fail;
     }
-    if (!(lr->layers = calloc((size_t)lr->n_layers, sizeof *lr->layers)) ||
-        !(mf->names = calloc((size_t)lr->n_layers, sizeof *mf->names))) {
+    if (!(lr->layers = calloc((size_t)lr->info.n_layers, sizeof *lr->layers)) ||
+        !(mf->names = calloc((size_t)lr->info.n_layers, sizeof *mf->names))) {
         rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
         goto fail;
     }
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         json_t *yo = json_array_get(layers, (size_t)l);
         char ctx[48];
         snprintf(ctx, sizeof ctx, "layer %lld", (long long)l);
@@ -746,7 +746,7 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
         in_ctx(rc, err, "kv_bytes_per_token");
         goto fail;
     }
-    int64_t want_base = kv_lr_base_bytes(c), want_comp = kv_lr_bytes(lr, lr->kv_bits);
+    int64_t want_base = kv_lr_base_bytes(c), want_comp = kv_lr_bytes(lr, lr->info.kv_bits);
     if (base != want_base || comp != want_comp) {
         rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                      "kv_bytes_per_token says base %lld, compressed %lld, but the shapes and "

@@ -21,7 +21,7 @@ static const char *const tensor_suffix[KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_
     "fisher.k",    "fisher.v",    "grad_k.cov", "grad_v.cov"};
 
 int kv_stats_layer_tensors(const struct kv_stats *s) {
-    return KV_STATS_PER_LAYER + (s->has_fisher ? KV_STATS_FISHER_PER_LAYER : 0);
+    return KV_STATS_PER_LAYER + (s->info.has_fisher ? KV_STATS_FISHER_PER_LAYER : 0);
 }
 
 int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *name, size_t cap,
@@ -29,12 +29,12 @@ int kv_stats_tensor_desc(const struct kv_stats *s, int64_t layer, int t, char *n
     KV_ASSERT(t >= 0 && t < KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER);
     snprintf(name, cap, "blk.%lld.%s", (long long)layer, tensor_suffix[t]);
     switch (t) {
-    case 0: shape[0] = s->dim, shape[1] = s->dim; return 2;
-    case 1: shape[0] = s->dim; return 1;
-    case 2: shape[0] = s->n_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
+    case 0: shape[0] = s->info.dim, shape[1] = s->info.dim; return 2;
+    case 1: shape[0] = s->info.dim; return 1;
+    case 2: shape[0] = s->info.n_heads, shape[1] = s->info.head_dim, shape[2] = s->info.head_dim; return 3;
     case 4:
-    case 5: shape[0] = s->n_kv_heads * s->head_dim; return 1;
-    default: shape[0] = s->n_kv_heads, shape[1] = s->head_dim, shape[2] = s->head_dim; return 3;
+    case 5: shape[0] = s->info.n_kv_heads * s->info.head_dim; return 1;
+    default: shape[0] = s->info.n_kv_heads, shape[1] = s->info.head_dim, shape[2] = s->info.head_dim; return 3;
     }
 }
 
@@ -57,7 +57,7 @@ static int64_t numel(const int64_t *shape, int nd) {
  * belongs (the Fisher sums, the gradient covariances' diagonals). */
 static int64_t bad_element(const struct kv_stats *s, int t, const double *p, int64_t n,
                            int *negative) {
-    int64_t dh = s->head_dim;
+    int64_t dh = s->info.head_dim;
     int squares = t == 4 || t == 5, diagonals = t == 6 || t == 7;
     for (int64_t i = 0; i < n; i++) {
         *negative = 0;
@@ -75,111 +75,96 @@ static int64_t bad_element(const struct kv_stats *s, int t, const double *p, int
 void kv_stats_free(struct kv_stats *s) {
     if (!s) return;
     if (s->layers)
-        for (int64_t l = 0; l < s->n_layers; l++) {
+        for (int64_t l = 0; l < s->info.n_layers; l++) {
             free(s->layers[l].xtx);
             free(s->layers[l].fisher_k);
         }
     free(s->layers);
-    for (int64_t i = 0; i < s->n_inputs; i++) free(s->inputs[i].path);
+    for (int64_t i = 0; i < s->info.n_inputs; i++) free(s->inputs[i].path);
     free(s->inputs);
     free(s);
 }
 
-struct kv_stats_info kv_stats_info(const struct kv_stats *s) {
-    struct kv_stats_info in;
-    memset(&in, 0, sizeof in);
-    in.n_layers = s->n_layers, in.dim = s->dim, in.n_heads = s->n_heads;
-    in.n_kv_heads = s->n_kv_heads, in.head_dim = s->head_dim;
-    memcpy(in.fingerprint, s->fingerprint, sizeof in.fingerprint);
-    memcpy(in.version, s->version, sizeof in.version);
-    in.seq_len = s->seq_len, in.tokens = s->tokens, in.windows = s->windows;
-    in.has_fisher = s->has_fisher;
-    memcpy(in.sampling, s->sampling, sizeof in.sampling);
-    in.seed = s->seed, in.samples = s->samples;
-    in.shard_index = s->shard_index, in.shard_count = s->shard_count;
-    in.plan_windows = s->plan_windows, in.next_window = s->next_window;
-    in.n_inputs = s->n_inputs;
-    return in;
-}
+struct kv_stats_info kv_stats_info(const struct kv_stats *s) { return s->info; }
 
 const struct kv_stats_input *kv_stats_input(const struct kv_stats *s, int64_t i) {
-    KV_ASSERT(i >= 0 && i < s->n_inputs);
+    KV_ASSERT(i >= 0 && i < s->info.n_inputs);
     return &s->inputs[i];
 }
 
 double kv_stats_fisher_total(const struct kv_stats *s, int64_t l, int which) {
-    KV_ASSERT(l >= 0 && l < s->n_layers);
-    if (!s->has_fisher) return NAN;
+    KV_ASSERT(l >= 0 && l < s->info.n_layers);
+    if (!s->info.has_fisher) return NAN;
     const double *f = which ? s->layers[l].fisher_v : s->layers[l].fisher_k;
     double t = 0;
-    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) t += f[r];
+    for (int64_t r = 0; r < s->info.n_kv_heads * s->info.head_dim; r++) t += f[r];
     return t;
 }
 
 /* Shape fields must be set and validated; allocates zeroed sums. */
 static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err) {
-    s->layers = calloc((size_t)s->n_layers, sizeof *s->layers);
+    s->layers = calloc((size_t)s->info.n_layers, sizeof *s->layers);
     if (!s->layers) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    int64_t d = s->dim, hd = s->head_dim;
-    int64_t per = d * d + d + (s->n_heads + s->n_kv_heads) * hd * hd;
-    for (int64_t l = 0; l < s->n_layers; l++) {
+    int64_t d = s->info.dim, hd = s->info.head_dim;
+    int64_t per = d * d + d + (s->info.n_heads + s->info.n_kv_heads) * hd * hd;
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
         double *p = calloc((size_t)per, sizeof *p);
         if (!p)
             return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
                            "out of memory for the statistics of %lld layers of dim %lld",
-                           (long long)s->n_layers, (long long)d);
+                           (long long)s->info.n_layers, (long long)d);
         s->layers[l].xtx = p;
         s->layers[l].xsum = p + d * d;
         s->layers[l].q_cov = p + d * d + d;
-        s->layers[l].k_cov = p + d * d + d + s->n_heads * hd * hd;
+        s->layers[l].k_cov = p + d * d + d + s->info.n_heads * hd * hd;
     }
     return KV_OK;
 }
 
 /* Zeroed Fisher sums in every layer (one block per layer, owned by fisher_k). */
 static int alloc_fisher(struct kv_stats *s, const char *path, struct kv_err *err) {
-    int64_t kd = s->n_kv_heads * s->head_dim, hd = s->head_dim;
-    int64_t per = 2 * kd + 2 * s->n_kv_heads * hd * hd;
-    for (int64_t l = 0; l < s->n_layers; l++) {
+    int64_t kd = s->info.n_kv_heads * s->info.head_dim, hd = s->info.head_dim;
+    int64_t per = 2 * kd + 2 * s->info.n_kv_heads * hd * hd;
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
         struct kv_stats_layer *y = &s->layers[l];
         if (y->fisher_k) continue;
         double *p = calloc((size_t)per, sizeof *p);
         if (!p)
             return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
                            "out of memory for the fisher statistics of %lld layers",
-                           (long long)s->n_layers);
+                           (long long)s->info.n_layers);
         y->fisher_k = p;
         y->fisher_v = p + kd;
         y->grad_k_cov = p + 2 * kd;
-        y->grad_v_cov = p + 2 * kd + s->n_kv_heads * hd * hd;
+        y->grad_v_cov = p + 2 * kd + s->info.n_kv_heads * hd * hd;
     }
-    s->has_fisher = 1;
+    s->info.has_fisher = 1;
     return KV_OK;
 }
 
 int kv_stats_add_fisher(struct kv_stats *s, struct kv_err *err) {
     /* Fisher sums over fewer windows than the rest would be misread */
-    if (!s->has_fisher && s->windows > 0)
+    if (!s->info.has_fisher && s->info.windows > 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "statistics of %lld windows have no fisher sums to extend; fisher sums "
-                       "start with the first window", (long long)s->windows);
+                       "start with the first window", (long long)s->info.windows);
     return alloc_fisher(s, NULL, err);
 }
 
 static void set_defaults(struct kv_stats *s) {
-    snprintf(s->version, sizeof s->version, "%s", KVCAL_VERSION);
-    snprintf(s->sampling, sizeof s->sampling, "sequential");
-    s->shard_count = 1;
+    snprintf(s->info.version, sizeof s->info.version, "%s", KVCAL_VERSION);
+    snprintf(s->info.sampling, sizeof s->info.sampling, "sequential");
+    s->info.shard_count = 1;
 }
 
 int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_err *err) {
     struct kv_stats *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    s->n_layers = cfg->n_layers;
-    s->dim = cfg->dim;
-    s->n_heads = cfg->n_heads;
-    s->n_kv_heads = cfg->n_kv_heads;
-    s->head_dim = cfg->head_dim;
+    s->info.n_layers = cfg->n_layers;
+    s->info.dim = cfg->dim;
+    s->info.n_heads = cfg->n_heads;
+    s->info.n_kv_heads = cfg->n_kv_heads;
+    s->info.head_dim = cfg->head_dim;
     set_defaults(s);
     int rc = alloc_layers(s, NULL, err);
     if (rc) {
@@ -192,10 +177,10 @@ int kv_stats_init(const struct kv_config *cfg, struct kv_stats **out, struct kv_
 
 int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[65],
                        uint64_t bytes, int64_t tokens, int64_t windows, struct kv_err *err) {
-    struct kv_stats_input *ni = realloc(s->inputs, (size_t)(s->n_inputs + 1) * sizeof *ni);
+    struct kv_stats_input *ni = realloc(s->inputs, (size_t)(s->info.n_inputs + 1) * sizeof *ni);
     if (!ni) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     s->inputs = ni;
-    struct kv_stats_input *in = &ni[s->n_inputs];
+    struct kv_stats_input *in = &ni[s->info.n_inputs];
     memset(in, 0, sizeof *in);
     in->path = strdup(path);
     if (!in->path) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -203,7 +188,7 @@ int kv_stats_add_input(struct kv_stats *s, const char *path, const char sha256[6
     in->bytes = bytes;
     in->tokens = tokens;
     in->windows = windows;
-    s->n_inputs++;
+    s->info.n_inputs++;
     return KV_OK;
 }
 
@@ -230,11 +215,11 @@ static int is_hex64(const char *s) {
 
 int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *err) {
     int per = kv_stats_layer_tensors(s);
-    int64_t nt = s->n_layers * per;
+    int64_t nt = s->info.n_layers * per;
     uint32_t *crc = malloc((size_t)(nt ? nt : 1) * sizeof *crc);
-    const char **names = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *names);
-    const char **shas = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * sizeof *shas);
-    uint64_t *arr = malloc((size_t)(s->n_inputs ? s->n_inputs : 1) * 3 * sizeof *arr);
+    const char **names = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * sizeof *names);
+    const char **shas = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * sizeof *shas);
+    uint64_t *arr = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * 3 * sizeof *arr);
     struct kv_ggufw *w = NULL;
     int rc = KV_OK;
     if (!crc || !names || !shas || !arr) {
@@ -243,17 +228,17 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
     }
     /* refuse to write what the reader would refuse to read */
     uint64_t prod;
-    if (!is_hex64(s->fingerprint) || s->seq_len < 1 || s->seq_len > KV_MAX_CTX ||
-        s->windows < 0 || s->next_window < 0 || s->next_window > s->plan_windows ||
-        s->shard_count < 1 || s->shard_index < 0 || s->shard_index >= s->shard_count ||
-        !kv_mul_u64((uint64_t)s->windows, (uint64_t)s->seq_len, &prod) ||
-        prod != (uint64_t)s->tokens) {
+    if (!is_hex64(s->info.fingerprint) || s->info.seq_len < 1 || s->info.seq_len > KV_MAX_CTX ||
+        s->info.windows < 0 || s->info.next_window < 0 || s->info.next_window > s->info.plan_windows ||
+        s->info.shard_count < 1 || s->info.shard_index < 0 || s->info.shard_index >= s->info.shard_count ||
+        !kv_mul_u64((uint64_t)s->info.windows, (uint64_t)s->info.seq_len, &prod) ||
+        prod != (uint64_t)s->info.tokens) {
         rc = kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
                      "statistics are incomplete (fingerprint, seq-len, counts or plan unset or "
                      "inconsistent); not written");
         goto done;
     }
-    for (int64_t l = 0; l < s->n_layers; l++)
+    for (int64_t l = 0; l < s->info.n_layers; l++)
         for (int t = 0; t < per; t++) {
             char name[64];
             int64_t shape[3];
@@ -273,7 +258,7 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
             }
             crc[l * per + t] = crc_of(p, (uint64_t)n * 8);
         }
-    for (int64_t i = 0; i < s->n_inputs; i++) {
+    for (int64_t i = 0; i < s->info.n_inputs; i++) {
         names[i] = s->inputs[i].path;
         shas[i] = s->inputs[i].sha256;
     }
@@ -281,21 +266,21 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
 #define U64(k, v) (rc = kv_ggufw_add_u64(w, k, (uint64_t)(v), err))
     if ((rc = kv_ggufw_add_str(w, "general.type", KV_STATS_TYPE, err)) ||
         (rc = kv_ggufw_add_u32(w, "kvcal.format_version", KV_STATS_FORMAT_VERSION, err)) ||
-        (rc = kv_ggufw_add_str(w, "kvcal.version", s->version, err)) ||
-        (rc = kv_ggufw_add_str(w, "kvcal.model.fingerprint", s->fingerprint, err)) ||
-        U64("kvcal.model.n_layers", s->n_layers) || U64("kvcal.model.dim", s->dim) ||
-        U64("kvcal.model.n_heads", s->n_heads) || U64("kvcal.model.n_kv_heads", s->n_kv_heads) ||
-        U64("kvcal.model.head_dim", s->head_dim) || U64("kvcal.seq_len", s->seq_len) ||
-        U64("kvcal.tokens", s->tokens) || U64("kvcal.sequences", s->windows) ||
-        (rc = kv_ggufw_add_str(w, "kvcal.sampling", s->sampling, err)) ||
-        U64("kvcal.seed", s->seed) || U64("kvcal.samples", s->samples) ||
-        U64("kvcal.shard.index", s->shard_index) || U64("kvcal.shard.count", s->shard_count) ||
-        U64("kvcal.plan.windows", s->plan_windows) ||
-        U64("kvcal.plan.next_window", s->next_window))
+        (rc = kv_ggufw_add_str(w, "kvcal.version", s->info.version, err)) ||
+        (rc = kv_ggufw_add_str(w, "kvcal.model.fingerprint", s->info.fingerprint, err)) ||
+        U64("kvcal.model.n_layers", s->info.n_layers) || U64("kvcal.model.dim", s->info.dim) ||
+        U64("kvcal.model.n_heads", s->info.n_heads) || U64("kvcal.model.n_kv_heads", s->info.n_kv_heads) ||
+        U64("kvcal.model.head_dim", s->info.head_dim) || U64("kvcal.seq_len", s->info.seq_len) ||
+        U64("kvcal.tokens", s->info.tokens) || U64("kvcal.sequences", s->info.windows) ||
+        (rc = kv_ggufw_add_str(w, "kvcal.sampling", s->info.sampling, err)) ||
+        U64("kvcal.seed", s->info.seed) || U64("kvcal.samples", s->info.samples) ||
+        U64("kvcal.shard.index", s->info.shard_index) || U64("kvcal.shard.count", s->info.shard_count) ||
+        U64("kvcal.plan.windows", s->info.plan_windows) ||
+        U64("kvcal.plan.next_window", s->info.next_window))
         goto done;
 #undef U64
-    uint64_t ni = (uint64_t)s->n_inputs, *by = arr, *tk = arr + ni, *wn = arr + 2 * ni;
-    for (int64_t i = 0; i < s->n_inputs; i++) {
+    uint64_t ni = (uint64_t)s->info.n_inputs, *by = arr, *tk = arr + ni, *wn = arr + 2 * ni;
+    for (int64_t i = 0; i < s->info.n_inputs; i++) {
         by[i] = s->inputs[i].bytes;
         tk[i] = (uint64_t)s->inputs[i].tokens;
         wn[i] = (uint64_t)s->inputs[i].windows;
@@ -307,7 +292,7 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.windows", wn, ni, err)) ||
         (rc = kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)nt, err)))
         goto done;
-    for (int64_t l = 0; l < s->n_layers; l++)
+    for (int64_t l = 0; l < s->info.n_layers; l++)
         for (int t = 0; t < per; t++) {
             char name[64];
             int64_t shape[3];
@@ -375,45 +360,45 @@ static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                        "key 'kvcal.format_version': stats format version %u is not supported "
                        "(this kvcal reads version %d)",
                        fv, KV_STATS_FORMAT_VERSION);
-    if ((rc = get_string(f, "kvcal.version", s->version, sizeof s->version, err)) ||
-        (rc = get_string(f, "kvcal.model.fingerprint", s->fingerprint, sizeof s->fingerprint, err)))
+    if ((rc = get_string(f, "kvcal.version", s->info.version, sizeof s->info.version, err)) ||
+        (rc = get_string(f, "kvcal.model.fingerprint", s->info.fingerprint, sizeof s->info.fingerprint, err)))
         return rc;
-    if (!is_hex64(s->fingerprint))
+    if (!is_hex64(s->info.fingerprint))
         return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.model.fingerprint")->val_off,
                        "key 'kvcal.model.fingerprint' is not 64 lowercase hex digits");
-    if ((rc = get_bounded(f, "kvcal.model.n_layers", 1, KV_MAX_LAYERS, &s->n_layers, err)) ||
-        (rc = get_bounded(f, "kvcal.model.dim", 1, KV_MAX_DIM, &s->dim, err)) ||
-        (rc = get_bounded(f, "kvcal.model.n_heads", 1, KV_MAX_DIM, &s->n_heads, err)) ||
-        (rc = get_bounded(f, "kvcal.model.n_kv_heads", 1, KV_MAX_DIM, &s->n_kv_heads, err)) ||
-        (rc = get_bounded(f, "kvcal.model.head_dim", 1, KV_MAX_DIM, &s->head_dim, err)) ||
-        (rc = get_bounded(f, "kvcal.seq_len", 1, KV_MAX_CTX, &s->seq_len, err)) ||
-        (rc = get_bounded(f, "kvcal.tokens", 0, INT64_MAX, &s->tokens, err)) ||
-        (rc = get_bounded(f, "kvcal.sequences", 0, INT64_MAX, &s->windows, err)) ||
-        (rc = get_string(f, "kvcal.sampling", s->sampling, sizeof s->sampling, err)) ||
-        (rc = kv_gguf_get_u64(f, "kvcal.seed", &s->seed, err)) ||
-        (rc = get_bounded(f, "kvcal.samples", 0, INT64_MAX, &s->samples, err)) ||
-        (rc = get_bounded(f, "kvcal.shard.count", 1, INT64_MAX, &s->shard_count, err)) ||
-        (rc = get_bounded(f, "kvcal.shard.index", 0, (uint64_t)s->shard_count - 1, &s->shard_index, err)) ||
-        (rc = get_bounded(f, "kvcal.plan.windows", 0, INT64_MAX, &s->plan_windows, err)) ||
-        (rc = get_bounded(f, "kvcal.plan.next_window", 0, (uint64_t)s->plan_windows,
-                          &s->next_window, err)))
+    if ((rc = get_bounded(f, "kvcal.model.n_layers", 1, KV_MAX_LAYERS, &s->info.n_layers, err)) ||
+        (rc = get_bounded(f, "kvcal.model.dim", 1, KV_MAX_DIM, &s->info.dim, err)) ||
+        (rc = get_bounded(f, "kvcal.model.n_heads", 1, KV_MAX_DIM, &s->info.n_heads, err)) ||
+        (rc = get_bounded(f, "kvcal.model.n_kv_heads", 1, KV_MAX_DIM, &s->info.n_kv_heads, err)) ||
+        (rc = get_bounded(f, "kvcal.model.head_dim", 1, KV_MAX_DIM, &s->info.head_dim, err)) ||
+        (rc = get_bounded(f, "kvcal.seq_len", 1, KV_MAX_CTX, &s->info.seq_len, err)) ||
+        (rc = get_bounded(f, "kvcal.tokens", 0, INT64_MAX, &s->info.tokens, err)) ||
+        (rc = get_bounded(f, "kvcal.sequences", 0, INT64_MAX, &s->info.windows, err)) ||
+        (rc = get_string(f, "kvcal.sampling", s->info.sampling, sizeof s->info.sampling, err)) ||
+        (rc = kv_gguf_get_u64(f, "kvcal.seed", &s->info.seed, err)) ||
+        (rc = get_bounded(f, "kvcal.samples", 0, INT64_MAX, &s->info.samples, err)) ||
+        (rc = get_bounded(f, "kvcal.shard.count", 1, INT64_MAX, &s->info.shard_count, err)) ||
+        (rc = get_bounded(f, "kvcal.shard.index", 0, (uint64_t)s->info.shard_count - 1, &s->info.shard_index, err)) ||
+        (rc = get_bounded(f, "kvcal.plan.windows", 0, INT64_MAX, &s->info.plan_windows, err)) ||
+        (rc = get_bounded(f, "kvcal.plan.next_window", 0, (uint64_t)s->info.plan_windows,
+                          &s->info.next_window, err)))
         return rc;
-    if (s->n_heads % s->n_kv_heads)
+    if (s->info.n_heads % s->info.n_kv_heads)
         return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.model.n_kv_heads")->val_off,
-                       "%lld heads are not a multiple of %lld kv heads", (long long)s->n_heads,
-                       (long long)s->n_kv_heads);
+                       "%lld heads are not a multiple of %lld kv heads", (long long)s->info.n_heads,
+                       (long long)s->info.n_kv_heads);
     uint64_t total;
-    if (!kv_mul_u64((uint64_t)s->windows, (uint64_t)s->seq_len, &total) ||
-        total != (uint64_t)s->tokens)
+    if (!kv_mul_u64((uint64_t)s->info.windows, (uint64_t)s->info.seq_len, &total) ||
+        total != (uint64_t)s->info.tokens)
         return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.tokens")->val_off,
                        "kvcal.tokens is %lld but %lld windows of %lld tokens make %llu",
-                       (long long)s->tokens, (long long)s->windows, (long long)s->seq_len,
+                       (long long)s->info.tokens, (long long)s->info.windows, (long long)s->info.seq_len,
                        (unsigned long long)total);
-    if (strcmp(s->sampling, "sequential") && strcmp(s->sampling, "random") &&
-        strcmp(s->sampling, "merged"))
+    if (strcmp(s->info.sampling, "sequential") && strcmp(s->info.sampling, "random") &&
+        strcmp(s->info.sampling, "merged"))
         return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.sampling")->val_off,
                        "key 'kvcal.sampling' is '%s', expected sequential, random or merged",
-                       s->sampling);
+                       s->info.sampling);
     return KV_OK;
 }
 
@@ -466,11 +451,11 @@ static int read_inputs(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                          "dataset %llu: token or window count out of range", (unsigned long long)i);
             goto done;
         }
-        if (wn[i] > tk[i] / (uint64_t)s->seq_len) {
+        if (wn[i] > tk[i] / (uint64_t)s->info.seq_len) {
             rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
                          "dataset %llu ('%s') counts %llu windows but its %llu tokens hold %llu",
                          (unsigned long long)i, path, (unsigned long long)wn[i],
-                         (unsigned long long)tk[i], (unsigned long long)(tk[i] / (uint64_t)s->seq_len));
+                         (unsigned long long)tk[i], (unsigned long long)(tk[i] / (uint64_t)s->info.seq_len));
             goto done;
         }
         if (!kv_add_u64(wsum, wn[i], &wsum)) {
@@ -482,10 +467,10 @@ static int read_inputs(const struct kv_gguf_file *f, struct kv_stats *s, struct 
         if ((rc = kv_stats_add_input(s, path, sha, by[i], (int64_t)tk[i], (int64_t)wn[i], err)))
             goto done;
     }
-    if (n[0] && wsum != (uint64_t)s->windows)
+    if (n[0] && wsum != (uint64_t)s->info.windows)
         rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "kvcal.datasets.windows")->val_off,
                      "the datasets' windows add up to %llu but kvcal.sequences is %lld",
-                     (unsigned long long)wsum, (long long)s->windows);
+                     (unsigned long long)wsum, (long long)s->info.windows);
 done:
     free(names), free(shas), free(by), free(tk), free(wn);
     return rc;
@@ -516,7 +501,7 @@ static int file_has_fisher(const struct kv_gguf_file *f) {
 static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct kv_err *err) {
     const char *path = f->path;
     int per = kv_stats_layer_tensors(s);
-    int64_t want = s->n_layers * per;
+    int64_t want = s->info.n_layers * per;
     /* why a missing Fisher tensor is an error at all */
     static const char fisher_why[] =
         "; fisher statistics are fisher.k, fisher.v, grad_k.cov and grad_v.cov in every layer";
@@ -540,7 +525,7 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
         if (i >= want) {
             rc = kv_fail(err, KV_EFORMAT, path, gt->info_off,
                          "unexpected tensor '%s': %lld layers have %lld tensors", gt->t.name,
-                         (long long)s->n_layers, (long long)want);
+                         (long long)s->info.n_layers, (long long)want);
             goto done;
         }
         int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
@@ -602,7 +587,7 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
         kv_stats_tensor_desc(s, f->n_tensors / per, t, name, sizeof name, shape);
         rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                      "missing tensor '%s': %lld layers need %lld tensors, the file has %lld%s", name,
-                     (long long)s->n_layers, (long long)want, (long long)f->n_tensors,
+                     (long long)s->info.n_layers, (long long)want, (long long)f->n_tensors,
                      t >= KV_STATS_PER_LAYER ? fisher_why : "");
     }
 done:
@@ -625,21 +610,21 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
         int fisher = file_has_fisher(&f);
         /* bound the allocation by what the file can hold before making it */
         uint64_t per, all;
-        uint64_t d = (uint64_t)s->dim, hd = (uint64_t)s->head_dim;
-        uint64_t g = (uint64_t)s->n_kv_heads;
+        uint64_t d = (uint64_t)s->info.dim, hd = (uint64_t)s->info.head_dim;
+        uint64_t g = (uint64_t)s->info.n_kv_heads;
         int ok = kv_mul_u64(d, d, &per) && kv_add_u64(per, d, &per);
         uint64_t hh, fs;
         ok = ok && kv_mul_u64(hd, hd, &hh) &&
-             kv_mul_u64(hh, (uint64_t)(s->n_heads + s->n_kv_heads), &hh) &&
+             kv_mul_u64(hh, (uint64_t)(s->info.n_heads + s->info.n_kv_heads), &hh) &&
              kv_add_u64(per, hh, &per);
         /* Fisher: 2 g*d_h rows and 2 g*d_h*d_h covariances */
         ok = ok && kv_mul_u64(hd + 1, hd * g * 2, &fs) && kv_add_u64(per, fisher ? fs : 0, &per);
-        ok = ok && kv_mul_u64(per, (uint64_t)s->n_layers, &all) && kv_mul_u64(all, 8, &all);
+        ok = ok && kv_mul_u64(per, (uint64_t)s->info.n_layers, &all) && kv_mul_u64(all, 8, &all);
         if (!ok || all > len)
             rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                          "truncated or inconsistent: %lld layers of dim %lld need %s bytes of "
                          "tensors, the file has %llu bytes",
-                         (long long)s->n_layers, (long long)s->dim, ok ? "more" : "too many",
+                         (long long)s->info.n_layers, (long long)s->info.dim, ok ? "more" : "too many",
                          (unsigned long long)len);
         else if (!(rc = alloc_layers(s, path, err)) && (!fisher || !(rc = alloc_fisher(s, path, err))) &&
                  !(rc = read_inputs(&f, s, err)))
@@ -676,15 +661,15 @@ int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err) {
 int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,
                            struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (!kv_shapes_match(c, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim,
+    if (!kv_shapes_match(c, s->info.n_layers, s->info.dim, s->info.n_heads, s->info.n_kv_heads, s->info.head_dim,
                          "statistics", path, err))
         return 0;
     char fp[65];
     if (kv_model_fingerprint(m, fp, err)) return 0;
-    if (strcmp(fp, s->fingerprint)) {
+    if (strcmp(fp, s->info.fingerprint)) {
         kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
                 "statistics were collected on another model (fingerprint %.12s, this model "
-                "is %.12s)", s->fingerprint, fp);
+                "is %.12s)", s->info.fingerprint, fp);
         return 0;
     }
     return 1;

@@ -73,23 +73,9 @@ struct kv_stats_layer {
 
 /* The sums and their records (the accessors of kvformats.h read these). */
 struct kv_stats {
-    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
-    char fingerprint[65];  /* kv_model_fingerprint of the model */
-    char version[32];      /* kvcal version that wrote the file */
-    int64_t seq_len;
-    int64_t tokens;        /* tokens accumulated */
-    int64_t windows;       /* windows accumulated */
-    int has_fisher;        /* every layer has fisher_k/v and grad_k/v_cov */
-    /* the plan that produced the sums ("sequential", "random" or "merged") */
-    char sampling[16];
-    uint64_t seed;
-    int64_t samples;       /* --samples (0 = all) */
-    int64_t shard_index, shard_count;
-    int64_t plan_windows;  /* windows in the plan */
-    int64_t next_window;   /* plan entries done; < plan_windows in a checkpoint */
-    int64_t n_inputs;
-    struct kv_stats_input *inputs;
-    struct kv_stats_layer *layers; /* [n_layers] */
+    struct kv_stats_info info;     /* shapes, counts, the plan (kvformats.h) */
+    struct kv_stats_input *inputs; /* [info.n_inputs] */
+    struct kv_stats_layer *layers; /* [info.n_layers] */
 };
 
 

@@ -46,7 +46,7 @@ int64_t kv_lrl_side_rank(const struct kv_lr_side *s) {
 }
 
 int64_t kv_lrl_fused_cols(const struct kv_lowrank *lr, const struct kv_lr_side *s) {
-    int64_t per = lr->n_heads / lr->n_kv_heads, cols = 0;
+    int64_t per = lr->info.n_heads / lr->info.n_kv_heads, cols = 0;
     for (int64_t u = 0; u < s->n_units; u++) cols += s->units[u].rank * s->units[u].n_heads * per;
     return cols;
 }
@@ -54,7 +54,7 @@ int64_t kv_lrl_fused_cols(const struct kv_lowrank *lr, const struct kv_lr_side *
 int kv_lrl_check_side(const struct kv_lowrank *lr, int64_t l, int which, int factors, int code,
                       const char *path, struct kv_err *err) {
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
-    int64_t g = lr->n_kv_heads, dh = lr->head_dim;
+    int64_t g = lr->info.n_kv_heads, dh = lr->info.head_dim;
     char ctx[64];
     snprintf(ctx, sizeof ctx, "layer %lld %c", (long long)l, kv_lrl_side_char(which));
     if (!kv_lrl_mode_allowed(s->mode, which))
@@ -135,14 +135,14 @@ int kv_lrl_check_fused_query_arch(enum kv_arch arch, int64_t l, int code, const 
 int kv_lrl_check(const struct kv_lowrank *lr, const struct kv_model *m, const char *dir,
                  struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+    if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "factors", dir, err))
         return KV_EINVAL;
-    if (!kv_lr_bits_valid(lr->kv_bits))
+    if (!kv_lr_bits_valid(lr->info.kv_bits))
         return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                       "latent bits %d is not one of " KV_LR_BITS_LIST, lr->kv_bits);
+                       "latent bits %d is not one of " KV_LR_BITS_LIST, lr->info.kv_bits);
     if (!lr->layers) return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "factors have no layers");
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         int rc;
         if ((rc = kv_lrl_check_side(lr, l, 0, 1, KV_EINVAL, dir, err)) ||
             (rc = kv_lrl_check_side(lr, l, 1, 1, KV_EINVAL, dir, err)))

@@ -212,7 +212,7 @@ static float *rows_copy(const float *src, int64_t r0, int64_t n, int64_t cols) {
 static int load_side(const struct kv_st_file *f, const char *wpath, const struct kv_mf_names *nm,
                      int64_t l, int which, struct kv_lowrank *lr, struct kv_err *err) {
     struct kv_lr_side *s = kv_lr_side(lr, l, which);
-    int64_t d = lr->dim, dh = lr->head_dim, kvd = lr->n_kv_heads * dh;
+    int64_t d = lr->info.dim, dh = lr->info.head_dim, kvd = lr->info.n_kv_heads * dh;
     char sc = kv_lrl_side_char(which), what[160];
     int rc = KV_OK;
     if (!kv_lrl_has_down(s->mode)) {
@@ -258,9 +258,9 @@ static int load_side(const struct kv_st_file *f, const char *wpath, const struct
 
 static int load_weights(const struct kv_st_file *f, const char *wpath, const struct kv_mf *mf,
                         struct kv_lowrank *lr, struct kv_err *err) {
-    int64_t d = lr->dim, qd = lr->n_heads * lr->head_dim;
+    int64_t d = lr->info.dim, qd = lr->info.n_heads * lr->info.head_dim;
     int rc = KV_OK;
-    for (int64_t l = 0; l < lr->n_layers && !rc; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers && !rc; l++) {
         const struct kv_mf_names *kn = &mf->names[l][0], *vn = &mf->names[l][1];
         if ((rc = load_side(f, wpath, kn, l, 0, lr, err)) ||
             (rc = load_side(f, wpath, vn, l, 1, lr, err)))

@@ -280,13 +280,13 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
                       const struct kvrt_opts *o, struct kv_err *err) {
     const struct kv_config *c = kv_model_config(m);
     memset(p, 0, sizeof *p);
-    if (lr && !kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+    if (lr && !kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                                "compressed attention factors", NULL, err))
         return KV_EINVAL;
-    if (lr && lr->kv_bits < 16)
+    if (lr && lr->info.kv_bits < 16)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                        "the runtime caches fp16 or fp32 latents; this compressed model quantizes them to %d bits",
-                       lr->kv_bits);
+                       lr->info.kv_bits);
     if (o->max_ctx < 1 || o->max_ctx > KV_MAX_CTX)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "context length %lld is outside 1..%d",
                        (long long)o->max_ctx, KV_MAX_CTX);

@@ -111,14 +111,14 @@ static float *rand_floats(int64_t n, int64_t fan_in, uint64_t *s) {
 /* Σ over query heads of the rank of the unit holding their KV head: the
  * columns of o_fused and the rows of q_fused. */
 static int64_t fused_cols(const struct kv_lowrank *lr, const struct kv_lr_side *s) {
-    int64_t grp = lr->n_heads / lr->n_kv_heads, cols = 0;
+    int64_t grp = lr->info.n_heads / lr->info.n_kv_heads, cols = 0;
     for (int64_t u = 0; u < s->n_units; u++) cols += s->units[u].rank * s->units[u].n_heads * grp;
     return cols;
 }
 
 /* The factors side s's mode needs, for every unit (its pointers NULL before). */
 static int fill_side(const struct kv_lowrank *lr, struct kv_lr_side *s, uint64_t *seed) {
-    int64_t d = lr->dim, dh = lr->head_dim;
+    int64_t d = lr->info.dim, dh = lr->info.head_dim;
     for (int64_t u = 0; u < s->n_units; u++) {
         struct kv_lr_unit *x = &s->units[u];
         if (s->mode == KV_LR_POSTROPE_ROTATION) {
@@ -136,7 +136,7 @@ static int fill_side(const struct kv_lowrank *lr, struct kv_lr_side *s, uint64_t
  * as the units give them; q_bias: fused_query gets a query bias. */
 static int fill_layer(const struct kv_lowrank *lr, int64_t l, int q_bias, uint64_t *seed) {
     struct kv_lr_layer *y = &lr->layers[l];
-    int64_t d = lr->dim;
+    int64_t d = lr->info.dim;
     if (fill_side(lr, &y->k, seed) || fill_side(lr, &y->v, seed)) return KV_ENOMEM;
     if (y->v.mode == KV_LR_FUSED_OUTPUT) {
         y->o_cols = fused_cols(lr, &y->v);
@@ -203,12 +203,12 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     int64_t *uni = malloc((size_t)g * sizeof *uni), *het = malloc((size_t)g * sizeof *het);
     if (!lr || !uni || !het) goto oom;
-    snprintf(lr->method, sizeof lr->method, "synthetic");
-    snprintf(lr->alloc, sizeof lr->alloc,
+    snprintf(lr->info.method, sizeof lr->info.method, "synthetic");
+    snprintf(lr->info.alloc, sizeof lr->info.alloc,
              kmode == KV_LR_POSTROPE_ROTATION ? "alternating" : "uniform");
-    lr->n_layers = L, lr->dim = c->dim, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = g, lr->head_dim = dh;
-    lr->kv_bits = 16, lr->hadamard = 0;
+    lr->info.n_layers = L, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = g, lr->info.head_dim = dh;
+    lr->info.kv_bits = 16, lr->info.hadamard = 0;
     for (int64_t j = 0; j < g; j++) uni[j] = r;
     postrope_ranks(g, dh, r, het);
     if (!(lr->layers = calloc((size_t)L, sizeof *lr->layers))) goto oom;
@@ -232,7 +232,7 @@ oom:
 /* The architecture a manifest's ranks are timed on: gpt2 when a layer has
  * fused_query keys (they need a model without rope), else llama. */
 static int needs_gpt2(const struct kv_lowrank *lr) {
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         if (lr->layers[l].k.mode == KV_LR_FUSED_QUERY) return 1;
     return 0;
 }
@@ -245,13 +245,13 @@ static int side_has_factors(const struct kv_lr_side *s) {
 }
 
 int kvrt_synth_fill_factors(struct kv_lowrank *lr, uint64_t seed, struct kv_err *err) {
-    if (!lr->layers || lr->n_kv_heads < 1 || lr->n_heads % lr->n_kv_heads)
+    if (!lr->layers || lr->info.n_kv_heads < 1 || lr->info.n_heads % lr->info.n_kv_heads)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "compressed attention is not a manifest's: %s",
                        lr->layers ? "heads are not a multiple of kv heads" : "no layers");
     int gpt2 = needs_gpt2(lr);
     uint64_t s = seed;
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         struct kv_lr_layer *y = &lr->layers[l];
         if (side_has_factors(&y->k) || side_has_factors(&y->v) || y->o_fused || y->q_fused ||
             y->q_fused_bias)
@@ -275,7 +275,7 @@ int kvrt_synth_fill_factors(struct kv_lowrank *lr, uint64_t seed, struct kv_err 
 }
 
 int kvrt_synth_model_for(const struct kv_lowrank *lr, struct kv_model **out, struct kv_err *err) {
-    struct kv_config c = synth_config(needs_gpt2(lr) ? KV_ARCH_GPT2 : KV_ARCH_LLAMA, lr->n_layers,
-                                      lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim);
+    struct kv_config c = synth_config(needs_gpt2(lr) ? KV_ARCH_GPT2 : KV_ARCH_LLAMA, lr->info.n_layers,
+                                      lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim);
     return kv_model_init_random(&c, 1, out, err);
 }

@@ -77,7 +77,7 @@ static void desc_free(struct attn_desc *d) {
 
 static void plan_free(struct kv_fwd *f) {
     if (f->plan && f->lr)
-        for (int64_t l = 0; l < f->lr->n_layers; l++) {
+        for (int64_t l = 0; l < f->lr->info.n_layers; l++) {
             desc_free(&f->plan[l].desc);
             free(f->plan[l].kunit_off), free(f->plan[l].vunit_off);
         }
@@ -353,7 +353,7 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
     plan_free(f);
     if (!lr) return KV_OK;
     const struct kv_config *c = &f->m->cfg;
-    if (!kv_shapes_match(c, lr->n_layers, lr->dim, lr->n_heads, lr->n_kv_heads, lr->head_dim,
+    if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "compressed attention factors", NULL, err))
         return KV_EINVAL;
     if (kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)

@@ -38,7 +38,7 @@ static void layer_free(struct kv_lr_layer *L) {
 
 void kv_lr_free(struct kv_lowrank *lr) {
     if (!lr) return;
-    for (int64_t l = 0; lr->layers && l < lr->n_layers; l++) layer_free(&lr->layers[l]);
+    for (int64_t l = 0; lr->layers && l < lr->info.n_layers; l++) layer_free(&lr->layers[l]);
     free(lr->layers);
     free(lr);
 }
@@ -58,7 +58,7 @@ int kv_lr_bits_valid(int64_t kv_bits) {
 
 int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int kv_bits) {
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
-    if (s->mode == KV_LR_FULL) return lr->n_kv_heads * lr->head_dim * 2;
+    if (s->mode == KV_LR_FULL) return lr->info.n_kv_heads * lr->info.head_dim * 2;
     int64_t b = 0;
     for (int64_t u = 0; u < s->n_units; u++) b += kv_lr_unit_bytes(s->units[u].rank, kv_bits);
     return b;
@@ -66,36 +66,26 @@ int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int 
 
 int64_t kv_lr_bytes(const struct kv_lowrank *lr, int kv_bits) {
     int64_t b = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         b += kv_lr_side_bytes(lr, l, 0, kv_bits) + kv_lr_side_bytes(lr, l, 1, kv_bits);
     return b;
 }
 
-struct kv_lr_info kv_lr_info(const struct kv_lowrank *lr) {
-    struct kv_lr_info in;
-    memset(&in, 0, sizeof in);
-    memcpy(in.method, lr->method, sizeof in.method);
-    memcpy(in.alloc, lr->alloc, sizeof in.alloc);
-    memcpy(in.model_fingerprint, lr->model_fingerprint, sizeof in.model_fingerprint);
-    in.n_layers = lr->n_layers, in.dim = lr->dim, in.n_heads = lr->n_heads;
-    in.n_kv_heads = lr->n_kv_heads, in.head_dim = lr->head_dim;
-    in.kv_bits = lr->kv_bits, in.hadamard = lr->hadamard;
-    return in;
-}
+struct kv_lr_info kv_lr_info(const struct kv_lowrank *lr) { return lr->info; }
 
 enum kv_lr_mode kv_lr_mode_of(const struct kv_lowrank *lr, int64_t l, int which) {
-    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    KV_ASSERT(l >= 0 && l < lr->info.n_layers);
     return kv_lr_side(lr, l, which)->mode;
 }
 
 int64_t kv_lr_n_units(const struct kv_lowrank *lr, int64_t l, int which) {
-    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    KV_ASSERT(l >= 0 && l < lr->info.n_layers);
     return kv_lr_side(lr, l, which)->n_units;
 }
 
 struct kv_lr_unit_info kv_lr_unit_info(const struct kv_lowrank *lr, int64_t l, int which,
                                        int64_t u) {
-    KV_ASSERT(l >= 0 && l < lr->n_layers);
+    KV_ASSERT(l >= 0 && l < lr->info.n_layers);
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
     KV_ASSERT(u >= 0 && u < s->n_units);
     const struct kv_lr_unit *x = &s->units[u];
@@ -116,17 +106,17 @@ int kv_lr_set_kv_bits(struct kv_lowrank *lr, int kv_bits, struct kv_err *err) {
     if (!kv_lr_bits_valid(kv_bits))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "latent bits %d is not one of %s",
                        kv_bits, KV_LR_BITS_LIST);
-    lr->kv_bits = kv_bits;
+    lr->info.kv_bits = kv_bits;
     return KV_OK;
 }
 
 int kv_lr_truncate(struct kv_lowrank *lr, int64_t n_layers, struct kv_err *err) {
-    if (n_layers < 1 || n_layers > lr->n_layers)
+    if (n_layers < 1 || n_layers > lr->info.n_layers)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "%lld layers is outside 1..%lld, the compressed model's layers",
-                       (long long)n_layers, (long long)lr->n_layers);
-    for (int64_t l = n_layers; lr->layers && l < lr->n_layers; l++) layer_free(&lr->layers[l]);
-    lr->n_layers = n_layers;
+                       (long long)n_layers, (long long)lr->info.n_layers);
+    for (int64_t l = n_layers; lr->layers && l < lr->info.n_layers; l++) layer_free(&lr->layers[l]);
+    lr->info.n_layers = n_layers;
     return KV_OK;
 }
 
@@ -159,23 +149,23 @@ static const struct kv_lr_unit *unit_of_head(const struct kv_lr_side *s, int64_t
 }
 
 int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
-    if (lr->hadamard)
+    if (lr->info.hadamard)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a hadamard rotation is already fused in");
-    int64_t rmax = 1, d = lr->dim, dh = lr->head_dim;
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    int64_t rmax = 1, d = lr->info.dim, dh = lr->info.head_dim;
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         for (int s = 0; s < 2; s++) {
             const struct kv_lr_side *sd = s ? &lr->layers[l].v : &lr->layers[l].k;
             for (int64_t u = 0; u < sd->n_units; u++) rmax = sd->units[u].rank > rmax ? sd->units[u].rank : rmax;
         }
     double *H = malloc((size_t)(rmax * rmax) * sizeof *H);
-    int64_t rows = d > lr->n_kv_heads * dh ? d : lr->n_kv_heads * dh; /* longest factor side */
+    int64_t rows = d > lr->info.n_kv_heads * dh ? d : lr->info.n_kv_heads * dh; /* longest factor side */
     double *tmp = malloc((size_t)(2 * rows * rmax) * sizeof *tmp);
     if (!H || !tmp) {
         free(H), free(tmp);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
-    int64_t grp = lr->n_heads / lr->n_kv_heads;
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    int64_t grp = lr->info.n_heads / lr->info.n_kv_heads;
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         struct kv_lr_layer *L = &lr->layers[l];
         for (int s = 0; s < 2; s++) {
             struct kv_lr_side *sd = s ? &L->v : &L->k;
@@ -192,7 +182,7 @@ int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             }
             float *fused = s ? L->o_fused : L->q_fused;
             int64_t off = 0;
-            for (int64_t i = 0; fused && i < lr->n_heads; i++) {
+            for (int64_t i = 0; fused && i < lr->info.n_heads; i++) {
                 const struct kv_lr_unit *un = unit_of_head(sd, i / grp);
                 if (!un) break;
                 kv_la_hadamard(un->rank, H);
@@ -207,6 +197,6 @@ int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
         }
     }
     free(H), free(tmp);
-    lr->hadamard = 1;
+    lr->info.hadamard = 1;
     return KV_OK;
 }

@@ -50,13 +50,8 @@ struct kv_lr_layer {
 /* A compressed model's attention: what kvcal decompose builds, what the
  * output directory stores and what the latent-cache forward pass runs. */
 struct kv_lowrank {
-    char method[16];             /* "palu", "eigen", ... */
-    char alloc[16];              /* "uniform", "eps", ... */
-    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
-    char model_fingerprint[65];  /* of the base model */
-    int kv_bits;                 /* latent storage: 16 (fp16) or 8/4/3/2 (quantized) */
-    int hadamard;                /* a Walsh-Hadamard matrix is fused into the factors */
-    struct kv_lr_layer *layers;  /* [n_layers] */
+    struct kv_lr_info info;      /* method, shapes, latent storage (kvcal_core.h) */
+    struct kv_lr_layer *layers;  /* [info.n_layers] */
 };
 
 

@@ -106,7 +106,7 @@ static inline void naive_head_grams(double *cov, const float *b, int64_t n, int6
 
 /* Add the captured window to ref, every element of both triangles. */
 static inline void naive_add(const struct naive *nv, struct kv_stats *ref) {
-    int64_t d = nv->d, n = nv->n, h = ref->n_heads, g = ref->n_kv_heads, dh = ref->head_dim;
+    int64_t d = nv->d, n = nv->n, h = ref->info.n_heads, g = ref->info.n_kv_heads, dh = ref->info.head_dim;
     for (int64_t l = 0; l < nv->L; l++) {
         const float *x = nv->x + l * nv->max_n * d;
         struct kv_stats_layer *R = &ref->layers[l];
@@ -175,12 +175,12 @@ struct tensor_view {
 
 /* The four forward-statistics tensors of layer l of s; returns 4. */
 static inline int layer_tensors(const struct kv_stats *s, int64_t l, struct tensor_view t[4]) {
-    int64_t d = s->dim, dh = s->head_dim;
+    int64_t d = s->info.dim, dh = s->info.head_dim;
     const struct kv_stats_layer *L = &s->layers[l];
     t[0] = (struct tensor_view){"xtx", L->xtx, d * d};
     t[1] = (struct tensor_view){"xsum", L->xsum, d};
-    t[2] = (struct tensor_view){"q_cov", L->q_cov, s->n_heads * dh * dh};
-    t[3] = (struct tensor_view){"k_cov", L->k_cov, s->n_kv_heads * dh * dh};
+    t[2] = (struct tensor_view){"q_cov", L->q_cov, s->info.n_heads * dh * dh};
+    t[3] = (struct tensor_view){"k_cov", L->k_cov, s->info.n_kv_heads * dh * dh};
     return 4;
 }
 
@@ -199,14 +199,14 @@ static inline double rel_frob(const double *a, const double *b, int64_t n) {
  * worst layer/tensor is logged and named on failure. Returns the worst. */
 static inline double assert_stats_close(const struct kv_stats *got, const struct kv_stats *ref,
                                         double tol, const char *what) {
-    cr_assert(got->n_layers == ref->n_layers && got->dim == ref->dim &&
-                  got->n_heads == ref->n_heads && got->n_kv_heads == ref->n_kv_heads &&
-                  got->head_dim == ref->head_dim,
+    cr_assert(got->info.n_layers == ref->info.n_layers && got->info.dim == ref->info.dim &&
+                  got->info.n_heads == ref->info.n_heads && got->info.n_kv_heads == ref->info.n_kv_heads &&
+                  got->info.head_dim == ref->info.head_dim,
               "%s: shapes differ", what);
     double worst = -1;
     int64_t wl = -1;
     const char *wt = "";
-    for (int64_t l = 0; l < ref->n_layers; l++) {
+    for (int64_t l = 0; l < ref->info.n_layers; l++) {
         struct tensor_view a[4], b[4];
         int nt = layer_tensors(got, l, a);
         layer_tensors(ref, l, b);
@@ -240,12 +240,12 @@ static inline void assert_square_symmetric(const double *a, int64_t n, const cha
 
 /* Both triangles stored and exactly equal. */
 static inline void assert_symmetric(const struct kv_stats *s) {
-    int64_t dh = s->head_dim;
-    for (int64_t l = 0; l < s->n_layers; l++) {
-        assert_square_symmetric(s->layers[l].xtx, s->dim, "xtx", l, 0);
-        for (int64_t i = 0; i < s->n_heads; i++)
+    int64_t dh = s->info.head_dim;
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
+        assert_square_symmetric(s->layers[l].xtx, s->info.dim, "xtx", l, 0);
+        for (int64_t i = 0; i < s->info.n_heads; i++)
             assert_square_symmetric(s->layers[l].q_cov + i * dh * dh, dh, "q_cov", l, i);
-        for (int64_t i = 0; i < s->n_kv_heads; i++)
+        for (int64_t i = 0; i < s->info.n_kv_heads; i++)
             assert_square_symmetric(s->layers[l].k_cov + i * dh * dh, dh, "k_cov", l, i);
     }
 }

@@ -116,13 +116,13 @@ static inline struct kv_stats *collect(const struct kv_model *m, const int32_t *
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_init(kv_model_config(m), &s, &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(kv_model_fingerprint(m, s->fingerprint, &err), KV_OK, "%s", fmt_err(&err));
-    s->seq_len = seq;
+    cr_assert_eq(kv_model_fingerprint(m, s->info.fingerprint, &err), KV_OK, "%s", fmt_err(&err));
+    s->info.seq_len = seq;
     cr_assert_eq(kv_accum_init(m, s, seq, &a, &err), KV_OK, "%s", fmt_err(&err));
     for (int64_t w = 0; w < nwin; w++) {
         cr_assert_eq(kv_accum_window(a, tok + w * seq, &err), KV_OK, "%s", fmt_err(&err));
-        s->tokens += seq;
-        s->windows++;
+        s->info.tokens += seq;
+        s->info.windows++;
     }
     kv_accum_sync(a);
     kv_accum_free(a);
@@ -183,11 +183,11 @@ static inline int64_t unit_width(const struct kv_lr_side *sd, const struct kv_lr
 /* KV bytes per token from the header's definition, counted here. */
 static inline int64_t bytes_by_definition(const struct kv_lowrank *lr, int bits) {
     int64_t b = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         for (int side = 0; side < 2; side++) {
             const struct kv_lr_side *sd = side_of(lr, l, side);
             if (sd->mode == KV_LR_FULL) {
-                b += lr->n_kv_heads * lr->head_dim * 2;
+                b += lr->info.n_kv_heads * lr->info.head_dim * 2;
                 continue;
             }
             for (int64_t u = 0; u < sd->n_units; u++) {
@@ -228,7 +228,7 @@ static inline double *out_cov_naive(const struct kv_stats *s, const struct kv_mo
     }
     if (B) {
         const float *b = B + h0 * dh;
-        double n = (double)s->tokens;
+        double n = (double)s->info.tokens;
         for (int64_t a = 0; a < mm; a++)
             for (int64_t e = 0; e < mm; e++)
                 C[a * mm + e] += ws[a] * b[e] + (double)b[a] * ws[e] + n * (double)b[a] * b[e];

@@ -170,10 +170,10 @@ static inline struct kv_lowrank *make_lr(const struct kv_model *m, const int *k_
     struct rng r = {seed * 0x9e3779b97f4a7c15ull + 1};
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     cr_assert(lr);
-    snprintf(lr->method, sizeof lr->method, "test");
-    snprintf(lr->alloc, sizeof lr->alloc, "uniform");
-    lr->n_layers = L, lr->dim = d, lr->n_heads = h, lr->n_kv_heads = g, lr->head_dim = dh;
-    lr->kv_bits = 16;
+    snprintf(lr->info.method, sizeof lr->info.method, "test");
+    snprintf(lr->info.alloc, sizeof lr->info.alloc, "uniform");
+    lr->info.n_layers = L, lr->info.dim = d, lr->info.n_heads = h, lr->info.n_kv_heads = g, lr->info.head_dim = dh;
+    lr->info.kv_bits = 16;
     lr->layers = calloc((size_t)L, sizeof *lr->layers);
     cr_assert(lr->layers);
     for (int64_t l = 0; l < L; l++) {
@@ -227,8 +227,8 @@ static inline const struct kv_lr_side *side(const struct kv_lowrank *lr, int64_t
 static inline double *naive_dense(const struct kv_lowrank *lr, int64_t l, enum kv_wkind kind) {
     const struct kv_lr_side *s = side(lr, l, kind);
     int bias = kind == KV_W_BK || kind == KV_W_BV;
-    int64_t d = lr->dim, dh = lr->head_dim, cols = bias ? 1 : d;
-    double *w = calloc((size_t)(lr->n_kv_heads * dh * cols), sizeof *w);
+    int64_t d = lr->info.dim, dh = lr->info.head_dim, cols = bias ? 1 : d;
+    double *w = calloc((size_t)(lr->info.n_kv_heads * dh * cols), sizeof *w);
     for (int64_t u = 0; u < s->n_units; u++) {
         const struct kv_lr_unit *x = &s->units[u];
         for (int64_t i = 0; i < x->n_heads * dh; i++)

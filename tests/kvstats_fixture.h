@@ -57,16 +57,16 @@ static inline double sym_val(int64_t id, int64_t m, int64_t a, int64_t b, double
 /* Every tensor of s gets distinct deterministic values (matrices symmetric;
  * Fisher sums positive, and so the gradient covariances' diagonals). */
 static inline void fill(struct kv_stats *s, double scale) {
-    int64_t d = s->dim, hd = s->head_dim, kd = s->n_kv_heads * hd;
-    for (int64_t l = 0; l < s->n_layers; l++) {
+    int64_t d = s->info.dim, hd = s->info.head_dim, kd = s->info.n_kv_heads * hd;
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
         struct kv_stats_layer *y = &s->layers[l];
         int64_t id = l * (KV_STATS_PER_LAYER + KV_STATS_FISHER_PER_LAYER);
-        if (s->has_fisher) {
+        if (s->info.has_fisher) {
             for (int64_t r = 0; r < kd; r++) {
                 y->fisher_k[r] = fabs(scale) * (double)((id + 4) * 4096 + r + 1) / 11.0;
                 y->fisher_v[r] = fabs(scale) * (double)((id + 5) * 4096 + r + 1) / 13.0;
             }
-            for (int64_t m = 0; m < s->n_kv_heads; m++)
+            for (int64_t m = 0; m < s->info.n_kv_heads; m++)
                 for (int64_t i = 0; i < hd; i++)
                     for (int64_t j = 0; j < hd; j++) {
                         double sg = i == j ? fabs(scale) : -scale; /* negative off-diagonals */
@@ -77,11 +77,11 @@ static inline void fill(struct kv_stats *s, double scale) {
         for (int64_t i = 0; i < d; i++)
             for (int64_t j = 0; j < d; j++) y->xtx[i * d + j] = sym_val(id, 0, i, j, scale);
         for (int64_t i = 0; i < d; i++) y->xsum[i] = -scale * (double)((id + 1) * 4096 + i) / 7.0;
-        for (int64_t m = 0; m < s->n_heads; m++)
+        for (int64_t m = 0; m < s->info.n_heads; m++)
             for (int64_t i = 0; i < hd; i++)
                 for (int64_t j = 0; j < hd; j++)
                     y->q_cov[(m * hd + i) * hd + j] = sym_val(id + 2, m, i, j, scale);
-        for (int64_t m = 0; m < s->n_kv_heads; m++)
+        for (int64_t m = 0; m < s->info.n_kv_heads; m++)
             for (int64_t i = 0; i < hd; i++)
                 for (int64_t j = 0; j < hd; j++)
                     y->k_cov[(m * hd + i) * hd + j] = sym_val(id + 3, m, i, j, scale);
@@ -95,19 +95,19 @@ static inline struct kv_stats *make_stats(const struct kv_config *c, double scal
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_init(c, &s, &err), KV_OK, "%s", fmt_err(&err));
     fill(s, scale);
-    snprintf(s->fingerprint, sizeof s->fingerprint, "%s", FP_A);
-    s->seq_len = SEQ_LEN;
+    snprintf(s->info.fingerprint, sizeof s->info.fingerprint, "%s", FP_A);
+    s->info.seq_len = SEQ_LEN;
     cr_assert_eq(kv_stats_add_input(s, "data/a.txt", SHA_1, 1234, 600, 3, &err), KV_OK);
     cr_assert_eq(kv_stats_add_input(s, "data/b.txt", SHA_2, 99999, 5000, 4, &err), KV_OK);
-    s->windows = 7;
-    s->tokens = s->windows * SEQ_LEN;
-    snprintf(s->sampling, sizeof s->sampling, "random");
-    s->seed = 0xfedcba9876543210ull;
-    s->samples = 7;
-    s->shard_index = 1;
-    s->shard_count = 3;
-    s->plan_windows = 7;
-    s->next_window = 7;
+    s->info.windows = 7;
+    s->info.tokens = s->info.windows * SEQ_LEN;
+    snprintf(s->info.sampling, sizeof s->info.sampling, "random");
+    s->info.seed = 0xfedcba9876543210ull;
+    s->info.samples = 7;
+    s->info.shard_index = 1;
+    s->info.shard_count = 3;
+    s->info.plan_windows = 7;
+    s->info.next_window = 7;
     return s;
 }
 
@@ -116,44 +116,44 @@ static inline struct kv_stats *make_fisher_stats(const struct kv_config *c, doub
     struct kv_stats *s = make_stats(c, scale);
     struct kv_err err;
     kv_err_clear(&err);
-    int64_t windows = s->windows;
-    s->windows = 0; /* fisher sums start with the first window */
+    int64_t windows = s->info.windows;
+    s->info.windows = 0; /* fisher sums start with the first window */
     cr_assert_eq(kv_stats_add_fisher(s, &err), KV_OK, "%s", fmt_err(&err));
-    s->windows = windows;
-    cr_assert_eq(s->has_fisher, 1);
+    s->info.windows = windows;
+    cr_assert_eq(s->info.has_fisher, 1);
     fill(s, scale);
     return s;
 }
 
 /* Every field and every tensor of a and b agree bit for bit. */
 static inline void assert_stats_eq(const struct kv_stats *a, const struct kv_stats *b) {
-    cr_assert_eq(a->n_layers, b->n_layers);
-    cr_assert_eq(a->dim, b->dim);
-    cr_assert_eq(a->n_heads, b->n_heads);
-    cr_assert_eq(a->n_kv_heads, b->n_kv_heads);
-    cr_assert_eq(a->head_dim, b->head_dim);
-    cr_assert_str_eq(a->fingerprint, b->fingerprint);
-    cr_assert_str_eq(a->version, b->version);
-    cr_assert_eq(a->seq_len, b->seq_len);
-    cr_assert_eq(a->tokens, b->tokens);
-    cr_assert_eq(a->windows, b->windows);
-    cr_assert_str_eq(a->sampling, b->sampling);
-    cr_assert_eq(a->seed, b->seed);
-    cr_assert_eq(a->samples, b->samples);
-    cr_assert_eq(a->shard_index, b->shard_index);
-    cr_assert_eq(a->shard_count, b->shard_count);
-    cr_assert_eq(a->plan_windows, b->plan_windows);
-    cr_assert_eq(a->next_window, b->next_window);
-    cr_assert_eq(a->has_fisher, b->has_fisher);
-    cr_assert_eq(a->n_inputs, b->n_inputs);
-    for (int64_t i = 0; i < a->n_inputs; i++) {
+    cr_assert_eq(a->info.n_layers, b->info.n_layers);
+    cr_assert_eq(a->info.dim, b->info.dim);
+    cr_assert_eq(a->info.n_heads, b->info.n_heads);
+    cr_assert_eq(a->info.n_kv_heads, b->info.n_kv_heads);
+    cr_assert_eq(a->info.head_dim, b->info.head_dim);
+    cr_assert_str_eq(a->info.fingerprint, b->info.fingerprint);
+    cr_assert_str_eq(a->info.version, b->info.version);
+    cr_assert_eq(a->info.seq_len, b->info.seq_len);
+    cr_assert_eq(a->info.tokens, b->info.tokens);
+    cr_assert_eq(a->info.windows, b->info.windows);
+    cr_assert_str_eq(a->info.sampling, b->info.sampling);
+    cr_assert_eq(a->info.seed, b->info.seed);
+    cr_assert_eq(a->info.samples, b->info.samples);
+    cr_assert_eq(a->info.shard_index, b->info.shard_index);
+    cr_assert_eq(a->info.shard_count, b->info.shard_count);
+    cr_assert_eq(a->info.plan_windows, b->info.plan_windows);
+    cr_assert_eq(a->info.next_window, b->info.next_window);
+    cr_assert_eq(a->info.has_fisher, b->info.has_fisher);
+    cr_assert_eq(a->info.n_inputs, b->info.n_inputs);
+    for (int64_t i = 0; i < a->info.n_inputs; i++) {
         cr_assert_str_eq(a->inputs[i].path, b->inputs[i].path, "input %lld", (long long)i);
         cr_assert_str_eq(a->inputs[i].sha256, b->inputs[i].sha256, "input %lld", (long long)i);
         cr_assert_eq(a->inputs[i].bytes, b->inputs[i].bytes, "input %lld", (long long)i);
         cr_assert_eq(a->inputs[i].tokens, b->inputs[i].tokens, "input %lld", (long long)i);
         cr_assert_eq(a->inputs[i].windows, b->inputs[i].windows, "input %lld", (long long)i);
     }
-    for (int64_t l = 0; l < a->n_layers; l++)
+    for (int64_t l = 0; l < a->info.n_layers; l++)
         for (int t = 0; t < kv_stats_layer_tensors(a); t++) {
             char name[64];
             int64_t shape[3];

@@ -59,11 +59,11 @@ static const char *const suffix[8] = {"attn_in.xtx", "attn_in.sum", "q_rope.cov"
                                       "fisher.k",    "fisher.v",    "grad_k.cov", "grad_v.cov"};
 
 /* Tensors per layer per kvstats.h: four, and four more with Fisher sums. */
-static inline int hper(const struct kv_stats *s) { return s->has_fisher ? 8 : 4; }
+static inline int hper(const struct kv_stats *s) { return s->info.has_fisher ? 8 : 4; }
 
 /* Tensor k of layer l per kvstats.h: name, row-major shape, a copy of the data. */
 static inline void htensor_make(const struct kv_stats *s, int64_t l, int k, struct htensor *t) {
-    int64_t d = s->dim, h = s->n_heads, g = s->n_kv_heads, dh = s->head_dim;
+    int64_t d = s->info.dim, h = s->info.n_heads, g = s->info.n_kv_heads, dh = s->info.head_dim;
     const struct kv_stats_layer *y = &s->layers[l];
     const double *src[8] = {y->xtx,      y->xsum,     y->q_cov,      y->k_cov,
                             y->fisher_k, y->fisher_v, y->grad_k_cov, y->grad_v_cov};
@@ -90,10 +90,10 @@ static inline char *hand_write(const struct kv_stats *s, const struct hspec *h, 
                                const char *name) {
     struct kv_err err;
     kv_err_clear(&err);
-    int64_t cap = s->n_layers * hper(s) + 1, nt = 0;
+    int64_t cap = s->info.n_layers * hper(s) + 1, nt = 0;
     struct htensor *t = calloc((size_t)cap, sizeof *t);
     cr_assert(t);
-    for (int64_t l = 0; l < s->n_layers; l++)
+    for (int64_t l = 0; l < s->info.n_layers; l++)
         for (int k = 0; k < hper(s); k++) {
             struct htensor *x = &t[nt];
             htensor_make(s, l, k, x);
@@ -125,7 +125,7 @@ static inline char *hand_write(const struct kv_stats *s, const struct hspec *h, 
     }
     if (h->extra_tensor) {
         htensor_make(s, 0, 0, &t[nt]);
-        snprintf(t[nt].name, sizeof t[nt].name, "blk.%lld.%s", (long long)s->n_layers, suffix[0]);
+        snprintf(t[nt].name, sizeof t[nt].name, "blk.%lld.%s", (long long)s->info.n_layers, suffix[0]);
         nt++;
     }
     int64_t ncrc = nt + h->crc_extra;
@@ -135,7 +135,7 @@ static inline char *hand_write(const struct kv_stats *s, const struct hspec *h, 
     for (int64_t i = 0; i < nt; i++) crc64[i] = crc[i] = crc_of(t[i].data, t[i].nbytes);
     if (h->crc_wide) crc64[0] += 1ull << 32;
 
-    int64_t ni = s->n_inputs;
+    int64_t ni = s->info.n_inputs;
     const char **paths = calloc((size_t)ni + 1, sizeof *paths);
     const char **shas = calloc((size_t)ni + 1, sizeof *shas);
     uint64_t *bytes = calloc((size_t)ni + 1, 8), *toks = calloc((size_t)ni + 1, 8);
@@ -160,23 +160,23 @@ static inline char *hand_write(const struct kv_stats *s, const struct hspec *h, 
 #define U64(key, v) KEY(key, kv_ggufw_add_u64(w, key, (uint64_t)(v), &err))
     STR("general.type", "kvcal.stats");
     KEY("kvcal.format_version", kv_ggufw_add_u32(w, "kvcal.format_version", h->format_version, &err));
-    STR("kvcal.version", s->version);
-    STR("kvcal.model.fingerprint", s->fingerprint);
-    U64("kvcal.model.n_layers", s->n_layers);
-    U64("kvcal.model.dim", s->dim);
-    U64("kvcal.model.n_heads", s->n_heads);
-    U64("kvcal.model.n_kv_heads", s->n_kv_heads);
-    U64("kvcal.model.head_dim", s->head_dim);
-    U64("kvcal.seq_len", s->seq_len);
-    U64("kvcal.tokens", s->tokens);
-    U64("kvcal.sequences", s->windows);
-    STR("kvcal.sampling", s->sampling);
-    U64("kvcal.seed", s->seed);
-    U64("kvcal.samples", s->samples);
-    U64("kvcal.shard.index", s->shard_index);
-    U64("kvcal.shard.count", s->shard_count);
-    U64("kvcal.plan.windows", s->plan_windows);
-    U64("kvcal.plan.next_window", s->next_window);
+    STR("kvcal.version", s->info.version);
+    STR("kvcal.model.fingerprint", s->info.fingerprint);
+    U64("kvcal.model.n_layers", s->info.n_layers);
+    U64("kvcal.model.dim", s->info.dim);
+    U64("kvcal.model.n_heads", s->info.n_heads);
+    U64("kvcal.model.n_kv_heads", s->info.n_kv_heads);
+    U64("kvcal.model.head_dim", s->info.head_dim);
+    U64("kvcal.seq_len", s->info.seq_len);
+    U64("kvcal.tokens", s->info.tokens);
+    U64("kvcal.sequences", s->info.windows);
+    STR("kvcal.sampling", s->info.sampling);
+    U64("kvcal.seed", s->info.seed);
+    U64("kvcal.samples", s->info.samples);
+    U64("kvcal.shard.index", s->info.shard_index);
+    U64("kvcal.shard.count", s->info.shard_count);
+    U64("kvcal.plan.windows", s->info.plan_windows);
+    U64("kvcal.plan.next_window", s->info.next_window);
     uint64_t n = (uint64_t)ni;
     KEY("kvcal.datasets", kv_ggufw_add_arr_str(w, "kvcal.datasets", paths, n, &err));
     KEY("kvcal.datasets.sha256",

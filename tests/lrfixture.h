@@ -125,14 +125,14 @@ static inline struct kv_lowrank *make_lr(const struct kv_model *m, int kv_bits, 
     const struct kv_config *c = kv_model_config(m);
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     cr_assert_not_null(lr);
-    snprintf(lr->method, sizeof lr->method, "palu");
-    snprintf(lr->alloc, sizeof lr->alloc, "uniform");
-    lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim;
-    lr->kv_bits = kv_bits, lr->hadamard = hadamard;
+    snprintf(lr->info.method, sizeof lr->info.method, "palu");
+    snprintf(lr->info.alloc, sizeof lr->info.alloc, "uniform");
+    lr->info.n_layers = c->n_layers, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = c->head_dim;
+    lr->info.kv_bits = kv_bits, lr->info.hadamard = hadamard;
     struct kv_err err;
     kv_err_clear(&err);
-    cr_assert_eq(kv_model_fingerprint(m, lr->model_fingerprint, &err), KV_OK);
+    cr_assert_eq(kv_model_fingerprint(m, lr->info.model_fingerprint, &err), KV_OK);
     lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers);
     uint64_t s = seed;
     static const int64_t two[] = {2, 2}, one[] = {1, 1, 1, 1}, four[] = {4};
@@ -233,18 +233,18 @@ static inline void assert_floats_eq(const float *a, const float *b, int64_t n, c
 /* Everything of a and b agrees; with factors, bit for bit. */
 static inline void assert_lr_eq(const struct kv_lowrank *a, const struct kv_lowrank *b,
                                 int factors) {
-    cr_assert_str_eq(a->method, b->method);
-    cr_assert_str_eq(a->alloc, b->alloc);
-    cr_assert_str_eq(a->model_fingerprint, b->model_fingerprint);
-    cr_assert_eq(a->n_layers, b->n_layers);
-    cr_assert_eq(a->dim, b->dim);
-    cr_assert_eq(a->n_heads, b->n_heads);
-    cr_assert_eq(a->n_kv_heads, b->n_kv_heads);
-    cr_assert_eq(a->head_dim, b->head_dim);
-    cr_assert_eq(a->kv_bits, b->kv_bits);
-    cr_assert_eq(a->hadamard, b->hadamard);
-    int64_t d = a->dim, dh = a->head_dim;
-    for (int64_t l = 0; l < a->n_layers; l++) {
+    cr_assert_str_eq(a->info.method, b->info.method);
+    cr_assert_str_eq(a->info.alloc, b->info.alloc);
+    cr_assert_str_eq(a->info.model_fingerprint, b->info.model_fingerprint);
+    cr_assert_eq(a->info.n_layers, b->info.n_layers);
+    cr_assert_eq(a->info.dim, b->info.dim);
+    cr_assert_eq(a->info.n_heads, b->info.n_heads);
+    cr_assert_eq(a->info.n_kv_heads, b->info.n_kv_heads);
+    cr_assert_eq(a->info.head_dim, b->info.head_dim);
+    cr_assert_eq(a->info.kv_bits, b->info.kv_bits);
+    cr_assert_eq(a->info.hadamard, b->info.hadamard);
+    int64_t d = a->info.dim, dh = a->info.head_dim;
+    for (int64_t l = 0; l < a->info.n_layers; l++) {
         const struct kv_lr_layer *x = &a->layers[l], *y = &b->layers[l];
         for (int w = 0; w < 2; w++) {
             const struct kv_lr_side *s = w ? &x->v : &x->k, *t = w ? &y->v : &y->k;

@@ -191,9 +191,9 @@ static void naive_fisher(const struct kv_model *m, struct kv_stats *ref, const i
 /* The Fisher tensors of got against ref, elementwise; the worst is named. */
 static void assert_fisher_close(const struct kv_stats *got, const struct kv_stats *ref,
                                 const char *what) {
-    cr_assert(got->has_fisher && ref->has_fisher, "%s: no fisher sums", what);
-    int64_t kd = ref->n_kv_heads * ref->head_dim, n2 = kd * ref->head_dim;
-    for (int64_t l = 0; l < ref->n_layers; l++) {
+    cr_assert(got->info.has_fisher && ref->info.has_fisher, "%s: no fisher sums", what);
+    int64_t kd = ref->info.n_kv_heads * ref->info.head_dim, n2 = kd * ref->info.head_dim;
+    for (int64_t l = 0; l < ref->info.n_layers; l++) {
         const struct kv_stats_layer *A = &got->layers[l], *B = &ref->layers[l];
         const double *a[4] = {A->fisher_k, A->fisher_v, A->grad_k_cov, A->grad_v_cov};
         const double *b[4] = {B->fisher_k, B->fisher_v, B->grad_k_cov, B->grad_v_cov};
@@ -235,14 +235,14 @@ static void check_fisher(struct kv_model *m, const int32_t *ids, int64_t n_win, 
     naive_fisher(m, ref, ids, n_win, seq_len);
     assert_fisher_close(s, ref, what);
     /* the gradient covariances are stored in full, symmetric */
-    int64_t dh = s->head_dim;
-    for (int64_t l = 0; l < s->n_layers; l++)
-        for (int64_t j = 0; j < s->n_kv_heads; j++) {
+    int64_t dh = s->info.head_dim;
+    for (int64_t l = 0; l < s->info.n_layers; l++)
+        for (int64_t j = 0; j < s->info.n_kv_heads; j++) {
             assert_square_symmetric(s->layers[l].grad_k_cov + j * dh * dh, dh, "grad_k_cov", l, j);
             assert_square_symmetric(s->layers[l].grad_v_cov + j * dh * dh, dh, "grad_v_cov", l, j);
         }
     /* the forward sums are those of a run without fisher, bit for bit */
-    for (int64_t l = 0; l < s->n_layers; l++) {
+    for (int64_t l = 0; l < s->info.n_layers; l++) {
         struct tensor_view x[4], y[4];
         layer_tensors(s, l, x);
         layer_tensors(plain, l, y);

@@ -181,14 +181,14 @@ Test(synth, uniform_ranks_are_keep_times_head_dim) {
         struct kv_lowrank *lr = lowrank(m, KV_LR_PREROPE_LATENT, KV_LR_FUSED_OUTPUT, keeps[i]);
         int64_t want = (int64_t)floor(keeps[i] * 32 + 0.5);
         if (want < 1) want = 1;
-        cr_assert_str_eq(lr->method, "synthetic");
-        cr_assert_eq(lr->n_layers, 2);
-        cr_assert_eq(lr->dim, 64);
-        cr_assert_eq(lr->n_heads, 6);
-        cr_assert_eq(lr->n_kv_heads, 3);
-        cr_assert_eq(lr->head_dim, 32);
-        cr_assert_eq(lr->kv_bits, 16);
-        cr_assert_eq(lr->hadamard, 0);
+        cr_assert_str_eq(lr->info.method, "synthetic");
+        cr_assert_eq(lr->info.n_layers, 2);
+        cr_assert_eq(lr->info.dim, 64);
+        cr_assert_eq(lr->info.n_heads, 6);
+        cr_assert_eq(lr->info.n_kv_heads, 3);
+        cr_assert_eq(lr->info.head_dim, 32);
+        cr_assert_eq(lr->info.kv_bits, 16);
+        cr_assert_eq(lr->info.hadamard, 0);
         for (int64_t l = 0; l < 2; l++) {
             const struct kv_lr_layer *y = &lr->layers[l];
             assert_side(&y->k, KV_LR_PREROPE_LATENT, 3, 32);
@@ -335,7 +335,7 @@ static char *write_manifest(const struct kv_model *m, struct kv_lowrank *a, stru
                             int kv_bits, char **parent) {
     struct kv_lr_layer t = a->layers[1];
     a->layers[1] = b->layers[1], b->layers[1] = t;
-    a->kv_bits = kv_bits;
+    a->info.kv_bits = kv_bits;
     *parent = kvt_temp_dir();
     char *dir = kvt_path(*parent, "lr");
     struct kv_err err;
@@ -365,10 +365,10 @@ static void check_filled(struct kv_lowrank *lr, enum kv_arch arch) {
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kvrt_synth_fill_factors(lr, 5, &err), KV_OK, "%s", fmt_err(&err));
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         const struct kv_lr_layer *y = &lr->layers[l];
-        assert_side(&y->k, y->k.mode, lr->n_kv_heads, lr->head_dim);
-        assert_side(&y->v, y->v.mode, lr->n_kv_heads, lr->head_dim);
+        assert_side(&y->k, y->k.mode, lr->info.n_kv_heads, lr->info.head_dim);
+        assert_side(&y->v, y->v.mode, lr->info.n_kv_heads, lr->info.head_dim);
         cr_assert_eq(y->o_fused != NULL, y->v.mode == KV_LR_FUSED_OUTPUT);
         cr_assert_eq(y->q_fused != NULL, y->k.mode == KV_LR_FUSED_QUERY);
         cr_assert_eq(y->q_fused_bias != NULL, y->k.mode == KV_LR_FUSED_QUERY);
@@ -377,8 +377,8 @@ static void check_filled(struct kv_lowrank *lr, enum kv_arch arch) {
     cr_assert_eq(kvrt_synth_model_for(lr, &m, &err), KV_OK, "%s", fmt_err(&err));
     const struct kv_config *c = kv_model_config(m);
     cr_assert_eq(c->arch, arch);
-    cr_assert(c->n_layers == lr->n_layers && c->dim == lr->dim && c->n_heads == lr->n_heads &&
-              c->n_kv_heads == lr->n_kv_heads && c->head_dim == lr->head_dim);
+    cr_assert(c->n_layers == lr->info.n_layers && c->dim == lr->info.dim && c->n_heads == lr->info.n_heads &&
+              c->n_kv_heads == lr->info.n_kv_heads && c->head_dim == lr->info.head_dim);
     assert_runs(m, lr, "manifest with random factors");
 
     struct kvrt_opts o;
@@ -386,7 +386,7 @@ static void check_filled(struct kv_lowrank *lr, enum kv_arch arch) {
     o.max_ctx = 40;
     struct kvrt *rt;
     cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s", fmt_err(&err));
-    for (int64_t l = 0; l < lr->n_layers; l++) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
         double us, ua;
         cr_assert_eq(kvrt_fill(rt, l, 39, 1, &err), KV_OK, "%s", fmt_err(&err));
         cr_assert_eq(kvrt_time_step(rt, l, 39, 1, &us, &ua, &err), KV_OK, "%s", fmt_err(&err));

@@ -82,10 +82,10 @@ Test(collect_cli, kill_9_after_a_checkpoint_then_resume_is_bitwise_identical, .t
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(ck, &s, &err), KV_OK, "checkpoint unreadable: %s", err.msg);
-    cr_assert(s->next_window > 0 && s->next_window < s->plan_windows,
-              "expected a checkpoint, got %lld of %lld windows", (long long)s->next_window,
-              (long long)s->plan_windows);
-    cr_assert_eq(s->next_window % 40, 0);
+    cr_assert(s->info.next_window > 0 && s->info.next_window < s->info.plan_windows,
+              "expected a checkpoint, got %lld of %lld windows", (long long)s->info.next_window,
+              (long long)s->info.plan_windows);
+    cr_assert_eq(s->info.next_window % 40, 0);
     kv_stats_free(s);
     cr_assert_not(same_file(ref, ck));
 
@@ -174,10 +174,10 @@ Test(collect_cli, merge_shards_and_refuse_mismatches) {
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(ab, &x, &err), KV_OK, "%s", err.msg);
     cr_assert_eq(kv_stats_open(all, &y, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(x->tokens, y->tokens);
-    cr_assert_eq(x->windows, 24);
-    int64_t d = x->dim;
-    for (int64_t l = 0; l < x->n_layers; l++)
+    cr_assert_eq(x->info.tokens, y->info.tokens);
+    cr_assert_eq(x->info.windows, 24);
+    int64_t d = x->info.dim;
+    for (int64_t l = 0; l < x->info.n_layers; l++)
         kvt_assert_close_f64(x->layers[l].xtx, y->layers[l].xtx, d * d, 0, 1e-12, "merged xtx");
     kv_stats_free(x), kv_stats_free(y);
 
@@ -224,9 +224,9 @@ Test(collect_cli, damaged_stats_name_file_tensor_and_offset) {
     struct kv_stats *ref;
     kv_stats_open(good, &ref, &err);
     /* last tensor (blk.4.k_rope.cov) ends at the last 8-byte double before padding */
-    int64_t per_layer = 8 * (ref->dim * ref->dim + ref->dim +
-                             (ref->n_heads + ref->n_kv_heads) * ref->head_dim * ref->head_dim);
-    int64_t krope = 8 * ref->n_kv_heads * ref->head_dim * ref->head_dim;
+    int64_t per_layer = 8 * (ref->info.dim * ref->info.dim + ref->info.dim +
+                             (ref->info.n_heads + ref->info.n_kv_heads) * ref->info.head_dim * ref->info.head_dim);
+    int64_t krope = 8 * ref->info.n_kv_heads * ref->info.head_dim * ref->info.head_dim;
     kv_stats_free(ref);
     /* data ends at len (the writer pads to 32; every size here is a multiple of 32) */
     uint64_t last_start = len - (uint64_t)krope;
@@ -316,7 +316,7 @@ Test(collect_cli, refuses_to_overwrite_inputs_checkpoints_or_merge_a_shard_twice
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(out, &s, &err), KV_OK, "%s", err.msg);
-    s->plan_windows = 16;
+    s->info.plan_windows = 16;
     cr_assert_eq(kv_stats_write(s, out, &err), KV_OK, "%s", err.msg);
     kv_stats_free(s);
     snprintf(want, sizeof want,
@@ -352,9 +352,9 @@ Test(collect_cli, fisher_twice_is_bitwise_identical_and_inspect_shows_it, .timeo
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(a, &s, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(s->has_fisher, 1);
+    cr_assert_eq(s->info.has_fisher, 1);
     double fk = 0;
-    for (int64_t r = 0; r < s->n_kv_heads * s->head_dim; r++) fk += s->layers[0].fisher_k[r];
+    for (int64_t r = 0; r < s->info.n_kv_heads * s->info.head_dim; r++) fk += s->layers[0].fisher_k[r];
     cr_assert_gt(fk, 0, "layer 0 fisher.k sums to %g", fk);
     kv_stats_free(s);
 
@@ -381,8 +381,8 @@ Test(collect_cli, fisher_twice_is_bitwise_identical_and_inspect_shows_it, .timeo
                         "statistics\n"), "%s", o);
     free(o), free(e);
     cr_assert_eq(kv_stats_open(ac, &s, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(s->has_fisher, 1);
-    cr_assert_eq(s->windows, 32);
+    cr_assert_eq(s->info.has_fisher, 1);
+    cr_assert_eq(s->info.windows, 32);
     kv_stats_free(s);
     unlink(a), unlink(b), unlink(c), unlink(ac), rmdir(dir);
     free(a), free(b), free(c), free(ac), free(dir);
@@ -530,7 +530,7 @@ Test(collect_check, start_fresh_or_from_the_checkpoint, .timeout = 120) {
     struct kv_stats *s;
     /* --resume without a file starts fresh */
     cr_assert_eq(kv_collect_start(m, 1, &o, &s, &err), KV_OK, "%s", err.msg);
-    cr_assert(!o.resume && o.resumed_from == -1 && s->windows == 0 && s->n_inputs == 0);
+    cr_assert(!o.resume && o.resumed_from == -1 && s->info.windows == 0 && s->info.n_inputs == 0);
     /* stopped after 3 of 8 windows: a checkpoint */
     cr_assert_eq(kv_collect_run(m, c, s, &o, &err), KV_EINVAL);
     cr_assert_eq(o.run_windows, 3);
@@ -544,13 +544,13 @@ Test(collect_check, start_fresh_or_from_the_checkpoint, .timeout = 120) {
                  "%s", err.msg);
     /* without resume a run would start over; with it, it continues at 3 */
     cr_assert_eq(kv_collect_start(m, 0, &o, &s, &err), KV_OK, "%s", err.msg);
-    cr_assert(!o.resume && o.resumed_from == -1 && s->plan_windows == 0);
+    cr_assert(!o.resume && o.resumed_from == -1 && s->info.plan_windows == 0);
     kv_stats_free(s);
     cr_assert_eq(kv_collect_start(m, 1, &o, &s, &err), KV_OK, "%s", err.msg);
-    cr_assert(o.resume && o.resumed_from == 3 && s->next_window == 3 && s->plan_windows == 8);
+    cr_assert(o.resume && o.resumed_from == 3 && s->info.next_window == 3 && s->info.plan_windows == 8);
     o.progress = NULL;
     cr_assert_eq(kv_collect_run(m, c, s, &o, &err), KV_OK, "%s", err.msg);
-    cr_assert(o.run_windows == 5 && s->windows == 8);
+    cr_assert(o.run_windows == 5 && s->info.windows == 8);
     kv_stats_free(s);
     kv_calib_free(c);
     unlink(out), unlink(txt), rmdir(dir);

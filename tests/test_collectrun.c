@@ -88,12 +88,12 @@ Test(collect, first_64_windows_equal_independent_naive_sums, .timeout = 300) {
     struct kv_stats *s;
     collect(m, paths, 1, &o, NULL, &s);
 
-    cr_assert_eq(s->tokens, 64 * 256);
-    cr_assert_eq(s->windows, 64);
-    cr_assert_eq(s->plan_windows, 64);
-    cr_assert_eq(s->next_window, 64);
-    cr_assert_str_eq(s->sampling, "sequential");
-    cr_assert_eq(s->n_inputs, 1);
+    cr_assert_eq(s->info.tokens, 64 * 256);
+    cr_assert_eq(s->info.windows, 64);
+    cr_assert_eq(s->info.plan_windows, 64);
+    cr_assert_eq(s->info.next_window, 64);
+    cr_assert_str_eq(s->info.sampling, "sequential");
+    cr_assert_eq(s->info.n_inputs, 1);
     cr_assert_eq(s->inputs[0].windows, 64);
     cr_assert_str_eq(s->inputs[0].path, text);
 
@@ -148,17 +148,17 @@ static void assert_merged_equals(struct kv_stats *acc, const struct kv_stats *b,
                                  const char *what) {
     struct kv_err err;
     kv_err_clear(&err);
-    int64_t wa = acc->windows;
+    int64_t wa = acc->info.windows;
     cr_assert_eq(kv_stats_merge(acc, b, b_path, &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(acc->windows, wa + b->windows);
-    cr_assert_eq(acc->tokens, whole->tokens, "%s: %lld tokens merged, %lld in one run", what,
-                 (long long)acc->tokens, (long long)whole->tokens);
-    cr_assert_eq(acc->windows, whole->windows, "%s: %lld windows merged, %lld in one run", what,
-                 (long long)acc->windows, (long long)whole->windows);
-    cr_assert_str_eq(acc->sampling, "merged");
-    cr_assert_eq(acc->next_window, acc->plan_windows);
-    cr_assert_eq(acc->n_inputs, whole->n_inputs);
-    for (int64_t i = 0; i < whole->n_inputs; i++) {
+    cr_assert_eq(acc->info.windows, wa + b->info.windows);
+    cr_assert_eq(acc->info.tokens, whole->info.tokens, "%s: %lld tokens merged, %lld in one run", what,
+                 (long long)acc->info.tokens, (long long)whole->info.tokens);
+    cr_assert_eq(acc->info.windows, whole->info.windows, "%s: %lld windows merged, %lld in one run", what,
+                 (long long)acc->info.windows, (long long)whole->info.windows);
+    cr_assert_str_eq(acc->info.sampling, "merged");
+    cr_assert_eq(acc->info.next_window, acc->info.plan_windows);
+    cr_assert_eq(acc->info.n_inputs, whole->info.n_inputs);
+    for (int64_t i = 0; i < whole->info.n_inputs; i++) {
         cr_assert_str_eq(acc->inputs[i].path, whole->inputs[i].path);
         cr_assert_str_eq(acc->inputs[i].sha256, whole->inputs[i].sha256);
         cr_assert_eq(acc->inputs[i].tokens, whole->inputs[i].tokens);
@@ -184,11 +184,11 @@ Test(collect, merge_of_two_inputs_equals_one_run_over_both, .timeout = 300) {
     collect(m, pab, 2, &o, oab, NULL);
 
     struct kv_stats *sa = open_stats(oa), *sb = open_stats(ob), *sab = open_stats(oab);
-    cr_assert_gt(sa->windows, 8);
-    cr_assert_gt(sb->windows, 8);
-    cr_assert_eq(sab->n_inputs, 2);
-    cr_assert_eq(sab->inputs[0].windows, sa->windows);
-    cr_assert_eq(sab->inputs[1].windows, sb->windows);
+    cr_assert_gt(sa->info.windows, 8);
+    cr_assert_gt(sb->info.windows, 8);
+    cr_assert_eq(sab->info.n_inputs, 2);
+    cr_assert_eq(sab->inputs[0].windows, sa->info.windows);
+    cr_assert_eq(sab->inputs[1].windows, sb->info.windows);
     assert_merged_equals(sa, sb, ob, sab, "merge(a, b) vs collect(a, b)");
 
     kv_stats_free(sa), kv_stats_free(sb), kv_stats_free(sab);
@@ -215,11 +215,11 @@ Test(collect, merge_of_shards_equals_unsharded_run, .timeout = 300) {
     collect(m, pa, 1, &s1, o1, NULL);
 
     struct kv_stats *x0 = open_stats(o0), *x1 = open_stats(o1), *xall = open_stats(oall);
-    cr_assert_eq(x0->shard_index, 0);
-    cr_assert_eq(x1->shard_index, 1);
-    cr_assert_eq(x1->shard_count, 2);
-    cr_assert_eq(x0->windows, (xall->windows + 1) / 2);
-    cr_assert_eq(x1->windows, xall->windows / 2);
+    cr_assert_eq(x0->info.shard_index, 0);
+    cr_assert_eq(x1->info.shard_index, 1);
+    cr_assert_eq(x1->info.shard_count, 2);
+    cr_assert_eq(x0->info.windows, (xall->info.windows + 1) / 2);
+    cr_assert_eq(x1->info.windows, xall->info.windows / 2);
     assert_merged_equals(x0, x1, o1, xall, "merge(shard 0/2, shard 1/2) vs unsharded");
 
     kv_stats_free(x0), kv_stats_free(x1), kv_stats_free(xall);
@@ -318,11 +318,11 @@ Test(collect, resume_after_interrupt_is_byte_identical, .timeout = 300) {
     kv_calib_free(c);
 
     struct kv_stats *ck = open_stats(f2);
-    cr_assert_eq(ck->next_window, 12);
-    cr_assert_eq(ck->plan_windows, 32);
-    cr_assert_eq(ck->windows, 12);
-    cr_assert_eq(ck->tokens, 12 * 256);
-    cr_assert_eq(ck->n_inputs, 1);
+    cr_assert_eq(ck->info.next_window, 12);
+    cr_assert_eq(ck->info.plan_windows, 32);
+    cr_assert_eq(ck->info.windows, 12);
+    cr_assert_eq(ck->info.tokens, 12 * 256);
+    cr_assert_eq(ck->info.n_inputs, 1);
     cr_assert_eq(ck->inputs[0].windows, 12);
     kv_stats_free(ck);
 
@@ -348,8 +348,8 @@ Test(collect, resume_after_interrupt_is_byte_identical, .timeout = 300) {
     cr_assert_eq(pl.calls, 20);
     cr_assert_eq(pl.last_done, 20);
     cr_assert_eq(pl.last_total, 20);
-    cr_assert_eq(ck->next_window, 32);
-    cr_assert_eq(ck->windows, 32);
+    cr_assert_eq(ck->info.next_window, 32);
+    cr_assert_eq(ck->info.windows, 32);
     kv_stats_free(ck);
     kv_calib_free(c);
 
@@ -375,13 +375,13 @@ Test(collect, seeded_random_draw_is_reproducible, .timeout = 300) {
     assert_same_bytes(r1, r2);
 
     struct kv_stats *a = open_stats(r1), *b = open_stats(r3);
-    cr_assert_str_eq(a->sampling, "random");
-    cr_assert_eq(a->seed, 7);
-    cr_assert_eq(a->samples, 16);
-    cr_assert_eq(a->windows, 16);
-    cr_assert_eq(b->seed, 8);
-    cr_assert_eq(b->windows, 16);
-    double e = rel_frob(b->layers[0].xtx, a->layers[0].xtx, a->dim * a->dim);
+    cr_assert_str_eq(a->info.sampling, "random");
+    cr_assert_eq(a->info.seed, 7);
+    cr_assert_eq(a->info.samples, 16);
+    cr_assert_eq(a->info.windows, 16);
+    cr_assert_eq(b->info.seed, 8);
+    cr_assert_eq(b->info.windows, 16);
+    double e = rel_frob(b->layers[0].xtx, a->layers[0].xtx, a->info.dim * a->info.dim);
     cr_assert_gt(e, 1e-6, "seeds 7 and 8 gave the same layer 0 xtx (relative difference %.3g)", e);
     kv_stats_free(a), kv_stats_free(b);
 
@@ -416,7 +416,7 @@ Test(collect, fisher_resume_after_interrupt_is_byte_identical, .timeout = 300) {
         kv_err_clear(&err);
         int rc = kv_collect_run(m, c, s, &co, &err);
         cr_assert_eq(rc, run == 1 ? KV_EINVAL : KV_OK, "run %d: %d (%s)", run, rc, fmt_err(&err));
-        cr_assert_eq(s->has_fisher, 1);
+        cr_assert_eq(s->info.has_fisher, 1);
         if (run != 1) cr_assert(co.loss > 0 && isfinite(co.loss), "run %d: mean loss %g", run, co.loss);
         kv_stats_free(s);
         kv_calib_free(c);
@@ -424,7 +424,7 @@ Test(collect, fisher_resume_after_interrupt_is_byte_identical, .timeout = 300) {
             /* the checkpoint refuses a resume without --fisher, and a fisher-less one with it */
             c = calib_open(paths, 1, m, &o);
             s = open_stats(f2);
-            cr_assert_eq(s->has_fisher, 1);
+            cr_assert_eq(s->info.has_fisher, 1);
             co = (struct kv_collect_opts){.out_path = f2, .data = &o, .resume = 1};
             kv_err_clear(&err);
             cr_assert_eq(kv_collect_run(m, c, s, &co, &err), KV_EINVAL);
@@ -437,7 +437,7 @@ Test(collect, fisher_resume_after_interrupt_is_byte_identical, .timeout = 300) {
     }
     assert_same_bytes(f1, f2);
     struct kv_stats *s = open_stats(f1);
-    cr_assert_eq(s->windows, 10);
+    cr_assert_eq(s->info.windows, 10);
     kv_stats_free(s);
     unlink(f1), unlink(f2), rmdir(dir);
     free(f1), free(f2), free(dir), free(text);

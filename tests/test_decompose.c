@@ -343,7 +343,7 @@ Test(decompose_outputs, summaries_match_the_factors, .timeout = 120) {
         cr_assert_eq(kv_decompose(sh.m, s, &o, &lr, &err), KV_OK, "%s: %s", what, fmt_err(&err));
         double e[2] = {0, 0}, d[2] = {0, 0};
         int64_t odd = 0;
-        for (int64_t l = 0; l < lr->n_layers; l++)
+        for (int64_t l = 0; l < lr->info.n_layers; l++)
             for (int side = 0; side < 2; side++) {
                 const struct kv_lr_side *sd = side_of(lr, l, side);
                 for (int64_t u = 0; u < sd->n_units; u++) {

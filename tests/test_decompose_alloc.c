@@ -26,7 +26,7 @@ static void alloc_env_free(struct alloc_env *e) {
 /* Ranks of every unit in slot order (layer, K units, V units). */
 static int64_t unit_ranks(const struct kv_lowrank *lr, int64_t *out) {
     int64_t n = 0;
-    for (int64_t l = 0; l < lr->n_layers; l++)
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
         for (int side = 0; side < 2; side++) {
             const struct kv_lr_side *sd = side_of(lr, l, side);
             for (int64_t u = 0; u < sd->n_units; u++) out[n++] = sd->units[u].rank;
@@ -285,13 +285,13 @@ Test(decompose_alloc, fisher_gives_larger_scores_larger_ranks, .timeout = 120) {
 static void set_fisher_rows(struct kv_stats *s) {
     struct kv_err err;
     kv_err_clear(&err);
-    int64_t windows = s->windows;
-    s->windows = 0; /* the library adds fisher sums only before the first window */
+    int64_t windows = s->info.windows;
+    s->info.windows = 0; /* the library adds fisher sums only before the first window */
     cr_assert_eq(kv_stats_add_fisher(s, &err), KV_OK, "%s", fmt_err(&err));
-    s->windows = windows;
-    int64_t dh = s->head_dim;
-    for (int64_t l = 0; l < s->n_layers; l++)
-        for (int64_t r = 0; r < s->n_kv_heads * dh; r++) {
+    s->info.windows = windows;
+    int64_t dh = s->info.head_dim;
+    for (int64_t l = 0; l < s->info.n_layers; l++)
+        for (int64_t r = 0; r < s->info.n_kv_heads * dh; r++) {
             double head = (double)(1 + (l * 5 + r / dh * 3) % 7);
             s->layers[l].fisher_k[r] = head * head * head * (1.0 + 0.01 * (double)(r % dh));
             s->layers[l].fisher_v[r] = head * (1.0 + 0.02 * (double)(r % dh));
@@ -302,7 +302,7 @@ static void set_fisher_rows(struct kv_stats *s) {
 static double fisher_rows(const struct kv_stats *s, int64_t l, int side, int64_t h0, int64_t nh) {
     const double *f = side ? s->layers[l].fisher_v : s->layers[l].fisher_k;
     double t = 0;
-    for (int64_t r = h0 * s->head_dim; r < (h0 + nh) * s->head_dim; r++) t += f[r];
+    for (int64_t r = h0 * s->info.head_dim; r < (h0 + nh) * s->info.head_dim; r++) t += f[r];
     return t;
 }
 
@@ -554,7 +554,7 @@ Test(decompose_alloc, rank_multiple_and_min_rank_hold_for_every_allocation, .tim
                      (long long)cases[ci].group, (long long)rules[ri].mult, (long long)rules[ri].min_rank);
             struct kv_lowrank *lr = decompose_ok(sh.m, s, o, what);
             int64_t reduced = 0;
-            for (int64_t l = 0; l < lr->n_layers; l++)
+            for (int64_t l = 0; l < lr->info.n_layers; l++)
                 for (int side = 0; side < 2; side++) {
                     const struct kv_lr_side *sd = side_of(lr, l, side);
                     for (int64_t u = 0; u < sd->n_units; u++) {
@@ -682,7 +682,7 @@ Test(decompose_alloc, hadamard_changes_the_factors_not_the_ppl, .timeout = 120) 
         struct kv_lowrank *plain = decompose_ok(e.sh.m, e.s, o, "plain");
         o.hadamard = 1;
         struct kv_lowrank *had = decompose_ok(e.sh.m, e.s, o, "hadamard");
-        cr_assert_eq(had->hadamard, 1);
+        cr_assert_eq(had->info.hadamard, 1);
         const char *nm = kv_method_name(methods[mi]);
         int64_t differ = 0;
         for (int64_t l = 0; l < c->n_layers; l++)

@@ -145,7 +145,7 @@ Test(decompose_records, options_are_what_kvcal_decompose_wrote, .timeout = 120) 
 Test(decompose_records, stats_are_what_kvcal_decompose_wrote, .timeout = 120) {
     struct shared sh = open_shared(1);
     struct kv_stats *s = collect(sh.m, sh.tok, SEQ, CAL_WINDOWS);
-    cr_assert_str_eq(s->fingerprint, "49a6d8998ba1bff65c7df92b43d0d56ae417162bd7ad7760f95c3b6b32108087");
+    cr_assert_str_eq(s->info.fingerprint, "49a6d8998ba1bff65c7df92b43d0d56ae417162bd7ad7760f95c3b6b32108087");
     static const struct {
         const char *path;
         int64_t tokens, windows, seq_len;
@@ -174,8 +174,8 @@ Test(decompose_records, stats_are_what_kvcal_decompose_wrote, .timeout = 120) {
     cr_assert_eq(kv_decompose(sh.m, s, &o, &lr, &err), KV_OK, "%s", fmt_err(&err));
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         /* the record reads only these fields of the statistics */
-        s->tokens = rows[i].tokens, s->windows = rows[i].windows, s->seq_len = rows[i].seq_len;
-        s->has_fisher = rows[i].fisher;
+        s->info.tokens = rows[i].tokens, s->info.windows = rows[i].windows, s->info.seq_len = rows[i].seq_len;
+        s->info.has_fisher = rows[i].fisher;
         o.stats_path = rows[i].path;
         char *opts_txt = NULL, *stats_txt = NULL;
         cr_assert_eq(kv_decompose_records(&o, s, &opts_txt, &stats_txt, &err), KV_OK, "%s", fmt_err(&err));
@@ -197,7 +197,7 @@ Test(decompose_records, stats_are_what_kvcal_decompose_wrote, .timeout = 120) {
     cr_assert_eq(kv_decompose_records(&o, s, &opts_txt, NULL, &err), KV_OK);
     cr_assert(strstr(opts_txt, "\"method\":\"svd\""), "%s", opts_txt);
     free(opts_txt);
-    s->has_fisher = 0;
+    s->info.has_fisher = 0;
     kv_lr_free(lr);
     kv_stats_free(s);
     shared_free(&sh);

@@ -84,7 +84,7 @@ static void check_bytes(const char *src, const char *dst, const struct kv_tensor
 static void roundtrip_file(const char *src, const char *ext, const int *k_mode, unsigned v_full) {
     struct kv_model *m = open_ok(src);
     struct kv_lowrank *lr = make_lr(m, k_mode, v_full, 0, 7);
-    kv_model_fingerprint(m, lr->model_fingerprint, NULL);
+    kv_model_fingerprint(m, lr->info.model_fingerprint, NULL);
     char *dir = kvt_temp_dir();
     char name[32];
     snprintf(name, sizeof name, "out%s", ext);

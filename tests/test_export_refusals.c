@@ -170,13 +170,13 @@ Test(export_dense, mismatched_factors_or_model_are_refused) {
     char *dir = kvt_temp_dir();
     char *out = kvt_path(dir, "out.bin");
 
-    lr->head_dim++;
+    lr->info.head_dim++;
     export_fails(m, s, lr, out, KV_EINVAL, "factors are for 5 layers, dim 64, 8 heads (4 kv) of 9, but the model has", NULL, NULL);
-    lr->head_dim--;
+    lr->info.head_dim--;
 
-    memset(lr->model_fingerprint, 'a', 64);
+    memset(lr->info.model_fingerprint, 'a', 64);
     export_fails(m, s, lr, out, KV_EINVAL, "fingerprint", NULL, NULL);
-    lr->model_fingerprint[0] = 0;
+    lr->info.model_fingerprint[0] = 0;
 
     /* a head in two units, a head in none */
     struct kv_lr_unit *u0 = &lr->layers[1].k.units[0];
@@ -263,7 +263,7 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
     struct kv_model *m = open_ok(s);
     int k_mode[5] = {K_LATENT, K_FULL, K_LATENT, K_LATENT, K_LATENT};
     struct kv_lowrank *lr = make_lr(m, k_mode, 1u << 3, 0, 17);
-    kv_model_fingerprint(m, lr->model_fingerprint, NULL);
+    kv_model_fingerprint(m, lr->info.model_fingerprint, NULL);
     char *dir = kvt_temp_dir();
     char *lrdir = write_lr_dir(m, s, lr, dir, "lr");
     char *out = kvt_path(dir, "dense.bin");
@@ -280,7 +280,7 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
 
     int k2[5] = {K_LATENT, K_LATENT, K_POSTROPE, K_LATENT, K_LATENT};
     lr = make_lr(m, k2, 0, 0, 19);
-    kv_model_fingerprint(m, lr->model_fingerprint, NULL);
+    kv_model_fingerprint(m, lr->info.model_fingerprint, NULL);
     char *rotdir = write_lr_dir(m, s, lr, dir, "rot");
     char *out2 = kvt_path(dir, "rot.bin");
     snprintf(args, sizeof args, "export --dense %s --model %s -o %s", rotdir, s, out2);

@@ -388,9 +388,9 @@ static struct kv_lowrank *fused_gpt2(const struct kv_model *m, int64_t span, int
     int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, mw = span * dh, nu = h / span;
     uint64_t seed = 12345;
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
-    strcpy(lr->method, "test"), strcpy(lr->alloc, "test");
-    lr->n_layers = c->n_layers, lr->dim = d, lr->n_heads = h, lr->n_kv_heads = c->n_kv_heads;
-    lr->head_dim = dh, lr->kv_bits = 16;
+    strcpy(lr->info.method, "test"), strcpy(lr->info.alloc, "test");
+    lr->info.n_layers = c->n_layers, lr->info.dim = d, lr->info.n_heads = h, lr->info.n_kv_heads = c->n_kv_heads;
+    lr->info.head_dim = dh, lr->info.kv_bits = 16;
     lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers);
     for (int64_t l = 0; l < c->n_layers; l++) {
         struct kv_lr_layer *Y = &lr->layers[l];
@@ -456,7 +456,7 @@ static struct kv_lowrank *fused_gpt2(const struct kv_model *m, int64_t span, int
 }
 
 static void set_key_mode(struct kv_lowrank *lr, enum kv_lr_mode mode) {
-    for (int64_t l = 0; l < lr->n_layers; l++) lr->layers[l].k.mode = mode;
+    for (int64_t l = 0; l < lr->info.n_layers; l++) lr->layers[l].k.mode = mode;
 }
 
 Test(forward, gpt2_full_rank_fused_query_and_output_equal_the_base) {

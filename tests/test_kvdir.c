@@ -34,7 +34,7 @@ static void round_trip(struct kv_config cfg, int kv_bits, int hadamard) {
     kv_err_clear(&err);
     cr_assert_eq(kv_lr_dir_open(dir, m, &back, &err), KV_OK, "%s", fmt_err(&err));
     assert_lr_eq(lr, back, 1);
-    cr_assert_eq(kv_lr_bytes(back, back->kv_bits), kv_lr_bytes(lr, lr->kv_bits));
+    cr_assert_eq(kv_lr_bytes(back, back->info.kv_bits), kv_lr_bytes(lr, lr->info.kv_bits));
 
     /* the manifest alone: same shapes, no factors */
     struct kv_lowrank *mf = NULL;
@@ -329,7 +329,7 @@ Test(kvdir_write, replaces_an_empty_directory_and_an_earlier_output) {
     char *stale = kvt_path(dir, "stale.bin");
     FILE *f = fopen(stale, "w");
     fclose(f);
-    snprintf(lr->method, sizeof lr->method, "eigen");
+    snprintf(lr->info.method, sizeof lr->info.method, "eigen");
     char *slash = malloc(strlen(dir) + 2);
     sprintf(slash, "%s/", dir); /* a trailing slash names the same directory */
     write_dir(m, lr, slash);
@@ -369,10 +369,10 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
         case 0: k0->units[1].head0 = 1; break;
         case 1: k0->units[1].head0 = 3, k0->units[1].n_heads = 1; break;
         case 2: lr->layers[1].k.units[2].rank = 0; break;
-        case 3: lr->model_fingerprint[0] = lr->model_fingerprint[0] == '0' ? '1' : '0'; break;
+        case 3: lr->info.model_fingerprint[0] = lr->info.model_fingerprint[0] == '0' ? '1' : '0'; break;
         case 4: lr->layers[0].o_cols--; break;
         case 5: free(k0->units[1].down_bias), k0->units[1].down_bias = NULL; break;
-        case 6: lr->kv_bits = 5; break;
+        case 6: lr->info.kv_bits = 5; break;
         }
         kv_err_clear(&err);
         cr_assert_eq(kv_lr_dir_write(m, lr, NULL, dir, &err), KV_EINVAL, "%s: %s", rows[i].what,
@@ -409,7 +409,7 @@ Test(kvdir_write, refuses_factors_that_do_not_describe_the_model) {
             struct kv_config lc = gpt2_cfg();
             lc.arch = KV_ARCH_LLAMA, lc.rope_theta = 10000.0f;
             target = llama = model_of(lc, 1);
-            cr_assert_eq(kv_model_fingerprint(llama, lr->model_fingerprint, &err), KV_OK);
+            cr_assert_eq(kv_model_fingerprint(llama, lr->info.model_fingerprint, &err), KV_OK);
             break;
         }
         }
@@ -506,7 +506,7 @@ Test(kvdir_open, refuses_another_model) {
     cr_assert_str_eq(err.path, f.mpath);
     char want[128];
     snprintf(want, sizeof want, "made from model %.12s, but the given model is ",
-             f.lr->model_fingerprint);
+             f.lr->info.model_fingerprint);
     cr_assert(strstr(err.msg, want), "'%s' lacks '%s'", err.msg, want);
     kv_model_close(other);
 
@@ -560,9 +560,9 @@ Test(kvdir_open, reads_f16_and_bf16_factors) {
     cr_assert_eq(kv_lr_dir_open(f.dir, f.m, &lr, &err), KV_OK, "%s", fmt_err(&err));
     /* rounding to 8 (bf16) and 11 (f16) significant bits; values are in [-1, 1) */
     const struct kv_lr_unit *a = &lr->layers[0].k.units[0], *b = &f.lr->layers[0].k.units[0];
-    int64_t n = a->n_heads * f.lr->head_dim * a->rank;
+    int64_t n = a->n_heads * f.lr->info.head_dim * a->rank;
     kvt_assert_close_f32(a->up, b->up, n, 0, 0x1.0p-8, "bf16 up");
-    n = f.lr->dim * lr->layers[2].o_cols;
+    n = f.lr->info.dim * lr->layers[2].o_cols;
     kvt_assert_close_f32(lr->layers[2].o_fused, f.lr->layers[2].o_fused, n, 0x1.0p-25, 0x1.0p-11,
                          "f16 o_fused");
     kv_lr_free(lr);
@@ -579,10 +579,10 @@ Test(kvdir_hf, all_full_output_is_the_same_hf_checkpoint) {
     cr_assert_eq(kv_model_open(src, NULL, &m, &err), KV_OK, "%s", fmt_err(&err));
     const struct kv_config *c = kv_model_config(m);
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
-    snprintf(lr->method, sizeof lr->method, "none");
-    snprintf(lr->alloc, sizeof lr->alloc, "none");
-    lr->n_layers = c->n_layers, lr->dim = c->dim, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = c->head_dim, lr->kv_bits = 16;
+    snprintf(lr->info.method, sizeof lr->info.method, "none");
+    snprintf(lr->info.alloc, sizeof lr->info.alloc, "none");
+    lr->info.n_layers = c->n_layers, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = c->head_dim, lr->info.kv_bits = 16;
     lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers);
     char *parent, *dir = out_dir(&parent);
     struct kv_lr_dir_info info = {src, NULL, NULL, NULL};

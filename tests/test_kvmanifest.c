@@ -74,7 +74,7 @@ static void check_manifest(struct kv_config cfg, int bits) {
         if (i < sizeof mkeys / sizeof mkeys[0]) cr_assert_str_eq(k, mkeys[i], "model key %zu", i);
         i++;
     }
-    cr_assert_str_eq(jstr(mo, "fingerprint"), lr->model_fingerprint);
+    cr_assert_str_eq(jstr(mo, "fingerprint"), lr->info.model_fingerprint);
     cr_assert_str_eq(jstr(mo, "source"), "models/base");
     cr_assert_str_eq(jstr(mo, "format"), "synthetic");
     cr_assert_str_eq(jstr(mo, "arch"), gpt2 ? "gpt2" : "llama");

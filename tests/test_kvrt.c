@@ -368,10 +368,10 @@ Test(kvrt_errors, messages) {
     o.max_ctx = 8;
     struct kvrt *rt;
     struct kv_err err = {0};
-    lr->kv_bits = 4;
+    lr->info.kv_bits = 4;
     cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED);
     cr_assert_str_eq(err.msg, "the runtime caches fp16 or fp32 latents; this compressed model quantizes them to 4 bits");
-    lr->kv_bits = 16;
+    lr->info.kv_bits = 16;
     o.max_ctx = 0;
     cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "context length 0 is outside 1..1048576");

@@ -33,8 +33,8 @@ Test(kvstats_write, round_trips_every_field_and_tensor_bit_for_bit) {
     struct kv_config c = small_cfg();
     struct kv_stats *s = make_stats(&c, 1.0);
     /* a checkpoint, and values at the edges of float64 */
-    s->plan_windows = 10;
-    s->next_window = 7;
+    s->info.plan_windows = 10;
+    s->info.next_window = 7;
     double *sum = s->layers[1].xsum;
     sum[0] = -0.0, sum[1] = DBL_TRUE_MIN, sum[2] = DBL_MAX, sum[3] = -DBL_MIN, sum[4] = -DBL_MAX;
     char *dir = kvt_temp_dir();
@@ -46,8 +46,8 @@ Test(kvstats_write, round_trips_every_field_and_tensor_bit_for_bit) {
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(path, &r, &err), KV_OK, "%s", fmt_err(&err));
     assert_stats_eq(s, r);
-    cr_assert_str_eq(r->version, KVCAL_VERSION);
-    cr_assert_eq(r->n_inputs, 2);
+    cr_assert_str_eq(r->info.version, KVCAL_VERSION);
+    cr_assert_eq(r->info.n_inputs, 2);
     cr_assert(signbit(r->layers[1].xsum[0]), "-0.0 keeps its sign");
 
     /* the byte parser agrees with open */
@@ -94,7 +94,7 @@ Test(kvstats_write, round_trips_fisher_statistics_and_matches_an_independent_wri
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(path, &r, &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(r->has_fisher, 1);
+    cr_assert_eq(r->info.has_fisher, 1);
     assert_stats_eq(s, r);
     kv_stats_free(r);
 
@@ -114,23 +114,23 @@ Test(kvstats_write, round_trips_fisher_statistics_and_matches_an_independent_wri
 Test(kvstats_write, a_file_without_fisher_reads_as_none) {
     struct kv_config c = small_cfg();
     struct kv_stats *s = make_stats(&c, 1.0);
-    cr_assert_eq(s->has_fisher, 0);
+    cr_assert_eq(s->info.has_fisher, 0);
     char *dir = kvt_temp_dir();
     char *path = write_stats(s, dir, "old.kvstats");
     struct kv_stats *r = NULL;
     struct kv_err err;
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_open(path, &r, &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(r->has_fisher, 0);
+    cr_assert_eq(r->info.has_fisher, 0);
     cr_assert_eq(kv_stats_layer_tensors(r), 4);
-    for (int64_t l = 0; l < r->n_layers; l++)
+    for (int64_t l = 0; l < r->info.n_layers; l++)
         cr_assert(!r->layers[l].fisher_k && !r->layers[l].fisher_v && !r->layers[l].grad_k_cov &&
                   !r->layers[l].grad_v_cov, "layer %lld has fisher pointers", (long long)l);
     /* its 7 windows have no fisher sums, and none can be added after them */
     cr_assert_eq(kv_stats_add_fisher(r, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "statistics of 7 windows have no fisher sums to extend; fisher sums "
                               "start with the first window");
-    cr_assert_eq(r->has_fisher, 0);
+    cr_assert_eq(r->info.has_fisher, 0);
     cr_assert_null(r->layers[0].fisher_k);
     kv_stats_free(r), kv_stats_free(s);
 

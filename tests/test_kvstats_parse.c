@@ -247,7 +247,7 @@ static void m_dataset_sha(struct fx *f, struct want *w) {
 /* files from the independent writer */
 static void m_shape(struct fx *f, struct want *w) {
     struct hspec h = hspec_default();
-    h.xtx_cols = f->s->dim - 1;
+    h.xtx_cols = f->s->info.dim - 1;
     fx_hand(f, &h);
     w->off = fx_tensor(f, "blk.0.attn_in.xtx")->info_off;
 }
@@ -599,10 +599,10 @@ Test(kvstats_parse, matches_model_checks_shape_and_fingerprint) {
     char fp[65];
     cr_assert_eq(kv_model_fingerprint(m, fp, &err), KV_OK, "%s", fmt_err(&err));
     struct kv_stats *s = make_stats(&c, 1.0);
-    snprintf(s->fingerprint, sizeof s->fingerprint, "%s", fp);
+    snprintf(s->info.fingerprint, sizeof s->info.fingerprint, "%s", fp);
     cr_assert_eq(kv_stats_matches_model(s, m, "s.kvstats", &err), 1, "%s", fmt_err(&err));
 
-    s->fingerprint[0] = s->fingerprint[0] == '0' ? '1' : '0';
+    s->info.fingerprint[0] = s->info.fingerprint[0] == '0' ? '1' : '0';
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_matches_model(s, m, "s.kvstats", &err), 0);
     cr_assert_eq(err.code, KV_EINVAL);
@@ -613,7 +613,7 @@ Test(kvstats_parse, matches_model_checks_shape_and_fingerprint) {
     struct kv_config c2 = c;
     c2.n_layers = 1;
     s = make_stats(&c2, 1.0);
-    snprintf(s->fingerprint, sizeof s->fingerprint, "%s", fp);
+    snprintf(s->info.fingerprint, sizeof s->info.fingerprint, "%s", fp);
     kv_err_clear(&err);
     cr_assert_eq(kv_stats_matches_model(s, m, "s.kvstats", &err), 0);
     cr_assert_eq(err.code, KV_EINVAL);

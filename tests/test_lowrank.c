@@ -516,10 +516,10 @@ static struct kv_lowrank *random_fused_gpt2(const struct kv_config *c, struct rn
     int64_t d = c->dim, dh = c->head_dim;
     struct kv_lowrank *lr = calloc(1, sizeof *lr);
     cr_assert(lr);
-    snprintf(lr->method, sizeof lr->method, "test");
-    snprintf(lr->alloc, sizeof lr->alloc, "test");
-    lr->n_layers = c->n_layers, lr->dim = d, lr->n_heads = c->n_heads;
-    lr->n_kv_heads = c->n_kv_heads, lr->head_dim = dh, lr->kv_bits = 16;
+    snprintf(lr->info.method, sizeof lr->info.method, "test");
+    snprintf(lr->info.alloc, sizeof lr->info.alloc, "test");
+    lr->info.n_layers = c->n_layers, lr->info.dim = d, lr->info.n_heads = c->n_heads;
+    lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = dh, lr->info.kv_bits = 16;
     lr->layers = calloc((size_t)c->n_layers, sizeof *lr->layers);
     for (int64_t l = 0; l < c->n_layers; l++) {
         struct kv_lr_layer *y = &lr->layers[l];
@@ -593,7 +593,7 @@ Test(lr_hadamard, fused_query_and_output_logits_are_unchanged) {
     memcpy(q_plain, lr->layers[0].q_fused, (size_t)q0 * sizeof *q_plain);
 
     cr_assert_eq(kv_lr_fuse_hadamard(lr, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(lr->hadamard, 1);
+    cr_assert_eq(lr->info.hadamard, 1);
     cr_assert_eq(kv_lr_fuse_hadamard(lr, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "a hadamard rotation is already fused in");
     /* H of ranks 8, 6, 12 has blocks 8, 2, 4: the query rows really moved */

@@ -25,15 +25,15 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
     kv_err_clear(&err);
     /* b: b.txt again (same path and sha: windows add), a new c.txt, and a.txt
      * with other contents (another sha: a new input) */
-    for (int64_t i = 0; i < b->n_inputs; i++) free(b->inputs[i].path);
-    b->n_inputs = 0;
+    for (int64_t i = 0; i < b->info.n_inputs; i++) free(b->inputs[i].path);
+    b->info.n_inputs = 0;
     cr_assert_eq(kv_stats_add_input(b, "data/b.txt", SHA_2, 99999, 5000, 5, &err), KV_OK);
     cr_assert_eq(kv_stats_add_input(b, "data/c.txt", SHA_3, 10, 200, 2, &err), KV_OK);
     cr_assert_eq(kv_stats_add_input(b, "data/a.txt", SHA_4, 77, 88, 1, &err), KV_OK);
-    b->windows = 8;
-    b->tokens = 8 * SEQ_LEN;
-    b->plan_windows = b->next_window = 8;
-    b->shard_index = 2;
+    b->info.windows = 8;
+    b->info.tokens = 8 * SEQ_LEN;
+    b->info.plan_windows = b->info.next_window = 8;
+    b->info.shard_index = 2;
 
     cr_assert_eq(kv_stats_merge(acc, b, "b.kvstats", &err), KV_OK, "%s", fmt_err(&err));
     for (int64_t l = 0; l < c.n_layers; l++)
@@ -48,17 +48,17 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
                       "tensor '%s' is not the exact element-wise sum", name);
             free(want);
         }
-    cr_assert_eq(acc->windows, 15);
-    cr_assert_eq(acc->tokens, 15 * SEQ_LEN);
-    cr_assert_str_eq(acc->sampling, "merged");
-    cr_assert_eq(acc->plan_windows, 15);
-    cr_assert_eq(acc->next_window, 15);
-    cr_assert_eq(acc->seed, 0);
-    cr_assert_eq(acc->samples, 0);
-    cr_assert_eq(acc->shard_index, 0);
-    cr_assert_eq(acc->shard_count, 1);
-    cr_assert_str_eq(acc->fingerprint, FP_A);
-    cr_assert_eq(acc->seq_len, SEQ_LEN);
+    cr_assert_eq(acc->info.windows, 15);
+    cr_assert_eq(acc->info.tokens, 15 * SEQ_LEN);
+    cr_assert_str_eq(acc->info.sampling, "merged");
+    cr_assert_eq(acc->info.plan_windows, 15);
+    cr_assert_eq(acc->info.next_window, 15);
+    cr_assert_eq(acc->info.seed, 0);
+    cr_assert_eq(acc->info.samples, 0);
+    cr_assert_eq(acc->info.shard_index, 0);
+    cr_assert_eq(acc->info.shard_count, 1);
+    cr_assert_str_eq(acc->info.fingerprint, FP_A);
+    cr_assert_eq(acc->info.seq_len, SEQ_LEN);
     static const struct {
         const char *path, *sha;
         uint64_t bytes;
@@ -67,7 +67,7 @@ Test(kvstats_merge, adds_sums_counts_and_inputs_exactly) {
               {"data/b.txt", SHA_2, 99999, 5000, 9},
               {"data/c.txt", SHA_3, 10, 200, 2},
               {"data/a.txt", SHA_4, 77, 88, 1}};
-    cr_assert_eq(acc->n_inputs, 4);
+    cr_assert_eq(acc->info.n_inputs, 4);
     for (int i = 0; i < 4; i++) {
         cr_assert_str_eq(acc->inputs[i].path, in[i].path, "input %d", i);
         cr_assert_str_eq(acc->inputs[i].sha256, in[i].sha, "input %d", i);
@@ -92,13 +92,13 @@ Test(kvstats_merge, adds_fisher_sums_exactly) {
     struct kv_config c = small_cfg();
     struct kv_stats *acc = make_fisher_stats(&c, 1.0), *a = make_fisher_stats(&c, 1.0);
     struct kv_stats *b = make_fisher_stats(&c, -0.7);
-    b->shard_index = 2;
+    b->info.shard_index = 2;
     struct kv_err err;
     kv_err_clear(&err);
     /* b's inputs are a's (same windows again), so make room for them */
-    for (int64_t i = 0; i < b->n_inputs; i++) acc->inputs[i].tokens = b->inputs[i].tokens = 1 << 20;
+    for (int64_t i = 0; i < b->info.n_inputs; i++) acc->inputs[i].tokens = b->inputs[i].tokens = 1 << 20;
     cr_assert_eq(kv_stats_merge(acc, b, "b.kvstats", &err), KV_OK, "%s", fmt_err(&err));
-    cr_assert_eq(acc->has_fisher, 1);
+    cr_assert_eq(acc->info.has_fisher, 1);
     cr_assert_eq(kv_stats_layer_tensors(acc), 8);
     for (int64_t l = 0; l < c.n_layers; l++)
         for (int t = 0; t < 8; t++) {
@@ -119,7 +119,7 @@ Test(kvstats_merge, refuses_fisher_with_non_fisher_either_way) {
     for (int k = 0; k < 2; k++) {
         struct kv_stats *acc = k ? make_fisher_stats(&c, 1.0) : make_stats(&c, 1.0);
         struct kv_stats *b = k ? make_stats(&c, 2.0) : make_fisher_stats(&c, 2.0);
-        b->shard_index = 2;
+        b->info.shard_index = 2;
         struct kv_err err;
         kv_err_clear(&err);
         cr_assert_eq(kv_stats_merge(acc, b, "shards/b.kvstats", &err), KV_EINVAL, "%s",
@@ -129,8 +129,8 @@ Test(kvstats_merge, refuses_fisher_with_non_fisher_either_way) {
                                       "collect every shard with --fisher, or none"
                                     : "has fisher statistics and the first shard has none; "
                                       "collect every shard with --fisher, or none");
-        cr_assert_eq(acc->windows, 7, "a refusal changes nothing");
-        cr_assert_eq(acc->has_fisher, k);
+        cr_assert_eq(acc->info.windows, 7, "a refusal changes nothing");
+        cr_assert_eq(acc->info.has_fisher, k);
         kv_stats_free(acc), kv_stats_free(b);
     }
 }
@@ -140,14 +140,14 @@ typedef struct kv_stats *(*make_b_fn)(void);
 static struct kv_stats *b_other_model(void) {
     struct kv_config c = small_cfg();
     struct kv_stats *b = make_stats(&c, 2.0);
-    snprintf(b->fingerprint, sizeof b->fingerprint, "%s", FP_B);
+    snprintf(b->info.fingerprint, sizeof b->info.fingerprint, "%s", FP_B);
     return b;
 }
 static struct kv_stats *b_other_seq_len(void) {
     struct kv_config c = small_cfg();
     struct kv_stats *b = make_stats(&c, 2.0);
-    b->seq_len = 2 * SEQ_LEN;
-    b->tokens = b->windows * b->seq_len;
+    b->info.seq_len = 2 * SEQ_LEN;
+    b->info.tokens = b->info.windows * b->info.seq_len;
     return b;
 }
 static struct kv_stats *b_other_shape(void) {
@@ -158,7 +158,7 @@ static struct kv_stats *b_other_shape(void) {
 static struct kv_stats *b_checkpoint(void) {
     struct kv_config c = small_cfg();
     struct kv_stats *b = make_stats(&c, 2.0);
-    b->plan_windows = 10;
+    b->info.plan_windows = 10;
     return b;
 }
 
@@ -211,11 +211,11 @@ Test(kvstats_merge, refuses_counts_that_overflow) {
     struct kv_stats *acc = make_stats(&c, 1.0), *b = make_stats(&c, 1.0);
     for (int k = 0; k < 2; k++) {
         struct kv_stats *s = k ? b : acc;
-        for (int64_t i = 0; i < s->n_inputs; i++) free(s->inputs[i].path);
-        s->n_inputs = 0;
-        s->seq_len = 1;
-        s->windows = s->tokens = INT64_MAX / 4 * 3;
-        s->plan_windows = s->next_window = s->windows;
+        for (int64_t i = 0; i < s->info.n_inputs; i++) free(s->inputs[i].path);
+        s->info.n_inputs = 0;
+        s->info.seq_len = 1;
+        s->info.windows = s->info.tokens = INT64_MAX / 4 * 3;
+        s->info.plan_windows = s->info.next_window = s->info.windows;
     }
     /* each is a file kv_stats_open accepts */
     char *dir = kvt_temp_dir();
@@ -228,9 +228,9 @@ Test(kvstats_merge, refuses_counts_that_overflow) {
 
     kv_err_clear(&err);
     int rc = kv_stats_merge(acc, b, path, &err);
-    cr_assert_neq(rc, KV_OK, "merge wrapped the token count to %lld", (long long)acc->tokens);
+    cr_assert_neq(rc, KV_OK, "merge wrapped the token count to %lld", (long long)acc->info.tokens);
     cr_assert_str_eq(err.path, path);
-    cr_assert_eq(acc->tokens, INT64_MAX / 4 * 3, "a refusal changes nothing");
+    cr_assert_eq(acc->info.tokens, INT64_MAX / 4 * 3, "a refusal changes nothing");
     free(path);
     rm_tree(dir);
     kv_stats_free(acc), kv_stats_free(b);

@@ -140,7 +140,7 @@ static void out_cov_case(int bias) {
         for (int64_t i = 0; i < seq; i++) ids[i] = (int32_t)((w * 13 + i * 7 + 1) % cfg.vocab_size);
         cr_assert_eq(kv_accum_window(a, ids, &err), KV_OK, "%s", err.msg);
         cr_assert_eq(kv_fwd_run(f, ids, seq, 0, NULL, &err), KV_OK);
-        s->tokens += seq, s->windows++;
+        s->info.tokens += seq, s->info.windows++;
     }
     kv_accum_sync(a);
     int64_t dh = cfg.head_dim;
@@ -209,7 +209,7 @@ Test(spectrum, layer_summary_matches_its_definition) {
     for (int i = 0; i < 32; i++) ids[i] = (i * 5 + 2) % 31;
     cr_assert_eq(kv_accum_window(a, ids, &err), KV_OK);
     kv_accum_sync(a);
-    s->tokens = 32, s->windows = 1;
+    s->info.tokens = 32, s->info.windows = 1;
     struct kv_head_spectrum hs[1];
     struct kv_layer_spectrum sp = {.heads = hs};
     cr_assert_eq(kv_stats_layer_spectrum(s, m, 0, &sp, &err), KV_OK, "%s", err.msg);

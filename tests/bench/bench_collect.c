@@ -128,7 +128,7 @@ int main(void) {
         if (kv_stats_init(kv_model_config(m), &s, &err)) return die(&err);
         struct kv_collect_opts o = {.data = &co};
         if (kv_collect_run(m, cal, s, &o, &err)) return die(&err);
-        tps = (double)(s->windows * seq) / o.seconds;
+        tps = (double)(s->info.windows * seq) / o.seconds;
         if (tps > best_c) best_c = tps;
         kv_stats_free(s);
     }

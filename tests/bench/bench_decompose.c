@@ -255,13 +255,13 @@ int main(void) {
     struct kv_accum *a;
     double t0 = kv_now();
     if (kv_stats_init(&c, &s, &err)) return die(&err);
-    if (kv_model_fingerprint(m, s->fingerprint, &err)) return die(&err);
+    if (kv_model_fingerprint(m, s->info.fingerprint, &err)) return die(&err);
     if (kv_accum_init(m, s, seq, &a, &err)) return die(&err);
     for (int64_t w = 0; w < nw; w++)
         if (kv_accum_window(a, tok + w * seq, &err)) return die(&err);
     kv_accum_sync(a);
     kv_accum_free(a);
-    s->seq_len = seq, s->tokens = seq * nw, s->windows = nw;
+    s->info.seq_len = seq, s->info.tokens = seq * nw, s->info.windows = nw;
     free(tok);
     printf("synthetic llama d=2048 L=4 h=16 g=4 d_h=128 ffn=5632 vocab=32000\n");
     printf("statistics: %lld windows of %lld random tokens in %.2f s\n\n", (long long)nw,
