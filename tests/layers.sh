@@ -78,9 +78,14 @@ objs=()
 for l in $layers; do
     for c in "$l"/*.c; do objs+=("$build/obj/${c%.c}.o"); done
 done
-make -s --no-print-directory "${objs[@]}" >/dev/null || { echo "layers: make ${objs[*]} failed"; exit 1; }
+built=1
+if ! make -s --no-print-directory "${objs[@]}" >"$tmp/make" 2>&1; then
+    fail "the objects do not build: $(grep -m1 -E 'error|Error' "$tmp/make")"
+    built=0
+fi
 declare -A defined_in
 for l in $layers; do
+    ((built)) || break
     for c in "$l"/*.c; do
         o=$build/obj/${c%.c}.o
         while read -r sym; do defined_in[$sym]+=" $l"; done < <(nm -g --defined-only "$o" | awk '{print $3}')
@@ -88,6 +93,7 @@ for l in $layers; do
 done
 syms=0
 for l in $layers; do
+    ((built)) || break
     allowed=" $l ${uses[$l]} "
     for c in "$l"/*.c; do
         o=$build/obj/${c%.c}.o
