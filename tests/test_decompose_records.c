@@ -152,16 +152,16 @@ Test(decompose_records, stats_are_what_kvcal_decompose_wrote, .timeout = 120) {
         int fisher;
         const char *stats;
     } rows[] = {
-        {"/tmp/decomp-base/c-656K.kvstats", 4096, 16, 256, 0,
-         "{\"path\": \"/tmp/decomp-base/c-656K.kvstats\", \"model_fingerprint\": "
+        {"calib/c-656K.kvstats", 4096, 16, 256, 0,
+         "{\"path\": \"calib/c-656K.kvstats\", \"model_fingerprint\": "
          "\"49a6d8998ba1bff65c7df92b43d0d56ae417162bd7ad7760f95c3b6b32108087\", \"tokens\": 4096, "
          "\"windows\": 16, \"seq_len\": 256, \"fisher\": false}"},
-        {"/tmp/decomp-base/c-656K-fisher.kvstats", 1024, 8, 128, 1,
-         "{\"path\": \"/tmp/decomp-base/c-656K-fisher.kvstats\", \"model_fingerprint\": "
+        {"calib/c-656K-fisher.kvstats", 1024, 8, 128, 1,
+         "{\"path\": \"calib/c-656K-fisher.kvstats\", \"model_fingerprint\": "
          "\"49a6d8998ba1bff65c7df92b43d0d56ae417162bd7ad7760f95c3b6b32108087\", \"tokens\": 1024, "
          "\"windows\": 8, \"seq_len\": 128, \"fisher\": true}"},
-        {"/tmp/decomp-base/c-656K-\xff\xfex.kvstats", 4096, 16, 256, 0,
-         "{\"path\": \"/tmp/decomp-base/c-656K-\xef\xbf\xbd\xef\xbf\xbdx.kvstats\", "
+        {"calib/c-656K-\xff\xfex.kvstats", 4096, 16, 256, 0,
+         "{\"path\": \"calib/c-656K-\xef\xbf\xbd\xef\xbf\xbdx.kvstats\", "
          "\"model_fingerprint\": \"49a6d8998ba1bff65c7df92b43d0d56ae417162bd7ad7760f95c3b6b32108087\", "
          "\"tokens\": 4096, \"windows\": 16, \"seq_len\": 256, \"fisher\": false}"},
     };
