@@ -30,6 +30,8 @@
  *          unit's latent columns)
  *   KOWN, VOWN  1 when head j writes its unit's latent columns (the unit's
  *          first head; every head for full and postrope keys)
+ *   KU, VU the index of head j's unit on a quantized side (its column in
+ *          that side's scale/zero rows); else 0
  * lp->order lists the KV heads by descending KSRC + VW (the cache elements
  * one position costs them), ties by index.
  * Per query head i (hq[i * 2 + 0 / 1]): QOFF, the start of its query in qv
@@ -57,13 +59,16 @@ extern "C" {
 #define KVRT_TASKS_PER_SM 8
 
 enum { KVRT_HK_KCOL = 0, KVRT_HK_KSRC, KVRT_HK_KW, KVRT_HK_UPOFF, KVRT_HK_ROTOFF, KVRT_HK_VCOL,
-       KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_N };
+       KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_KU, KVRT_HK_VU, KVRT_HK_N };
 enum { KVRT_HQ_QOFF = 0, KVRT_HQ_OOFF, KVRT_HQ_N };
 
 struct kvrt_lplan {
     int kmode, vmode;               /* enum kv_lr_mode */
     int64_t qrows, krows, vrows;    /* rows of wcat per part; rows = their sum */
-    int64_t kld, vld;               /* cache row widths (floats or halves) */
+    int64_t kld, vld;               /* cache row widths (floats or halves; bytes on a quantized side) */
+    int kbits, vbits;               /* 16: the side caches f32/f16 (kvrt_plan.f16); 8, 4, 3, 2: codes */
+    int64_t kunits, vunits;         /* units of a quantized side: half2 (scale, zero) per row */
+    int64_t kbytes, vbytes;         /* logical cache bytes per position of each side */
     int64_t qw_total, o_total;      /* lengths of qv and att */
     int64_t kw_max, ksrc_max, vw_max;
     float *wcat, *bcat;             /* [rows, d], [rows] (zeros where no bias) */
@@ -94,6 +99,39 @@ struct kvrt_plan {
 #else
 #define KVRT_HD
 #endif
+
+/* Low-bit latent caches (kv_bits 8, 4, 3 or 2; lr->info.kv_bits applies to
+ * every latent side, never to a full one). Each unit's latent row z [r] is
+ * quantized per position as lib/forward.c does it (the reference):
+ *   lo, hi = min, max of z; zero = f16(lo); scale = f16((hi - zero) / qmax)
+ *   with qmax = 2^bits - 1; code_i = clamp(rint((z_i - zero) / scale), 0,
+ *   qmax) (0 when scale is 0); read back as code_i * scale + zero, the
+ *   product rounded before the sum (no fused multiply-add).
+ * A quantized side's cache row holds, per unit in unit order, the codes as
+ * a little-endian bit string (code i at bits [i*bits, (i+1)*bits) of the
+ * unit's bytes, ceil(r*bits/8) of them), each unit starting at a multiple
+ * of KVRT_QALIGN bytes (KCOL / VCOL), the row pitch (kld / vld) a multiple
+ * of 16 bytes; a second array holds per row and unit the pair (scale, zero)
+ * as two fp16 numbers (row pitch kunits / vunits pairs, the unit at KU /
+ * VU). A group of 8 codes starting at a multiple of 8 occupies exactly
+ * `bits` bytes at byte 8k*bits/8 = k*bits of the unit. */
+#define KVRT_QALIGN 8
+static inline KVRT_HD unsigned kvrt_code_get(const uint8_t *u, int bits, int64_t i) {
+    int64_t bit = i * bits;
+    unsigned w = u[bit >> 3];
+    if ((bit & 7) + bits > 8) w |= (unsigned)u[(bit >> 3) + 1] << 8;
+    return (w >> (bit & 7)) & ((1u << bits) - 1u);
+}
+/* Sets code i (the caller cleared the unit's bytes first). */
+static inline KVRT_HD void kvrt_code_put(uint8_t *u, int bits, int64_t i, unsigned q) {
+    int64_t bit = i * bits;
+    unsigned w = q << (bit & 7);
+    u[bit >> 3] |= (uint8_t)(w & 0xffu);
+    if ((bit & 7) + bits > 8) u[(bit >> 3) + 1] |= (uint8_t)(w >> 8);
+}
+static inline KVRT_HD int64_t kvrt_code_bytes(int64_t rank, int bits) {
+    return (rank * bits + 7) / 8;
+}
 
 /* Parts each query-key dot product of a tile is split into: with fewer
  * than KVRT_NT (query head, position) pairs in a tile, the kernel gives
@@ -170,6 +208,25 @@ static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
     return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
 }
 
+/* A kvrt_fill of a quantized side: code byte idx of the row-major byte
+ * array, and the (scale, zero) pair idx as fp16 bits (scale in [2^-4,
+ * 2^-3), zero in (-2, -1]), the same on every backend. */
+static inline KVRT_HD uint8_t kvrt_fill_byte(uint64_t seed, uint64_t idx) {
+    uint64_t z = seed + (idx + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (uint8_t)(z >> 56);
+}
+static inline KVRT_HD void kvrt_fill_sz(uint64_t seed, uint64_t idx, uint16_t *scale, uint16_t *zero) {
+    uint64_t z = seed + (idx + 1) * 0xD1B54A32D192ED03ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    *scale = (uint16_t)(0x2C00u | (unsigned)(z & 0x3ffu));
+    *zero = (uint16_t)(0xBC00u | (unsigned)((z >> 10) & 0x3ffu));
+}
+
 struct kv_err;
 struct kvrt_device;
 
@@ -191,7 +248,7 @@ void kvrt_twin_attn_only(struct kvrt_twin *t, int64_t layer, int64_t T);
  * libraries (some 200 MiB of resident memory and 0.4 s at start-up). The
  * object exports one symbol, KVRT_CUDA_ENTRY, a function returning this
  * table; abi and the struct sizes must match the loader's. */
-#define KVRT_CUDA_ABI 1
+#define KVRT_CUDA_ABI 2
 #define KVRT_CUDA_ENTRY "kvrt_cuda_backend"
 #define KVRT_CUDA_SO "libkvrt_cuda.so"
 struct kvrt_cuda;
