@@ -106,7 +106,7 @@ $(BUILD)/libkvrt.a: $(KERN_OBJ)
 	rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/obj/kernels/%.o: kernels/%.cu kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal_core.h
+$(BUILD)/obj/kernels/%.o: kernels/%.cu $(wildcard kernels/*.cuh) kernels/kvrt_plan.h kernels/kvrt.h lib/kvcal_core.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 

@@ -101,6 +101,9 @@ struct dlayer {
     const int32_t *hk, *hq, *order;
     void *kc, *vc;
     float *qv;
+    int kbits, vbits;        /* 16, or the codes' width on a quantized side */
+    uint32_t *ksz, *vsz;     /* (scale, zero) fp16 pairs of a quantized side */
+    int64_t kunits, vunits;  /* pairs per row */
 };
 /* What every layer shares. */
 struct dglob {
@@ -110,13 +113,20 @@ struct dglob {
     float scale;
 };
 
+/* Which attention kernel a layer runs (attn_fast.cuh; generic otherwise). */
+enum { KERN_GENERIC = 0, KERN_DIRECT, KERN_PREROPE };
+
 struct lstate {
     float *wcat, *bcat, *up, *rot, *wo, *qv;
     int32_t *hk, *hq, *order;
     void *kc, *vc;
+    uint32_t *ksz, *vsz;
     size_t smem;   /* attention kernel's dynamic shared memory */
     int v_smem;    /* value tiles staged in shared memory */
     int up_smem;   /* prerope up factors staged in shared memory */
+    int kern;      /* KERN_* */
+    int gs;        /* threads per position of a fast kernel */
+    size_t fsmem;  /* a fast kernel's dynamic shared memory */
 };
 
 struct kvrt_cuda {
@@ -129,6 +139,17 @@ struct kvrt_cuda {
     float *cos_t, *sin_t, *xn, *proj, *att, *y, *pm, *pl, *pacc;
     int64_t vw_stride;
 };
+
+/* Element e of the unit whose codes start at byte `col` of row `row` of a
+ * quantized side, read back as code·scale + zero (product rounded first). */
+static inline __device__ float ldq(const void *c, int64_t ld, int64_t col, const uint32_t *sz,
+                                   int64_t szld, int64_t unit, int bits, int64_t row, int64_t e) {
+    unsigned q = kvrt_code_get((const uint8_t *)c + row * ld + col, bits, e);
+    uint32_t p = sz[row * szld + unit];
+    float sc = __half2float(__ushort_as_half((unsigned short)(p & 0xffffu)));
+    float ze = __half2float(__ushort_as_half((unsigned short)(p >> 16)));
+    return __fadd_rn(__fmul_rn((float)q, sc), ze);
+}
 
 static inline __device__ float ldc(const float *c, int64_t i) { return c[i]; }
 static inline __device__ float ldc(const __half *c, int64_t i) { return __half2float(c[i]); }
@@ -150,11 +171,49 @@ static __device__ void rope_shared(const struct dglob &G, float *v, int64_t pos)
 
 /* ---------------------------------------------------------------- stage 2: prep */
 
+/* Quantizes the latent z [r] (shared memory) into a quantized side's row:
+ * the codes from byte `at` of the code row, the (scale, zero) pair at pz
+ * (kvrt_plan.h: the reference's arithmetic, lib/forward.c). Shared red
+ * [2 · warps]. Every thread of the block calls it. */
+static __device__ void quantize_put(const float *z, int64_t r, int bits, uint8_t *at, uint32_t *pz,
+                                    float *red) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t e = threadIdx.x; e < r; e += blockDim.x) lo = fminf(lo, z[e]), hi = fmaxf(hi, z[e]);
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    int nw = (int)(blockDim.x >> 5), w = (int)(threadIdx.x >> 5);
+    if ((threadIdx.x & 31) == 0) red[w] = lo, red[nw + w] = hi;
+    __syncthreads();
+    lo = red[0], hi = red[nw];
+    for (int i = 1; i < nw; i++) lo = fminf(lo, red[i]), hi = fmaxf(hi, red[nw + i]);
+    const float qmax = (float)((1 << bits) - 1);
+    const __half zh = __float2half_rn(lo);
+    const float zero = __half2float(zh);
+    const __half sh = __float2half_rn((hi - zero) / qmax);
+    const float scale = __half2float(sh);
+    int64_t nb = kvrt_code_bytes(r, bits);
+    for (int64_t k = threadIdx.x; k * 8 < r; k += blockDim.x) { /* 8 codes = `bits` bytes */
+        uint64_t w64 = 0;
+        for (int e = 0; e < 8 && k * 8 + e < r; e++) {
+            float q = scale > 0.0f ? rintf((z[k * 8 + e] - zero) / scale) : 0.0f;
+            q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
+            w64 |= (uint64_t)(unsigned)q << (e * bits);
+        }
+        for (int b = 0; b < bits && k * bits + b < nb; b++) at[k * bits + b] = (uint8_t)(w64 >> (8 * b));
+    }
+    if (threadIdx.x == 0) *pz = (uint32_t)__half_as_ushort(sh) | (uint32_t)__half_as_ushort(zh) << 16;
+    __syncthreads(); /* z and red may be reused */
+}
+
 /* Block j: biases, RoPE and rotations of KV head j's query heads, key and
- * value at position pos (twin.c prep). Shared: tmp [2 d_h]. */
+ * value at position pos (twin.c prep). Shared: tmp [max(2 d_h, widest
+ * latent)], then red [2 · warps]. */
 template <typename CT>
-__global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, int64_t pos) {
+__global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, int64_t pos, int64_t tmp_len) {
     extern __shared__ float tmp[];
+    float *red = tmp + tmp_len;
     int64_t j = blockIdx.x, dh = G.dh;
     const int32_t *hk = L.hk + j * KVRT_HK_N;
     const float *b = L.bcat;
@@ -191,7 +250,16 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
         __syncthreads();
         if (G.rope) rope_shared(G, tmp, pos);
         __syncthreads();
-        if (rot) {
+        if (rot && L.kbits < 16) {
+            for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
+                float s = 0.0f;
+                for (int64_t e = 0; e < dh; e++) s += R[a * dh + e] * tmp[e];
+                tmp[dh + a] = s;
+            }
+            __syncthreads();
+            quantize_put(tmp + dh, kw, L.kbits, (uint8_t *)L.kc + krow + kcol,
+                         L.ksz + pos * L.kunits + hk[KVRT_HK_KU], red);
+        } else if (rot) {
             for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
                 float s = 0.0f;
                 for (int64_t e = 0; e < dh; e++) s += R[a * dh + e] * tmp[e];
@@ -201,13 +269,29 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
             for (int64_t e = threadIdx.x; e < dh; e += blockDim.x) stc(kc, krow + kcol + e, tmp[e]);
         }
     } else if (hk[KVRT_HK_KOWN]) {
-        for (int64_t e = threadIdx.x; e < hk[KVRT_HK_KSRC]; e += blockDim.x)
-            stc(kc, krow + kcol + e, proj[kb + kcol + e] + b[kb + kcol + e]);
+        int64_t kp = hk[KVRT_HK_KPROJ], r = hk[KVRT_HK_KSRC];
+        if (L.kbits < 16) {
+            for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[kb + kp + e] + b[kb + kp + e];
+            __syncthreads();
+            quantize_put(tmp, r, L.kbits, (uint8_t *)L.kc + krow + kcol, L.ksz + pos * L.kunits + hk[KVRT_HK_KU],
+                         red);
+        } else {
+            for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
+                stc(kc, krow + kcol + e, proj[kb + kp + e] + b[kb + kp + e]);
+        }
     }
     if (hk[KVRT_HK_VOWN]) {
-        int64_t vcol = hk[KVRT_HK_VCOL];
-        for (int64_t e = threadIdx.x; e < hk[KVRT_HK_VW]; e += blockDim.x)
-            stc(vc, vrow + vcol + e, proj[vb + vcol + e] + b[vb + vcol + e]);
+        int64_t vcol = hk[KVRT_HK_VCOL], vp = hk[KVRT_HK_VPROJ], r = hk[KVRT_HK_VW];
+        if (L.vbits < 16) {
+            __syncthreads(); /* tmp may still be read above */
+            for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[vb + vp + e] + b[vb + vp + e];
+            __syncthreads();
+            quantize_put(tmp, r, L.vbits, (uint8_t *)L.vc + vrow + vcol, L.vsz + pos * L.vunits + hk[KVRT_HK_VU],
+                         red);
+        } else {
+            for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
+                stc(vc, vrow + vcol + e, proj[vb + vp + e] + b[vb + vp + e]);
+        }
     }
 }
 
@@ -260,6 +344,13 @@ static __device__ __forceinline__ void unpack(uint4 r, float *o, const float *) 
 
 /* One source of stage2: columns c .. c+w-1 of rows s0 .. s0+ts-1 of cache
  * s (row pitch ld) into d (pitch p), in units of e elements, u per row. */
+/* A quantized side as the generic kernel reads it (bits 16: not quantized). */
+struct qsrc {
+    int bits;
+    const uint32_t *sz;
+    int64_t szld, unit;
+};
+
 template <typename CT>
 struct src {
     float *d;
@@ -267,21 +358,27 @@ struct src {
     const CT *s;
     int64_t ld, c;
     int e, u, n; /* elements per unit, units per row, units in the tile */
+    qsrc q;
 };
 template <typename CT>
 static __device__ __forceinline__ src<CT> src_of(float *d, int64_t p, const CT *s, int64_t ld,
-                                                 int64_t c, int w, int ts) {
+                                                 int64_t c, int w, int ts, const qsrc &q) {
     src<CT> r;
-    r.d = d, r.p = p, r.s = s, r.ld = ld, r.c = c;
-    r.e = w > 0 && vec_ok(s, ld, c, w) ? 16 / (int)sizeof(CT) : 1;
+    r.d = d, r.p = p, r.s = s, r.ld = ld, r.c = c, r.q = q;
+    r.e = w > 0 && q.bits == 16 && vec_ok(s, ld, c, w) ? 16 / (int)sizeof(CT) : 1;
     r.u = w / r.e, r.n = ts * r.u;
     return r;
 }
 template <typename CT>
 static __device__ __forceinline__ uint4 src_load(const src<CT> &S, int64_t s0, int x) {
     int t = x / S.u, k = (x - t * S.u) * S.e;
-    const CT *at = S.s + (s0 + t) * S.ld + S.c + k;
     uint4 r;
+    if (S.q.bits != 16) {
+        r.x = __float_as_uint(ldq(S.s, S.ld, S.c, S.q.sz, S.q.szld, S.q.unit, S.q.bits, s0 + t, k));
+        r.y = r.z = r.w = 0u;
+        return r;
+    }
+    const CT *at = S.s + (s0 + t) * S.ld + S.c + k;
     if (S.e > 1)
         r = *reinterpret_cast<const uint4 *>(at);
     else
@@ -312,9 +409,9 @@ static __device__ __forceinline__ void src_store(const src<CT> &S, int x, uint4 
  * (4 + 4 loads per thread). */
 template <typename CT>
 static __device__ void stage2(float *d1, int64_t p1, const CT *s1, int64_t ld1, int64_t c1, int w1,
-                              float *d2, int64_t p2, const CT *s2, int64_t ld2, int64_t c2, int w2,
-                              int64_t s0, int ts) {
-    const src<CT> A = src_of(d1, p1, s1, ld1, c1, w1, ts), B = src_of(d2, p2, s2, ld2, c2, w2, ts);
+                              const qsrc &q1, float *d2, int64_t p2, const CT *s2, int64_t ld2,
+                              int64_t c2, int w2, const qsrc &q2, int64_t s0, int ts) {
+    const src<CT> A = src_of(d1, p1, s1, ld1, c1, w1, ts, q1), B = src_of(d2, p2, s2, ld2, c2, w2, ts, q2);
     const int n = A.n > B.n ? A.n : B.n, nt = blockDim.x;
     for (int x0 = threadIdx.x; x0 < n; x0 += SB * nt) {
         uint4 r1[SB], r2[SB];
@@ -348,6 +445,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
      * position) free of shared-memory bank conflicts */
     int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw | 1;
     const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
+    const qsrc kq = {L.kbits, L.ksz, L.kunits, hk[KVRT_HK_KU]}, vq = {L.vbits, L.vsz, L.vunits, hk[KVRT_HK_VU]};
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *V = s + grp * KVRT_TILE;
     float *Z = V + (v_smem ? KVRT_TILE * vw : 0), *ups = Z + KVRT_TILE * ks;
@@ -376,7 +474,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
     for (int64_t s0 = t0; s0 < t1; s0 += KVRT_TILE) {
         int64_t ts = t1 - s0 < KVRT_TILE ? t1 - s0 : KVRT_TILE;
         if (PRE) { /* stage z and the values, rebuild k = z upᵀ, RoPE */
-            stage2(Z, ks, kc, L.kld, kcol, (int)ks, V, vw, vc, L.vld, vcol, vs, s0, (int)ts);
+            stage2(Z, ks, kc, L.kld, kcol, (int)ks, kq, V, vw, vc, L.vld, vcol, vs, vq, s0, (int)ts);
             __syncthreads();
             for (int x = tid; x < (int)(ts * dh); x += nt) {
                 int t = x / (int)dh, e = x % (int)dh;
@@ -398,7 +496,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
                 __syncthreads();
             }
         } else { /* stage the keys (or key latents) and the values */
-            stage2(K, kpad, kc, L.kld, kcol, (int)kw, V, vw, vc, L.vld, vcol, vs, s0, (int)ts);
+            stage2(K, kpad, kc, L.kld, kcol, (int)kw, kq, V, vw, vc, L.vld, vcol, vs, vq, s0, (int)ts);
             __syncthreads();
         }
         if (P == 1) {
@@ -449,6 +547,9 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
             float a = acc[x] * alpha[gi];
             if (vs)
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * V[t * vw + col];
+            else if (vq.bits != 16)
+                for (int64_t t = 0; t < ts; t++)
+                    a += s[gi * KVRT_TILE + t] * ldq(vc, L.vld, vcol, vq.sz, vq.szld, vq.unit, vq.bits, s0 + t, col);
             else
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
             acc[x] = a;
@@ -492,6 +593,20 @@ __global__ void fill_kernel(CT *c, int64_t n, uint64_t seed) {
         stc(c, i, kvrt_fill_value(seed, (uint64_t)i));
 }
 
+/* A quantized side: n code bytes and nz (scale, zero) pairs. */
+__global__ void fill_codes_kernel(uint8_t *c, int64_t n, uint32_t *sz, int64_t nz, uint64_t seed) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        c[i] = kvrt_fill_byte(seed, (uint64_t)i);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (int64_t)gridDim.x * blockDim.x) {
+        uint16_t a, b;
+        kvrt_fill_sz(seed, (uint64_t)i, &a, &b);
+        sz[i] = (uint32_t)a | (uint32_t)b << 16;
+    }
+}
+
+#include "attn_fast.cuh"
+
+
 /* ---------------------------------------------------------------- host side */
 
 static struct dlayer dlayer_of(const struct kvrt_cuda *c, int64_t l) {
@@ -503,6 +618,8 @@ static struct dlayer dlayer_of(const struct kvrt_cuda *c, int64_t l) {
     L.bcat = s->bcat, L.up = s->up, L.rot = s->rot;
     L.hk = s->hk, L.hq = s->hq, L.order = s->order;
     L.kc = s->kc, L.vc = s->vc, L.qv = s->qv;
+    L.kbits = lp->kbits, L.vbits = lp->vbits, L.ksz = s->ksz, L.vsz = s->vsz;
+    L.kunits = lp->kunits, L.vunits = lp->vunits;
     return L;
 }
 
@@ -550,7 +667,7 @@ static void cu_close(struct kvrt_cuda *c) {
             struct lstate *s = &c->ls[l];
             cudaFree(s->wcat), cudaFree(s->bcat), cudaFree(s->up), cudaFree(s->rot), cudaFree(s->wo);
             cudaFree(s->qv), cudaFree(s->hk), cudaFree(s->hq), cudaFree(s->order);
-            cudaFree(s->kc), cudaFree(s->vc);
+            cudaFree(s->kc), cudaFree(s->vc), cudaFree(s->ksz), cudaFree(s->vsz);
         }
     free(c->ls);
     cudaFree(c->cos_t), cudaFree(c->sin_t), cudaFree(c->xn), cudaFree(c->proj), cudaFree(c->att);
@@ -560,6 +677,49 @@ static void cu_close(struct kvrt_cuda *c) {
     if (c->cb) cublasDestroy(c->cb);
     if (c->st) cudaStreamDestroy(c->st);
     free(c);
+}
+
+/* The prerope kernel's instantiations: KSTEPS 1..4 (ranks 16..64) by NTW
+ * 2 or 4 (d_h 64 or 128). */
+#define PATTN_CASES(X) X(1, 2) X(2, 2) X(3, 2) X(4, 2) X(1, 4) X(2, 4) X(3, 4) X(4, 4)
+
+/* Picks a layer's attention kernel: a fast one (attn_fast.cuh) when every
+ * head's slices fit its layout, the generic one otherwise or when the
+ * environment sets KVRT_CUDA_KERNEL=generic (to compare the two). */
+static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp, struct lstate *s,
+                          int64_t optin) {
+    s->kern = KERN_GENERIC, s->gs = 0, s->fsmem = 0;
+    const char *force = getenv("KVRT_CUDA_KERNEL");
+    if (force && !strcmp(force, "generic")) return;
+    int kq = lp->kbits < 16, vq = lp->vbits < 16;
+    if ((!kq && !p->f16) || (!vq && !p->f16)) return;
+    int pre = lp->kmode == KV_LR_PREROPE_LATENT;
+    int64_t grp = p->grp, dh = p->head_dim;
+    int ok = (kq || lp->kld % 8 == 0) && (vq || lp->vld % 8 == 0);
+    int64_t ks_first = lp->hk[KVRT_HK_KSRC];
+    for (int64_t j = 0; ok && j < p->n_kv_heads; j++) {
+        const int32_t *hk = lp->hk + j * KVRT_HK_N;
+        ok = hk[KVRT_HK_VW] % 8 == 0 && hk[KVRT_HK_VCOL] % 8 == 0 && hk[KVRT_HK_KCOL] % 8 == 0;
+        if (pre)
+            ok = ok && hk[KVRT_HK_KSRC] == ks_first && hk[KVRT_HK_VW] <= 128;
+        else
+            ok = ok && hk[KVRT_HK_KW] % 8 == 0 && hk[KVRT_HK_KW] <= 256 && hk[KVRT_HK_VW] <= 256;
+    }
+    if (!ok) return;
+    if (pre) {
+        if (!(grp <= PGMAX && (dh == 64 || dh == 128) && ks_first % 16 == 0 && ks_first >= 16 && ks_first <= 64))
+            return;
+        int gs = fast_group(8, lp->vw_max, 2);
+        size_t sm = pattn_smem((int)grp, (int)dh, (int)ks_first, gs, lp->vw_max);
+        if ((int64_t)sm > optin) return;
+        s->kern = KERN_PREROPE, s->gs = gs, s->fsmem = sm;
+    } else {
+        if (!(grp == 1 || grp == 2 || grp == 4)) return;
+        int gs = fast_group(lp->kw_max, lp->vw_max, 1);
+        size_t sm = dattn_smem((int)grp, gs, lp->vw_max);
+        if ((int64_t)sm > optin) return;
+        s->kern = KERN_DIRECT, s->gs = gs, s->fsmem = sm;
+    }
 }
 
 static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
@@ -579,10 +739,18 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
             (rc = upload(&s->hq, lp->hq, p->n_heads * KVRT_HQ_N, err, "uploading tables")) ||
             (rc = upload(&s->order, lp->order, p->n_kv_heads, err, "uploading tables")))
             return rc;
+        size_t kes = lp->kbits < 16 ? 1 : es, ves = lp->vbits < 16 ? 1 : es; /* codes: ld in bytes */
         if ((rc = dalloc((void **)&s->qv, (size_t)lp->qw_total * 4, err, "allocating queries")) ||
-            (rc = dalloc(&s->kc, (size_t)(p->max_ctx * lp->kld) * es, err, "allocating the key cache")) ||
-            (rc = dalloc(&s->vc, (size_t)(p->max_ctx * lp->vld) * es, err, "allocating the value cache")))
+            (rc = dalloc(&s->kc, (size_t)(p->max_ctx * lp->kld) * kes, err, "allocating the key cache")) ||
+            (rc = dalloc(&s->vc, (size_t)(p->max_ctx * lp->vld) * ves, err, "allocating the value cache")))
             return rc;
+        if (lp->kbits < 16 &&
+            (rc = dalloc((void **)&s->ksz, (size_t)(p->max_ctx * lp->kunits) * 4, err, "allocating the key scales")))
+            return rc;
+        if (lp->vbits < 16 &&
+            (rc = dalloc((void **)&s->vsz, (size_t)(p->max_ctx * lp->vunits) * 4, err, "allocating the value scales")))
+            return rc;
+        choose_kernel(p, lp, s, optin);
         /* value tiles in shared memory when they fit, then the up factors */
         int pre = lp->kmode == KV_LR_PREROPE_LATENT;
 #define SMEM(v, u) (attn_smem_floats(p->grp, lp->kw_max, lp->ksrc_max, lp->vw_max, p->head_dim, pre, v, u) * 4)
@@ -599,6 +767,14 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
      * attribute belongs to the kernel, not to this context, so a smaller
      * value would break another open context that needs more. */
     int o = (int)optin;
+    CK(cudaFuncSetAttribute(dattn_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
+    CK(cudaFuncSetAttribute(dattn_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
+    CK(cudaFuncSetAttribute(dattn_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
+#define PSET(k, n)                                                                                    \
+    CK(cudaFuncSetAttribute(pattn_kernel<k, n>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),      \
+       "setting shared memory");
+    PATTN_CASES(PSET)
+#undef PSET
     if (p->f16) {
         CK(cudaFuncSetAttribute(attn_kernel<__half, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),
            "setting shared memory");
@@ -683,11 +859,14 @@ static int append_dev(struct kvrt_cuda *c, int64_t l, int64_t pos, struct kv_err
        "projection gemv");
     struct dlayer L = dlayer_of(c, l);
     struct dglob G = dglob_of(c);
-    size_t sh = (size_t)(2 * p->head_dim) * sizeof(float);
+    int64_t tl = 2 * p->head_dim;
+    tl = lp->ksrc_max > tl ? lp->ksrc_max : tl;
+    tl = lp->vw_max > tl ? lp->vw_max : tl;
+    size_t sh = (size_t)(tl + 2 * (NT / 32)) * sizeof(float);
     if (p->f16)
-        prep_kernel<__half><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos);
+        prep_kernel<__half><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos, tl);
     else
-        prep_kernel<float><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos);
+        prep_kernel<float><<<(unsigned)p->n_kv_heads, NT, sh, c->st>>>(L, G, c->proj, pos, tl);
     CK(cudaGetLastError(), "launching the prep kernel");
     return KV_OK;
 }
@@ -702,7 +881,24 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
     struct dglob G = dglob_of(c);
     unsigned tasks = (unsigned)(n * p->n_kv_heads);
     int pre = L.kmode == KV_LR_PREROPE_LATENT;
-    if (p->f16) {
+    const struct kvrt_lplan *lp = &p->layers[l];
+    const dside KS = {L.kc, L.ksz, L.kld, L.kunits, L.kbits}, VS = {L.vc, L.vsz, L.vld, L.vunits, L.vbits};
+    if (s->kern == KERN_DIRECT) {
+        if (p->grp == 1)
+            dattn_kernel<1><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+        else if (p->grp == 2)
+            dattn_kernel<2><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+        else
+            dattn_kernel<4><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+    } else if (s->kern == KERN_PREROPE) {
+        int ksteps = (int)(lp->ksrc_max / 16), ntw = (int)(p->head_dim / 32);
+#define PLAUNCH(k, nw)                                                                                      \
+        if (ksteps == k && ntw == nw)                                                                     \
+            pattn_kernel<k, nw><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, \
+                                                                c->pm, c->pl, c->pacc);
+        PATTN_CASES(PLAUNCH)
+#undef PLAUNCH
+    } else if (p->f16) {
         if (pre)
             attn_kernel<__half, true><<<tasks, NT, s->smem, c->st>>>(L, G, T, len, n_full, rem, s->v_smem, s->up_smem, c->pm, c->pl, c->pacc);
         else
@@ -756,13 +952,19 @@ static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t see
     const struct lstate *s = &c->ls[layer];
     int64_t nk = len * lp->kld, nv = len * lp->vld;
     unsigned blocks = 1024;
-    if (c->p->f16) {
+    uint64_t vseed = seed ^ 0x5bd1e995ull;
+    if (lp->kbits < 16)
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->kc, nk, s->ksz, len * lp->kunits, seed);
+    else if (c->p->f16)
         fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->kc, nk, seed);
-        fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->vc, nv, seed ^ 0x5bd1e995ull);
-    } else {
+    else
         fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->kc, nk, seed);
-        fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->vc, nv, seed ^ 0x5bd1e995ull);
-    }
+    if (lp->vbits < 16)
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->vc, nv, s->vsz, len * lp->vunits, vseed);
+    else if (c->p->f16)
+        fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->vc, nv, vseed);
+    else
+        fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->vc, nv, vseed);
     CK(cudaGetLastError(), "launching the fill kernel");
     CK(cudaMemsetAsync(s->qv, 0, (size_t)lp->qw_total * sizeof(float), c->st), "clearing the query");
     CK(cudaStreamSynchronize(c->st), "filling the cache");

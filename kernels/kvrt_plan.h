@@ -32,6 +32,9 @@
  *          first head; every head for full and postrope keys)
  *   KU, VU the index of head j's unit on a quantized side (its column in
  *          that side's scale/zero rows); else 0
+ *   KPROJ, VPROJ  the first element of head j's latent (its unit's) in the
+ *          latent rows of proj's key and value parts: KCOL / VCOL on an
+ *          unquantized side, where those are element columns
  * lp->order lists the KV heads by descending KSRC + VW (the cache elements
  * one position costs them), ties by index.
  * Per query head i (hq[i * 2 + 0 / 1]): QOFF, the start of its query in qv
@@ -59,7 +62,8 @@ extern "C" {
 #define KVRT_TASKS_PER_SM 8
 
 enum { KVRT_HK_KCOL = 0, KVRT_HK_KSRC, KVRT_HK_KW, KVRT_HK_UPOFF, KVRT_HK_ROTOFF, KVRT_HK_VCOL,
-       KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_KU, KVRT_HK_VU, KVRT_HK_N };
+       KVRT_HK_VW, KVRT_HK_KOWN, KVRT_HK_VOWN, KVRT_HK_KU, KVRT_HK_VU,
+       KVRT_HK_KPROJ, KVRT_HK_VPROJ, KVRT_HK_N };
 enum { KVRT_HQ_QOFF = 0, KVRT_HQ_OOFF, KVRT_HQ_N };
 
 struct kvrt_lplan {

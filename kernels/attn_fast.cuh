@@ -1,0 +1,468 @@
+/* The fast attention kernels of the CUDA backend (included by
+ * kvrt_cuda.cu, which holds the generic kernel they fall back to): decode
+ * attention that streams the cache through registers at the memory
+ * roofline, for fp16 caches and for low-bit latents (kvrt_plan.h).
+ *
+ * Both kernels run the same tasks as the generic one (KV head j, sequence
+ * chunk c, longest first: kvrt_task) and write the same partials (max,
+ * sum, accumulator per query head), merged by combine_kernel. Inside a
+ * task the block is cut into groups of `gs` consecutive threads (a power
+ * of two, enough that 8 elements a thread cover the widest key or value
+ * row); each group owns its own positions and its own online softmax, so
+ * that no barrier separates one position from the next, and every thread
+ * keeps its 8 elements of the queries and of the value accumulators in
+ * registers. At the end the block's groups are merged in shared memory
+ * (the same merge as combine_kernel's).
+ *
+ * dattn_kernel<GRP>: keys scored as stored (full, fused_query,
+ * postrope_rotation), GRP query heads per KV head. A group loads DU
+ * positions' key and value slices (16 bytes a thread for fp16, `bits`
+ * bytes for codes) before it uses any, scores them (a butterfly sum over
+ * the group), then folds them into its softmax.
+ *
+ * pattn_kernel<KSTEPS, NTW>: prerope_latent keys. The block rebuilds the
+ * keys of 64 positions at a time on tensor cores, K = Z upᵀ with
+ * mma.sync m16n8k16 (fp16 inputs, fp32 accumulation): Z is the latent
+ * tile staged in shared memory (fp16 as cached, or the integer codes of a
+ * low-bit cache, exact in fp16), up is held in registers as two fp16
+ * parts (hi = fp16(up), lo = fp16(up - hi), two products each) so the
+ * rebuilt keys carry up to about 2^-22 of its value, not fp16's 2^-11. For
+ * codes, k = scale (codes upᵀ) + zero (Σ_k up). RoPE is applied to the
+ * accumulator fragments in registers, with cos and sin at base + r from
+ * the table's rows base and r (angle addition, about one ulp from the
+ * table's own value), and the score of each position is summed from the
+ * fragments, the four lanes of a quad and the four warps. Warp w owns
+ * NTW of the d_h / 8 column tiles of 8, chosen so that both members of
+ * every RoPE pair are in the same thread: tiles w·NTW .. for interleaved
+ * pairs (2i, 2i+1), and tiles w·NTW/2 .. plus the same + d_h/16 for pairs
+ * (i, i + d_h/2). The values go through the groups as in dattn_kernel. */
+
+/* One side of the cache as the fast kernels read it: fp16 elements (bits
+ * 16; ld and columns in elements) or codes (ld and columns in bytes, a
+ * (scale, zero) pair per row and unit in sz, szld pairs a row). */
+struct dside {
+    const void *c;
+    const uint32_t *sz;
+    int64_t ld, szld;
+    int bits;
+};
+
+/* The raw bytes of elements 8i .. 8i+7 of the slice at column col of row
+ * `row`: 16 bytes of fp16, or `bits` bytes of codes. */
+static __device__ __forceinline__ uint4 raw8(const dside &S, int64_t row, int64_t col, int i) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (S.bits == 16) return __ldg(reinterpret_cast<const uint4 *>((const __half *)S.c + row * S.ld + col + 8 * i));
+    const uint8_t *p = (const uint8_t *)S.c + row * S.ld + col + (int64_t)i * S.bits;
+    if (S.bits == 8) {
+        uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        r.x = v.x, r.y = v.y;
+    } else if (S.bits == 4) {
+        r.x = __ldg(reinterpret_cast<const unsigned int *>(p));
+    } else if (S.bits == 2) {
+        r.x = __ldg(reinterpret_cast<const unsigned short *>(p));
+    } else {
+        r.x = (uint32_t)__ldg(p) | (uint32_t)__ldg(p + 1) << 8 | (uint32_t)__ldg(p + 2) << 16;
+    }
+    return r;
+}
+
+/* Code e (0..7) of a raw group. */
+static __device__ __forceinline__ unsigned code8(uint4 r, int bits, int e) {
+    uint64_t w = (uint64_t)r.x | (uint64_t)r.y << 32;
+    return (unsigned)(w >> (e * bits)) & ((1u << bits) - 1u);
+}
+
+/* The 8 elements of a raw group as floats: fp16 unpacked, or codes read
+ * back as code·scale + zero, the product rounded first (kvrt_plan.h). */
+static __device__ __forceinline__ void dec8(const dside &S, uint4 r, uint32_t sz, float *o) {
+    if (S.bits == 16) {
+        const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            o[2 * i] = f.x, o[2 * i + 1] = f.y;
+        }
+        return;
+    }
+    float sc = __half2float(__ushort_as_half((unsigned short)(sz & 0xffffu)));
+    float ze = __half2float(__ushort_as_half((unsigned short)(sz >> 16)));
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = __fadd_rn(__fmul_rn((float)code8(r, S.bits, e), sc), ze);
+}
+
+static __device__ __forceinline__ uint32_t szof(const dside &S, int64_t row, int64_t unit) {
+    return S.bits == 16 ? 0u : __ldg(S.sz + row * S.szld + unit);
+}
+
+/* Threads per position of a layer's fast kernels: 8 elements a thread
+ * over the widest key or value slice, a power of two, at least lo. */
+static int fast_group(int64_t kw, int64_t vw, int lo) {
+    int64_t need = (kw + 7) / 8 > (vw + 7) / 8 ? (kw + 7) / 8 : (vw + 7) / 8;
+    int g = lo;
+    while (g < need) g *= 2;
+    return g;
+}
+
+/* The end of a fast task: the groups' (m, l, acc) merged per query head
+ * into the task's partial. gm [NG][grp], gl [NG][grp], gacc [NG][grp][vw]
+ * in shared memory, written by the caller before the barrier here. */
+static __device__ void merge_groups(const struct dglob &G, int64_t j, int64_t c, int64_t grp,
+                                    int64_t vw, int ng, const float *gm, const float *gl,
+                                    const float *gacc, float *pm, float *pl, float *pacc) {
+    __syncthreads();
+    for (int64_t x = threadIdx.x; x < grp * vw; x += blockDim.x) {
+        int64_t gi = x / vw, col = x - gi * vw;
+        float M = -INFINITY;
+        for (int g = 0; g < ng; g++) M = fmaxf(M, gm[g * grp + gi]);
+        float Ls = 0.0f, A = 0.0f;
+        for (int g = 0; g < ng; g++) {
+            float w = expf(gm[g * grp + gi] - M); /* 0 for a group that saw no position */
+            Ls += w * gl[g * grp + gi];
+            A += w * gacc[((int64_t)g * grp + gi) * vw + col];
+        }
+        int64_t at = (j * grp + gi) * G.max_chunks + c;
+        pacc[at * G.vw_stride + col] = A;
+        if (col == 0) pm[at] = M, pl[at] = Ls;
+    }
+}
+
+/* Folds nu scored positions s[u][gi] (-inf where absent) and their values
+ * into a group's softmax state; every lane of the group holds the same
+ * scores and its own 8 value columns. */
+template <int GMAX, int UMAX>
+static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GMAX], float (&m)[GMAX],
+                                            float (&l)[GMAX], float (&acc)[GMAX][8],
+                                            const float (&vf)[UMAX][8]) {
+#pragma unroll
+    for (int gi = 0; gi < GMAX; gi++) {
+        if (gi >= grp) break;
+        float mt = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < UMAX; u++)
+            if (u < nu) mt = fmaxf(mt, s[u][gi]);
+        float mn = fmaxf(m[gi], mt), al = expf(m[gi] - mn), sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < UMAX; u++)
+            if (u < nu) {
+                float p = expf(s[u][gi] - mn);
+                s[u][gi] = p;
+                sum += p;
+            }
+        l[gi] = l[gi] * al + sum;
+        m[gi] = mn;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float a = acc[gi][e] * al;
+#pragma unroll
+            for (int u = 0; u < UMAX; u++)
+                if (u < nu) a += s[u][gi] * vf[u][e];
+            acc[gi][e] = a;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- keys as stored */
+
+#define DU 4 /* positions a group loads before it scores them */
+
+template <int GRP>
+__global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
+                                                   int gs, int64_t T, int64_t len, int64_t n_full,
+                                                   int64_t rem, float *pm, float *pl, float *pacc) {
+    extern __shared__ float sm[];
+    int64_t j, c;
+    kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
+    const int32_t *hk = L.hk + j * KVRT_HK_N;
+    const int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW], kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
+    const int64_t ku = hk[KVRT_HK_KU], vu = hk[KVRT_HK_VU];
+    const int tid = threadIdx.x, ng = NT / gs, gid = tid / gs, li = tid - gid * gs;
+    const bool kon = 8 * li < kw, von = 8 * li < vw;
+    float q[GRP][8], acc[GRP][8], m[GRP], l[GRP];
+#pragma unroll
+    for (int gi = 0; gi < GRP; gi++) {
+        const float *qi = L.qv + L.hq[(j * GRP + gi) * KVRT_HQ_N + KVRT_HQ_QOFF];
+#pragma unroll
+        for (int e = 0; e < 8; e++) q[gi][e] = kon ? qi[8 * li + e] : 0.0f, acc[gi][e] = 0.0f;
+        m[gi] = -INFINITY, l[gi] = 0.0f;
+    }
+    const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
+    for (int64_t base = t0; base < t1; base += (int64_t)ng * DU) {
+        const int64_t p0 = base + (int64_t)gid * DU;
+        const int nu = p0 >= t1 ? 0 : (t1 - p0 < DU ? (int)(t1 - p0) : DU);
+        uint4 kr[DU], vr[DU];
+        uint32_t ksz[DU], vsz[DU];
+#pragma unroll
+        for (int u = 0; u < DU; u++) { /* every load in flight before any use */
+            kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+            ksz[u] = vsz[u] = 0u;
+            if (u < nu) {
+                if (kon) kr[u] = raw8(KS, p0 + u, kcol, li), ksz[u] = szof(KS, p0 + u, ku);
+                if (von) vr[u] = raw8(VS, p0 + u, vcol, li), vsz[u] = szof(VS, p0 + u, vu);
+            }
+        }
+        float s[DU][GRP], vf[DU][8];
+#pragma unroll
+        for (int u = 0; u < DU; u++) {
+            float kf[8];
+            dec8(KS, kr[u], ksz[u], kf);
+            dec8(VS, vr[u], vsz[u], vf[u]);
+#pragma unroll
+            for (int gi = 0; gi < GRP; gi++) {
+                float a = 0.0f;
+                if (kon)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) a += q[gi][e] * kf[e];
+                for (int o = 1; o < gs; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                s[u][gi] = u < nu ? a * G.scale : -INFINITY;
+            }
+        }
+        if (nu > 0) fold<GRP, DU>(GRP, nu, s, m, l, acc, vf);
+    }
+    float *gm = sm, *gl = gm + ng * GRP, *gacc = gl + ng * GRP;
+    if (li == 0)
+        for (int gi = 0; gi < GRP; gi++) gm[gid * GRP + gi] = m[gi], gl[gid * GRP + gi] = l[gi];
+    if (von)
+        for (int gi = 0; gi < GRP; gi++)
+            for (int e = 0; e < 8; e++) gacc[((int64_t)gid * GRP + gi) * vw + 8 * li + e] = acc[gi][e];
+    merge_groups(G, j, c, GRP, vw, ng, gm, gl, gacc, pm, pl, pacc);
+}
+
+static size_t dattn_smem(int grp, int gs, int64_t vw_max) {
+    int ng = NT / gs;
+    return (size_t)ng * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
+}
+
+/* ---------------------------------------------------------------- prerope keys on tensor cores */
+
+#define PI 64   /* positions per round of the prerope kernel (4 m-tiles of 16) */
+#define PGMAX 4 /* query heads per KV head the prerope kernel takes */
+#define PUMAX 8 /* positions a group takes per round: PI / (NT / gs) for gs <= 16 */
+
+static __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint32_t b0, uint32_t b1) {
+#ifdef KVRT_EMULATE /* a host emulation of the warp's matrix product */
+    kvrt_emulate_mma(d, a0, a1, a2, a3, b0, b1);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+static __device__ __forceinline__ uint32_t pack2(__half lo, __half hi) {
+    return (uint32_t)__half_as_ushort(lo) | (uint32_t)__half_as_ushort(hi) << 16;
+}
+
+/* Column tile a (0 .. NTW-1) of warp w (the header's ownership). */
+template <int NTW>
+static __device__ __forceinline__ int ptile(int w, int a, int rope_half, int dh) {
+    if (!rope_half) return w * NTW + a;
+    return a < NTW / 2 ? w * (NTW / 2) + a : w * (NTW / 2) + (a - NTW / 2) + dh / 16;
+}
+
+template <int KSTEPS, int NTW>
+__global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
+                                                   int gs, int64_t T, int64_t len, int64_t n_full,
+                                                   int64_t rem, float *pm, float *pl, float *pacc) {
+    constexpr int KSZ = KSTEPS * 16, ZP = KSZ + 8; /* latent width; staged row pitch in halves */
+    extern __shared__ float sm[];
+    int64_t j, c;
+    kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
+    const int32_t *hk = L.hk + j * KVRT_HK_N;
+    const int64_t vw = hk[KVRT_HK_VW], kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
+    const int64_t ku = hk[KVRT_HK_KU], vu = hk[KVRT_HK_VU];
+    const int grp = (int)G.grp, dh = (int)G.dh, half = dh / 2;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, qg = lane >> 2, qt = lane & 3;
+    const int ng = NT / gs, gid = tid / gs, li = tid - gid * gs, nu_max = PI / ng;
+    const bool von = 8 * li < vw, quant = KS.bits != 16;
+    /* shared: q [grp][dh] | zt [PI][ZP] halves | zsc, zze [PI] | spart [4][grp][PI] */
+    float *qs = sm, *zsc = qs + grp * dh, *zze = zsc + PI, *spart = zze + PI;
+    __half *zt = reinterpret_cast<__half *>(spart + 4 * grp * PI);
+    for (int x = tid; x < grp * dh; x += NT)
+        qs[x] = L.qv[L.hq[(j * grp + x / dh) * KVRT_HQ_N + KVRT_HQ_QOFF] + x % dh];
+    /* up in registers: B fragments (k = 16 kk + 2 qt (+1, +8, +9), n = 8 tile + qg), hi and lo */
+    const float *up = L.up + hk[KVRT_HK_UPOFF];
+    uint32_t bh[NTW][KSTEPS][2], bl[NTW][KSTEPS][2];
+    float usum[NTW][2];
+#pragma unroll
+    for (int a = 0; a < NTW; a++) {
+        const int n = ptile<NTW>(warp, a, G.rope_half, dh) * 8 + qg;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int k = kk * 16 + 2 * qt + 8 * r;
+                float u0 = up[n * KSZ + k], u1 = up[n * KSZ + k + 1];
+                __half h0 = __float2half_rn(u0), h1 = __float2half_rn(u1);
+                bh[a][kk][r] = pack2(h0, h1);
+                bl[a][kk][r] = pack2(__float2half_rn(u0 - __half2float(h0)), __float2half_rn(u1 - __half2float(h1)));
+            }
+        /* Σ_k up over the two columns this thread's accumulators hold */
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int col = ptile<NTW>(warp, a, G.rope_half, dh) * 8 + 2 * qt + e;
+            float s = 0.0f;
+            if (quant)
+                for (int k = 0; k < KSZ; k++) s += up[col * KSZ + k];
+            usum[a][e] = s;
+        }
+    }
+    float acc[PGMAX][8], m[PGMAX], l[PGMAX];
+#pragma unroll
+    for (int gi = 0; gi < PGMAX; gi++) {
+        m[gi] = -INFINITY, l[gi] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
+    }
+    __syncthreads();
+    const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
+    for (int64_t base = t0; base < t1; base += PI) {
+        const int np = t1 - base < PI ? (int)(t1 - base) : PI;
+        /* 1. this round's value slices into registers (group layout) */
+        const int64_t p0 = base + (int64_t)gid * nu_max;
+        const int nu = p0 >= t1 ? 0 : (t1 - p0 < nu_max ? (int)(t1 - p0) : nu_max);
+        uint4 vr[PUMAX];
+        uint32_t vsz[PUMAX];
+#pragma unroll
+        for (int u = 0; u < PUMAX; u++) {
+            vr[u] = make_uint4(0u, 0u, 0u, 0u), vsz[u] = 0u;
+            if (u < nu && von) vr[u] = raw8(VS, p0 + u, vcol, li), vsz[u] = szof(VS, p0 + u, vu);
+        }
+        /* 2. the latent tile into shared memory as fp16 (codes as integers), zeros past np */
+        {
+            constexpr int PER_ROW = KSZ / 8, LOADS = PI * PER_ROW / NT; /* = KSTEPS */
+            uint4 zr[LOADS];
+            uint32_t zs[LOADS];
+#pragma unroll
+            for (int x = 0; x < LOADS; x++) {
+                const int idx = tid + x * NT, row = idx / PER_ROW, part = idx - row * PER_ROW;
+                zr[x] = make_uint4(0u, 0u, 0u, 0u), zs[x] = 0u;
+                if (row < np) zr[x] = raw8(KS, base + row, kcol, part), zs[x] = szof(KS, base + row, ku);
+            }
+#pragma unroll
+            for (int x = 0; x < LOADS; x++) {
+                const int idx = tid + x * NT, row = idx / PER_ROW, part = idx - row * PER_ROW;
+                uint4 h = zr[x];
+                if (quant) {
+                    __half v[8];
+#pragma unroll
+                    for (int e = 0; e < 8; e++) v[e] = __uint2half_rn(code8(zr[x], KS.bits, e));
+                    h.x = pack2(v[0], v[1]), h.y = pack2(v[2], v[3]), h.z = pack2(v[4], v[5]), h.w = pack2(v[6], v[7]);
+                    if (part == 0) {
+                        zsc[row] = __half2float(__ushort_as_half((unsigned short)(zs[x] & 0xffffu)));
+                        zze[row] = __half2float(__ushort_as_half((unsigned short)(zs[x] >> 16)));
+                    }
+                }
+                *reinterpret_cast<uint4 *>(zt + row * ZP + part * 8) = h;
+            }
+        }
+        __syncthreads();
+        /* 3. keys on tensor cores, RoPE, partial scores of this warp's columns.
+         * Pair p (0 .. NTW-1) of this thread in a row: interleaved, the
+         * slots C[p][0..1] (pair index 4·tile + qt); halves, the slots
+         * C[p/2][p%2] and C[p/2 + NTW/2][p%2] (pair index its column). */
+        float cb[NTW], sb[NTW]; /* cos and sin of each pair at the round's first position */
+        int pidx[NTW];
+#pragma unroll
+        for (int p = 0; p < NTW; p++) {
+            pidx[p] = G.rope_half ? ptile<NTW>(warp, p >> 1, 1, dh) * 8 + 2 * qt + (p & 1)
+                                  : ptile<NTW>(warp, p, 0, dh) * 4 + qt;
+            cb[p] = G.rope ? __ldg(G.cos_t + base * half + pidx[p]) : 1.0f;
+            sb[p] = G.rope ? __ldg(G.sin_t + base * half + pidx[p]) : 0.0f;
+        }
+#pragma unroll 1
+        for (int mt = 0; mt < PI / 16; mt++) {
+            float C[NTW][4];
+#pragma unroll
+            for (int a = 0; a < NTW; a++) C[a][0] = C[a][1] = C[a][2] = C[a][3] = 0.0f;
+            const int r0 = mt * 16 + qg;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++) {
+                const int c0 = kk * 16 + 2 * qt;
+                uint32_t a0 = *reinterpret_cast<const uint32_t *>(zt + r0 * ZP + c0);
+                uint32_t a1 = *reinterpret_cast<const uint32_t *>(zt + (r0 + 8) * ZP + c0);
+                uint32_t a2 = *reinterpret_cast<const uint32_t *>(zt + r0 * ZP + c0 + 8);
+                uint32_t a3 = *reinterpret_cast<const uint32_t *>(zt + (r0 + 8) * ZP + c0 + 8);
+#pragma unroll
+                for (int a = 0; a < NTW; a++) {
+                    mma16816(C[a], a0, a1, a2, a3, bh[a][kk][0], bh[a][kk][1]);
+                    mma16816(C[a], a0, a1, a2, a3, bl[a][kk][0], bl[a][kk][1]);
+                }
+            }
+            /* rows r0 (C[a][0..1]) and r0 + 8 (C[a][2..3]) */
+#pragma unroll
+            for (int h2 = 0; h2 < 2; h2++) {
+                const int r = r0 + 8 * h2;
+                if (quant) {
+                    const float sc = zsc[r], ze = zze[r];
+#pragma unroll
+                    for (int a = 0; a < NTW; a++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) C[a][2 * h2 + e] = C[a][2 * h2 + e] * sc + ze * usum[a][e];
+                }
+                if (G.rope && r < np) {
+#pragma unroll
+                    for (int p = 0; p < NTW; p++) { /* cos, sin at base + r by angle addition */
+                        const float cd = __ldg(G.cos_t + r * half + pidx[p]), sd = __ldg(G.sin_t + r * half + pidx[p]);
+                        const float cs = cb[p] * cd - sb[p] * sd, sn = sb[p] * cd + cb[p] * sd;
+                        if (G.rope_half) {
+                            const int a = p >> 1, e = p & 1;
+                            const float v0 = C[a][2 * h2 + e], v1 = C[a + NTW / 2][2 * h2 + e];
+                            C[a][2 * h2 + e] = v0 * cs - v1 * sn;
+                            C[a + NTW / 2][2 * h2 + e] = v0 * sn + v1 * cs;
+                        } else {
+                            const float v0 = C[p][2 * h2], v1 = C[p][2 * h2 + 1];
+                            C[p][2 * h2] = v0 * cs - v1 * sn;
+                            C[p][2 * h2 + 1] = v0 * sn + v1 * cs;
+                        }
+                    }
+                }
+                for (int gi = 0; gi < grp; gi++) {
+                    const float *qh = qs + gi * dh;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int a = 0; a < NTW; a++) {
+                        const int col = ptile<NTW>(warp, a, G.rope_half, dh) * 8 + 2 * qt;
+                        s += qh[col] * C[a][2 * h2] + qh[col + 1] * C[a][2 * h2 + 1];
+                    }
+                    s += __shfl_xor_sync(0xffffffffu, s, 1);
+                    s += __shfl_xor_sync(0xffffffffu, s, 2);
+                    if (qt == 0) spart[(warp * grp + gi) * PI + r] = s;
+                }
+            }
+        }
+        __syncthreads();
+        /* 4. each group: its positions' scores, softmax, values */
+        float s[PUMAX][PGMAX], vf[PUMAX][8];
+#pragma unroll
+        for (int u = 0; u < PUMAX; u++) {
+            dec8(VS, vr[u], vsz[u], vf[u]);
+            const int r = (int)(p0 - base) + u;
+#pragma unroll
+            for (int gi = 0; gi < PGMAX; gi++) {
+                float a = -INFINITY;
+                if (u < nu && gi < grp)
+                    a = (((spart[(0 * grp + gi) * PI + r] + spart[(1 * grp + gi) * PI + r]) +
+                          spart[(2 * grp + gi) * PI + r]) + spart[(3 * grp + gi) * PI + r]) * G.scale;
+                s[u][gi] = a;
+            }
+        }
+        if (nu > 0) fold<PGMAX, PUMAX>(grp, nu, s, m, l, acc, vf);
+    }
+    /* the merge area reuses the start of shared memory (q is no longer read) */
+    __syncthreads();
+    float *gm = sm, *gl = gm + ng * grp, *gacc = gl + ng * grp;
+    if (li == 0)
+        for (int gi = 0; gi < grp; gi++) gm[gid * grp + gi] = m[gi], gl[gid * grp + gi] = l[gi];
+    if (von)
+        for (int gi = 0; gi < grp; gi++)
+            for (int e = 0; e < 8; e++) gacc[((int64_t)gid * grp + gi) * vw + 8 * li + e] = acc[gi][e];
+    merge_groups(G, j, c, grp, vw, ng, gm, gl, gacc, pm, pl, pacc);
+}
+
+static size_t pattn_smem(int grp, int dh, int ksz, int gs, int64_t vw_max) {
+    size_t main = (size_t)(grp * dh + 2 * PI + 4 * grp * PI) * sizeof(float) + (size_t)PI * (size_t)(ksz + 8) * 2;
+    size_t merge = dattn_smem(grp, gs, vw_max);
+    return main > merge ? main : merge;
+}

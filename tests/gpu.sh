@@ -1,0 +1,108 @@
+#!/bin/bash
+# The attention runtime's GPU checks in one run, for a machine with a CUDA
+# device and a built tree (`make`): the GPU test suites (GPU against the
+# CPU twin, verify --device cuda against the CPU path, bench-attn on cuda),
+# make bench's attention targets, the bench-attn tables (fast kernels and
+# the generic one, KVRT_CUDA_KERNEL=generic, in the same run), Nsight
+# Compute's DRAM throughput of the attention kernels at 64K, and
+# compute-sanitizer's four tools over every kernel.
+#
+#   bash tests/gpu.sh [OUTDIR]     (default build/gpu)
+#
+# Logs go to OUTDIR (tests.log, bench.log, ncu.log, sanitize.log); a
+# summary goes to stdout. Exit 1 if a test, a target or a sanitizer fails.
+# ONLY=tests|bench|ncu|sanitize runs one part. The shared test data is
+# found as the tests find it ($KVCAL_SHARED, default ../shared).
+set -u
+out=${1:-build/gpu}
+mkdir -p "$out"
+bin=${KVCAL_BIN:-build/kvcal}
+only=${ONLY:-all}
+status=0
+say() { printf '%s\n' "$*"; }
+part() { [ "$only" = all ] || [ "$only" = "$1" ]; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,clocks.max.sm,driver_version --format=csv,noheader 2>&1 | sed 's/^/device: /'
+
+if part tests; then
+    : >"$out/tests.log"
+    for t in "test_kvrt --filter kvrt_gpu/*" "test_cli --filter cli/verify_device*" "test_bench_attn"; do
+        set -- $t
+        start=$(date +%s)
+        timeout 600 "build/tests/$1" "${@:2}" -j4 --verbose >>"$out/tests.log" 2>&1
+        rc=$?
+        line=$(grep -a "Synthesis" "$out/tests.log" | tail -1)
+        say "tests: $t: exit $rc, $(( $(date +%s) - start )) s: ${line#*Synthesis: }"
+        [ $rc -eq 0 ] || status=1
+    done
+fi
+
+if part bench; then
+    : >"$out/bench.log"
+    for v in fast generic; do
+        for p in llama7b llama3-8b gpt2-xl; do
+            KVRT_CUDA_KERNEL=$v "$bin" bench-attn --synthetic $p --ctx 4K,64K --cache f16 -q \
+                >>"$out/bench.log" 2>&1 || status=1
+        done
+    done
+    for b in 8 4 2; do
+        for k in 0.5 1; do
+            "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 --keep $k --kv-bits $b -q \
+                >>"$out/bench.log" 2>&1 || status=1
+        done
+    done
+    say "bench: 64K f16 rows (µs/step, µs attn, GB/s, % peak, speedup):"
+    grep -a "^| *65536 " "$out/bench.log" | awk -F'|' '{printf "  %-32s %-6s %8s %8s %8s %6s %7s\n", $3, $4, $6, $7, $8, $9, $10}'
+    KVCAL_BIN=$bin build/bench/bench_attn >>"$out/bench.log" 2>&1
+    rc=$?
+    say "make bench attention targets: exit $rc"
+    grep -a "^64K" "$out/bench.log" | sed 's/^/  /'
+    [ $rc -eq 0 ] || status=1
+fi
+
+if part ncu && command -v ncu >/dev/null; then
+    ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+        -k regex:attn_kernel --launch-skip 3 --launch-count 1 \
+        "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 -q >"$out/ncu.log" 2>&1
+    for b in 4; do
+        ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+            -k regex:attn_kernel --launch-skip 3 --launch-count 1 \
+            "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 --kv-bits $b -q >>"$out/ncu.log" 2>&1
+    done
+    say "ncu (64K, f16; per attention kernel launch):"
+    grep -aE "attn_kernel|dram__|gpu__time|hmma|sm__throughput" "$out/ncu.log" | sed 's/^ */  /' | head -60
+fi
+
+if part sanitize && command -v compute-sanitizer >/dev/null; then
+    : >"$out/sanitize.log"
+    # each run: every configuration of the preset (full, prerope or
+    # fused_query, postrope), 700 positions (a partial last chunk); the
+    # fast kernels where they apply, and the generic one on quantized
+    # caches (KVRT_CUDA_KERNEL=generic)
+    runs=("fast --synthetic llama7b --cache f16" "fast --synthetic llama7b --cache f32"
+          "fast --synthetic llama7b --cache f16 --kv-bits 4" "fast --synthetic llama7b --cache f16 --kv-bits 3"
+          "fast --synthetic llama3-8b --cache f16 --kv-bits 2" "fast --synthetic llama3-8b --cache f16"
+          "fast --synthetic gpt2-xl --cache f16 --kv-bits 8" "fast --synthetic gpt2-xl --cache f32"
+          "generic --synthetic llama7b --cache f16 --kv-bits 4" "generic --synthetic llama3-8b --cache f16 --kv-bits 3")
+    pids=()
+    i=0
+    for tool in memcheck racecheck synccheck initcheck; do
+        for r in "${runs[@]}"; do
+            i=$((i + 1))
+            set -- $r
+            ( KVRT_CUDA_KERNEL=$1 timeout 900 compute-sanitizer --tool $tool --error-exitcode 9 \
+                  "$bin" bench-attn "${@:2}" --ctx 700 --iters 1 -q >"$out/san.$i" 2>&1
+              echo "exit $? $tool $r" >>"$out/san.$i" ) &
+            pids+=($!)
+            if [ ${#pids[@]} -ge 8 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+        done
+    done
+    wait
+    for f in "$out"/san.*; do cat "$f" >>"$out/sanitize.log"; rm -f "$f"; done
+    bad=$(grep -ac "^exit [^0]" "$out/sanitize.log")
+    say "sanitizers: $i runs, $bad failed; error summaries:"
+    grep -a "ERROR SUMMARY\|RACECHECK SUMMARY" "$out/sanitize.log" | sort | uniq -c | sed 's/^/  /'
+    grep -a "^exit [^0]" "$out/sanitize.log" | sed 's/^/  /' | head -20
+    [ "$bad" -eq 0 ] || status=1
+fi
+exit $status
