@@ -20,7 +20,7 @@
  * bytes for codes) before it uses any, scores them (a butterfly sum over
  * the group), then folds them into its softmax.
  *
- * pattn_kernel<KSTEPS, NTW>: prerope_latent keys. The block rebuilds the
+ * pattn_kernel<KSTEPS, NTW, GRP>: prerope_latent keys. The block rebuilds the
  * keys of 64 positions at a time on tensor cores, K = Z upᵀ with
  * mma.sync m16n8k16 (fp16 inputs, fp32 accumulation): Z is the latent
  * tile staged in shared memory (fp16 as cached, or the integer codes of a
@@ -135,35 +135,35 @@ static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GM
                                             const float (&vf)[UMAX][8]) {
 #pragma unroll
     for (int gi = 0; gi < GMAX; gi++) {
-        if (gi >= grp) break;
-        float mt = -INFINITY;
+        if (gi < grp) {
+            float mt = -INFINITY;
 #pragma unroll
-        for (int u = 0; u < UMAX; u++)
-            if (u < nu) mt = fmaxf(mt, s[u][gi]);
-        float mn = fmaxf(m[gi], mt), al = expf(m[gi] - mn), sum = 0.0f;
+            for (int u = 0; u < UMAX; u++) mt = fmaxf(mt, u < nu ? s[u][gi] : -INFINITY);
+            const float mn = fmaxf(m[gi], mt), al = expf(m[gi] - mn);
+            float sum = 0.0f, p[UMAX];
 #pragma unroll
-        for (int u = 0; u < UMAX; u++)
-            if (u < nu) {
-                float p = expf(s[u][gi] - mn);
-                s[u][gi] = p;
-                sum += p;
+            for (int u = 0; u < UMAX; u++) {
+                p[u] = u < nu ? expf(s[u][gi] - mn) : 0.0f;
+                sum += p[u];
             }
-        l[gi] = l[gi] * al + sum;
-        m[gi] = mn;
+            l[gi] = l[gi] * al + sum;
+            m[gi] = mn;
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            float a = acc[gi][e] * al;
+            for (int e = 0; e < 8; e++) {
+                float a = acc[gi][e] * al;
 #pragma unroll
-            for (int u = 0; u < UMAX; u++)
-                if (u < nu) a += s[u][gi] * vf[u][e];
-            acc[gi][e] = a;
+                for (int u = 0; u < UMAX; u++) a += p[u] * vf[u][e];
+                acc[gi][e] = a;
+            }
         }
     }
 }
 
 /* ---------------------------------------------------------------- keys as stored */
 
-#define DU 4 /* positions a group loads before it scores them */
+/* positions a group loads before it scores them (fewer with more query
+ * heads, whose queries and accumulators take the registers) */
+#define DU (GRP >= 4 ? 2 : 4)
 
 template <int GRP>
 __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
@@ -235,7 +235,6 @@ static size_t dattn_smem(int grp, int gs, int64_t vw_max) {
 /* ---------------------------------------------------------------- prerope keys on tensor cores */
 
 #define PI 64   /* positions per round of the prerope kernel (4 m-tiles of 16) */
-#define PGMAX 4 /* query heads per KV head the prerope kernel takes */
 #define PUMAX 8 /* positions a group takes per round: PI / (NT / gs) for gs <= 16 */
 
 static __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -261,7 +260,7 @@ static __device__ __forceinline__ int ptile(int w, int a, int rope_half, int dh)
     return a < NTW / 2 ? w * (NTW / 2) + a : w * (NTW / 2) + (a - NTW / 2) + dh / 16;
 }
 
-template <int KSTEPS, int NTW>
+template <int KSTEPS, int NTW, int GRP>
 __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
                                                    int gs, int64_t T, int64_t len, int64_t n_full,
                                                    int64_t rem, float *pm, float *pl, float *pacc) {
@@ -272,7 +271,7 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
     const int32_t *hk = L.hk + j * KVRT_HK_N;
     const int64_t vw = hk[KVRT_HK_VW], kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
     const int64_t ku = hk[KVRT_HK_KU], vu = hk[KVRT_HK_VU];
-    const int grp = (int)G.grp, dh = (int)G.dh, half = dh / 2;
+    const int grp = GRP, dh = (int)G.dh, half = dh / 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, qg = lane >> 2, qt = lane & 3;
     const int ng = NT / gs, gid = tid / gs, li = tid - gid * gs, nu_max = PI / ng;
     const bool von = 8 * li < vw, quant = KS.bits != 16;
@@ -308,9 +307,9 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
             usum[a][e] = s;
         }
     }
-    float acc[PGMAX][8], m[PGMAX], l[PGMAX];
+    float acc[GRP][8], m[GRP], l[GRP];
 #pragma unroll
-    for (int gi = 0; gi < PGMAX; gi++) {
+    for (int gi = 0; gi < GRP; gi++) {
         m[gi] = -INFINITY, l[gi] = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
@@ -434,13 +433,13 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
         }
         __syncthreads();
         /* 4. each group: its positions' scores, softmax, values */
-        float s[PUMAX][PGMAX], vf[PUMAX][8];
+        float s[PUMAX][GRP], vf[PUMAX][8];
 #pragma unroll
         for (int u = 0; u < PUMAX; u++) {
             dec8(VS, vr[u], vsz[u], vf[u]);
             const int r = (int)(p0 - base) + u;
 #pragma unroll
-            for (int gi = 0; gi < PGMAX; gi++) {
+            for (int gi = 0; gi < GRP; gi++) {
                 float a = -INFINITY;
                 if (u < nu && gi < grp)
                     a = (((spart[(0 * grp + gi) * PI + r] + spart[(1 * grp + gi) * PI + r]) +
@@ -448,7 +447,7 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
                 s[u][gi] = a;
             }
         }
-        if (nu > 0) fold<PGMAX, PUMAX>(grp, nu, s, m, l, acc, vf);
+        if (nu > 0) fold<GRP, PUMAX>(grp, nu, s, m, l, acc, vf);
     }
     /* the merge area reuses the start of shared memory (q is no longer read) */
     __syncthreads();

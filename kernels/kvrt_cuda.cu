@@ -680,8 +680,9 @@ static void cu_close(struct kvrt_cuda *c) {
 }
 
 /* The prerope kernel's instantiations: KSTEPS 1..4 (ranks 16..64) by NTW
- * 2 or 4 (d_h 64 or 128). */
-#define PATTN_CASES(X) X(1, 2) X(2, 2) X(3, 2) X(4, 2) X(1, 4) X(2, 4) X(3, 4) X(4, 4)
+ * 2 or 4 (d_h 64 or 128) by query heads per KV head 1, 2 or 4. */
+#define PATTN_CASES_G(X, g) X(1, 2, g) X(2, 2, g) X(3, 2, g) X(4, 2, g) X(1, 4, g) X(2, 4, g) X(3, 4, g) X(4, 4, g)
+#define PATTN_CASES(X) PATTN_CASES_G(X, 1) PATTN_CASES_G(X, 2) PATTN_CASES_G(X, 4)
 
 /* Picks a layer's attention kernel: a fast one (attn_fast.cuh) when every
  * head's slices fit its layout, the generic one otherwise or when the
@@ -707,7 +708,7 @@ static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp
     }
     if (!ok) return;
     if (pre) {
-        if (!(grp <= PGMAX && (dh == 64 || dh == 128) && ks_first % 16 == 0 && ks_first >= 16 && ks_first <= 64))
+        if (!((grp == 1 || grp == 2 || grp == 4) && (dh == 64 || dh == 128) && ks_first % 16 == 0 && ks_first >= 16 && ks_first <= 64))
             return;
         int gs = fast_group(8, lp->vw_max, 2);
         size_t sm = pattn_smem((int)grp, (int)dh, (int)ks_first, gs, lp->vw_max);
@@ -770,8 +771,8 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
     CK(cudaFuncSetAttribute(dattn_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
     CK(cudaFuncSetAttribute(dattn_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
     CK(cudaFuncSetAttribute(dattn_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
-#define PSET(k, n)                                                                                    \
-    CK(cudaFuncSetAttribute(pattn_kernel<k, n>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),      \
+#define PSET(k, n, g)                                                                                 \
+    CK(cudaFuncSetAttribute(pattn_kernel<k, n, g>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),   \
        "setting shared memory");
     PATTN_CASES(PSET)
 #undef PSET
@@ -892,10 +893,10 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
             dattn_kernel<4><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
     } else if (s->kern == KERN_PREROPE) {
         int ksteps = (int)(lp->ksrc_max / 16), ntw = (int)(p->head_dim / 32);
-#define PLAUNCH(k, nw)                                                                                      \
-        if (ksteps == k && ntw == nw)                                                                     \
-            pattn_kernel<k, nw><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, \
-                                                                c->pm, c->pl, c->pacc);
+#define PLAUNCH(k, nw, g)                                                                                   \
+        if (ksteps == k && ntw == nw && p->grp == g)                                                      \
+            pattn_kernel<k, nw, g><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, \
+                                                                   c->pm, c->pl, c->pacc);
         PATTN_CASES(PLAUNCH)
 #undef PLAUNCH
     } else if (p->f16) {
