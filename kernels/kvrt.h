@@ -19,11 +19,14 @@
  * CUDA kernels and their CPU twin, plain C with the same tiling, chunking
  * and order of operations, which is the reference the GPU is tested against.
  * Cached entries are stored as fp32 or fp16 (rounded to nearest even as they
- * enter the cache); all arithmetic is fp32.
+ * enter the cache); a compressed model whose kv_bits is below 16 stores
+ * every latent as 8-, 4-, 3- or 2-bit codes with an fp16 scale and zero per
+ * unit and position (quantized as the forward pass quantizes them, full keys
+ * and values staying fp32/fp16); all arithmetic is fp32.
  *
  * Errors follow kvcal_core.h: an int status and a caller-owned struct kv_err.
  * KV_EDEVICE for CUDA failures, KV_EUNSUPPORTED for a build without CUDA or
- * a manifest the runtime does not run (quantized latents). */
+ * a manifest the runtime does not run. */
 #ifndef KVRT_H
 #define KVRT_H
 
@@ -85,9 +88,10 @@ struct kvrt;
 
 /* Upload model m's attention for a decode runtime: the base model's full
  * K/V path when lr is NULL, else lr's compressed attention (lr as from
- * kv_lr_dir_open; its shapes must match m). lr->kv_bits < 16 (quantized
- * latents) is KV_EUNSUPPORTED. Only the attention weights are copied; m and
- * lr may be freed afterwards. */
+ * kv_lr_dir_open; its shapes must match m). lr's kv_bits (kv_lr_info) says
+ * how latents are cached: 16 as opts.cache says, 8, 4, 3 or 2 as codes
+ * (kernels/README.md, "Low-bit latents"). Only the attention weights are
+ * copied; m and lr may be freed afterwards. */
 int kvrt_open(const struct kv_model *m, const struct kv_lowrank *lr,
               const struct kvrt_opts *o, struct kvrt **out, struct kv_err *err);
 void kvrt_close(struct kvrt *rt);
@@ -118,7 +122,9 @@ const struct kv_err *kvrt_error(const struct kvrt *rt);
 
 struct kvrt_layer_info {
     enum kv_lr_mode kmode, vmode;
-    int64_t cache_bytes_per_token; /* K + V entries of one position, as stored */
+    int64_t cache_bytes_per_token; /* K + V entries of one position, as stored (quantized
+                                      latents: codes plus fp16 scale and zero per unit,
+                                      kv_lr_unit_bytes, without the row padding) */
     int64_t weight_bytes;          /* fp32 weights one decode step reads */
     int64_t up_bytes;              /* of which prerope reconstruction factors */
 };
@@ -142,7 +148,9 @@ int64_t kvrt_max_ctx(void);
 /* ---------------------------------------------------------------- benchmarks */
 
 /* Fill layer `layer`'s cache rows 0..len-1 with pseudo-random entries from
- * seed (uniform in [-1, 1]), as if len tokens had been appended. */
+ * seed (uniform in [-1, 1]; quantized latents: random codes, scales in
+ * [2^-4, 2^-3) and zeros in (-2, -1]), as if len tokens had been appended;
+ * the same bytes on every backend (kvrt_plan.h). */
 int kvrt_fill(struct kvrt *rt, int64_t layer, int64_t len, uint64_t seed, struct kv_err *err);
 /* Time iters decode steps of layer `layer` at position pos (each appends a
  * fixed pseudo-random input at pos, over a cache filled to pos, and
