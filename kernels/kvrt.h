@@ -202,6 +202,7 @@ enum kvrt_bench_opt {
     KVRT_BENCH_OPT_KEEP,   /* synthetic latents' mean rank / head_dim */
     KVRT_BENCH_OPT_ITERS,  /* timed steps per layer and context */
     KVRT_BENCH_OPT_LAYERS, /* layers timed */
+    KVRT_BENCH_OPT_KV_BITS, /* latent storage bits */
     KVRT_BENCH_OPT_COUNT
 };
 
@@ -212,6 +213,9 @@ int kvrt_bench_check_ctx(int64_t ctx, const char *const *names, struct kv_err *e
  * synthetic compressed attention as a fraction of head_dim
  * (kvrt_synth_lowrank makes the same check). */
 int kvrt_bench_check_keep(double keep, const char *const *names, struct kv_err *err);
+/* KV_OK when bits is a latent storage kvcal runs: 16, 8, 4, 3 or 2
+ * (kv_lr_bits_valid). */
+int kvrt_bench_check_bits(int64_t bits, const char *const *names, struct kv_err *err);
 /* KV_OK when iters and layers are at least 1. */
 int kvrt_bench_check(int64_t iters, int64_t layers, const char *const *names,
                      struct kv_err *err);
@@ -224,10 +228,10 @@ int kvrt_bench_check_manifest(const struct kv_lowrank *lr, int64_t layers,
 /* A manifest read alone (kv_lr_manifest_read) made ready to time: its
  * first `layers` layers (<= 0: all; kvrt_bench_check_manifest), random
  * factors (kvrt_synth_fill_factors) and a random model of its shapes in *m
- * (kv_model_close). Quantized latents are timed unquantized: lr's kv_bits
- * becomes 16 and *quantized_bits says what the manifest had (0 when 16). */
+ * (kv_model_close). Its latents are timed as it stores them (its kv_bits;
+ * kv_lr_set_kv_bits changes that). */
 int kvrt_bench_manifest(struct kv_lowrank *lr, int64_t layers, struct kv_model **m,
-                        int *quantized_bits, struct kv_err *err);
+                        struct kv_err *err);
 
 #define KVRT_BENCH_MAX_CTXS 64 /* context lengths one table holds */
 #define KVRT_BENCH_MAX_CFGS 4
@@ -238,9 +242,12 @@ struct kvrt_bench_cfg {
     enum kv_lr_mode kmode, vmode; /* the synthetic modes it is made with */
     int manifest;                 /* the manifest's own modes and ranks instead */
     /* as timed, per cache dtype (index enum kvrt_dtype): */
-    int64_t kv_total[2];          /* KV bytes per token over the timed layers */
+    int64_t kv_total[2];          /* KV bytes per token over the timed layers, as stored
+                                     (kvrt_layer_info: quantized latents' codes, scale, zero) */
     enum kv_lr_mode lk, lv;       /* modes of layer 0 as the runtime runs them */
     int mixed;                    /* the layers differ in modes */
+    int kv_bits;                  /* its latents' storage: 16 (as the cache dtype), 8, 4, 3, 2;
+                                     16 for full */
 };
 
 /* One (configuration, cache dtype, context): means over the timed layers. */
@@ -260,6 +267,8 @@ struct kvrt_bench {
     int caches[2], n_cache;           /* enum kvrt_dtype, in table order */
     int64_t iters;
     double keep;                      /* synthetic latents (kvrt_synth_lowrank) */
+    int kv_bits;                      /* synthetic latents' storage: 16 (or 0), 8, 4, 3, 2;
+                                         a manifest's is its own (lr's kv_bits) */
     const struct kv_model *m;         /* the model timed, every layer of it */
     struct kv_lowrank *lr;            /* a manifest's (kvrt_bench_manifest), or NULL */
     /* out */
