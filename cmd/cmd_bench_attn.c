@@ -17,10 +17,10 @@
 static struct bench_args {
     const char *preset, *dir, *device, *ctx, *cache;
     double keep;            /* NaN: not given */
-    int64_t iters, layers;  /* INT64_MIN: not given */
+    int64_t iters, layers, kv_bits; /* INT64_MIN: not given */
     int json, quiet;
 } A = {.device = "cuda", .ctx = "1K,2K,4K,8K,16K,32K,64K", .cache = "both", .keep = NAN,
-       .iters = INT64_MIN, .layers = INT64_MIN};
+       .iters = INT64_MIN, .layers = INT64_MIN, .kv_bits = INT64_MIN};
 
 static const struct cli_opt bench_opts[] = {
     {"synthetic", 0, OPT_STR, &A.preset, "PRESET",
@@ -36,6 +36,11 @@ static const struct cli_opt bench_opts[] = {
      "with --synthetic: mean latent rank per kv head as a fraction of\n"
      "head_dim, in (0, 1] (default 0.5)"},
     {"cache", 0, OPT_STR, &A.cache, "T", "cache storage: f16, f32 or both (default)"},
+    {"kv-bits", 0, OPT_INT, &A.kv_bits, "B",
+     "latent storage: 16 (as --cache) or 8, 4, 3, 2-bit codes with\n"
+     "an fp16 scale and zero per unit and token (default 16; with\n"
+     "--manifest the manifest's own, which B replaces); full keys\n"
+     "and values stay as --cache"},
     {"iters", 0, OPT_INT, &A.iters, "N",
      "timed steps per layer and context (default 50 cuda, 3 twin)"},
     {"layers", 0, OPT_INT, &A.layers, "N",
@@ -66,14 +71,17 @@ static const struct cli_cmd bench_cmd = {
     "                                  factor folded into the query\n"
     "with --synthetic every latent has rank round(keep x head_dim) on average; with\n"
     "--manifest the rows are 'full' (the manifest's shapes) and 'manifest' (its modes\n"
-    "and ranks). Quantized latents (kv bits < 16) are timed unquantized, with a note.\n"
-    "\nnumbers: bytes a step moves = (ctx+1) x KV bytes per token and layer (as cached,\n"
-    "f16 or f32) + the fp32 weights it reads; GB/s = bytes / µs/step / 1e3; % peak\n"
+    "and ranks). Below 16 kv bits (--kv-bits, or a manifest's own) every latent is\n"
+    "cached as codes plus an fp16 scale and zero per unit: 'kv bytes' then names the\n"
+    "bits and counts ceil(rank x bits / 8) + 4 bytes per unit, whatever the cache dtype.\n"
+    "\nnumbers: bytes a step moves = (ctx+1) x KV bytes per token and layer (as cached:\n"
+    "f16, f32 or codes) + the fp32 weights it reads; GB/s = bytes / µs/step / 1e3; % peak\n"
     "against the device's memory bandwidth (cuda only); speedup = µs/step of full /\n"
     "µs/step of the row, at the same ctx and cache dtype. The table is markdown.\n"
     "\nexamples:\n"
     "  kvcal bench-attn --synthetic llama3-8b\n"
     "  kvcal bench-attn --synthetic gpt2-xl --ctx 4K,16K,64K --cache f16 --json\n"
+    "  kvcal bench-attn --synthetic llama3-8b --kv-bits 4 --cache f16\n"
     "  kvcal bench-attn --manifest out-656K --device twin --ctx 256,1K\n",
     bench_opts, (int)(sizeof bench_opts / sizeof bench_opts[0]), 0};
 
@@ -83,6 +91,7 @@ static const char *const bench_names[KVRT_BENCH_OPT_COUNT] = {
     [KVRT_BENCH_OPT_KEEP] = "--keep",
     [KVRT_BENCH_OPT_ITERS] = "--iters",
     [KVRT_BENCH_OPT_LAYERS] = "--layers",
+    [KVRT_BENCH_OPT_KV_BITS] = "--kv-bits",
 };
 
 /* The table and what the header says about where it was timed. */
@@ -135,10 +144,19 @@ static const char *mode_pair(const struct kvrt_bench_cfg *g, char *buf, size_t c
         snprintf(buf, cap, "modes differ between layers");
     else
         snprintf(buf, cap, "keys %s, values %s", kv_lr_mode_name(g->lk), kv_lr_mode_name(g->lv));
+    if (g->kv_bits < 16)
+        snprintf(buf + strlen(buf), cap - strlen(buf), ", %d-bit latents", g->kv_bits);
     return buf;
 }
 
-static void print_text(const struct bench_out *p, const char *source, const char *note) {
+/* The latents' storage as the header names it: "" unquantized. */
+static const char *bits_note(int bits, char *buf, size_t cap) {
+    if (bits >= 16) return "";
+    snprintf(buf, cap, ", %d-bit codes with an fp16 scale and zero per unit", bits);
+    return buf;
+}
+
+static void print_text(const struct bench_out *p, const char *source) {
     const struct kvrt_bench *b = &p->b;
     const struct kv_config *c = kv_model_config(b->m);
     int cuda = b->backend == KVRT_BACKEND_CUDA;
@@ -154,17 +172,18 @@ static void print_text(const struct bench_out *p, const char *source, const char
         printf("rope theta %g\n", (double)c->rope_theta);
     else
         printf("no rope (learned positions)\n");
+    char bn[96];
     if (b->lr)
-        printf("manifest   method %s, alloc %s\n", kv_lr_info(b->lr).method,
-               kv_lr_info(b->lr).alloc);
+        printf("manifest   method %s, alloc %s%s\n", kv_lr_info(b->lr).method,
+               kv_lr_info(b->lr).alloc, bits_note(kv_lr_info(b->lr).kv_bits, bn, sizeof bn));
     else
-        printf("latents    rank round(%g x head_dim) on average per kv head\n", b->keep);
-    if (note) printf("note       %s\n", note);
+        printf("latents    rank round(%g x head_dim) on average per kv head%s\n", b->keep,
+               bits_note(b->kv_bits, bn, sizeof bn));
     printf("timing     %lld step%s per layer and context after 3 untimed ones\n",
            (long long)b->iters, b->iters == 1 ? "" : "s");
     printf("kv bytes   per token, all timed layers (per layer):\n");
     for (int g = 0; g < b->n_cfg; g++) {
-        char mp[96];
+        char mp[128];
         printf("  %-31s", b->cfgs[g].name);
         for (int ti = 0; ti < b->n_cache; ti++) {
             int t = b->caches[ti];
@@ -196,8 +215,7 @@ static void print_text(const struct bench_out *p, const char *source, const char
             }
 }
 
-static int print_json(const struct bench_out *p, const char *preset, const char *dir,
-                      const char *note) {
+static int print_json(const struct bench_out *p, const char *preset, const char *dir) {
     const struct kvrt_bench *b = &p->b;
     const struct kv_config *c = kv_model_config(b->m);
     int cuda = b->backend == KVRT_BACKEND_CUDA;
@@ -222,10 +240,10 @@ static int print_json(const struct bench_out *p, const char *preset, const char 
                                 json_integer(x->kv_total[t]));
         }
         json_array_append_new(
-            cfgs, json_pack("{s:s, s:o, s:o, s:o}", "name", x->name, "kmode",
+            cfgs, json_pack("{s:s, s:o, s:o, s:i, s:o}", "name", x->name, "kmode",
                             x->mixed ? json_null() : json_string(kv_lr_mode_name(x->lk)), "vmode",
                             x->mixed ? json_null() : json_string(kv_lr_mode_name(x->lv)),
-                            "kv_bytes_per_token", kv));
+                            "kv_bits", x->kv_bits, "kv_bytes_per_token", kv));
     }
     for (int i = 0; i < b->n_ctx; i++)
         for (int g = 0; g < b->n_cfg; g++)
@@ -247,12 +265,12 @@ static int print_json(const struct bench_out *p, const char *preset, const char 
                                   : json_null(),
                               "speedup", cli_json_real(f->us_step / x->us_step)));
             }
-    json_t *o = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:I, s:o, s:o}", "device", dev,
+    json_t *o = json_pack("{s:o, s:o, s:o, s:o, s:o, s:i, s:I, s:o, s:o}", "device", dev,
                           "synthetic", preset ? json_string(preset) : json_null(), "manifest",
                           dir ? cli_json_text(dir) : json_null(), "shapes", shapes, "keep",
-                          b->lr ? json_null() : cli_json_real(b->keep), "note",
-                          note ? json_string(note) : json_null(), "iters", (json_int_t)b->iters,
-                          "configs", cfgs, "rows", rows);
+                          b->lr ? json_null() : cli_json_real(b->keep), "kv_bits",
+                          b->lr ? kv_lr_info(b->lr).kv_bits : b->kv_bits, "iters",
+                          (json_int_t)b->iters, "configs", cfgs, "rows", rows);
     return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
 }
 
@@ -300,6 +318,9 @@ static int check_args(const struct cli_cmd *cmd, struct bench_args *a, struct kv
     b->keep = isnan(a->keep) ? 0.5 : a->keep;
     if (kvrt_bench_check_keep(b->keep, bench_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
+    b->kv_bits = a->kv_bits == INT64_MIN ? 16 : (int)a->kv_bits;
+    if (a->kv_bits != INT64_MIN && kvrt_bench_check_bits(a->kv_bits, bench_names, &err))
+        return cli_usage_error(cmd, "%s", err.msg);
     if (!strcmp(a->cache, "both"))
         b->caches[0] = KVRT_DTYPE_F16, b->caches[1] = KVRT_DTYPE_F32, b->n_cache = 2;
     else if (kvrt_dtype_parse(a->cache) >= 0)
@@ -315,7 +336,7 @@ static int check_args(const struct cli_cmd *cmd, struct bench_args *a, struct kv
 /* The model timed (and with --manifest its compressed attention): a
  * manifest's first --layers layers with random factors, or the preset. */
 static int open_model(const struct cli_cmd *cmd, const struct bench_args *a, struct kvrt_bench *b,
-                      struct kv_model **m, char *note, size_t note_cap) {
+                      struct kv_model **m) {
     struct kv_err err;
     kv_err_clear(&err);
     if (a->preset) {
@@ -328,19 +349,17 @@ static int open_model(const struct cli_cmd *cmd, const struct bench_args *a, str
     char *path = malloc(n);
     if (!path) return EXIT_ERR;
     snprintf(path, n, "%s/kvcal.json", a->dir);
-    int rc = kv_lr_manifest_read(path, &b->lr, &err), bits;
+    int rc = kv_lr_manifest_read(path, &b->lr, &err);
     free(path);
     if (rc) return cli_report(&err);
     int64_t layers = a->layers == INT64_MIN ? 0 : a->layers;
     if (kvrt_bench_check_manifest(b->lr, layers, bench_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
-    if (kvrt_bench_manifest(b->lr, layers, m, &bits, &err)) return cli_report(&err);
+    if (kvrt_bench_manifest(b->lr, layers, m, &err)) return cli_report(&err);
     b->m = *m;
-    if (bits)
-        snprintf(note, note_cap,
-                 "the manifest quantizes latents to %d bits; the runtime caches them unquantized "
-                 "(fp16/fp32), as timed here",
-                 bits);
+    /* --kv-bits replaces the manifest's own (checked) */
+    if (a->kv_bits != INT64_MIN && kv_lr_set_kv_bits(b->lr, (int)a->kv_bits, &err))
+        return cli_report(&err);
     return EXIT_OK;
 }
 
@@ -356,8 +375,7 @@ int cmd_bench_attn(int argc, char **argv) {
     if ((rc = check_args(cmd, a, &p.b)) >= 0) return rc;
     if ((rc = probe_device(&p))) return rc;
     struct kv_model *m = NULL;
-    char note[256] = "";
-    if (!(rc = open_model(cmd, a, &p.b, &m, note, sizeof note))) {
+    if (!(rc = open_model(cmd, a, &p.b, &m))) {
         struct kv_err err;
         kv_err_clear(&err);
         struct cli_progress prog;
@@ -367,12 +385,12 @@ int cmd_bench_attn(int argc, char **argv) {
         if (rc) {
             rc = cli_report(&err);
         } else if (a->json) {
-            rc = print_json(&p, a->preset, a->dir, note[0] ? note : NULL);
+            rc = print_json(&p, a->preset, a->dir);
         } else {
             char src[1100];
             snprintf(src, sizeof src, "%s%s", a->dir ? "manifest " : "",
                      a->dir ? a->dir : a->preset);
-            print_text(&p, src, note[0] ? note : NULL);
+            print_text(&p, src);
         }
     }
     kvrt_bench_release(&p.b);

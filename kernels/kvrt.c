@@ -89,6 +89,8 @@ static int plan_fail(struct kvrt_plan *p, struct kv_err *err, int code, int64_t 
     return kv_fail(err, code, NULL, KV_NO_OFFSET, "layer %lld: %s", (long long)l, what);
 }
 
+static int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
 /* Offsets the tables keep as int32 (device-friendly): everything a layer
  * holds must stay below 2^31 elements. */
 #define KVRT_MAX_ELEMS ((int64_t)1 << 31)
@@ -145,10 +147,16 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
     lp->kmode = K->mode, lp->vmode = V->mode;
     int fq = K->mode == KV_LR_FUSED_QUERY, rot = K->mode == KV_LR_POSTROPE_ROTATION;
     int klat = K->mode == KV_LR_PREROPE_LATENT || fq, vlat = V->mode == KV_LR_FUSED_OUTPUT;
-    /* latent column of each unit */
+    /* quantized latents (kvrt_plan.h, "Low-bit latent caches"): every
+     * latent side of a model whose kv_bits is below 16 */
+    int bits = lr && lr->info.kv_bits < 16 ? lr->info.kv_bits : 16;
+    lp->kbits = K->mode != KV_LR_FULL ? bits : 16, lp->vbits = V->mode != KV_LR_FULL ? bits : 16;
+    int kq = lp->kbits < 16, vq = lp->vbits < 16;
+    /* latent column of each unit (kuo, vuo) and, quantized, the byte
+     * offset of its codes (kbo, vbo: multiples of KVRT_QALIGN) */
     int64_t zkw, zvw;
-    int64_t *kuo = calloc((size_t)(K->n_units + 1), sizeof *kuo);
-    int64_t *vuo = calloc((size_t)(V->n_units + 1), sizeof *vuo);
+    int64_t *kuo = calloc((size_t)(2 * (K->n_units + 1)), sizeof *kuo), *kbo = kuo + K->n_units + 1;
+    int64_t *vuo = calloc((size_t)(2 * (V->n_units + 1)), sizeof *vuo), *vbo = vuo + V->n_units + 1;
     lp->hk = calloc((size_t)(g * KVRT_HK_N), sizeof *lp->hk);
     lp->hq = calloc((size_t)(h * KVRT_HQ_N), sizeof *lp->hq);
     lp->order = calloc((size_t)g, sizeof *lp->order);
@@ -156,8 +164,14 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
         free(kuo), free(vuo);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for the runtime plan");
     }
-    for (int64_t u = 0; u < K->n_units; u++) kuo[u + 1] = kuo[u] + K->units[u].rank;
-    for (int64_t u = 0; u < V->n_units; u++) vuo[u + 1] = vuo[u] + V->units[u].rank;
+    for (int64_t u = 0; u < K->n_units; u++) {
+        kuo[u + 1] = kuo[u] + K->units[u].rank;
+        kbo[u + 1] = align_up(kbo[u] + kvrt_code_bytes(K->units[u].rank, lp->kbits), KVRT_QALIGN);
+    }
+    for (int64_t u = 0; u < V->n_units; u++) {
+        vuo[u + 1] = vuo[u] + V->units[u].rank;
+        vbo[u + 1] = align_up(vbo[u] + kvrt_code_bytes(V->units[u].rank, lp->vbits), KVRT_QALIGN);
+    }
     zkw = kuo[K->n_units], zvw = vuo[V->n_units];
     /* per KV head tables */
     int64_t up_len = 0, rot_len = 0;
@@ -165,11 +179,12 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
         int32_t *hk = lp->hk + j * KVRT_HK_N;
         int64_t ku = unit_of(K, j), vu = unit_of(V, j);
         if (K->mode == KV_LR_FULL) {
-            hk[KVRT_HK_KCOL] = (int32_t)(j * dh), hk[KVRT_HK_KSRC] = hk[KVRT_HK_KW] = (int32_t)dh;
+            hk[KVRT_HK_KCOL] = hk[KVRT_HK_KPROJ] = (int32_t)(j * dh), hk[KVRT_HK_KSRC] = hk[KVRT_HK_KW] = (int32_t)dh;
             hk[KVRT_HK_KOWN] = 1;
         } else {
             const struct kv_lr_unit *un = &K->units[ku];
-            hk[KVRT_HK_KCOL] = (int32_t)kuo[ku], hk[KVRT_HK_KSRC] = (int32_t)un->rank;
+            hk[KVRT_HK_KCOL] = (int32_t)(kq ? kbo[ku] : kuo[ku]), hk[KVRT_HK_KSRC] = (int32_t)un->rank;
+            hk[KVRT_HK_KU] = (int32_t)(kq ? ku : 0), hk[KVRT_HK_KPROJ] = (int32_t)kuo[ku];
             hk[KVRT_HK_KW] = (int32_t)(K->mode == KV_LR_PREROPE_LATENT ? dh : un->rank);
             hk[KVRT_HK_KOWN] = j == un->head0;
             if (K->mode == KV_LR_PREROPE_LATENT) {
@@ -180,10 +195,12 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
             if (rot) hk[KVRT_HK_ROTOFF] = (int32_t)(kuo[ku] * dh);
         }
         if (V->mode == KV_LR_FULL) {
-            hk[KVRT_HK_VCOL] = (int32_t)(j * dh), hk[KVRT_HK_VW] = (int32_t)dh, hk[KVRT_HK_VOWN] = 1;
+            hk[KVRT_HK_VCOL] = hk[KVRT_HK_VPROJ] = (int32_t)(j * dh), hk[KVRT_HK_VW] = (int32_t)dh;
+            hk[KVRT_HK_VOWN] = 1;
         } else {
             const struct kv_lr_unit *un = &V->units[vu];
-            hk[KVRT_HK_VCOL] = (int32_t)vuo[vu], hk[KVRT_HK_VW] = (int32_t)un->rank;
+            hk[KVRT_HK_VCOL] = (int32_t)(vq ? vbo[vu] : vuo[vu]), hk[KVRT_HK_VW] = (int32_t)un->rank;
+            hk[KVRT_HK_VU] = (int32_t)(vq ? vu : 0), hk[KVRT_HK_VPROJ] = (int32_t)vuo[vu];
             hk[KVRT_HK_VOWN] = j == un->head0;
         }
         lp->kw_max = hk[KVRT_HK_KW] > lp->kw_max ? hk[KVRT_HK_KW] : lp->kw_max;
@@ -230,8 +247,13 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
     lp->qrows = fq ? qo : h * dh;
     lp->krows = klat ? zkw : g * dh;
     lp->vrows = vlat ? zvw : g * dh;
-    lp->kld = klat || rot ? zkw : g * dh;
-    lp->vld = vlat ? zvw : g * dh;
+    lp->kld = kq ? align_up(kbo[K->n_units], 16) : (klat || rot ? zkw : g * dh);
+    lp->vld = vq ? align_up(vbo[V->n_units], 16) : (vlat ? zvw : g * dh);
+    lp->kunits = kq ? K->n_units : 0, lp->vunits = vq ? V->n_units : 0;
+    int64_t es = p->f16 ? 2 : 4;
+    lp->kbytes = kq ? 0 : lp->kld * es, lp->vbytes = vq ? 0 : lp->vld * es;
+    for (int64_t u = 0; kq && u < K->n_units; u++) lp->kbytes += kv_lr_unit_bytes(K->units[u].rank, lp->kbits);
+    for (int64_t u = 0; vq && u < V->n_units; u++) lp->vbytes += kv_lr_unit_bytes(V->units[u].rank, lp->vbits);
     int64_t rows = lp->qrows + lp->krows + lp->vrows;
     if (rows * d >= KVRT_MAX_ELEMS || d * oo >= KVRT_MAX_ELEMS || up_len >= KVRT_MAX_ELEMS) {
         free(kuo), free(vuo);
@@ -283,9 +305,8 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
     if (lr && !kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                                "compressed attention factors", NULL, err))
         return KV_EINVAL;
-    if (lr && lr->info.kv_bits < 16)
-        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
-                       "the runtime caches fp16 or fp32 latents; this compressed model quantizes them to %d bits",
+    if (lr && !kv_lr_bits_valid(lr->info.kv_bits))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of " KV_LR_BITS_LIST,
                        lr->info.kv_bits);
     if (o->max_ctx < 1 || o->max_ctx > KV_MAX_CTX)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "context length %lld is outside 1..%d",
@@ -374,6 +395,7 @@ void kvrt_close(struct kvrt *rt) {
 }
 
 enum kvrt_backend kvrt_backend_of(const struct kvrt *rt) { return rt->backend; }
+const struct kvrt_plan *kvrt_plan_of(const struct kvrt *rt) { return &rt->p; }
 const struct kv_err *kvrt_error(const struct kvrt *rt) { return &rt->last; }
 
 static int check_layer(const struct kvrt *rt, int64_t layer, struct kv_err *err) {
@@ -435,9 +457,8 @@ int kvrt_fwd_attn(void *ctx, int64_t layer, const float *x, int64_t n, int64_t p
 int kvrt_layer_info(const struct kvrt *rt, int64_t layer, struct kvrt_layer_info *out) {
     if (layer < 0 || layer >= rt->p.n_layers) return KV_EINVAL;
     const struct kvrt_lplan *lp = &rt->p.layers[layer];
-    int64_t es = rt->p.f16 ? 2 : 4;
     out->kmode = (enum kv_lr_mode)lp->kmode, out->vmode = (enum kv_lr_mode)lp->vmode;
-    out->cache_bytes_per_token = (lp->kld + lp->vld) * es;
+    out->cache_bytes_per_token = lp->kbytes + lp->vbytes;
     out->up_bytes = lp->up_len * 4;
     out->weight_bytes = ((lp->qrows + lp->krows + lp->vrows) * (rt->p.dim + 1) +
                          rt->p.dim * lp->o_total + lp->up_len + lp->rot_len) * 4;
@@ -494,6 +515,13 @@ int kvrt_time_step(struct kvrt *rt, int64_t layer, int64_t pos, int64_t iters, d
     return rc;
 }
 
+/* Bytes one position of a cache side takes as the twin allocates it: a
+ * quantized side's padded code row and its (scale, zero) pairs, else
+ * ld floats or halves. */
+static int64_t side_alloc(int64_t ld, int bits, int64_t units, int f16) {
+    return bits < 16 ? ld + 4 * units : ld * (f16 ? 2 : 4);
+}
+
 /* Bytes of memory available to a new allocation: MemAvailable of
  * /proc/meminfo, else the physical memory; 0 when unknown. */
 static double mem_available(void) {
@@ -511,9 +539,11 @@ static double mem_available(void) {
 int kvrt_cache_fits(const struct kvrt *rt, int64_t max_ctx, struct kv_err *err) {
     if (kvrt_backend_of(rt) != KVRT_BACKEND_TWIN) return KV_OK;
     double need = 0, have = mem_available();
-    struct kvrt_layer_info li;
-    for (int64_t l = 0; kvrt_layer_info(rt, l, &li) == KV_OK; l++)
-        need += (double)max_ctx * (double)li.cache_bytes_per_token;
+    for (int64_t l = 0; l < rt->p.n_layers; l++) {
+        const struct kvrt_lplan *lp = &rt->p.layers[l];
+        need += (double)max_ctx * (double)(side_alloc(lp->kld, lp->kbits, lp->kunits, rt->p.f16) +
+                                           side_alloc(lp->vld, lp->vbits, lp->vunits, rt->p.f16));
+    }
     if (have <= 0 || need <= 0.9 * have) return KV_OK;
     return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
                    "the twin's caches need %.1f GiB but %.1f GiB of memory is available",

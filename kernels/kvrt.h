@@ -19,11 +19,14 @@
  * CUDA kernels and their CPU twin, plain C with the same tiling, chunking
  * and order of operations, which is the reference the GPU is tested against.
  * Cached entries are stored as fp32 or fp16 (rounded to nearest even as they
- * enter the cache); all arithmetic is fp32.
+ * enter the cache); a compressed model whose kv_bits is below 16 stores
+ * every latent as 8-, 4-, 3- or 2-bit codes with an fp16 scale and zero per
+ * unit and position (quantized as the forward pass quantizes them, full keys
+ * and values staying fp32/fp16); all arithmetic is fp32.
  *
  * Errors follow kvcal_core.h: an int status and a caller-owned struct kv_err.
  * KV_EDEVICE for CUDA failures, KV_EUNSUPPORTED for a build without CUDA or
- * a manifest the runtime does not run (quantized latents). */
+ * a manifest the runtime does not run. */
 #ifndef KVRT_H
 #define KVRT_H
 
@@ -85,9 +88,10 @@ struct kvrt;
 
 /* Upload model m's attention for a decode runtime: the base model's full
  * K/V path when lr is NULL, else lr's compressed attention (lr as from
- * kv_lr_dir_open; its shapes must match m). lr->kv_bits < 16 (quantized
- * latents) is KV_EUNSUPPORTED. Only the attention weights are copied; m and
- * lr may be freed afterwards. */
+ * kv_lr_dir_open; its shapes must match m). lr's kv_bits (kv_lr_info) says
+ * how latents are cached: 16 as opts.cache says, 8, 4, 3 or 2 as codes
+ * (kernels/README.md, "Low-bit latents"). Only the attention weights are
+ * copied; m and lr may be freed afterwards. */
 int kvrt_open(const struct kv_model *m, const struct kv_lowrank *lr,
               const struct kvrt_opts *o, struct kvrt **out, struct kv_err *err);
 void kvrt_close(struct kvrt *rt);
@@ -118,7 +122,9 @@ const struct kv_err *kvrt_error(const struct kvrt *rt);
 
 struct kvrt_layer_info {
     enum kv_lr_mode kmode, vmode;
-    int64_t cache_bytes_per_token; /* K + V entries of one position, as stored */
+    int64_t cache_bytes_per_token; /* K + V entries of one position, as stored (quantized
+                                      latents: codes plus fp16 scale and zero per unit,
+                                      kv_lr_unit_bytes, without the row padding) */
     int64_t weight_bytes;          /* fp32 weights one decode step reads */
     int64_t up_bytes;              /* of which prerope reconstruction factors */
 };
@@ -142,7 +148,9 @@ int64_t kvrt_max_ctx(void);
 /* ---------------------------------------------------------------- benchmarks */
 
 /* Fill layer `layer`'s cache rows 0..len-1 with pseudo-random entries from
- * seed (uniform in [-1, 1]), as if len tokens had been appended. */
+ * seed (uniform in [-1, 1]; quantized latents: random codes, scales in
+ * [2^-4, 2^-3) and zeros in (-2, -1]), as if len tokens had been appended;
+ * the same bytes on every backend (kvrt_plan.h). */
 int kvrt_fill(struct kvrt *rt, int64_t layer, int64_t len, uint64_t seed, struct kv_err *err);
 /* Time iters decode steps of layer `layer` at position pos (each appends a
  * fixed pseudo-random input at pos, over a cache filled to pos, and
@@ -194,6 +202,7 @@ enum kvrt_bench_opt {
     KVRT_BENCH_OPT_KEEP,   /* synthetic latents' mean rank / head_dim */
     KVRT_BENCH_OPT_ITERS,  /* timed steps per layer and context */
     KVRT_BENCH_OPT_LAYERS, /* layers timed */
+    KVRT_BENCH_OPT_KV_BITS, /* latent storage bits */
     KVRT_BENCH_OPT_COUNT
 };
 
@@ -204,6 +213,9 @@ int kvrt_bench_check_ctx(int64_t ctx, const char *const *names, struct kv_err *e
  * synthetic compressed attention as a fraction of head_dim
  * (kvrt_synth_lowrank makes the same check). */
 int kvrt_bench_check_keep(double keep, const char *const *names, struct kv_err *err);
+/* KV_OK when bits is a latent storage kvcal runs: 16, 8, 4, 3 or 2
+ * (kv_lr_bits_valid). */
+int kvrt_bench_check_bits(int64_t bits, const char *const *names, struct kv_err *err);
 /* KV_OK when iters and layers are at least 1. */
 int kvrt_bench_check(int64_t iters, int64_t layers, const char *const *names,
                      struct kv_err *err);
@@ -216,10 +228,10 @@ int kvrt_bench_check_manifest(const struct kv_lowrank *lr, int64_t layers,
 /* A manifest read alone (kv_lr_manifest_read) made ready to time: its
  * first `layers` layers (<= 0: all; kvrt_bench_check_manifest), random
  * factors (kvrt_synth_fill_factors) and a random model of its shapes in *m
- * (kv_model_close). Quantized latents are timed unquantized: lr's kv_bits
- * becomes 16 and *quantized_bits says what the manifest had (0 when 16). */
+ * (kv_model_close). Its latents are timed as it stores them (its kv_bits;
+ * kv_lr_set_kv_bits changes that). */
 int kvrt_bench_manifest(struct kv_lowrank *lr, int64_t layers, struct kv_model **m,
-                        int *quantized_bits, struct kv_err *err);
+                        struct kv_err *err);
 
 #define KVRT_BENCH_MAX_CTXS 64 /* context lengths one table holds */
 #define KVRT_BENCH_MAX_CFGS 4
@@ -230,9 +242,12 @@ struct kvrt_bench_cfg {
     enum kv_lr_mode kmode, vmode; /* the synthetic modes it is made with */
     int manifest;                 /* the manifest's own modes and ranks instead */
     /* as timed, per cache dtype (index enum kvrt_dtype): */
-    int64_t kv_total[2];          /* KV bytes per token over the timed layers */
+    int64_t kv_total[2];          /* KV bytes per token over the timed layers, as stored
+                                     (kvrt_layer_info: quantized latents' codes, scale, zero) */
     enum kv_lr_mode lk, lv;       /* modes of layer 0 as the runtime runs them */
     int mixed;                    /* the layers differ in modes */
+    int kv_bits;                  /* its latents' storage: 16 (as the cache dtype), 8, 4, 3, 2;
+                                     16 for full */
 };
 
 /* One (configuration, cache dtype, context): means over the timed layers. */
@@ -252,6 +267,8 @@ struct kvrt_bench {
     int caches[2], n_cache;           /* enum kvrt_dtype, in table order */
     int64_t iters;
     double keep;                      /* synthetic latents (kvrt_synth_lowrank) */
+    int kv_bits;                      /* synthetic latents' storage: 16 (or 0), 8, 4, 3, 2;
+                                         a manifest's is its own (lr's kv_bits) */
     const struct kv_model *m;         /* the model timed, every layer of it */
     struct kv_lowrank *lr;            /* a manifest's (kvrt_bench_manifest), or NULL */
     /* out */

@@ -17,6 +17,7 @@ static const char *const own_names[KVRT_BENCH_OPT_COUNT] = {
     [KVRT_BENCH_OPT_KEEP] = "keep",
     [KVRT_BENCH_OPT_ITERS] = "iterations",
     [KVRT_BENCH_OPT_LAYERS] = "layers",
+    [KVRT_BENCH_OPT_KV_BITS] = "kv bits",
 };
 
 int kvrt_bench_check_ctx(int64_t ctx, const char *const *names, struct kv_err *err) {
@@ -32,6 +33,13 @@ int kvrt_bench_check_keep(double keep, const char *const *names, struct kv_err *
     if (!(keep > 0 && keep <= 1))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %g is not within (0, 1]",
                        (names ? names : own_names)[KVRT_BENCH_OPT_KEEP], keep);
+    return KV_OK;
+}
+
+int kvrt_bench_check_bits(int64_t bits, const char *const *names, struct kv_err *err) {
+    if (!kv_lr_bits_valid(bits))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not one of " KV_LR_BITS_LIST,
+                       (names ? names : own_names)[KVRT_BENCH_OPT_KV_BITS], (long long)bits);
     return KV_OK;
 }
 
@@ -62,14 +70,11 @@ int kvrt_bench_check_manifest(const struct kv_lowrank *lr, int64_t layers,
 }
 
 int kvrt_bench_manifest(struct kv_lowrank *lr, int64_t layers, struct kv_model **m,
-                        int *quantized_bits, struct kv_err *err) {
+                        struct kv_err *err) {
     struct kv_lr_info li = kv_lr_info(lr);
     *m = NULL;
-    *quantized_bits = li.kv_bits < 16 ? li.kv_bits : 0;
     int rc = kvrt_bench_check_manifest(lr, layers, NULL, err);
     if (rc) return rc;
-    /* the runtime caches latents unquantized; they are timed so */
-    if (li.kv_bits < 16 && (rc = kv_lr_set_kv_bits(lr, 16, err))) return rc;
     /* only the timed layers get factors and a model */
     if ((rc = kv_lr_truncate(lr, layers > 0 ? layers : li.n_layers, err))) return rc;
     if ((rc = kvrt_synth_fill_factors(lr, SEED_FACTORS, err))) return rc;
@@ -123,7 +128,12 @@ static int cfg_lowrank(const struct kvrt_bench *b, int c, struct kv_lowrank **lr
     }
     if (g->kmode == KV_LR_FULL && g->vmode == KV_LR_FULL) return KV_OK;
     *made = 1;
-    return kvrt_synth_lowrank(b->m, g->kmode, g->vmode, b->keep, SEED_FACTORS, lr, err);
+    int rc = kvrt_synth_lowrank(b->m, g->kmode, g->vmode, b->keep, SEED_FACTORS, lr, err);
+    if (!rc && (rc = kv_lr_set_kv_bits(*lr, b->kv_bits ? b->kv_bits : 16, err))) {
+        kv_lr_free(*lr);
+        *lr = NULL, *made = 0;
+    }
+    return rc;
 }
 
 /* Say which run a runtime error came from (a big context may not fit). */
@@ -172,18 +182,20 @@ static int time_layers(struct kvrt_bench *b, int c, int t, struct kvrt *rt, int6
 int kvrt_bench_run(struct kvrt_bench *b, kv_progress_fn progress, void *ctx,
                    struct kv_err *err) {
     KV_ASSERT(b->m && b->n_ctx >= 1 && b->n_ctx <= KVRT_BENCH_MAX_CTXS && b->n_cache >= 1);
+    int rc = b->kv_bits ? kvrt_bench_check_bits(b->kv_bits, NULL, err) : KV_OK;
+    if (rc) return rc;
     set_configs(b);
     free(b->cells);
     b->cells = calloc((size_t)b->n_cfg * 2 * KVRT_BENCH_MAX_CTXS, sizeof *b->cells);
     if (!b->cells) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     int64_t nl = kv_model_config(b->m)->n_layers, max_ctx = b->ctx[b->n_ctx - 1] + 1;
     int64_t total = (int64_t)b->n_cfg * b->n_cache * nl * b->n_ctx, done = 0;
-    int rc = KV_OK;
     for (int c = 0; c < b->n_cfg && !rc; c++) {
         const char *name = b->cfgs[c].name;
         struct kv_lowrank *lr;
         int made;
         if ((rc = cfg_lowrank(b, c, &lr, &made, err))) break;
+        b->cfgs[c].kv_bits = lr ? kv_lr_info(lr).kv_bits : 16;
         for (int ti = 0; ti < b->n_cache && !rc; ti++) {
             int t = b->caches[ti];
             struct kvrt_opts o;

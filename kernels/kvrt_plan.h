@@ -42,7 +42,10 @@
  * of its output in att (i*d_h, or the running sum of VW).
  * The query part of proj: qv's layout (fused_query) or h*d_h rows of W_q.
  * The key part: W_k (full, postrope) or the units' down rows at KCOL. The
- * value part: W_v (full) or the units' down rows at VCOL. */
+ * value part: W_v (full) or the units' down rows at KPROJ / VPROJ (KCOL /
+ * VCOL on an unquantized side; on a quantized side (below) KCOL / VCOL are
+ * byte offsets into the code row, and the units' rows in proj are in unit
+ * order at the sum of the ranks before them). */
 #ifndef KVRT_PLAN_H
 #define KVRT_PLAN_H
 
@@ -233,6 +236,10 @@ static inline KVRT_HD void kvrt_fill_sz(uint64_t seed, uint64_t idx, uint16_t *s
 
 struct kv_err;
 struct kvrt_device;
+struct kvrt;
+
+/* The plan a runtime runs (kvrt.c), for tests that check its layout. */
+const struct kvrt_plan *kvrt_plan_of(const struct kvrt *rt);
 
 /* Backends. Positions: append writes cache row pos of `layer` from the
  * attention input xn [d] (host memory) and keeps the query; attend scores

@@ -318,21 +318,16 @@ static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *
 }
 
 /* Simulated per-token asymmetric quantization of latent columns
- * [off, off+r) of n rows: codes in 0 .. 2^bits-1, an fp16 scale and an fp16
- * zero point (the row minimum) per row, dequantized in place. */
+ * [off, off+r) of n rows (kv_lr_qparams, lrmodel.h): codes in 0 ..
+ * 2^bits-1, an fp16 scale and an fp16 zero point (the row minimum) per
+ * row, dequantized in place. */
 static void quantize_rows(float *z, int64_t n, int64_t ld, int64_t off, int64_t r, int bits) {
-    float qmax = (float)((1 << bits) - 1);
+    float qmax = kv_lr_qmax(bits);
     for (int64_t i = 0; i < n; i++) {
-        float *p = z + i * ld + off;
-        float lo = p[0], hi = p[0];
-        for (int64_t j = 1; j < r; j++) lo = p[j] < lo ? p[j] : lo, hi = p[j] > hi ? p[j] : hi;
-        float zero = kv_f16_to_f32(kv_f32_to_f16(lo));
-        float scale = kv_f16_to_f32(kv_f32_to_f16((hi - zero) / qmax));
-        for (int64_t j = 0; j < r; j++) {
-            float q = scale > 0 ? nearbyintf((p[j] - zero) / scale) : 0.0f;
-            q = q < 0 ? 0 : (q > qmax ? qmax : q);
-            p[j] = q * scale + zero;
-        }
+        float *p = z + i * ld + off, scale, zero;
+        kv_lr_qparams(p, r, bits, &scale, &zero);
+        for (int64_t j = 0; j < r; j++)
+            p[j] = kv_lr_dequant(kv_lr_qcode(p[j], scale, zero, qmax), scale, zero);
     }
 }
 

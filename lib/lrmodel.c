@@ -52,6 +52,13 @@ int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits) {
     return (rank * kv_bits + 7) / 8 + 4; /* packed codes + fp16 scale + fp16 zero */
 }
 
+void kv_lr_qparams(const float *z, int64_t r, int bits, float *scale, float *zero) {
+    float lo = z[0], hi = z[0];
+    for (int64_t j = 1; j < r; j++) lo = z[j] < lo ? z[j] : lo, hi = z[j] > hi ? z[j] : hi;
+    *zero = kv_f16_to_f32(kv_f32_to_f16(lo));
+    *scale = kv_f16_to_f32(kv_f32_to_f16((hi - *zero) / kv_lr_qmax(bits)));
+}
+
 int kv_lr_bits_valid(int64_t kv_bits) {
     return kv_bits == 16 || kv_bits == 8 || kv_bits == 4 || kv_bits == 3 || kv_bits == 2;
 }

@@ -7,6 +7,8 @@
 #ifndef KV_LRMODEL_H
 #define KV_LRMODEL_H
 
+#include <math.h>
+
 #include "kvcal_core.h"
 
 /* One unit: KV heads head0 .. head0+n_heads-1 of one layer's K or V, with
@@ -54,6 +56,29 @@ struct kv_lowrank {
     struct kv_lr_layer *layers;  /* [info.n_layers] */
 };
 
+
+/* Per-token asymmetric quantization of one latent row z [r] to kv_bits
+ * 8, 4, 3 or 2, the reference every cache of quantized latents follows
+ * (the forward pass, the runtime's twin and its GPU kernels):
+ *   lo, hi = min, max of z; zero = f16(lo); scale = f16((hi - zero) / qmax)
+ *   with qmax = 2^bits - 1 (f16: rounded to fp16 and back);
+ *   code_i = clamp(rint((z_i - zero) / scale), 0, qmax), 0 when scale is 0;
+ *   read back as code_i * scale + zero, the product rounded before the sum.
+ * kv_lr_qparams gives scale and zero (fp16 values, as floats). */
+void kv_lr_qparams(const float *z, int64_t r, int bits, float *scale, float *zero);
+static inline float kv_lr_qmax(int bits) { return (float)((1 << bits) - 1); }
+/* The code of z as a float (an integer in 0 .. qmax; NaN stays NaN). */
+static inline float kv_lr_qcode(float z, float scale, float zero, float qmax) {
+    float q = scale > 0 ? nearbyintf((z - zero) / scale) : 0.0f;
+    return q < 0 ? 0 : (q > qmax ? qmax : q);
+}
+/* code * scale + zero with the product rounded to float before the sum:
+ * the volatile keeps any compiler from fusing the two into one fma (on a
+ * GPU: __fmul_rn, then __fadd_rn). */
+static inline float kv_lr_dequant(float code, float scale, float zero) {
+    volatile float p = code * scale;
+    return p + zero;
+}
 
 /* Layer l's keys (which 0) or values (which 1). */
 static inline struct kv_lr_side *kv_lr_side(const struct kv_lowrank *lr, int64_t l, int which) {

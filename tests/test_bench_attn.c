@@ -9,9 +9,10 @@
  *   the runtime's twin.
  * bench_cli: the command on the twin in text and JSON (configurations,
  *   KV bytes per token recomputed from the shapes, positive times, GB/s
- *   and speedup recomputed from the row), on a written manifest (with a
- *   quantized one's note), its exact usage errors, and --device cuda on a
- *   machine without a GPU. */
+ *   and speedup recomputed from the row), on a written manifest (a
+ *   quantized one timed with its codes, --kv-bits replacing its width),
+ *   --kv-bits on the synthetic latents, its exact usage errors, and
+ *   --device cuda on a machine without a GPU. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -575,26 +576,82 @@ Test(bench_cli, a_written_manifest, .timeout = 60) {
     kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
 
-    /* quantized latents: timed as fp16, with a note; only layer 0 */
+    /* quantized latents: timed as the manifest stores them, its codes plus
+     * an fp16 scale and zero per unit; --kv-bits replaces its width; only
+     * layer 0. 3 kv heads of rank 16 per side. */
     a = lowrank(m, KV_LR_PREROPE_LATENT, KV_LR_FUSED_OUTPUT, 0.5);
     b = lowrank(m, KV_LR_PREROPE_LATENT, KV_LR_FUSED_OUTPUT, 0.5);
     dir = write_manifest(m, a, b, 4, &parent);
-    snprintf(args, sizeof args,
-             "bench-attn --manifest '%s' --device twin --ctx 16 --cache f16 --layers 1 -q", dir);
-    rc = kvt_run_cli(args, &out, &err);
-    cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
-    cr_assert(strstr(out,
-                     "\nnote       the manifest quantizes latents to 4 bits; the runtime caches "
-                     "them unquantized (fp16/fp32), as timed here\n"),
-              "%s", out);
-    cr_assert(strstr(out, "1 layer timed"), "%s", out);
-    n = parse_rows(out, r, 8);
-    cr_assert_eq(n, 2, "%s", out);
-    cr_assert_eq(r[1].kv, 2 * 3 * 16 * 2);
-    free(out), free(err);
+    static const struct {
+        const char *opt;
+        double kv;
+        const char *note;
+    } q[] = {{"", 2 * 3 * (8 + 4), ", 4-bit codes with an fp16 scale and zero per unit\n"},
+             {"--kv-bits 8", 2 * 3 * (16 + 4), ", 8-bit codes with an fp16 scale and zero per unit\n"},
+             {"--kv-bits 16", 2 * 3 * 16 * 2, "alloc uniform\n"}};
+    for (int i = 0; i < 3; i++) {
+        snprintf(args, sizeof args,
+                 "bench-attn --manifest '%s' --device twin --ctx 16 --cache f16 --layers 1 %s -q", dir,
+                 q[i].opt);
+        rc = kvt_run_cli(args, &out, &err);
+        cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
+        cr_assert(strstr(out, "\nmanifest   method synthetic, alloc uniform") && strstr(out, q[i].note),
+                  "%s: %s", q[i].opt, out);
+        cr_assert_null(strstr(out, "note"), "%s", out);
+        cr_assert(strstr(out, "1 layer timed"), "%s", out);
+        cr_assert_eq(!!strstr(out, "values fused_output, "), i < 2, "%s", out);
+        n = parse_rows(out, r, 8);
+        cr_assert_eq(n, 2, "%s", out);
+        cr_assert_eq(r[1].kv, q[i].kv, "%s: %g bytes per token", q[i].opt, r[1].kv);
+        cr_assert_eq(r[0].kv, 2 * 3 * 32 * 2);
+        free(out), free(err);
+    }
     kv_lr_free(a), kv_lr_free(b);
     rm_manifest(dir, parent);
     kv_model_close(m);
+}
+
+/* --kv-bits on synthetic latents: the header and each latent row name the
+ * width, the bytes per token count codes plus scale and zero per unit (the
+ * same for both caches), full stays f16/f32; JSON carries the bits. */
+Test(bench_cli, kv_bits_quantizes_the_synthetic_latents, .timeout = 60) {
+    char *out, *err;
+    int rc = kvt_run_cli("bench-attn --synthetic gpt2-xl --device twin --ctx 64 --iters 1 --kv-bits 2 -q",
+                         &out, &err);
+    cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
+    cr_assert(strstr(out, "\nlatents    rank round(0.5 x head_dim) on average per kv head, 2-bit codes "
+                          "with an fp16 scale and zero per unit\n") &&
+                  strstr(out, "keys fused_query, values fused_output, 2-bit latents\n") &&
+                  strstr(out, "keys full, values full\n"),
+              "%s", out);
+    struct row r[8];
+    int n = parse_rows(out, r, 8);
+    cr_assert_eq(n, 6, "%s", out);
+    /* 25 kv heads of rank 32 at 2 bits: 8 bytes of codes + 4 per unit and side */
+    for (int i = 2; i < 6; i++) cr_assert_eq(r[i].kv, 2 * 25 * (8 + 4), "row %d: %g", i, r[i].kv);
+    cr_assert(r[0].kv == 2 * 25 * 64 * 2 && r[1].kv == 2 * 25 * 64 * 4, "%s", out);
+    free(out), free(err);
+    rc = kvt_run_cli("bench-attn --synthetic gpt2-xl --device twin --ctx 64 --iters 1 --kv-bits 3 "
+                     "--cache f32 --json", &out, &err);
+    cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    cr_assert_not_null(o, "%s: %s", je.text, out);
+    cr_assert_eq(json_integer_value(json_object_get(o, "kv_bits")), 3);
+    cr_assert_null(json_object_get(o, "note"));
+    json_t *cfgs = json_object_get(o, "configs");
+    for (int g = 0; g < 3; g++) {
+        json_t *c = json_array_get(cfgs, (size_t)g);
+        cr_assert_eq(json_integer_value(json_object_get(c, "kv_bits")), g ? 3 : 16, "%s", out);
+        /* 3 bits x 32: 12 bytes of codes + 4 per unit and side, one layer */
+        cr_assert_eq(json_integer_value(json_object_get(json_object_get(c, "kv_bytes_per_token"), "f32")),
+                     g ? 2 * 25 * 16 : 2 * 25 * 64 * 4, "%s", out);
+    }
+    double kv = json_real_value(json_object_get(json_array_get(json_object_get(o, "rows"), 1),
+                                                "kv_bytes_per_token_layer"));
+    cr_assert_eq(kv, 2 * 25 * 16, "%s", out);
+    json_decref(o);
+    free(out), free(err);
 }
 
 Test(bench_cli, usage_errors) {
@@ -620,6 +677,9 @@ Test(bench_cli, usage_errors) {
                  "--cache 'f8' is not one of f16, f32, both");
     expect_usage("bench-attn --synthetic llama7b --iters 0", "--iters must be at least 1, got 0");
     expect_usage("bench-attn --synthetic llama7b --layers 0", "--layers must be at least 1, got 0");
+    expect_usage("bench-attn --synthetic llama7b --kv-bits 5", "--kv-bits 5 is not one of 16, 8, 4, 3, 2");
+    expect_usage("bench-attn --synthetic llama7b --kv-bits 0", "--kv-bits 0 is not one of 16, 8, 4, 3, 2");
+    expect_usage("bench-attn --synthetic llama7b --kv-bits x", "option '--kv-bits' needs an integer, got 'x'");
     expect_usage("bench-attn --synthetic llama7b --bogus", "unknown option '--bogus'");
 }
 
@@ -630,7 +690,8 @@ Test(bench_cli, help_and_command_list) {
     cr_assert(!strncmp(out, usage, strlen(usage)), "%s", out);
     cr_assert(strstr(out, "what is timed:") && strstr(out, "GB/s = bytes / µs/step / 1e3") &&
                   strstr(out, "speedup = µs/step of full") && strstr(out, "examples:") &&
-                  strstr(out, "--ctx LIST"),
+                  strstr(out, "--ctx LIST") && strstr(out, "--kv-bits B") &&
+                  strstr(out, "--synthetic llama3-8b --kv-bits 4"),
               "%s", out);
     cr_assert_str_eq(err, "");
     free(out), free(err);

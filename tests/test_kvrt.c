@@ -12,6 +12,7 @@
 #include "kvrt.h"
 #include "kvrt_plan.h"
 #include "lrmodel.h"
+#include "model.h"
 #include "testutil.h"
 
 #define M260 "models/stories260K/stories260K.bin"
@@ -103,8 +104,8 @@ static int cap_out(void *ctx, int64_t l, const float *y, int64_t n, int64_t pos0
     return 0;
 }
 
-static struct capture reference(const struct kv_model *m, const struct kv_lowrank *lr,
-                                const int32_t *tokens, int64_t n) {
+static struct capture reference_bits(const struct kv_model *m, const struct kv_lowrank *lr,
+                                     int bits, const int32_t *tokens, int64_t n) {
     const struct kv_config *c = kv_model_config(m);
     struct capture cp = {c->dim, n, calloc((size_t)c->n_layers, sizeof(float *)),
                          calloc((size_t)c->n_layers, sizeof(float *))};
@@ -115,12 +116,17 @@ static struct capture reference(const struct kv_model *m, const struct kv_lowran
     struct kv_fwd *f;
     struct kv_err err = {0};
     cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
-    if (lr) cr_assert_eq(kv_fwd_set_lowrank(f, lr, 16, &err), KV_OK, "%s", err.msg);
+    if (lr) cr_assert_eq(kv_fwd_set_lowrank(f, lr, bits, &err), KV_OK, "%s", err.msg);
     struct kv_fwd_hooks hk = {.ctx = &cp, .attn_in = cap_in, .attn_out = cap_out};
     kv_fwd_set_hooks(f, &hk);
     cr_assert_eq(kv_fwd_run(f, tokens, n, 0, NULL, &err), KV_OK, "%s", err.msg);
     kv_fwd_free(f);
     return cp;
+}
+
+static struct capture reference(const struct kv_model *m, const struct kv_lowrank *lr,
+                                const int32_t *tokens, int64_t n) {
+    return reference_bits(m, lr, 16, tokens, n);
 }
 
 static void capture_free(struct capture *cp, int64_t L) {
@@ -233,6 +239,132 @@ Test(kvrt_twin, matches_forward_kjv_gpt2, .timeout = 300) {
     twin_matches_forward(WKJV_GPT2, gpt2_methods, N_OF(gpt2_methods));
 }
 
+/* ---------------------------------------------------------------- quantized latents */
+
+static const int qbits[] = {8, 4, 3, 2};
+
+/* The runtime's y of every layer for the captured inputs, [L][n*d]. */
+static float **decode_all(const struct kv_model *m, const struct kv_lowrank *lr,
+                          const struct capture *cp, enum kvrt_dtype dt, const char *what) {
+    const struct kv_config *c = kv_model_config(m);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.cache = dt, o.max_ctx = cp->n;
+    struct kvrt *rt;
+    struct kv_err err = {0};
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s: %s", what, err.msg);
+    float **y = calloc((size_t)c->n_layers, sizeof *y);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        y[l] = malloc((size_t)(cp->n * c->dim) * sizeof(float));
+        for (int64_t t = 0; t < cp->n; t++)
+            cr_assert_eq(kvrt_step(rt, l, t, cp->xn[l] + t * c->dim, y[l] + t * c->dim, &err), KV_OK,
+                         "%s: %s", what, err.msg);
+    }
+    kvrt_close(rt);
+    return y;
+}
+
+static void ys_free(float **y, int64_t L) {
+    for (int64_t l = 0; l < L; l++) free(y[l]);
+    free(y);
+}
+
+static double rms_diff(const float *a, const float *b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    return sqrt(s / (double)n);
+}
+
+/* Quantized latents against the forward's on real models. The forward
+ * forms the latents with a GEMM, the runtime with a GEMV: they differ in
+ * the last bits, and a latent that close to a rounding edge of its code
+ * gets the neighbouring code on one side (a code flip, one quantization
+ * step on one element; seen on up to a few codes per layer). A flip at a
+ * position moves every later output of its head a little, so no elementwise
+ * tolerance fits; the mismatch is measured instead, per layer, in RMS
+ * against the quantization's own effect on the same outputs (the runtime at
+ * kv_bits 16 on the same inputs): flips stay below 0.17 of it here, and
+ * the largest element below 1.5% of the layer's largest output, where a
+ * wrong scale, zero, bit offset or unit is the size of the effect or
+ * larger (a wrong dequantization fails). QFRAC and QWORST leave 2x and 3x
+ * room. The exact match is checked on one-hot inputs below, where no code
+ * can flip. Where both sides of a layer are latent the cache dtype plays no
+ * part: the f16 run equals the f32 one bit for bit; else it differs by the
+ * f16 rounding of the full side (the 2e-2 sanity bound above). */
+#define QFRAC 0.35
+#define QWORST 0.05
+static void assert_quantized_close(const float *got, const float *ref, const float *unq, int64_t n,
+                                   const char *what) {
+    double mis = rms_diff(got, ref, n), eff = rms_diff(unq, ref, n), mx = max_abs(ref, n), worst = 0;
+    int64_t wi = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (fabs((double)got[i] - ref[i]) > worst) worst = fabs((double)got[i] - ref[i]), wi = i;
+    cr_assert(mis <= QFRAC * eff && worst <= QWORST * mx,
+              "%s: rms mismatch %.3g (%.3g of the quantization effect %.3g, at most %g); worst "
+              "element %lld: got %.9g ref %.9g (%.3g of the largest |ref| %.3g, at most %g)",
+              what, mis, mis / eff, eff, QFRAC, (long long)wi, (double)got[wi], (double)ref[wi],
+              worst / mx, mx, QWORST);
+}
+
+static void twin_matches_forward_quantized(enum which w, const char *const *methods, int n_methods) {
+    const int64_t n = 200;
+    for (int i = 0; i < n_methods; i++) {
+        const char *meth = methods[i], *extra = "";
+        char mb[32];
+        const char *sp = strchr(meth, ' ');
+        if (sp) {
+            snprintf(mb, sizeof mb, "%.*s", (int)(sp - meth), meth);
+            extra = sp + 1, meth = mb;
+        }
+        struct kv_model *m;
+        struct kv_lowrank *lr;
+        char *dir = compress(w, meth, extra, &m);
+        struct kv_err err = {0};
+        cr_assert_eq(kv_lr_dir_open(dir, m, &lr, &err), KV_OK, "%s", err.msg);
+        const struct kv_config *c = kv_model_config(m);
+        int64_t N = n * c->dim;
+        int32_t *tok = tokens_for(m, n, 7 + (uint64_t)i);
+        for (int bi = 0; bi < N_OF(qbits); bi++) {
+            char what[256];
+            snprintf(what, sizeof what, "model %d %s kv_bits %d", (int)w, methods[i], qbits[bi]);
+            struct capture cp = reference_bits(m, lr, qbits[bi], tok, n);
+            cr_assert_eq(kv_lr_set_kv_bits(lr, 16, &err), KV_OK);
+            float **unq = decode_all(m, lr, &cp, KVRT_DTYPE_F32, what);
+            cr_assert_eq(kv_lr_set_kv_bits(lr, qbits[bi], &err), KV_OK);
+            float **y32 = decode_all(m, lr, &cp, KVRT_DTYPE_F32, what);
+            float **y16 = decode_all(m, lr, &cp, KVRT_DTYPE_F16, what);
+            for (int64_t l = 0; l < c->n_layers; l++) {
+                char wl[300];
+                snprintf(wl, sizeof wl, "%s layer %lld", what, (long long)l);
+                assert_quantized_close(y32[l], cp.y[l], unq[l], N, wl);
+                if (kv_lr_mode_of(lr, l, 0) != KV_LR_FULL && kv_lr_mode_of(lr, l, 1) != KV_LR_FULL)
+                    cr_assert(!memcmp(y16[l], y32[l], (size_t)N * sizeof(float)),
+                              "%s: the f16 cache changed an all-latent layer", wl);
+                else
+                    kvt_assert_close_f32(y16[l], y32[l], N, 2e-2 * max_abs(y32[l], N), 2e-2, wl);
+            }
+            ys_free(unq, c->n_layers), ys_free(y32, c->n_layers), ys_free(y16, c->n_layers);
+            capture_free(&cp, c->n_layers);
+        }
+        free(tok), free(dir);
+        kv_lr_free(lr);
+        kv_model_close(m);
+    }
+}
+
+Test(kvrt_twin, quantized_matches_forward_stories260K, .timeout = 300) {
+    twin_matches_forward_quantized(W260, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, quantized_matches_forward_tinystories656K, .timeout = 300) {
+    twin_matches_forward_quantized(W656, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, quantized_matches_forward_kjv_llama, .timeout = 300) {
+    twin_matches_forward_quantized(WKJV_LLAMA, llama_methods, N_OF(llama_methods));
+}
+Test(kvrt_twin, quantized_matches_forward_kjv_gpt2, .timeout = 300) {
+    twin_matches_forward_quantized(WKJV_GPT2, gpt2_methods, N_OF(gpt2_methods));
+}
+
 /* ---------------------------------------------------------------- random shapes */
 
 /* A random llama of odd shapes: 6 query heads over 3 KV heads of 16, both
@@ -280,6 +412,246 @@ Test(kvrt_twin, random_shapes_both_rope_layouts) {
             kv_lr_free(lr);
             kv_model_close(m);
         }
+}
+
+/* Quantized latents matched exactly: each layer's attention norm keeps one
+ * feature (weight 1 at one index, 0 elsewhere, bias 0), so every attention
+ * input is one-hot and every projection, key rotation and latent the
+ * forward and the runtime form is a single product plus a bias, which any
+ * GEMM, GEMV or loop rounds alike (the postrope rotations are made to have
+ * one non-zero per row for the same reason). The latents are then equal
+ * bit for bit, so are their codes, scales and zeros, and the twin must
+ * match the forward within the fp32 tolerance of the unquantized path at
+ * every bit width: prerope_latent keys (units of one and of two heads),
+ * fused_query keys, postrope_rotation keys of unequal odd ranks, and
+ * fused_output values. */
+static void one_hot_norms(struct kv_model *m) {
+    const struct kv_config *c = kv_model_config(m);
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        float *w = kv_model_weight_mut(m, KV_W_ATTN_NORM, l), *b = kv_model_weight_mut(m, KV_W_ATTN_NORM_B, l);
+        for (int64_t e = 0; e < c->dim; e++) w[e] = e == (5 + 11 * l) % c->dim ? 1.0f : 0.0f;
+        if (b) memset(b, 0, (size_t)c->dim * sizeof *b);
+    }
+}
+
+/* Random down biases for every latent unit that has a down factor, and
+ * postrope rotations with one non-zero per row. */
+static void shape_factors(struct kv_lowrank *lr, int64_t dh) {
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int which = 0; which < 2; which++) {
+            struct kv_lr_side *sd = kv_lr_side(lr, l, which);
+            for (int64_t u = 0; u < sd->n_units; u++) {
+                struct kv_lr_unit *x = &sd->units[u];
+                if (x->down && !x->down_bias) {
+                    x->down_bias = malloc((size_t)x->rank * sizeof(float));
+                    for (int64_t k = 0; k < x->rank; k++)
+                        x->down_bias[k] = 0.5f * kvrt_fill_value(31 + (uint64_t)(l * 64 + u), (uint64_t)k);
+                }
+                if (x->rot)
+                    for (int64_t a = 0; a < x->rank; a++)
+                        for (int64_t e = 0; e < dh; e++)
+                            x->rot[a * dh + e] = e == (3 * a + u) % dh ? 0.6f + 0.05f * (float)a : 0.0f;
+            }
+        }
+}
+
+static void quantized_exact(struct kv_model *m, struct kv_lowrank *lr, const char *what) {
+    const struct kv_config *c = kv_model_config(m);
+    const int64_t n = 150;
+    one_hot_norms(m);
+    shape_factors(lr, c->head_dim);
+    int32_t *tok = tokens_for(m, n, 13);
+    struct kv_err err = {0};
+    for (int bi = 0; bi < N_OF(qbits); bi++) {
+        struct capture cp = reference_bits(m, lr, qbits[bi], tok, n);
+        cr_assert_eq(kv_lr_set_kv_bits(lr, qbits[bi], &err), KV_OK);
+        char w[256];
+        snprintf(w, sizeof w, "one-hot %s kv_bits %d", what, qbits[bi]);
+        decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F32, 1, 1e-5, w);
+        decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F16, 0, 1e-5, w);
+        capture_free(&cp, c->n_layers);
+    }
+    free(tok);
+}
+
+static struct kv_model *random_gpt2(uint64_t seed) {
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_GPT2, c.dim = 48, c.hidden_dim = 40, c.n_layers = 2, c.n_heads = 4;
+    c.n_kv_heads = 4, c.head_dim = 12, c.vocab_size = 40, c.max_seq_len = 512, c.norm_eps = 1e-5f;
+    c.rope_layout = KV_ROPE_HALF, c.has_qkv_bias = 1, c.bos_id = c.eos_id = -1;
+    struct kv_model *m;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_model_init_random(&c, seed, &m, &err), KV_OK, "%s", err.msg);
+    return m;
+}
+
+static struct kv_lowrank *synth(const struct kv_model *m, enum kv_lr_mode k, enum kv_lr_mode v,
+                                double keep) {
+    struct kv_lowrank *lr;
+    struct kv_err err = {0};
+    cr_assert_eq(kvrt_synth_lowrank(m, k, v, keep, 17, &lr, &err), KV_OK, "%s", err.msg);
+    return lr;
+}
+
+Test(kvrt_twin, quantized_matches_forward_exactly_on_one_hot_inputs, .timeout = 120) {
+    for (int layout = 0; layout < 2; layout++) {
+        struct kv_model *m = random_llama((enum kv_rope_layout)layout, 3, 41);
+        struct kv_lowrank *lr = svd_half(m);
+        quantized_exact(m, lr, layout ? "svd, half rope" : "svd, interleaved rope");
+        kv_lr_free(lr);
+        lr = synth(m, KV_LR_POSTROPE_ROTATION, KV_LR_FUSED_OUTPUT, 0.45);
+        quantized_exact(m, lr, layout ? "postrope, half rope" : "postrope, interleaved rope");
+        kv_lr_free(lr);
+        kv_model_close(m);
+    }
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 6, 43);
+    struct kv_decompose_opts o = {0};
+    o.method = KV_METHOD_SVD, o.ratio = 0.5, o.group_size = 2;
+    struct kv_lowrank *lr;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(lr->layers[0].k.units[0].n_heads, 2);
+    quantized_exact(m, lr, "svd, units of two heads");
+    kv_lr_free(lr);
+    kv_model_close(m);
+    m = random_gpt2(45);
+    lr = synth(m, KV_LR_FUSED_QUERY, KV_LR_FUSED_OUTPUT, 0.6);
+    quantized_exact(m, lr, "fused_query");
+    kv_lr_free(lr);
+    kv_model_close(m);
+}
+
+/* ---------------------------------------------------------------- low-bit layout */
+
+/* The code string of kvrt_plan.h against a bit-by-bit reading of it: code
+ * i of a unit of r codes is bits [i*bits, (i+1)*bits) of the unit's bytes,
+ * least significant first; put writes no byte past ceil(r*bits/8) (guards
+ * stay 0xA5), get reads the codes back, and a group of 8 codes from 8k
+ * occupies bytes [k*bits, (k+1)*bits) exactly. */
+Test(kvrt_layout, code_strings_round_trip_every_width_and_rank) {
+    static const int widths[] = {8, 4, 3, 2, 1, 5, 6, 7};
+    uint8_t buf[70 + 8];
+    unsigned want[70];
+    for (int wi = 0; wi < N_OF(widths); wi++) {
+        int bits = widths[wi];
+        for (int64_t r = 1; r <= 70; r++) {
+            int64_t nb = kvrt_code_bytes(r, bits);
+            cr_assert_eq(nb, (r * bits + 7) / 8);
+            memset(buf, 0xA5, sizeof buf);
+            memset(buf, 0, (size_t)nb);
+            for (int64_t i = 0; i < r; i++) {
+                /* every code value, the extremes on the first and last codes */
+                want[i] = i == 0 ? (1u << bits) - 1u : i == r - 1 ? 0u : (unsigned)(i * 7 + r) % (1u << bits);
+                kvrt_code_put(buf, bits, i, want[i]);
+            }
+            for (int64_t b = nb; b < (int64_t)sizeof buf; b++)
+                cr_assert_eq(buf[b], 0xA5, "bits %d rank %lld: byte %lld past the codes written", bits,
+                             (long long)r, (long long)b);
+            for (int64_t i = 0; i < r; i++) {
+                unsigned v = 0;
+                for (int k = 0; k < bits; k++) {
+                    int64_t bit = i * bits + k;
+                    v |= (unsigned)((buf[bit >> 3] >> (bit & 7)) & 1) << k;
+                }
+                cr_assert_eq(v, want[i], "bits %d rank %lld code %lld: %u in the string, want %u", bits,
+                             (long long)r, (long long)i, v, want[i]);
+                cr_assert_eq(kvrt_code_get(buf, bits, i), want[i], "bits %d rank %lld code %lld", bits,
+                             (long long)r, (long long)i);
+            }
+            if ((r * bits) % 8) /* the partial last byte: its top bits stay clear */
+                cr_assert_eq(buf[nb - 1] >> ((r * bits) % 8), 0, "bits %d rank %lld: stray bits", bits,
+                             (long long)r);
+            for (int64_t k = 0; 8 * (k + 1) <= r; k++) { /* a group of 8: bytes k*bits .. */
+                uint8_t one[16] = {0};
+                for (int64_t i = 0; i < 8; i++) kvrt_code_put(one, bits, i, want[8 * k + i]);
+                cr_assert(!memcmp(one, buf + k * bits, (size_t)bits), "bits %d rank %lld group %lld", bits,
+                          (long long)r, (long long)k);
+            }
+        }
+    }
+}
+
+static int64_t up_to(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+/* The plan of a quantized side follows kvrt_plan.h to the letter: units'
+ * codes in unit order at multiples of KVRT_QALIGN bytes, the row pitch a
+ * multiple of 16 bytes, KU the unit, KSRC/KW/VW element counts, the
+ * logical bytes kv_lr_unit_bytes per unit; full sides stay unquantized. */
+static void check_layout(const struct kv_model *m, struct kv_lowrank *lr, int bits, const char *what) {
+    struct kv_err err = {0};
+    cr_assert_eq(kv_lr_set_kv_bits(lr, bits, &err), KV_OK);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.cache = KVRT_DTYPE_F16, o.max_ctx = 8;
+    struct kvrt *rt;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s: %s", what, err.msg);
+    const struct kvrt_plan *p = kvrt_plan_of(rt);
+    for (int64_t l = 0; l < p->n_layers; l++) {
+        const struct kvrt_lplan *lp = &p->layers[l];
+        int64_t side_bytes[2] = {0, 0};
+        for (int which = 0; which < 2; which++) {
+            const struct kv_lr_side *sd = kv_lr_side(lr, l, which);
+            int sb = which ? lp->vbits : lp->kbits;
+            int64_t ld = which ? lp->vld : lp->kld, units = which ? lp->vunits : lp->kunits;
+            int64_t bytes = which ? lp->vbytes : lp->kbytes;
+            if (sd->mode == KV_LR_FULL) {
+                cr_assert(sb == 16 && units == 0 && bytes == 2 * ld, "%s: a full side is not quantized", what);
+                side_bytes[which] = bytes;
+                continue;
+            }
+            cr_assert(sb == bits && units == sd->n_units, "%s layer %lld side %d: bits %d units %lld", what,
+                      (long long)l, which, sb, (long long)units);
+            int64_t at = 0, lb = 0;
+            for (int64_t u = 0; u < sd->n_units; u++) {
+                const struct kv_lr_unit *un = &sd->units[u];
+                for (int64_t j = un->head0; j < un->head0 + un->n_heads; j++) {
+                    const int32_t *hk = lp->hk + j * KVRT_HK_N;
+                    int32_t col = hk[which ? KVRT_HK_VCOL : KVRT_HK_KCOL], uu = hk[which ? KVRT_HK_VU : KVRT_HK_KU];
+                    int32_t w = hk[which ? KVRT_HK_VW : KVRT_HK_KSRC];
+                    cr_assert(col == at && col % KVRT_QALIGN == 0 && uu == u && w == un->rank,
+                              "%s layer %lld side %d head %lld: col %d unit %d width %d, want %lld %lld %lld", what,
+                              (long long)l, which, (long long)j, col, uu, w, (long long)at, (long long)u,
+                              (long long)un->rank);
+                    if (!which && sd->mode == KV_LR_POSTROPE_ROTATION)
+                        cr_assert(hk[KVRT_HK_KOWN] && hk[KVRT_HK_KW] == un->rank, "%s: postrope head %lld",
+                                  what, (long long)j);
+                }
+                lb += kv_lr_unit_bytes(un->rank, bits);
+                at = up_to(at + kvrt_code_bytes(un->rank, bits), KVRT_QALIGN);
+            }
+            cr_assert(ld == up_to(at, 16) && bytes == lb, "%s layer %lld side %d: pitch %lld bytes %lld, want %lld %lld",
+                      what, (long long)l, which, (long long)ld, (long long)bytes, (long long)up_to(at, 16),
+                      (long long)lb);
+            cr_assert_eq(bytes, kv_lr_side_bytes(lr, l, which, bits));
+            side_bytes[which] = bytes;
+        }
+        struct kvrt_layer_info li;
+        cr_assert_eq(kvrt_layer_info(rt, l, &li), KV_OK);
+        cr_assert_eq(li.cache_bytes_per_token, side_bytes[0] + side_bytes[1]);
+    }
+    kvrt_close(rt);
+}
+
+Test(kvrt_layout, quantized_plans_follow_the_header) {
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 51);
+    for (int bi = 0; bi < N_OF(qbits); bi++) {
+        struct kv_lowrank *lr = synth(m, KV_LR_POSTROPE_ROTATION, KV_LR_FUSED_OUTPUT, 0.45);
+        check_layout(m, lr, qbits[bi], "postrope");
+        kv_lr_free(lr);
+        lr = synth(m, KV_LR_PREROPE_LATENT, KV_LR_FULL, 0.3);
+        check_layout(m, lr, qbits[bi], "prerope, full values");
+        kv_lr_free(lr);
+    }
+    kv_model_close(m);
+    m = random_llama(KV_ROPE_HALF, 6, 53);
+    struct kv_decompose_opts o = {0};
+    o.method = KV_METHOD_SVD, o.ratio = 0.4, o.group_size = 2;
+    struct kv_lowrank *lr;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
+    for (int bi = 0; bi < N_OF(qbits); bi++) check_layout(m, lr, qbits[bi], "svd, units of two heads");
+    kv_lr_free(lr);
+    kv_model_close(m);
 }
 
 /* ---------------------------------------------------------------- schedule */
@@ -368,9 +740,12 @@ Test(kvrt_errors, messages) {
     o.max_ctx = 8;
     struct kvrt *rt;
     struct kv_err err = {0};
-    lr->info.kv_bits = 4;
-    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED);
-    cr_assert_str_eq(err.msg, "the runtime caches fp16 or fp32 latents; this compressed model quantizes them to 4 bits");
+    lr->info.kv_bits = 5;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "kv bits 5 is not one of 16, 8, 4, 3, 2");
+    lr->info.kv_bits = 4; /* quantized latents run */
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s", err.msg);
+    kvrt_close(rt);
     lr->info.kv_bits = 16;
     o.max_ctx = 0;
     cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EINVAL);
@@ -472,38 +847,62 @@ static int need_gpu(struct kvrt_device *dv) {
 }
 
 /* GPU against the twin on the same inputs and the same chunking: real
- * models through every mode, fp32 within 1e-5 and fp16 within 1e-3. */
-static void gpu_matches_twin(const struct kv_model *m, const struct kv_lowrank *lr, int64_t n,
+ * models through every mode, fp32 within 1e-5 and fp16 within 1e-3; then,
+ * for a compressed model, its latents quantized to 8, 4, 3 and 2 bits. The
+ * two compute the latents with different GEMVs (cuBLAS, OpenBLAS), so a
+ * latent on a rounding edge of its code may get the neighbouring code on
+ * one of them: the quantized runs are held to the twin as the twin is held
+ * to the forward (assert_quantized_close, against the effect of the
+ * quantization: the twin at kv_bits 16); the exact agreement of the codes
+ * is long_context_matches_twin's. */
+static void gpu_matches_twin(const struct kv_model *m, struct kv_lowrank *lr, int64_t n,
                              const char *what) {
     struct kvrt_device dv;
     int sm = need_gpu(&dv);
     int32_t *tok = tokens_for(m, n, 9);
     struct capture cp = reference(m, lr, tok, n);
     const struct kv_config *c = kv_model_config(m);
-    for (int dt = 0; dt < 2; dt++) {
-        struct kvrt *rt[2];
-        struct kvrt_opts o;
-        kvrt_opts_default(&o);
-        o.cache = (enum kvrt_dtype)dt, o.max_ctx = n, o.sm_count = sm;
+    int bits0 = lr ? kv_lr_info(lr).kv_bits : 16;
+    float *unq = malloc((size_t)(c->n_layers * n * c->dim) * sizeof(float)); /* twin, kv_bits 16, f32 */
+    for (int bi = -1; bi < (lr ? N_OF(qbits) : 0); bi++) {
+        int bits = bi < 0 ? 16 : qbits[bi];
         struct kv_err err = {0};
-        for (int b = 0; b < 2; b++) {
-            o.backend = (enum kvrt_backend)b;
-            cr_assert_eq(kvrt_open(m, lr, &o, &rt[b], &err), KV_OK, "%s", err.msg);
+        if (lr) cr_assert_eq(kv_lr_set_kv_bits(lr, bits, &err), KV_OK);
+        for (int dt = 0; dt < 2; dt++) {
+            struct kvrt *rt[2];
+            struct kvrt_opts o;
+            kvrt_opts_default(&o);
+            o.cache = (enum kvrt_dtype)dt, o.max_ctx = n, o.sm_count = sm;
+            for (int b = 0; b < 2; b++) {
+                o.backend = (enum kvrt_backend)b;
+                cr_assert_eq(kvrt_open(m, lr, &o, &rt[b], &err), KV_OK, "%s", err.msg);
+            }
+            float *y[2] = {malloc((size_t)(n * c->dim) * sizeof(float)), malloc((size_t)(n * c->dim) * sizeof(float))};
+            for (int64_t l = 0; l < c->n_layers; l++) {
+                for (int b = 0; b < 2; b++)
+                    for (int64_t t = 0; t < n; t++)
+                        cr_assert_eq(kvrt_step(rt[b], l, t, cp.xn[l] + t * c->dim, y[b] + t * c->dim, &err), KV_OK,
+                                     "%s", err.msg);
+                double rtol = dt ? 1e-3 : 1e-5;
+                char w[256];
+                snprintf(w, sizeof w, "%s layer %lld gpu vs twin (%s, kv_bits %d)", what, (long long)l,
+                         dt ? "f16" : "f32", bits);
+                if (bits == 16) {
+                    kvt_assert_close_f32(y[1], y[0], n * c->dim, rtol * max_abs(y[0], n * c->dim), rtol, w);
+                    if (!dt) memcpy(unq + l * n * c->dim, y[0], (size_t)(n * c->dim) * sizeof(float));
+                } else {
+                    assert_quantized_close(y[1], y[0], unq + l * n * c->dim, n * c->dim, w);
+                }
+            }
+            free(y[0]), free(y[1]);
+            kvrt_close(rt[0]), kvrt_close(rt[1]);
         }
-        float *y[2] = {malloc((size_t)(n * c->dim) * sizeof(float)), malloc((size_t)(n * c->dim) * sizeof(float))};
-        for (int64_t l = 0; l < c->n_layers; l++) {
-            for (int b = 0; b < 2; b++)
-                for (int64_t t = 0; t < n; t++)
-                    cr_assert_eq(kvrt_step(rt[b], l, t, cp.xn[l] + t * c->dim, y[b] + t * c->dim, &err), KV_OK,
-                                 "%s", err.msg);
-            double rtol = dt ? 1e-3 : 1e-5;
-            char w[256];
-            snprintf(w, sizeof w, "%s layer %lld gpu vs twin (%s)", what, (long long)l, dt ? "f16" : "f32");
-            kvt_assert_close_f32(y[1], y[0], n * c->dim, rtol * max_abs(y[0], n * c->dim), rtol, w);
-        }
-        free(y[0]), free(y[1]);
-        kvrt_close(rt[0]), kvrt_close(rt[1]);
     }
+    if (lr) {
+        struct kv_err err = {0};
+        cr_assert_eq(kv_lr_set_kv_bits(lr, bits0, &err), KV_OK);
+    }
+    free(unq);
     capture_free(&cp, c->n_layers);
     free(tok);
 }
@@ -535,18 +934,26 @@ Test(kvrt_gpu, matches_twin_every_mode, .timeout = 600) {
 }
 
 /* Long contexts filled with the same pseudo-random cache on both backends:
- * one decode step at 1K..16K positions, every mode of a synthetic llama. */
+ * one decode step at 1K..16K positions, every mode of a synthetic llama;
+ * then its latents quantized to 8, 4, 3 and 2 bits, whose fill is the
+ * same codes and (scale, zero) pairs on both. The quantized step appends
+ * a zero input: every projection is then its bias alone, so both backends
+ * quantize the same latents into the same codes, and the tolerances stay
+ * those of the unquantized path. */
 Test(kvrt_gpu, long_context_matches_twin, .timeout = 600) {
     struct kvrt_device dv;
     int sm = need_gpu(&dv);
     struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 21);
     struct kv_lowrank *lr = svd_half(m);
     const struct kv_config *c = kv_model_config(m);
-    float x[48];
+    float x[48], zero[48] = {0};
     for (int e = 0; e < 48; e++) x[e] = kvrt_fill_value(5, (uint64_t)e);
-    for (int with = 0; with < 2; with++)
+    for (int with = 0; with < 2 + N_OF(qbits); with++)
         for (int dt = 0; dt < 2; dt++)
             for (int64_t T = 1024; T <= 16384; T *= 4) {
+                int bits = with < 2 ? 16 : qbits[with - 2];
+                struct kv_err err = {0};
+                cr_assert_eq(kv_lr_set_kv_bits(lr, bits, &err), KV_OK);
                 float y[2][48];
                 for (int b = 0; b < 2; b++) {
                     struct kvrt_opts o;
@@ -554,15 +961,15 @@ Test(kvrt_gpu, long_context_matches_twin, .timeout = 600) {
                     o.backend = (enum kvrt_backend)b, o.cache = (enum kvrt_dtype)dt, o.max_ctx = T + 1,
                     o.sm_count = sm;
                     struct kvrt *rt;
-                    struct kv_err err = {0};
                     cr_assert_eq(kvrt_open(m, with ? lr : NULL, &o, &rt, &err), KV_OK, "%s", err.msg);
                     cr_assert_eq(kvrt_fill(rt, 1, T, 99, &err), KV_OK, "%s", err.msg);
-                    cr_assert_eq(kvrt_step(rt, 1, T, x, y[b], &err), KV_OK, "%s", err.msg);
+                    cr_assert_eq(kvrt_step(rt, 1, T, bits < 16 ? zero : x, y[b], &err), KV_OK, "%s", err.msg);
                     kvrt_close(rt);
                 }
                 double rtol = dt ? 1e-3 : 1e-5;
                 char w[128];
-                snprintf(w, sizeof w, "T %lld %s %s", (long long)T, with ? "svd" : "base", dt ? "f16" : "f32");
+                snprintf(w, sizeof w, "T %lld %s %s kv_bits %d", (long long)T, with ? "svd" : "base",
+                         dt ? "f16" : "f32", bits);
                 kvt_assert_close_f32(y[1], y[0], c->dim, rtol * max_abs(y[0], c->dim), rtol, w);
             }
     kv_lr_free(lr);

@@ -10,7 +10,8 @@
 
 static const char *const flags[KVRT_BENCH_OPT_COUNT] = {
     [KVRT_BENCH_OPT_CTX] = "--ctx", [KVRT_BENCH_OPT_KEEP] = "--keep",
-    [KVRT_BENCH_OPT_ITERS] = "--iters", [KVRT_BENCH_OPT_LAYERS] = "--layers"};
+    [KVRT_BENCH_OPT_ITERS] = "--iters", [KVRT_BENCH_OPT_LAYERS] = "--layers",
+    [KVRT_BENCH_OPT_KV_BITS] = "--kv-bits"};
 
 Test(kvrt_bench, option_rules_in_the_library_words_or_the_callers) {
     struct kv_err err;
@@ -32,6 +33,12 @@ Test(kvrt_bench, option_rules_in_the_library_words_or_the_callers) {
     cr_assert_str_eq(err.msg, "--iters must be at least 1, got 0");
     cr_assert_eq(kvrt_bench_check(3, -2, NULL, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "layers must be at least 1, got -2");
+    cr_assert_eq(kvrt_bench_check_bits(16, flags, &err), KV_OK);
+    cr_assert_eq(kvrt_bench_check_bits(3, NULL, &err), KV_OK);
+    cr_assert_eq(kvrt_bench_check_bits(5, flags, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "--kv-bits 5 is not one of 16, 8, 4, 3, 2");
+    cr_assert_eq(kvrt_bench_check_bits(0, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "kv bits 0 is not one of 16, 8, 4, 3, 2");
     cr_assert_eq(kvrt_bench_default_iters(KVRT_BACKEND_TWIN), 3);
     cr_assert_eq(kvrt_bench_default_iters(KVRT_BACKEND_CUDA), 50);
     cr_assert(kvrt_synth_preset_valid("llama7b") && kvrt_synth_preset_valid("gpt2-xl"));
@@ -75,6 +82,7 @@ Test(kvrt_bench, a_table_of_every_configuration_cache_and_context, .timeout = 12
     cr_assert_eq(b.cfgs[0].kv_total[KVRT_DTYPE_F16], 2 * kv * c->n_layers);
     cr_assert_eq(b.cfgs[0].kv_total[KVRT_DTYPE_F32], 4 * kv * c->n_layers);
     cr_assert(b.cfgs[0].lk == KV_LR_FULL && b.cfgs[0].lv == KV_LR_FULL && !b.cfgs[0].mixed);
+    cr_assert(b.cfgs[0].kv_bits == 16 && b.cfgs[1].kv_bits == 16 && b.cfgs[2].kv_bits == 16);
     cr_assert(b.cfgs[1].lk == KV_LR_FUSED_QUERY && b.cfgs[1].lv == KV_LR_FUSED_OUTPUT);
     for (int g = 0; g < b.n_cfg; g++)
         for (int t = 0; t < 2; t++) {
@@ -118,5 +126,39 @@ Test(kvrt_bench, a_manifest_has_the_layers_asked_for) {
     cr_assert_eq(kvrt_bench_check_manifest(lr, 5, NULL, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "layers 5 exceeds the manifest's 2 layers");
     kv_lr_free(lr);
+    kv_model_close(m);
+}
+
+/* Synthetic latents at kv_bits 4: every latent configuration stores codes,
+ * its bytes per token those of kvrt_layer_info (codes plus an fp16 scale
+ * and zero per unit, whatever the cache dtype), full unchanged; a width
+ * kvcal does not run is refused. */
+Test(kvrt_bench, quantized_latents_count_their_codes, .timeout = 120) {
+    struct kv_model *m;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kvrt_synth_model("gpt2-xl", 2, &m, &err), KV_OK, "%s", err.msg);
+    struct kvrt_bench b;
+    memset(&b, 0, sizeof b);
+    b.backend = KVRT_BACKEND_TWIN;
+    b.ctx[0] = 8, b.n_ctx = 1;
+    b.caches[0] = KVRT_DTYPE_F16, b.caches[1] = KVRT_DTYPE_F32, b.n_cache = 2;
+    b.iters = 1, b.keep = 0.5, b.m = m, b.kv_bits = 5;
+    cr_assert_eq(kvrt_bench_run(&b, NULL, NULL, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "kv bits 5 is not one of 16, 8, 4, 3, 2");
+    b.kv_bits = 4;
+    cr_assert_eq(kvrt_bench_run(&b, NULL, NULL, &err), KV_OK, "%s", err.msg);
+    cr_assert(b.cfgs[0].kv_bits == 16 && b.cfgs[1].kv_bits == 4 && b.cfgs[2].kv_bits == 4);
+    cr_assert_eq(b.cfgs[0].kv_total[KVRT_DTYPE_F16], 2 * 2 * 25 * 64 * 2);
+    /* 25 kv heads of rank 32, 4 bits: 16 bytes of codes + 4 per unit, keys
+     * and values; postrope keys of ranks 16 and 48 alternately and 32 last:
+     * 12 x (8 + 4) + 12 x (24 + 4) + (16 + 4) = 500, the same */
+    for (int g = 1; g < 3; g++)
+        for (int t = 0; t < 2; t++)
+            cr_assert_eq(b.cfgs[g].kv_total[t], 2 * 1000, "cfg %d cache %d: %lld bytes", g, t,
+                         (long long)b.cfgs[g].kv_total[t]);
+    const struct kvrt_bench_cell *x = kvrt_bench_cell(&b, 1, KVRT_DTYPE_F32, 0);
+    cr_assert(x->us_step > 0 && x->kv_layer == 1000, "%g", x->kv_layer);
+    kvrt_bench_release(&b);
     kv_model_close(m);
 }
