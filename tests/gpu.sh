@@ -29,7 +29,7 @@ if part tests; then
     for t in "test_kvrt --filter kvrt_gpu/*" "test_cli --filter cli/verify_device*" "test_bench_attn"; do
         set -- $t
         start=$(date +%s)
-        timeout 600 "build/tests/$1" "${@:2}" -j4 --verbose >>"$out/tests.log" 2>&1
+        timeout 200 "build/tests/$1" "${@:2}" -j4 --verbose >>"$out/tests.log" 2>&1
         rc=$?
         line=$(grep -a "Synthesis" "$out/tests.log" | tail -1)
         say "tests: $t: exit $rc, $(( $(date +%s) - start )) s: ${line#*Synthesis: }"
@@ -90,7 +90,7 @@ if part sanitize && command -v compute-sanitizer >/dev/null; then
         for r in "${runs[@]}"; do
             i=$((i + 1))
             set -- $r
-            ( KVRT_CUDA_KERNEL=$1 timeout 900 compute-sanitizer --tool $tool --error-exitcode 9 \
+            ( KVRT_CUDA_KERNEL=$1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
                   "$bin" bench-attn "${@:2}" --ctx 700 --iters 1 -q >"$out/san.$i" 2>&1
               echo "exit $? $tool $r" >>"$out/san.$i" ) &
             pids+=($!)
