@@ -94,6 +94,106 @@ static __device__ __forceinline__ uint32_t szof(const dside &S, int64_t row, int
     return S.bits == 16 ? 0u : __ldg(S.sz + row * S.szld + unit);
 }
 
+/* ---------------------------------------------------------------- staging */
+
+/* Asynchronous copies from global to shared memory (cp.async, sm_80 and
+ * later): the rows of the next tiles are in flight while the block
+ * computes on the current one, without holding registers. */
+static __device__ __forceinline__ void cp_async(void *s, const void *g, int bytes) {
+#ifdef KVRT_EMULATE
+    memcpy(s, g, (size_t)bytes);
+#else
+    unsigned sa = (unsigned)__cvta_generic_to_shared(s);
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g));
+    else if (bytes == 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sa), "l"(g));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa), "l"(g));
+#endif
+}
+static __device__ __forceinline__ void cp_commit() {
+#ifndef KVRT_EMULATE
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+static __device__ __forceinline__ void cp_wait() {
+#ifndef KVRT_EMULATE
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+#define NSTAGE 3 /* tiles in shared memory: one computed on, two in flight */
+
+/* A head's slice of one side as staged: per position `chunks` copies of
+ * cb bytes (16 for fp16; 8 for codes, a unit's codes rounded up to 8
+ * bytes, which stays inside its row: units start at multiples of 8 and
+ * rows at multiples of 16) into a stage row of `pitch` bytes, and the
+ * (scale, zero) pair of a quantized side (sz non-NULL). */
+struct sslice {
+    const uint8_t *g;
+    int64_t ld, szld, unit;
+    const uint32_t *sz;
+    int cb, chunks, pitch;
+};
+static __host__ __device__ __forceinline__ int slice_pitch(int64_t w, int bits) {
+    int64_t b = bits == 16 ? 2 * w : (kvrt_code_bytes(w, bits) + 7) / 8 * 8;
+    return (int)((b + 15) / 16 * 16);
+}
+static __device__ __forceinline__ sslice slice_of(const dside &S, int64_t col, int64_t w, int64_t unit) {
+    sslice x;
+    if (S.bits == 16) {
+        x.g = (const uint8_t *)S.c + col * 2, x.ld = S.ld * 2, x.cb = 16, x.chunks = (int)(w / 8), x.sz = NULL;
+    } else {
+        x.g = (const uint8_t *)S.c + col, x.ld = S.ld, x.cb = 8;
+        x.chunks = (int)((kvrt_code_bytes(w, S.bits) + 7) / 8), x.sz = S.sz;
+    }
+    x.pitch = slice_pitch(w, S.bits), x.szld = S.szld, x.unit = unit;
+    return x;
+}
+/* Bytes of one stage of tp positions: A's rows, B's rows, their pairs. */
+static __host__ __device__ __forceinline__ size_t stage_bytes(int tp, int pa, int pb) {
+    return (size_t)tp * (size_t)(pa + pb + 8);
+}
+/* Issues the copies of rows p0 .. p0+np-1 of slices A and B into stage st
+ * (tp rows per slice); the caller commits. */
+static __device__ __forceinline__ void stage_issue(uint8_t *st, int tp, const sslice &A, const sslice &B,
+                                                   int64_t p0, int np) {
+    uint8_t *sa = st, *sb = sa + (size_t)tp * A.pitch, *za = sb + (size_t)tp * B.pitch, *zb = za + 4 * tp;
+    const int na = np * A.chunks, nb = np * B.chunks;
+    for (int x = threadIdx.x; x < na + nb; x += NT) {
+        if (x < na) {
+            const int r = x / A.chunks, k = x - r * A.chunks;
+            cp_async(sa + r * A.pitch + k * A.cb, A.g + (p0 + r) * A.ld + k * A.cb, A.cb);
+        } else {
+            const int y = x - na, r = y / B.chunks, k = y - r * B.chunks;
+            cp_async(sb + r * B.pitch + k * B.cb, B.g + (p0 + r) * B.ld + k * B.cb, B.cb);
+        }
+    }
+    if (A.sz)
+        for (int r = threadIdx.x; r < np; r += NT) cp_async(za + 4 * r, A.sz + (p0 + r) * A.szld + A.unit, 4);
+    if (B.sz)
+        for (int r = threadIdx.x; r < np; r += NT) cp_async(zb + 4 * r, B.sz + (p0 + r) * B.szld + B.unit, 4);
+}
+/* The raw group i (elements 8i .. 8i+7) of a staged row, as raw8 reads it. */
+static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int i) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (bits == 16) return *reinterpret_cast<const uint4 *>(row + 16 * i);
+    const uint8_t *p = row + i * bits;
+    if (bits == 8) {
+        uint2 v = *reinterpret_cast<const uint2 *>(p);
+        r.x = v.x, r.y = v.y;
+    } else if (bits == 4) {
+        r.x = *reinterpret_cast<const unsigned int *>(p);
+    } else if (bits == 2) {
+        r.x = *reinterpret_cast<const unsigned short *>(p);
+    } else {
+        r.x = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+    }
+    return r;
+}
+
 /* Threads per position of a layer's fast kernels: 8 elements a thread
  * over the widest key or value slice, a power of two, at least lo. */
 static int fast_group(int64_t kw, int64_t vw, int lo) {
@@ -173,10 +273,13 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
     int64_t j, c;
     kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
     const int32_t *hk = L.hk + j * KVRT_HK_N;
-    const int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW], kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
-    const int64_t ku = hk[KVRT_HK_KU], vu = hk[KVRT_HK_VU];
-    const int tid = threadIdx.x, ng = NT / gs, gid = tid / gs, li = tid - gid * gs;
+    const int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW];
+    const int tid = threadIdx.x, ng = NT / gs, gid = tid / gs, li = tid - gid * gs, tp = ng * DU;
     const bool kon = 8 * li < kw, von = 8 * li < vw;
+    const sslice A = slice_of(KS, hk[KVRT_HK_KCOL], kw, hk[KVRT_HK_KU]);
+    const sslice B = slice_of(VS, hk[KVRT_HK_VCOL], vw, hk[KVRT_HK_VU]);
+    const size_t sbytes = stage_bytes(tp, A.pitch, B.pitch);
+    uint8_t *stages = reinterpret_cast<uint8_t *>(sm);
     float q[GRP][8], acc[GRP][8], m[GRP], l[GRP];
 #pragma unroll
     for (int gi = 0; gi < GRP; gi++) {
@@ -186,26 +289,44 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
         m[gi] = -INFINITY, l[gi] = 0.0f;
     }
     const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
-    for (int64_t base = t0; base < t1; base += (int64_t)ng * DU) {
-        const int64_t p0 = base + (int64_t)gid * DU;
-        const int nu = p0 >= t1 ? 0 : (t1 - p0 < DU ? (int)(t1 - p0) : DU);
-        uint4 kr[DU], vr[DU];
-        uint32_t ksz[DU], vsz[DU];
+    const int ntile = (int)((t1 - t0 + tp - 1) / tp);
 #pragma unroll
-        for (int u = 0; u < DU; u++) { /* every load in flight before any use */
-            kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-            ksz[u] = vsz[u] = 0u;
-            if (u < nu) {
-                if (kon) kr[u] = raw8(KS, p0 + u, kcol, li), ksz[u] = szof(KS, p0 + u, ku);
-                if (von) vr[u] = raw8(VS, p0 + u, vcol, li), vsz[u] = szof(VS, p0 + u, vu);
-            }
+    for (int st = 0; st < NSTAGE - 1; st++) { /* prologue: the first tiles in flight */
+        if (st < ntile) {
+            const int64_t p = t0 + (int64_t)st * tp;
+            stage_issue(stages + st * sbytes, tp, A, B, p, t1 - p < tp ? (int)(t1 - p) : tp);
         }
+        cp_commit();
+    }
+    for (int it = 0; it < ntile; it++) {
+        cp_wait<NSTAGE - 2>(); /* tile it has landed (this thread's copies) */
+        __syncthreads();       /* everyone's copies; everyone is done with tile it-1 */
+        {
+            const int nx = it + NSTAGE - 1;
+            if (nx < ntile) {
+                const int64_t p = t0 + (int64_t)nx * tp;
+                stage_issue(stages + (nx % NSTAGE) * sbytes, tp, A, B, p, t1 - p < tp ? (int)(t1 - p) : tp);
+            }
+            cp_commit();
+        }
+        const uint8_t *st = stages + (it % NSTAGE) * sbytes;
+        const uint8_t *ra = st, *rb = st + (size_t)tp * A.pitch;
+        const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)tp * B.pitch), *zb = za + tp;
+        const int64_t pt = t0 + (int64_t)it * tp;
+        const int npt = t1 - pt < tp ? (int)(t1 - pt) : tp, r0 = gid * DU;
+        const int nu = npt - r0 <= 0 ? 0 : (npt - r0 < DU ? npt - r0 : DU);
         float s[DU][GRP], vf[DU][8];
 #pragma unroll
         for (int u = 0; u < DU; u++) {
             float kf[8];
-            dec8(KS, kr[u], ksz[u], kf);
-            dec8(VS, vr[u], vsz[u], vf[u]);
+            const int r = r0 + u;
+            const bool in = u < nu;
+            uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = kr;
+            uint32_t ksz = 0u, vsz = 0u;
+            if (in && kon) kr = raw8s(ra + (size_t)r * A.pitch, KS.bits, li), ksz = A.sz ? za[r] : 0u;
+            if (in && von) vr = raw8s(rb + (size_t)r * B.pitch, VS.bits, li), vsz = B.sz ? zb[r] : 0u;
+            dec8(KS, kr, ksz, kf);
+            dec8(VS, vr, vsz, vf[u]);
 #pragma unroll
             for (int gi = 0; gi < GRP; gi++) {
                 float a = 0.0f;
@@ -213,11 +334,13 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
 #pragma unroll
                     for (int e = 0; e < 8; e++) a += q[gi][e] * kf[e];
                 for (int o = 1; o < gs; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-                s[u][gi] = u < nu ? a * G.scale : -INFINITY;
+                s[u][gi] = in ? a * G.scale : -INFINITY;
             }
         }
         if (nu > 0) fold<GRP, DU>(GRP, nu, s, m, l, acc, vf);
     }
+    cp_wait<0>();
+    __syncthreads(); /* the stages are free: the merge area reuses them */
     float *gm = sm, *gl = gm + ng * GRP, *gacc = gl + ng * GRP;
     if (li == 0)
         for (int gi = 0; gi < GRP; gi++) gm[gid * GRP + gi] = m[gi], gl[gid * GRP + gi] = l[gi];
@@ -227,9 +350,13 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
     merge_groups(G, j, c, GRP, vw, ng, gm, gl, gacc, pm, pl, pacc);
 }
 
-static size_t dattn_smem(int grp, int gs, int64_t vw_max) {
-    int ng = NT / gs;
-    return (size_t)ng * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
+/* Shared memory of dattn_kernel: its stages at the widest key and value
+ * slices, or the merge area, whichever is larger. */
+static size_t dattn_smem(int grp, int gs, int64_t kw_max, int kbits, int64_t vw_max, int vbits) {
+    int ng = NT / gs, tp = ng * (grp >= 4 ? 2 : 4);
+    size_t st = NSTAGE * stage_bytes(tp, slice_pitch(kw_max, kbits), slice_pitch(vw_max, vbits));
+    size_t merge = (size_t)ng * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
+    return st > merge ? st : merge;
 }
 
 /* ---------------------------------------------------------------- prerope keys on tensor cores */
@@ -269,15 +396,18 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
     int64_t j, c;
     kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
     const int32_t *hk = L.hk + j * KVRT_HK_N;
-    const int64_t vw = hk[KVRT_HK_VW], kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL];
-    const int64_t ku = hk[KVRT_HK_KU], vu = hk[KVRT_HK_VU];
+    const int64_t vw = hk[KVRT_HK_VW];
     const int grp = GRP, dh = (int)G.dh, half = dh / 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, qg = lane >> 2, qt = lane & 3;
     const int ng = NT / gs, gid = tid / gs, li = tid - gid * gs, nu_max = PI / ng;
     const bool von = 8 * li < vw, quant = KS.bits != 16;
-    /* shared: q [grp][dh] | zt [PI][ZP] halves | zsc, zze [PI] | spart [4][grp][PI] */
+    /* shared: q [grp][dh] | zsc, zze [PI] | spart [4][grp][PI] | zt [PI][ZP] halves | NSTAGE stages */
     float *qs = sm, *zsc = qs + grp * dh, *zze = zsc + PI, *spart = zze + PI;
     __half *zt = reinterpret_cast<__half *>(spart + 4 * grp * PI);
+    uint8_t *stages = reinterpret_cast<uint8_t *>(zt + PI * ZP);
+    const sslice A = slice_of(KS, hk[KVRT_HK_KCOL], KSZ, hk[KVRT_HK_KU]);
+    const sslice B = slice_of(VS, hk[KVRT_HK_VCOL], vw, hk[KVRT_HK_VU]);
+    const size_t sbytes = stage_bytes(PI, A.pitch, B.pitch);
     for (int x = tid; x < grp * dh; x += NT)
         qs[x] = L.qv[L.hq[(j * grp + x / dh) * KVRT_HQ_N + KVRT_HQ_QOFF] + x % dh];
     /* up in registers: B fragments (k = 16 kk + 2 qt (+1, +8, +9), n = 8 tile + qg), hi and lo */
@@ -314,48 +444,56 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
     }
-    __syncthreads();
     const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
-    for (int64_t base = t0; base < t1; base += PI) {
-        const int np = t1 - base < PI ? (int)(t1 - base) : PI;
-        /* 1. this round's value slices into registers (group layout) */
-        const int64_t p0 = base + (int64_t)gid * nu_max;
-        const int nu = p0 >= t1 ? 0 : (t1 - p0 < nu_max ? (int)(t1 - p0) : nu_max);
-        uint4 vr[PUMAX];
-        uint32_t vsz[PUMAX];
+    const int ntile = (int)((t1 - t0 + PI - 1) / PI);
 #pragma unroll
-        for (int u = 0; u < PUMAX; u++) {
-            vr[u] = make_uint4(0u, 0u, 0u, 0u), vsz[u] = 0u;
-            if (u < nu && von) vr[u] = raw8(VS, p0 + u, vcol, li), vsz[u] = szof(VS, p0 + u, vu);
+    for (int st = 0; st < NSTAGE - 1; st++) { /* prologue: the first rounds in flight */
+        if (st < ntile) {
+            const int64_t p = t0 + (int64_t)st * PI;
+            stage_issue(stages + st * sbytes, PI, A, B, p, t1 - p < PI ? (int)(t1 - p) : PI);
         }
-        /* 2. the latent tile into shared memory as fp16 (codes as integers), zeros past np */
+        cp_commit();
+    }
+    for (int it = 0; it < ntile; it++) {
+        const int64_t base = t0 + (int64_t)it * PI;
+        const int np = t1 - base < PI ? (int)(t1 - base) : PI;
+        cp_wait<NSTAGE - 2>(); /* round it has landed (this thread's copies) */
+        __syncthreads();       /* everyone's copies; everyone is done with round it-1 */
         {
-            constexpr int PER_ROW = KSZ / 8, LOADS = PI * PER_ROW / NT; /* = KSTEPS */
-            uint4 zr[LOADS];
-            uint32_t zs[LOADS];
-#pragma unroll
-            for (int x = 0; x < LOADS; x++) {
-                const int idx = tid + x * NT, row = idx / PER_ROW, part = idx - row * PER_ROW;
-                zr[x] = make_uint4(0u, 0u, 0u, 0u), zs[x] = 0u;
-                if (row < np) zr[x] = raw8(KS, base + row, kcol, part), zs[x] = szof(KS, base + row, ku);
+            const int nx = it + NSTAGE - 1;
+            if (nx < ntile) {
+                const int64_t p = t0 + (int64_t)nx * PI;
+                stage_issue(stages + (nx % NSTAGE) * sbytes, PI, A, B, p, t1 - p < PI ? (int)(t1 - p) : PI);
             }
-#pragma unroll
-            for (int x = 0; x < LOADS; x++) {
-                const int idx = tid + x * NT, row = idx / PER_ROW, part = idx - row * PER_ROW;
-                uint4 h = zr[x];
+            cp_commit();
+        }
+        const uint8_t *ra = stages + (it % NSTAGE) * sbytes, *rb = ra + (size_t)PI * A.pitch;
+        const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)PI * B.pitch), *zb = za + PI;
+        const int r0g = gid * nu_max;
+        const int nu = np - r0g <= 0 ? 0 : (np - r0g < nu_max ? np - r0g : nu_max);
+        /* 1. the latents as fp16 (codes as their integer values) with a
+         * padded pitch for the fragments' loads, zeros past np */
+        for (int x = tid; x < PI * (KSZ / 8); x += NT) {
+            const int row = x / (KSZ / 8), part = x - row * (KSZ / 8);
+            uint4 h = make_uint4(0u, 0u, 0u, 0u);
+            if (row < np) {
+                const uint4 r = raw8s(ra + (size_t)row * A.pitch, KS.bits, part);
+                h = r;
                 if (quant) {
                     __half v[8];
 #pragma unroll
-                    for (int e = 0; e < 8; e++) v[e] = __uint2half_rn(code8(zr[x], KS.bits, e));
+                    for (int e = 0; e < 8; e++) v[e] = __uint2half_rn(code8(r, KS.bits, e));
                     h.x = pack2(v[0], v[1]), h.y = pack2(v[2], v[3]), h.z = pack2(v[4], v[5]), h.w = pack2(v[6], v[7]);
-                    if (part == 0) {
-                        zsc[row] = __half2float(__ushort_as_half((unsigned short)(zs[x] & 0xffffu)));
-                        zze[row] = __half2float(__ushort_as_half((unsigned short)(zs[x] >> 16)));
-                    }
                 }
-                *reinterpret_cast<uint4 *>(zt + row * ZP + part * 8) = h;
             }
+            *reinterpret_cast<uint4 *>(zt + row * ZP + part * 8) = h;
         }
+        if (quant)
+            for (int row = tid; row < PI; row += NT) {
+                const uint32_t z = row < np ? za[row] : 0u;
+                zsc[row] = __half2float(__ushort_as_half((unsigned short)(z & 0xffffu)));
+                zze[row] = __half2float(__ushort_as_half((unsigned short)(z >> 16)));
+            }
         __syncthreads();
         /* 3. keys on tensor cores, RoPE, partial scores of this warp's columns.
          * Pair p (0 .. NTW-1) of this thread in a row: interleaved, the
@@ -436,8 +574,11 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
         float s[PUMAX][GRP], vf[PUMAX][8];
 #pragma unroll
         for (int u = 0; u < PUMAX; u++) {
-            dec8(VS, vr[u], vsz[u], vf[u]);
-            const int r = (int)(p0 - base) + u;
+            const int r = r0g + u;
+            uint4 vr = make_uint4(0u, 0u, 0u, 0u);
+            uint32_t vsz = 0u;
+            if (u < nu && von) vr = raw8s(rb + (size_t)r * B.pitch, VS.bits, li), vsz = B.sz ? zb[r] : 0u;
+            dec8(VS, vr, vsz, vf[u]);
 #pragma unroll
             for (int gi = 0; gi < GRP; gi++) {
                 float a = -INFINITY;
@@ -450,6 +591,7 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
         if (nu > 0) fold<GRP, PUMAX>(grp, nu, s, m, l, acc, vf);
     }
     /* the merge area reuses the start of shared memory (q is no longer read) */
+    cp_wait<0>();
     __syncthreads();
     float *gm = sm, *gl = gm + ng * grp, *gacc = gl + ng * grp;
     if (li == 0)
@@ -460,8 +602,9 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
     merge_groups(G, j, c, grp, vw, ng, gm, gl, gacc, pm, pl, pacc);
 }
 
-static size_t pattn_smem(int grp, int dh, int ksz, int gs, int64_t vw_max) {
-    size_t main = (size_t)(grp * dh + 2 * PI + 4 * grp * PI) * sizeof(float) + (size_t)PI * (size_t)(ksz + 8) * 2;
-    size_t merge = dattn_smem(grp, gs, vw_max);
+static size_t pattn_smem(int grp, int dh, int ksz, int kbits, int gs, int64_t vw_max, int vbits) {
+    size_t main = (size_t)(grp * dh + 2 * PI + 4 * grp * PI) * sizeof(float) + (size_t)PI * (size_t)(ksz + 8) * 2 +
+                  NSTAGE * stage_bytes(PI, slice_pitch(ksz, kbits), slice_pitch(vw_max, vbits));
+    size_t merge = (size_t)(NT / gs) * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
     return main > merge ? main : merge;
 }

@@ -711,13 +711,13 @@ static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp
         if (!((grp == 1 || grp == 2 || grp == 4) && (dh == 64 || dh == 128) && ks_first % 16 == 0 && ks_first >= 16 && ks_first <= 64))
             return;
         int gs = fast_group(8, lp->vw_max, 2);
-        size_t sm = pattn_smem((int)grp, (int)dh, (int)ks_first, gs, lp->vw_max);
+        size_t sm = pattn_smem((int)grp, (int)dh, (int)ks_first, lp->kbits, gs, lp->vw_max, lp->vbits);
         if ((int64_t)sm > optin) return;
         s->kern = KERN_PREROPE, s->gs = gs, s->fsmem = sm;
     } else {
         if (!(grp == 1 || grp == 2 || grp == 4)) return;
         int gs = fast_group(lp->kw_max, lp->vw_max, 1);
-        size_t sm = dattn_smem((int)grp, gs, lp->vw_max);
+        size_t sm = dattn_smem((int)grp, gs, lp->kw_max, lp->kbits, lp->vw_max, lp->vbits);
         if ((int64_t)sm > optin) return;
         s->kern = KERN_DIRECT, s->gs = gs, s->fsmem = sm;
     }

@@ -46,11 +46,9 @@ if part bench; then
         done
     done
     for b in 8 4 2; do
-        for k in 0.5 1; do
-            "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 --keep $k --kv-bits $b -q \
-                >>"$out/bench.log" 2>&1 || status=1
-        done
+        "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 --kv-bits $b -q >>"$out/bench.log" 2>&1 || status=1
     done
+    "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --keep 1 --kv-bits 4 -q >>"$out/bench.log" 2>&1 || status=1
     say "bench: 64K f16 rows (µs/step, µs attn, GB/s, % peak, speedup):"
     grep -a "^| *65536 " "$out/bench.log" | awk -F'|' '{printf "  %-32s %-6s %8s %8s %8s %6s %7s\n", $3, $4, $6, $7, $8, $9, $10}'
     KVCAL_BIN=$bin build/bench/bench_attn >>"$out/bench.log" 2>&1
@@ -62,15 +60,15 @@ fi
 
 if part ncu && command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
-        -k regex:attn_kernel --launch-skip 3 --launch-count 1 \
+        -k regex:attn_kernel --launch-count 15 \
         "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 -q >"$out/ncu.log" 2>&1
     for b in 4; do
         ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-            -k regex:attn_kernel --launch-skip 3 --launch-count 1 \
+            -k regex:attn_kernel --launch-count 15 \
             "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 --kv-bits $b -q >>"$out/ncu.log" 2>&1
     done
     say "ncu (64K, f16; per attention kernel launch):"
-    grep -aE "attn_kernel|dram__|gpu__time|hmma|sm__throughput" "$out/ncu.log" | sed 's/^ */  /' | head -60
+    awk '/attn_kernel</ {k=$2} /dram__throughput/ {d=$NF} /gpu__time_duration/ {t=$NF} /dram__bytes_read/ {b=$NF} /hmma/ {h=$NF} /sm__throughput/ {print "  " k, "time", t, "us, read", b, "GB, dram", d, "%, sm", $NF, "%, tensor", h "%"; h=""}' "$out/ncu.log" | sort | uniq -c | head -20
 fi
 
 if part sanitize && command -v compute-sanitizer >/dev/null; then
