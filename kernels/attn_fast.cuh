@@ -156,21 +156,26 @@ static __device__ __forceinline__ sslice slice_of(const dside &S, int64_t col, i
 static __host__ __device__ __forceinline__ size_t stage_bytes(int tp, int pa, int pb) {
     return (size_t)tp * (size_t)(pa + pb + 8);
 }
+/* The copies of rows p0 .. p0+np-1 of one slice into s: copy x = row ·
+ * chunks + k goes to thread x mod NT, each thread stepping its (row, k)
+ * without a division per copy. */
+static __device__ __forceinline__ void issue_side(uint8_t *s, const sslice &A, int64_t p0, int np) {
+    const int total = np * A.chunks, dr = NT / A.chunks, dk = NT - dr * A.chunks;
+    int r = (int)threadIdx.x / A.chunks, k = (int)threadIdx.x - r * A.chunks;
+    const uint8_t *g = A.g + p0 * A.ld;
+    for (int x = threadIdx.x; x < total; x += NT) {
+        cp_async(s + r * A.pitch + k * A.cb, g + r * A.ld + k * A.cb, A.cb);
+        r += dr, k += dk;
+        if (k >= A.chunks) k -= A.chunks, r++;
+    }
+}
 /* Issues the copies of rows p0 .. p0+np-1 of slices A and B into stage st
  * (tp rows per slice); the caller commits. */
 static __device__ __forceinline__ void stage_issue(uint8_t *st, int tp, const sslice &A, const sslice &B,
                                                    int64_t p0, int np) {
     uint8_t *sa = st, *sb = sa + (size_t)tp * A.pitch, *za = sb + (size_t)tp * B.pitch, *zb = za + 4 * tp;
-    const int na = np * A.chunks, nb = np * B.chunks;
-    for (int x = threadIdx.x; x < na + nb; x += NT) {
-        if (x < na) {
-            const int r = x / A.chunks, k = x - r * A.chunks;
-            cp_async(sa + r * A.pitch + k * A.cb, A.g + (p0 + r) * A.ld + k * A.cb, A.cb);
-        } else {
-            const int y = x - na, r = y / B.chunks, k = y - r * B.chunks;
-            cp_async(sb + r * B.pitch + k * B.cb, B.g + (p0 + r) * B.ld + k * B.cb, B.cb);
-        }
-    }
+    issue_side(sa, A, p0, np);
+    issue_side(sb, B, p0, np);
     if (A.sz)
         for (int r = threadIdx.x; r < np; r += NT) cp_async(za + 4 * r, A.sz + (p0 + r) * A.szld + A.unit, 4);
     if (B.sz)
@@ -196,7 +201,7 @@ static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int 
 
 /* Threads per position of a layer's fast kernels: 8 elements a thread
  * over the widest key or value slice, a power of two, at least lo. */
-static int fast_group(int64_t kw, int64_t vw, int lo) {
+static __host__ __device__ __forceinline__ int fast_group(int64_t kw, int64_t vw, int lo) {
     int64_t need = (kw + 7) / 8 > (vw + 7) / 8 ? (kw + 7) / 8 : (vw + 7) / 8;
     int g = lo;
     while (g < need) g *= 2;
@@ -267,13 +272,14 @@ static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GM
 
 template <int GRP>
 __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
-                                                   int gs, int64_t T, int64_t len, int64_t n_full,
-                                                   int64_t rem, float *pm, float *pl, float *pacc) {
+                                                   int64_t T, int64_t len, int64_t n_full, int64_t rem,
+                                                   float *pm, float *pl, float *pacc) {
     extern __shared__ float sm[];
     int64_t j, c;
     kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
     const int32_t *hk = L.hk + j * KVRT_HK_N;
     const int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW];
+    const int gs = fast_group(kw, vw, 1); /* this head's own: narrow heads take more positions */
     const int tid = threadIdx.x, ng = NT / gs, gid = tid / gs, li = tid - gid * gs, tp = ng * DU;
     const bool kon = 8 * li < kw, von = 8 * li < vw;
     const sslice A = slice_of(KS, hk[KVRT_HK_KCOL], kw, hk[KVRT_HK_KU]);

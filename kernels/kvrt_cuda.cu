@@ -125,7 +125,7 @@ struct lstate {
     int v_smem;    /* value tiles staged in shared memory */
     int up_smem;   /* prerope up factors staged in shared memory */
     int kern;      /* KERN_* */
-    int gs;        /* threads per position of a fast kernel */
+    int gs;        /* threads per position of the prerope kernel (dattn_kernel sets its own per head) */
     size_t fsmem;  /* a fast kernel's dynamic shared memory */
 };
 
@@ -716,10 +716,15 @@ static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp
         s->kern = KERN_PREROPE, s->gs = gs, s->fsmem = sm;
     } else {
         if (!(grp == 1 || grp == 2 || grp == 4)) return;
-        int gs = fast_group(lp->kw_max, lp->vw_max, 1);
-        size_t sm = dattn_smem((int)grp, gs, lp->kw_max, lp->kbits, lp->vw_max, lp->vbits);
+        size_t sm = 0; /* each head its own group size (attn_fast.cuh): the largest need */
+        for (int64_t j = 0; j < p->n_kv_heads; j++) {
+            const int32_t *hk = lp->hk + j * KVRT_HK_N;
+            int gs = fast_group(hk[KVRT_HK_KW], hk[KVRT_HK_VW], 1);
+            size_t need = dattn_smem((int)grp, gs, hk[KVRT_HK_KW], lp->kbits, hk[KVRT_HK_VW], lp->vbits);
+            sm = need > sm ? need : sm;
+        }
         if ((int64_t)sm > optin) return;
-        s->kern = KERN_DIRECT, s->gs = gs, s->fsmem = sm;
+        s->kern = KERN_DIRECT, s->gs = 0, s->fsmem = sm;
     }
 }
 
@@ -751,6 +756,12 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
         if (lp->vbits < 16 &&
             (rc = dalloc((void **)&s->vsz, (size_t)(p->max_ctx * lp->vunits) * 4, err, "allocating the value scales")))
             return rc;
+        /* cleared once: a row's padding bytes, which the fast kernels' copies
+         * cover but no append writes, are then defined */
+        CK(cudaMemset(s->kc, 0, (size_t)(p->max_ctx * lp->kld) * kes), "clearing the key cache");
+        CK(cudaMemset(s->vc, 0, (size_t)(p->max_ctx * lp->vld) * ves), "clearing the value cache");
+        if (s->ksz) CK(cudaMemset(s->ksz, 0, (size_t)(p->max_ctx * lp->kunits) * 4), "clearing the key scales");
+        if (s->vsz) CK(cudaMemset(s->vsz, 0, (size_t)(p->max_ctx * lp->vunits) * 4), "clearing the value scales");
         choose_kernel(p, lp, s, optin);
         /* value tiles in shared memory when they fit, then the up factors */
         int pre = lp->kmode == KV_LR_PREROPE_LATENT;
@@ -886,11 +897,11 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
     const dside KS = {L.kc, L.ksz, L.kld, L.kunits, L.kbits}, VS = {L.vc, L.vsz, L.vld, L.vunits, L.vbits};
     if (s->kern == KERN_DIRECT) {
         if (p->grp == 1)
-            dattn_kernel<1><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+            dattn_kernel<1><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
         else if (p->grp == 2)
-            dattn_kernel<2><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+            dattn_kernel<2><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
         else
-            dattn_kernel<4><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, s->gs, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+            dattn_kernel<4><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
     } else if (s->kern == KERN_PREROPE) {
         int ksteps = (int)(lp->ksrc_max / 16), ntw = (int)(p->head_dim / 32);
 #define PLAUNCH(k, nw, g)                                                                                   \

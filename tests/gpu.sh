@@ -11,7 +11,7 @@
 #
 # Logs go to OUTDIR (tests.log, bench.log, ncu.log, sanitize.log); a
 # summary goes to stdout. Exit 1 if a test, a target or a sanitizer fails.
-# ONLY=tests|bench|ncu|sanitize runs one part. The shared test data is
+# ONLY=tests,bench,ncu,sanitize (any of them) runs those parts. The shared test data is
 # found as the tests find it ($KVCAL_SHARED, default ../shared).
 set -u
 out=${1:-build/gpu}
@@ -20,7 +20,7 @@ bin=${KVCAL_BIN:-build/kvcal}
 only=${ONLY:-all}
 status=0
 say() { printf '%s\n' "$*"; }
-part() { [ "$only" = all ] || [ "$only" = "$1" ]; }
+part() { [ "$only" = all ] || [[ ",$only," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,clocks.max.sm,driver_version --format=csv,noheader 2>&1 | sed 's/^/device: /'
 
@@ -39,12 +39,11 @@ fi
 
 if part bench; then
     : >"$out/bench.log"
-    for v in fast generic; do
-        for p in llama7b llama3-8b gpt2-xl; do
-            KVRT_CUDA_KERNEL=$v "$bin" bench-attn --synthetic $p --ctx 4K,64K --cache f16 -q \
-                >>"$out/bench.log" 2>&1 || status=1
-        done
+    for p in llama7b llama3-8b gpt2-xl; do
+        "$bin" bench-attn --synthetic $p --ctx 4K,64K --cache f16 -q >>"$out/bench.log" 2>&1 || status=1
     done
+    KVRT_CUDA_KERNEL=generic "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 -q \
+        >>"$out/bench.log" 2>&1 || status=1
     for b in 8 4 2; do
         "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 --kv-bits $b -q >>"$out/bench.log" 2>&1 || status=1
     done
@@ -62,7 +61,7 @@ if part ncu && command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
         -k regex:attn_kernel --launch-count 15 \
         "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 -q >"$out/ncu.log" 2>&1
-    for b in 4; do
+    for b in ${NCU_BITS:-4}; do
         ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
             -k regex:attn_kernel --launch-count 15 \
             "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 --kv-bits $b -q >>"$out/ncu.log" 2>&1
