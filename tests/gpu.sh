@@ -61,7 +61,7 @@ if part ncu && command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
         -k regex:attn_kernel --launch-count 15 \
         "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 -q >"$out/ncu.log" 2>&1
-    for b in ${NCU_BITS:-4}; do
+    for b in ${NCU_BITS-4}; do
         ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
             -k regex:attn_kernel --launch-count 15 \
             "$bin" bench-attn --synthetic llama7b --ctx 64K --cache f16 --iters 1 --kv-bits $b -q >>"$out/ncu.log" 2>&1
