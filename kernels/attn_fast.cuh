@@ -1,30 +1,31 @@
 /* The fast attention kernels of the CUDA backend (included by
  * kvrt_cuda.cu, which holds the generic kernel they fall back to): decode
- * attention that streams the cache through registers at the memory
- * roofline, for fp16 caches and for low-bit latents (kvrt_plan.h).
+ * attention that streams the cache at the memory roofline, for fp16 caches
+ * and for low-bit latents (kvrt_plan.h).
  *
  * Both kernels run the same tasks as the generic one (KV head j, sequence
  * chunk c, longest first: kvrt_task) and write the same partials (max,
- * sum, accumulator per query head), merged by combine_kernel. Inside a
- * task the block is cut into groups of `gs` consecutive threads (a power
- * of two, enough that 8 elements a thread cover the widest key or value
- * row); each group owns its own positions and its own online softmax, so
- * that no barrier separates one position from the next, and every thread
- * keeps its 8 elements of the queries and of the value accumulators in
- * registers. At the end the block's groups are merged in shared memory
- * (the same merge as combine_kernel's).
+ * sum, accumulator per query head), merged by combine_kernel. A task's
+ * chunk streams through shared memory in tiles, NSTAGE deep: cp.async
+ * copies keep two tiles in flight while the block computes on a third,
+ * without holding registers. Inside a task the block is cut into groups of
+ * `gs` consecutive threads (a power of two, enough that 8 elements a
+ * thread cover the head's wider key or value slice); each group takes its
+ * own positions of the tile and keeps its own online softmax, and every
+ * thread keeps its 8 elements of the queries and of the value
+ * accumulators in registers. At the end the groups are merged in shared
+ * memory (the same merge as combine_kernel's).
  *
  * dattn_kernel<GRP>: keys scored as stored (full, fused_query,
- * postrope_rotation), GRP query heads per KV head. A group loads DU
- * positions' key and value slices (16 bytes a thread for fp16, `bits`
- * bytes for codes) before it uses any, scores them (a butterfly sum over
- * the group), then folds them into its softmax.
+ * postrope_rotation), GRP query heads per KV head: a group scores DU
+ * positions of each tile (a butterfly sum over the group), then folds
+ * them into its softmax.
  *
- * pattn_kernel<KSTEPS, NTW, GRP>: prerope_latent keys. The block rebuilds the
- * keys of 64 positions at a time on tensor cores, K = Z upᵀ with
+ * pattn_kernel<KSTEPS, NTW, GRP>: prerope_latent keys. The block rebuilds
+ * the keys of 64 positions at a time on tensor cores, K = Z upᵀ with
  * mma.sync m16n8k16 (fp16 inputs, fp32 accumulation): Z is the latent
- * tile staged in shared memory (fp16 as cached, or the integer codes of a
- * low-bit cache, exact in fp16), up is held in registers as two fp16
+ * tile converted in shared memory (fp16 as cached, or the integer codes of
+ * a low-bit cache, exact in fp16), up is held in registers as two fp16
  * parts (hi = fp16(up), lo = fp16(up - hi), two products each) so the
  * rebuilt keys carry up to about 2^-22 of its value, not fp16's 2^-11. For
  * codes, k = scale (codes upᵀ) + zero (Σ_k up). RoPE is applied to the
@@ -46,25 +47,6 @@ struct dside {
     int64_t ld, szld;
     int bits;
 };
-
-/* The raw bytes of elements 8i .. 8i+7 of the slice at column col of row
- * `row`: 16 bytes of fp16, or `bits` bytes of codes. */
-static __device__ __forceinline__ uint4 raw8(const dside &S, int64_t row, int64_t col, int i) {
-    uint4 r = make_uint4(0u, 0u, 0u, 0u);
-    if (S.bits == 16) return __ldg(reinterpret_cast<const uint4 *>((const __half *)S.c + row * S.ld + col + 8 * i));
-    const uint8_t *p = (const uint8_t *)S.c + row * S.ld + col + (int64_t)i * S.bits;
-    if (S.bits == 8) {
-        uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
-        r.x = v.x, r.y = v.y;
-    } else if (S.bits == 4) {
-        r.x = __ldg(reinterpret_cast<const unsigned int *>(p));
-    } else if (S.bits == 2) {
-        r.x = __ldg(reinterpret_cast<const unsigned short *>(p));
-    } else {
-        r.x = (uint32_t)__ldg(p) | (uint32_t)__ldg(p + 1) << 8 | (uint32_t)__ldg(p + 2) << 16;
-    }
-    return r;
-}
 
 /* Code e (0..7) of a raw group. */
 static __device__ __forceinline__ unsigned code8(uint4 r, int bits, int e) {
@@ -90,9 +72,6 @@ static __device__ __forceinline__ void dec8(const dside &S, uint4 r, uint32_t sz
     for (int e = 0; e < 8; e++) o[e] = __fadd_rn(__fmul_rn((float)code8(r, S.bits, e), sc), ze);
 }
 
-static __device__ __forceinline__ uint32_t szof(const dside &S, int64_t row, int64_t unit) {
-    return S.bits == 16 ? 0u : __ldg(S.sz + row * S.szld + unit);
-}
 
 /* ---------------------------------------------------------------- staging */
 
@@ -181,7 +160,8 @@ static __device__ __forceinline__ void stage_issue(uint8_t *st, int tp, const ss
     if (B.sz)
         for (int r = threadIdx.x; r < np; r += NT) cp_async(zb + 4 * r, B.sz + (p0 + r) * B.szld + B.unit, 4);
 }
-/* The raw group i (elements 8i .. 8i+7) of a staged row, as raw8 reads it. */
+/* The raw bytes of group i (elements 8i .. 8i+7) of a staged row: 16
+ * bytes of fp16, or `bits` bytes of codes. */
 static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int i) {
     uint4 r = make_uint4(0u, 0u, 0u, 0u);
     if (bits == 16) return *reinterpret_cast<const uint4 *>(row + 16 * i);
@@ -368,7 +348,7 @@ static size_t dattn_smem(int grp, int gs, int64_t kw_max, int kbits, int64_t vw_
 /* ---------------------------------------------------------------- prerope keys on tensor cores */
 
 #define PI 64   /* positions per round of the prerope kernel (4 m-tiles of 16) */
-#define PUMAX 8 /* positions a group takes per round: PI / (NT / gs) for gs <= 16 */
+#define PUMAX 8 /* positions a group takes per round: PI / (NT / gs), gs 2 .. 16 */
 
 static __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                                 uint32_t a3, uint32_t b0, uint32_t b1) {

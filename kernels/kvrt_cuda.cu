@@ -1,9 +1,15 @@
 /* The CUDA backend of the runtime: the five stages of kvrt_plan.h as one
- * cuBLAS GEMV, three kernels and one more GEMV per decode step, on one
- * stream. twin.c is the same algorithm in plain C, loop for loop: every dot
- * product, reconstruction and accumulation below runs in the twin's order,
+ * cuBLAS GEMV, three kernels (prep, attention, combine) and one more GEMV
+ * per decode step, on one stream. The attention stage runs, per layer, one
+ * of the fast kernels of attn_fast.cuh where the layer's shapes fit them
+ * (choose_kernel), else the generic attn_kernel below. twin.c is the
+ * generic kernel's algorithm in plain C, loop for loop: every dot product,
+ * reconstruction and accumulation of attn_kernel runs in the twin's order,
  * so the two agree to fp32 rounding (the exceptions: the per-tile softmax
- * sum, a warp reduction here, and fused multiply-adds).
+ * sum, a warp reduction here, and fused multiply-adds); the fast kernels
+ * sum in their own order. Low-bit latent sides (kvrt_plan.h) are written
+ * as codes by prep (quantize_put, the reference's arithmetic) and read
+ * back by every attention kernel.
  *
  * attn_kernel<CT, PRE>: one block per task (KV head j, sequence chunk c),
  * launched longest first (kvrt_task). The block keeps the queries of j's
