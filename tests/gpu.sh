@@ -11,8 +11,9 @@
 #
 # Logs go to OUTDIR (tests.log, bench.log, ncu.log, sanitize.log); a
 # summary goes to stdout. Exit 1 if a test, a target or a sanitizer fails.
-# ONLY=tests,bench,ncu,sanitize (any of them) runs those parts. The shared test data is
-# found as the tests find it ($KVCAL_SHARED, default ../shared).
+# ONLY=tests,bench,ncu,sanitize (any of them) runs those parts. The shared
+# test data is found as the tests find it ($KVCAL_SHARED, default
+# ../shared).
 set -u
 out=${1:-build/gpu}
 mkdir -p "$out"
@@ -87,15 +88,17 @@ if part sanitize && command -v compute-sanitizer >/dev/null; then
         for r in "${runs[@]}"; do
             i=$((i + 1))
             set -- $r
+            # each run's output joins sanitize.log when it ends (one at a
+            # time), so a run cut short still leaves the finished ones there
             ( KVRT_CUDA_KERNEL=$1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
                   "$bin" bench-attn "${@:2}" --ctx 700 --iters 1 -q >"$out/san.$i" 2>&1
-              echo "exit $? $tool $r" >>"$out/san.$i" ) &
+              echo "exit $? $tool $r" >>"$out/san.$i"
+              flock "$out/sanitize.log" sh -c 'cat "$0" >>"$1" && rm -f "$0"' "$out/san.$i" "$out/sanitize.log" ) &
             pids+=($!)
             if [ ${#pids[@]} -ge 8 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
         done
     done
     wait
-    for f in "$out"/san.*; do cat "$f" >>"$out/sanitize.log"; rm -f "$f"; done
     bad=$(grep -ac "^exit [^0]" "$out/sanitize.log")
     say "sanitizers: $i runs, $bad failed; error summaries:"
     grep -a "ERROR SUMMARY\|RACECHECK SUMMARY" "$out/sanitize.log" | sort | uniq -c | sed 's/^/  /'
