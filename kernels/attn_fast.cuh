@@ -160,6 +160,17 @@ static __device__ __forceinline__ void stage_issue(uint8_t *st, int tp, const ss
     if (B.sz)
         for (int r = threadIdx.x; r < np; r += NT) cp_async(zb + 4 * r, B.sz + (p0 + r) * B.szld + B.unit, 4);
 }
+/* Tile n (positions t0 + n·tp .., up to t1) into its stage of the ring,
+ * when there is one, and the commit of its group either way (the waits
+ * count groups, so every thread commits one per tile slot). */
+static __device__ __forceinline__ void issue_tile(uint8_t *stages, size_t sbytes, int tp, const sslice &A,
+                                                  const sslice &B, int64_t t0, int64_t t1, int n, int ntile) {
+    if (n < ntile) {
+        const int64_t p = t0 + (int64_t)n * tp;
+        stage_issue(stages + (n % NSTAGE) * sbytes, tp, A, B, p, t1 - p < tp ? (int)(t1 - p) : tp);
+    }
+    cp_commit();
+}
 /* The raw bytes of group i (elements 8i .. 8i+7) of a staged row: 16
  * bytes of fp16, or `bits` bytes of codes. */
 static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int i) {
@@ -188,12 +199,24 @@ static __host__ __device__ __forceinline__ int fast_group(int64_t kw, int64_t vw
     return g;
 }
 
-/* The end of a fast task: the groups' (m, l, acc) merged per query head
- * into the task's partial. gm [NG][grp], gl [NG][grp], gacc [NG][grp][vw]
- * in shared memory, written by the caller before the barrier here. */
-static __device__ void merge_groups(const struct dglob &G, int64_t j, int64_t c, int64_t grp,
-                                    int64_t vw, int ng, const float *gm, const float *gl,
-                                    const float *gacc, float *pm, float *pl, float *pacc) {
+/* The end of a fast task: once the copies are done, each group's (m, l,
+ * acc) goes to shared memory (gm [ng][GRP], gl [ng][GRP], gacc [ng][GRP][vw],
+ * over the stages), and they are merged per query head into the task's
+ * partial. Group gid's lane li holds acc's columns 8li .. 8li+7 (von). */
+template <int GRP>
+static __device__ void merge_groups(const struct dglob &G, int64_t j, int64_t c, int64_t vw, int ng,
+                                    int gid, int li, bool von, const float (&m)[GRP], const float (&l)[GRP],
+                                    const float (&acc)[GRP][8], float *pm, float *pl, float *pacc) {
+    extern __shared__ float sm[];
+    const int64_t grp = GRP;
+    cp_wait<0>();
+    __syncthreads(); /* the stages and the rest are free */
+    float *gm = sm, *gl = gm + ng * GRP, *gacc = gl + ng * GRP;
+    if (li == 0)
+        for (int gi = 0; gi < GRP; gi++) gm[gid * GRP + gi] = m[gi], gl[gid * GRP + gi] = l[gi];
+    if (von)
+        for (int gi = 0; gi < GRP; gi++)
+            for (int e = 0; e < 8; e++) gacc[((int64_t)gid * GRP + gi) * vw + 8 * li + e] = acc[gi][e];
     __syncthreads();
     for (int64_t x = threadIdx.x; x < grp * vw; x += blockDim.x) {
         int64_t gi = x / vw, col = x - gi * vw;
@@ -276,25 +299,11 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
     }
     const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
     const int ntile = (int)((t1 - t0 + tp - 1) / tp);
-#pragma unroll
-    for (int st = 0; st < NSTAGE - 1; st++) { /* prologue: the first tiles in flight */
-        if (st < ntile) {
-            const int64_t p = t0 + (int64_t)st * tp;
-            stage_issue(stages + st * sbytes, tp, A, B, p, t1 - p < tp ? (int)(t1 - p) : tp);
-        }
-        cp_commit();
-    }
+    for (int st = 0; st < NSTAGE - 1; st++) issue_tile(stages, sbytes, tp, A, B, t0, t1, st, ntile); /* in flight */
     for (int it = 0; it < ntile; it++) {
         cp_wait<NSTAGE - 2>(); /* tile it has landed (this thread's copies) */
         __syncthreads();       /* everyone's copies; everyone is done with tile it-1 */
-        {
-            const int nx = it + NSTAGE - 1;
-            if (nx < ntile) {
-                const int64_t p = t0 + (int64_t)nx * tp;
-                stage_issue(stages + (nx % NSTAGE) * sbytes, tp, A, B, p, t1 - p < tp ? (int)(t1 - p) : tp);
-            }
-            cp_commit();
-        }
+        issue_tile(stages, sbytes, tp, A, B, t0, t1, it + NSTAGE - 1, ntile);
         const uint8_t *st = stages + (it % NSTAGE) * sbytes;
         const uint8_t *ra = st, *rb = st + (size_t)tp * A.pitch;
         const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)tp * B.pitch), *zb = za + tp;
@@ -325,15 +334,7 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
         }
         if (nu > 0) fold<GRP, DU>(GRP, nu, s, m, l, acc, vf);
     }
-    cp_wait<0>();
-    __syncthreads(); /* the stages are free: the merge area reuses them */
-    float *gm = sm, *gl = gm + ng * GRP, *gacc = gl + ng * GRP;
-    if (li == 0)
-        for (int gi = 0; gi < GRP; gi++) gm[gid * GRP + gi] = m[gi], gl[gid * GRP + gi] = l[gi];
-    if (von)
-        for (int gi = 0; gi < GRP; gi++)
-            for (int e = 0; e < 8; e++) gacc[((int64_t)gid * GRP + gi) * vw + 8 * li + e] = acc[gi][e];
-    merge_groups(G, j, c, GRP, vw, ng, gm, gl, gacc, pm, pl, pacc);
+    merge_groups<GRP>(G, j, c, vw, ng, gid, li, von, m, l, acc, pm, pl, pacc);
 }
 
 /* Shared memory of dattn_kernel: its stages at the widest key and value
@@ -432,27 +433,13 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
     }
     const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
     const int ntile = (int)((t1 - t0 + PI - 1) / PI);
-#pragma unroll
-    for (int st = 0; st < NSTAGE - 1; st++) { /* prologue: the first rounds in flight */
-        if (st < ntile) {
-            const int64_t p = t0 + (int64_t)st * PI;
-            stage_issue(stages + st * sbytes, PI, A, B, p, t1 - p < PI ? (int)(t1 - p) : PI);
-        }
-        cp_commit();
-    }
+    for (int st = 0; st < NSTAGE - 1; st++) issue_tile(stages, sbytes, PI, A, B, t0, t1, st, ntile); /* in flight */
     for (int it = 0; it < ntile; it++) {
         const int64_t base = t0 + (int64_t)it * PI;
         const int np = t1 - base < PI ? (int)(t1 - base) : PI;
         cp_wait<NSTAGE - 2>(); /* round it has landed (this thread's copies) */
         __syncthreads();       /* everyone's copies; everyone is done with round it-1 */
-        {
-            const int nx = it + NSTAGE - 1;
-            if (nx < ntile) {
-                const int64_t p = t0 + (int64_t)nx * PI;
-                stage_issue(stages + (nx % NSTAGE) * sbytes, PI, A, B, p, t1 - p < PI ? (int)(t1 - p) : PI);
-            }
-            cp_commit();
-        }
+        issue_tile(stages, sbytes, PI, A, B, t0, t1, it + NSTAGE - 1, ntile);
         const uint8_t *ra = stages + (it % NSTAGE) * sbytes, *rb = ra + (size_t)PI * A.pitch;
         const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)PI * B.pitch), *zb = za + PI;
         const int r0g = gid * nu_max;
@@ -576,16 +563,7 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
         }
         if (nu > 0) fold<GRP, PUMAX>(grp, nu, s, m, l, acc, vf);
     }
-    /* the merge area reuses the start of shared memory (q is no longer read) */
-    cp_wait<0>();
-    __syncthreads();
-    float *gm = sm, *gl = gm + ng * grp, *gacc = gl + ng * grp;
-    if (li == 0)
-        for (int gi = 0; gi < grp; gi++) gm[gid * grp + gi] = m[gi], gl[gid * grp + gi] = l[gi];
-    if (von)
-        for (int gi = 0; gi < grp; gi++)
-            for (int e = 0; e < 8; e++) gacc[((int64_t)gid * grp + gi) * vw + 8 * li + e] = acc[gi][e];
-    merge_groups(G, j, c, grp, vw, ng, gm, gl, gacc, pm, pl, pacc);
+    merge_groups<GRP>(G, j, c, vw, ng, gid, li, von, m, l, acc, pm, pl, pacc); /* over q and the stages too */
 }
 
 static size_t pattn_smem(int grp, int dh, int ksz, int kbits, int gs, int64_t vw_max, int vbits) {
