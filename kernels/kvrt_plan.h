@@ -207,11 +207,13 @@ static inline KVRT_HD void kvrt_task(const int32_t *order, const int32_t *hk, in
 
 /* Pseudo-random cache entry idx of a kvrt_fill (uniform in [-1, 1)), the
  * same on every backend: splitmix64 of seed + idx·golden, top 24 bits. */
-static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
-    uint64_t z = seed + (idx + 1) * 0x9E3779B97F4A7C15ull;
+static inline KVRT_HD uint64_t kvrt_mix64(uint64_t z) { /* splitmix64's finalizer */
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
+    return z ^ (z >> 31);
+}
+static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
+    uint64_t z = kvrt_mix64(seed + (idx + 1) * 0x9E3779B97F4A7C15ull);
     return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
 }
 
@@ -219,17 +221,10 @@ static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
  * array, and the (scale, zero) pair idx as fp16 bits (scale in [2^-4,
  * 2^-3), zero in (-2, -1]), the same on every backend. */
 static inline KVRT_HD uint8_t kvrt_fill_byte(uint64_t seed, uint64_t idx) {
-    uint64_t z = seed + (idx + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (uint8_t)(z >> 56);
+    return (uint8_t)(kvrt_mix64(seed + (idx + 1) * 0x9E3779B97F4A7C15ull) >> 56);
 }
 static inline KVRT_HD void kvrt_fill_sz(uint64_t seed, uint64_t idx, uint16_t *scale, uint16_t *zero) {
-    uint64_t z = seed + (idx + 1) * 0xD1B54A32D192ED03ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
+    uint64_t z = kvrt_mix64(seed + (idx + 1) * 0xD1B54A32D192ED03ull);
     *scale = (uint16_t)(0x2C00u | (unsigned)(z & 0x3ffu));
     *zero = (uint16_t)(0xBC00u | (unsigned)((z >> 10) & 0x3ffu));
 }
