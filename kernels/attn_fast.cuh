@@ -9,17 +9,19 @@
  * chunk streams through shared memory in tiles, NSTAGE deep: cp.async
  * copies keep two tiles in flight while the block computes on a third,
  * without holding registers. Inside a task the block is cut into groups of
- * `gs` consecutive threads (a power of two, enough that 8 elements a
- * thread cover the head's wider key or value slice); each group takes its
- * own positions of the tile and keeps its own online softmax, and every
- * thread keeps its 8 elements of the queries and of the value
- * accumulators in registers. At the end the groups are merged in shared
- * memory (the same merge as combine_kernel's).
+ * consecutive threads (a power of two, enough that 8 elements a thread
+ * cover a slice); each group takes its own positions of the tile, and
+ * every thread keeps its 8 elements of the queries and of the value
+ * accumulators in registers. Each value group keeps its own online
+ * softmax; at the end the groups are merged in shared memory (the same
+ * merge as combine_kernel's). Low-bit codes are read as exact floats
+ * without conversion instructions (codef), and their (scale, zero) pairs
+ * are applied once per position, not per element (dec8).
  *
- * dattn_kernel<GRP>: keys scored as stored (full, fused_query,
- * postrope_rotation), GRP query heads per KV head: a group scores DU
- * positions of each tile (a butterfly sum over the group), then folds
- * them into its softmax.
+ * dattn_kernel<GRP, QB>: keys scored as stored (full, fused_query,
+ * postrope_rotation), GRP query heads per KV head: keys and values each
+ * with their own group width, so that a head with narrow keys and wide
+ * values (or the reverse) keeps its threads busy (see the kernel).
  *
  * pattn_kernel<KSTEPS, NTW, GRP>: prerope_latent keys. The block rebuilds
  * the keys of 64 positions at a time on tensor cores, K = Z upᵀ with
@@ -39,39 +41,61 @@
  * (i, i + d_h/2). The values go through the groups as in dattn_kernel. */
 
 /* One side of the cache as the fast kernels read it: fp16 elements (bits
- * 16; ld and columns in elements) or codes (ld and columns in bytes, a
- * (scale, zero) pair per row and unit in sz, szld pairs a row). */
+ * 16; ld and columns in elements) or codes (ld and columns in bytes, the
+ * (scale, zero) pairs in sz, szp of them per unit: kvrt_pair_at). */
 struct dside {
     const void *c;
     const uint32_t *sz;
-    int64_t ld, szld;
+    int64_t ld, szp;
     int bits;
 };
 
-/* Code e (0..7) of a raw group. */
-static __device__ __forceinline__ unsigned code8(uint4 r, int bits, int e) {
-    uint64_t w = (uint64_t)r.x | (uint64_t)r.y << 32;
-    return (unsigned)(w >> (e * bits)) & ((1u << bits) - 1u);
+/* Code e (0..7) of a raw group of B-bit codes as an exact float, without
+ * a conversion instruction: the code's bits under the exponent of 2^23,
+ * less 2^23. */
+template <int B>
+static __device__ __forceinline__ float codef(uint4 r, int e) {
+    unsigned u;
+    if (B == 8)
+        u = __byte_perm(e < 4 ? r.x : r.y, 0x4Bu, 0x4550u | (unsigned)(e & 3)); /* bytes: code, 0, 0, 0x4B */
+    else
+        u = ((r.x >> (e * B)) & ((1u << B) - 1u)) | 0x4B000000u; /* 8 codes of B <= 4 bits fit r.x */
+    return __uint_as_float(u) - 8388608.0f;
 }
 
-/* The 8 elements of a raw group as floats: fp16 unpacked, or codes read
- * back as code·scale + zero, the product rounded first (kvrt_plan.h). */
-static __device__ __forceinline__ void dec8(const dside &S, uint4 r, uint32_t sz, float *o) {
-    if (S.bits == 16) {
+/* The 8 elements of a raw group as floats: fp16 unpacked (B 16), or the
+ * codes themselves; a code c reads back as c·scale + zero (kvrt_plan.h),
+ * which the callers apply once per position instead of per element:
+ * q·k = scale (q·c) + zero Σq, and Σ p v = Σ (p scale) c + Σ p zero. */
+template <int B>
+static __device__ __forceinline__ void dec8(uint4 r, float *o) {
+    if constexpr (B == 16) {
         const __half2 *h = reinterpret_cast<const __half2 *>(&r);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float2 f = __half22float2(h[i]);
             o[2 * i] = f.x, o[2 * i + 1] = f.y;
         }
-        return;
-    }
-    float sc = __half2float(__ushort_as_half((unsigned short)(sz & 0xffffu)));
-    float ze = __half2float(__ushort_as_half((unsigned short)(sz >> 16)));
+    } else {
 #pragma unroll
-    for (int e = 0; e < 8; e++) o[e] = __fadd_rn(__fmul_rn((float)code8(r, S.bits, e), sc), ze);
+        for (int e = 0; e < 8; e++) o[e] = codef<B>(r, e);
+    }
 }
-
+/* dec8 for a width the block knows only at run time. */
+static __device__ __forceinline__ void dec8r(int bits, uint4 r, float *o) {
+    switch (bits) {
+    case 8: dec8<8>(r, o); break;
+    case 4: dec8<4>(r, o); break;
+    case 3: dec8<3>(r, o); break;
+    case 2: dec8<2>(r, o); break;
+    default: dec8<16>(r, o); break;
+    }
+}
+/* The pair (scale, zero) of a quantized row. */
+static __device__ __forceinline__ float2 pair_of(uint32_t z) {
+    return make_float2(__half2float(__ushort_as_half((unsigned short)(z & 0xffffu))),
+                       __half2float(__ushort_as_half((unsigned short)(z >> 16))));
+}
 
 /* ---------------------------------------------------------------- staging */
 
@@ -112,8 +136,8 @@ static __device__ __forceinline__ void cp_wait() {
  * (scale, zero) pair of a quantized side (sz non-NULL). */
 struct sslice {
     const uint8_t *g;
-    int64_t ld, szld, unit;
-    const uint32_t *sz;
+    int64_t ld;
+    const uint32_t *sz; /* the unit's pair of row 0 (rows contiguous) */
     int cb, chunks, pitch;
 };
 static __host__ __device__ __forceinline__ int slice_pitch(int64_t w, int bits) {
@@ -126,9 +150,9 @@ static __device__ __forceinline__ sslice slice_of(const dside &S, int64_t col, i
         x.g = (const uint8_t *)S.c + col * 2, x.ld = S.ld * 2, x.cb = 16, x.chunks = (int)(w / 8), x.sz = NULL;
     } else {
         x.g = (const uint8_t *)S.c + col, x.ld = S.ld, x.cb = 8;
-        x.chunks = (int)((kvrt_code_bytes(w, S.bits) + 7) / 8), x.sz = S.sz;
+        x.chunks = (int)((kvrt_code_bytes(w, S.bits) + 7) / 8), x.sz = S.sz + kvrt_pair_at(S.szp, unit, 0);
     }
-    x.pitch = slice_pitch(w, S.bits), x.szld = S.szld, x.unit = unit;
+    x.pitch = slice_pitch(w, S.bits);
     return x;
 }
 /* Bytes of one stage of tp positions: A's rows, B's rows, their pairs. */
@@ -156,9 +180,9 @@ static __device__ __forceinline__ void stage_issue(uint8_t *st, int tp, const ss
     issue_side(sa, A, p0, np);
     issue_side(sb, B, p0, np);
     if (A.sz)
-        for (int r = threadIdx.x; r < np; r += NT) cp_async(za + 4 * r, A.sz + (p0 + r) * A.szld + A.unit, 4);
+        for (int r = threadIdx.x; r < np; r += NT) cp_async(za + 4 * r, A.sz + p0 + r, 4);
     if (B.sz)
-        for (int r = threadIdx.x; r < np; r += NT) cp_async(zb + 4 * r, B.sz + (p0 + r) * B.szld + B.unit, 4);
+        for (int r = threadIdx.x; r < np; r += NT) cp_async(zb + 4 * r, B.sz + p0 + r, 4);
 }
 /* Tile n (positions t0 + n·tp .., up to t1) into its stage of the ring,
  * when there is one, and the commit of its group either way (the waits
@@ -188,15 +212,6 @@ static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int 
         r.x = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
     }
     return r;
-}
-
-/* Threads per position of a layer's fast kernels: 8 elements a thread
- * over the widest key or value slice, a power of two, at least lo. */
-static __host__ __device__ __forceinline__ int fast_group(int64_t kw, int64_t vw, int lo) {
-    int64_t need = (kw + 7) / 8 > (vw + 7) / 8 ? (kw + 7) / 8 : (vw + 7) / 8;
-    int g = lo;
-    while (g < need) g *= 2;
-    return g;
 }
 
 /* The end of a fast task: once the copies are done, each group's (m, l,
@@ -236,11 +251,12 @@ static __device__ void merge_groups(const struct dglob &G, int64_t j, int64_t c,
 
 /* Folds nu scored positions s[u][gi] (-inf where absent) and their values
  * into a group's softmax state; every lane of the group holds the same
- * scores and its own 8 value columns. */
-template <int GMAX, int UMAX>
+ * scores and its own 8 value columns vf[u] (with Q, codes, whose pairs
+ * vz[u] go to the zero sum z: acc + z is the accumulator). */
+template <int GMAX, int UMAX, bool Q>
 static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GMAX], float (&m)[GMAX],
-                                            float (&l)[GMAX], float (&acc)[GMAX][8],
-                                            const float (&vf)[UMAX][8]) {
+                                            float (&l)[GMAX], float (&acc)[GMAX][8], float (&z)[GMAX],
+                                            const float (&vf)[UMAX][8], const float2 (&vz)[UMAX]) {
 #pragma unroll
     for (int gi = 0; gi < GMAX; gi++) {
         if (gi < grp) {
@@ -256,6 +272,12 @@ static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GM
             }
             l[gi] = l[gi] * al + sum;
             m[gi] = mn;
+            if (Q) {
+                float zs = z[gi] * al;
+#pragma unroll
+                for (int u = 0; u < UMAX; u++) zs += p[u] * vz[u].y, p[u] *= vz[u].x;
+                z[gi] = zs;
+            }
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 float a = acc[gi][e] * al;
@@ -269,33 +291,98 @@ static __device__ __forceinline__ void fold(int grp, int nu, float (&s)[UMAX][GM
 
 /* ---------------------------------------------------------------- keys as stored */
 
-/* positions a group loads before it scores them (fewer with more query
- * heads, whose queries and accumulators take the registers) */
-#define DU (GRP >= 4 ? 2 : 4)
+/* Lanes a position of a slice w wide takes: 8 elements a lane, a power of
+ * two (at most 32 for w <= 256). */
+static __host__ __device__ __forceinline__ int fast_lanes(int64_t w) {
+    int g = 1;
+    while (8 * g < w) g *= 2;
+    return g;
+}
 
-template <int GRP>
-__global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
-                                                   int64_t T, int64_t len, int64_t n_full, int64_t rem,
+/* Positions per tile of dattn_kernel for a head whose keys take gk lanes
+ * a position and its values gv, staged rows of pa + pb bytes: 4 positions
+ * a group on the narrower side, halved while a stage exceeds cap bytes,
+ * down to 4 positions a group on the wider side and at least one on the
+ * narrower. Every warp scores and folds the same tp/4 positions. */
+static __host__ __device__ __forceinline__ int dattn_tile(int gk, int gv, int pa, int pb, int cap) {
+    const int gmin = gk < gv ? gk : gv, gmax = gk < gv ? gv : gk;
+    const int lo = NT * 4 / gmax > NT / gmin ? NT * 4 / gmax : NT / gmin;
+    int tp = NT * 4 / gmin;
+    while (tp > lo && stage_bytes(tp, pa, pb) > (size_t)cap) tp /= 2;
+    return tp;
+}
+
+/* The sums over a group's n lanes (a power of two; lane li) of the four
+ * partial scores a[u] of positions r0 + u, each scaled by mul, stored to
+ * out[r0 + u] for u < lim: with n >= 4 each lane ends with one whole sum
+ * after log2(n) + 1 exchanges (not 4 log2(n)): the two halves of the group
+ * swap two of the four, the quarters one of the two, then a butterfly. */
+static __device__ __forceinline__ void sum_store4(const float (&a)[4], int n, int li, float *out, int r0, int lim,
+                                                  float mul) {
+    if (n >= 4) {
+        const int o1 = n >> 1, o2 = n >> 2;
+        const bool h1 = li & o1, h2 = li & o2;
+        float k0 = h1 ? a[2] : a[0], k1 = h1 ? a[3] : a[1];
+        k0 += __shfl_xor_sync(0xffffffffu, h1 ? a[0] : a[2], o1);
+        k1 += __shfl_xor_sync(0xffffffffu, h1 ? a[1] : a[3], o1);
+        float t = (h2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, h2 ? k0 : k1, o2);
+        for (int o = o2 >> 1; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        const int u = (h1 ? 2 : 0) + (h2 ? 1 : 0);
+        if ((li & (o2 - 1)) == 0 && u < lim) out[r0 + u] = t * mul;
+    } else if (n == 2) {
+        const bool h1 = li & 1;
+        const float k0 = (h1 ? a[2] : a[0]) + __shfl_xor_sync(0xffffffffu, h1 ? a[0] : a[2], 1);
+        const float k1 = (h1 ? a[3] : a[1]) + __shfl_xor_sync(0xffffffffu, h1 ? a[1] : a[3], 1);
+        const int u = h1 ? 2 : 0;
+        if (u < lim) out[r0 + u] = k0 * mul;
+        if (u + 1 < lim) out[r0 + u + 1] = k1 * mul;
+    } else {
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (u < lim) out[r0 + u] = a[u] * mul;
+    }
+}
+
+/* positions a value group folds at once (fewer with more query heads,
+ * whose accumulators take the registers) */
+#define DVB (GRP >= 4 ? 2 : 4)
+
+/* dattn_kernel<GRP, QB>: keys scored as stored, GRP query heads per KV
+ * head, QB the width of a quantized side's codes (16: none quantized).
+ * Each tile goes through two phases, each with its own lanes per position,
+ * so that a head whose key and value slices differ in width keeps its
+ * lanes busy in both: keys, gk = fast_lanes(kw) lanes a position, 4
+ * positions at a time, the scores summed by sum_store4 into shared memory;
+ * then values, gv lanes a position, each group with its own softmax. A
+ * warp's two phases cover the same positions (dattn_tile), so a warp
+ * barrier separates them. */
+template <int GRP, int QB>
+__global__ void __launch_bounds__(NT, GRP >= 2 ? 3 : 4) dattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
+                                                   int64_t T, int64_t len, int64_t n_full, int64_t rem, int cap,
                                                    float *pm, float *pl, float *pacc) {
     extern __shared__ float sm[];
     int64_t j, c;
     kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
     const int32_t *hk = L.hk + j * KVRT_HK_N;
     const int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW];
-    const int gs = fast_group(kw, vw, 1); /* this head's own: narrow heads take more positions */
-    const int tid = threadIdx.x, ng = NT / gs, gid = tid / gs, li = tid - gid * gs, tp = ng * DU;
-    const bool kon = 8 * li < kw, von = 8 * li < vw;
+    const bool kq = QB != 16 && KS.bits != 16, vq = QB != 16 && VS.bits != 16;
     const sslice A = slice_of(KS, hk[KVRT_HK_KCOL], kw, hk[KVRT_HK_KU]);
     const sslice B = slice_of(VS, hk[KVRT_HK_VCOL], vw, hk[KVRT_HK_VU]);
+    const int gk = fast_lanes(kw), gv = fast_lanes(vw), tp = dattn_tile(gk, gv, A.pitch, B.pitch, cap);
+    const int tid = threadIdx.x, kg = tid / gk, kl = tid - kg * gk, dk = tp * gk / NT;
+    const int vg = tid / gv, vl = tid - vg * gv, dv = tp * gv / NT;
+    const bool kon = 8 * kl < kw, von = 8 * vl < vw;
     const size_t sbytes = stage_bytes(tp, A.pitch, B.pitch);
     uint8_t *stages = reinterpret_cast<uint8_t *>(sm);
-    float q[GRP][8], acc[GRP][8], m[GRP], l[GRP];
+    float *ssc = reinterpret_cast<float *>(stages + NSTAGE * sbytes); /* scores [GRP][tp] */
+    float q[GRP][8], qs[GRP], acc[GRP][8], z[GRP], m[GRP], l[GRP];
 #pragma unroll
     for (int gi = 0; gi < GRP; gi++) {
         const float *qi = L.qv + L.hq[(j * GRP + gi) * KVRT_HQ_N + KVRT_HQ_QOFF];
+        qs[gi] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; e++) q[gi][e] = kon ? qi[8 * li + e] : 0.0f, acc[gi][e] = 0.0f;
-        m[gi] = -INFINITY, l[gi] = 0.0f;
+        for (int e = 0; e < 8; e++) q[gi][e] = kon ? qi[8 * kl + e] : 0.0f, qs[gi] += q[gi][e], acc[gi][e] = 0.0f;
+        m[gi] = -INFINITY, l[gi] = 0.0f, z[gi] = 0.0f;
     }
     const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
     const int ntile = (int)((t1 - t0 + tp - 1) / tp);
@@ -308,41 +395,82 @@ __global__ void __launch_bounds__(NT, 4) dattn_kernel(struct dlayer L, struct dg
         const uint8_t *ra = st, *rb = st + (size_t)tp * A.pitch;
         const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)tp * B.pitch), *zb = za + tp;
         const int64_t pt = t0 + (int64_t)it * tp;
-        const int npt = t1 - pt < tp ? (int)(t1 - pt) : tp, r0 = gid * DU;
-        const int nu = npt - r0 <= 0 ? 0 : (npt - r0 < DU ? npt - r0 : DU);
-        float s[DU][GRP], vf[DU][8];
+        const int npt = t1 - pt < tp ? (int)(t1 - pt) : tp;
+        /* keys: group kg scores positions kg·dk .. kg·dk + dk - 1 */
+        for (int u0 = 0; u0 < dk; u0 += 4) {
+            const int r0 = kg * dk + u0;
+            int lim = dk - u0 < 4 ? dk - u0 : 4;
+            lim = npt - r0 < lim ? npt - r0 : lim;
+            float a[GRP][4];
 #pragma unroll
-        for (int u = 0; u < DU; u++) {
-            float kf[8];
-            const int r = r0 + u;
-            const bool in = u < nu;
-            uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = kr;
-            uint32_t ksz = 0u, vsz = 0u;
-            if (in && kon) kr = raw8s(ra + (size_t)r * A.pitch, KS.bits, li), ksz = A.sz ? za[r] : 0u;
-            if (in && von) vr = raw8s(rb + (size_t)r * B.pitch, VS.bits, li), vsz = B.sz ? zb[r] : 0u;
-            dec8(KS, kr, ksz, kf);
-            dec8(VS, vr, vsz, vf[u]);
+            for (int u = 0; u < 4; u++) {
+                float kf[8];
+                uint4 kr = make_uint4(0u, 0u, 0u, 0u);
+                const bool in = u < lim && kon;
+                float2 kz = make_float2(1.0f, 0.0f);
+                if (kq) {
+                    if (in) kr = raw8s(ra + (size_t)(r0 + u) * A.pitch, QB, kl), kz = pair_of(za[r0 + u]);
+                    dec8<QB>(kr, kf);
+                } else {
+                    if (in) kr = raw8s(ra + (size_t)(r0 + u) * A.pitch, 16, kl);
+                    dec8<16>(kr, kf);
+                }
 #pragma unroll
-            for (int gi = 0; gi < GRP; gi++) {
-                float a = 0.0f;
-                if (kon)
+                for (int gi = 0; gi < GRP; gi++) {
+                    float d = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 8; e++) a += q[gi][e] * kf[e];
-                for (int o = 1; o < gs; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-                s[u][gi] = in ? a * G.scale : -INFINITY;
+                    for (int e = 0; e < 8; e++) d += q[gi][e] * kf[e];
+                    a[gi][u] = kq ? kz.x * d + kz.y * qs[gi] : d;
+                }
             }
+#pragma unroll
+            for (int gi = 0; gi < GRP; gi++) sum_store4(a[gi], gk, kl, ssc + gi * tp, r0, lim, G.scale);
         }
-        if (nu > 0) fold<GRP, DU>(GRP, nu, s, m, l, acc, vf);
+        __syncwarp(); /* this warp's scores (its positions in both phases) */
+        /* values: group vg folds positions vg·dv .. vg·dv + dv - 1 */
+        for (int u0 = 0; u0 < dv; u0 += DVB) {
+            const int r0 = vg * dv + u0;
+            int nu = dv - u0 < DVB ? dv - u0 : DVB;
+            nu = npt - r0 < nu ? npt - r0 : nu;
+            if (nu <= 0) break;
+            float s[DVB][GRP], vf[DVB][8];
+            float2 vz[DVB];
+#pragma unroll
+            for (int u = 0; u < DVB; u++) {
+                uint4 vr = make_uint4(0u, 0u, 0u, 0u);
+                const bool in = u < nu;
+                vz[u] = make_float2(1.0f, 0.0f);
+                if (vq) {
+                    if (in && von) vr = raw8s(rb + (size_t)(r0 + u) * B.pitch, QB, vl);
+                    if (in) vz[u] = pair_of(zb[r0 + u]);
+                    dec8<QB>(vr, vf[u]);
+                } else {
+                    if (in && von) vr = raw8s(rb + (size_t)(r0 + u) * B.pitch, 16, vl);
+                    dec8<16>(vr, vf[u]);
+                }
+#pragma unroll
+                for (int gi = 0; gi < GRP; gi++) s[u][gi] = in ? ssc[gi * tp + r0 + u] : -INFINITY;
+            }
+            if (vq)
+                fold<GRP, DVB, true>(GRP, nu, s, m, l, acc, z, vf, vz);
+            else
+                fold<GRP, DVB, false>(GRP, nu, s, m, l, acc, z, vf, vz);
+        }
     }
-    merge_groups<GRP>(G, j, c, vw, ng, gid, li, von, m, l, acc, pm, pl, pacc);
+#pragma unroll
+    for (int gi = 0; gi < GRP; gi++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[gi][e] += z[gi];
+    merge_groups<GRP>(G, j, c, vw, NT / gv, vg, vl, von, m, l, acc, pm, pl, pacc);
 }
 
-/* Shared memory of dattn_kernel: its stages at the widest key and value
- * slices, or the merge area, whichever is larger. */
-static size_t dattn_smem(int grp, int gs, int64_t kw_max, int kbits, int64_t vw_max, int vbits) {
-    int ng = NT / gs, tp = ng * (grp >= 4 ? 2 : 4);
-    size_t st = NSTAGE * stage_bytes(tp, slice_pitch(kw_max, kbits), slice_pitch(vw_max, vbits));
-    size_t merge = (size_t)ng * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
+/* Shared memory of dattn_kernel for one head: its stages and scores, or the
+ * merge area, whichever is larger. */
+static size_t dattn_smem(int grp, int64_t kw, int kbits, int64_t vw, int vbits, int cap) {
+    const int gk = fast_lanes(kw), gv = fast_lanes(vw), pa = slice_pitch(kw, kbits), pb = slice_pitch(vw, vbits);
+    const int tp = dattn_tile(gk, gv, pa, pb, cap);
+    size_t st = NSTAGE * stage_bytes(tp, pa, pb) + (size_t)grp * (size_t)tp * sizeof(float);
+    size_t merge = (size_t)(NT / gv) * (size_t)grp * (size_t)(2 + vw) * sizeof(float);
     return st > merge ? st : merge;
 }
 
@@ -387,7 +515,7 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
     const int grp = GRP, dh = (int)G.dh, half = dh / 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, qg = lane >> 2, qt = lane & 3;
     const int ng = NT / gs, gid = tid / gs, li = tid - gid * gs, nu_max = PI / ng;
-    const bool von = 8 * li < vw, quant = KS.bits != 16;
+    const bool von = 8 * li < vw, quant = KS.bits != 16, vq = VS.bits != 16;
     /* shared: q [grp][dh] | zsc, zze [PI] | spart [4][grp][PI] | zt [PI][ZP] halves | NSTAGE stages */
     float *qs = sm, *zsc = qs + grp * dh, *zze = zsc + PI, *spart = zze + PI;
     __half *zt = reinterpret_cast<__half *>(spart + 4 * grp * PI);
@@ -424,10 +552,10 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
             usum[a][e] = s;
         }
     }
-    float acc[GRP][8], m[GRP], l[GRP];
+    float acc[GRP][8], z[GRP], m[GRP], l[GRP];
 #pragma unroll
     for (int gi = 0; gi < GRP; gi++) {
-        m[gi] = -INFINITY, l[gi] = 0.0f;
+        m[gi] = -INFINITY, l[gi] = 0.0f, z[gi] = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
     }
@@ -452,11 +580,13 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
             if (row < np) {
                 const uint4 r = raw8s(ra + (size_t)row * A.pitch, KS.bits, part);
                 h = r;
-                if (quant) {
-                    __half v[8];
-#pragma unroll
-                    for (int e = 0; e < 8; e++) v[e] = __uint2half_rn(code8(r, KS.bits, e));
-                    h.x = pack2(v[0], v[1]), h.y = pack2(v[2], v[3]), h.z = pack2(v[4], v[5]), h.w = pack2(v[6], v[7]);
+                if (quant) { /* codes up to 255: exact in fp16 */
+                    float v[8];
+                    dec8r(KS.bits, r, v);
+                    h.x = pack2(__float2half_rn(v[0]), __float2half_rn(v[1]));
+                    h.y = pack2(__float2half_rn(v[2]), __float2half_rn(v[3]));
+                    h.z = pack2(__float2half_rn(v[4]), __float2half_rn(v[5]));
+                    h.w = pack2(__float2half_rn(v[6]), __float2half_rn(v[7]));
                 }
             }
             *reinterpret_cast<uint4 *>(zt + row * ZP + part * 8) = h;
@@ -545,13 +675,14 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
         __syncthreads();
         /* 4. each group: its positions' scores, softmax, values */
         float s[PUMAX][GRP], vf[PUMAX][8];
+        float2 vz[PUMAX];
 #pragma unroll
         for (int u = 0; u < PUMAX; u++) {
             const int r = r0g + u;
             uint4 vr = make_uint4(0u, 0u, 0u, 0u);
-            uint32_t vsz = 0u;
-            if (u < nu && von) vr = raw8s(rb + (size_t)r * B.pitch, VS.bits, li), vsz = B.sz ? zb[r] : 0u;
-            dec8(VS, vr, vsz, vf[u]);
+            if (u < nu && von) vr = raw8s(rb + (size_t)r * B.pitch, VS.bits, li);
+            vz[u] = vq && u < nu ? pair_of(zb[r]) : make_float2(1.0f, 0.0f);
+            dec8r(VS.bits, vr, vf[u]);
 #pragma unroll
             for (int gi = 0; gi < GRP; gi++) {
                 float a = -INFINITY;
@@ -561,8 +692,15 @@ __global__ void __launch_bounds__(NT, 2) pattn_kernel(struct dlayer L, struct dg
                 s[u][gi] = a;
             }
         }
-        if (nu > 0) fold<GRP, PUMAX>(grp, nu, s, m, l, acc, vf);
+        if (nu > 0 && vq)
+            fold<GRP, PUMAX, true>(grp, nu, s, m, l, acc, z, vf, vz);
+        else if (nu > 0)
+            fold<GRP, PUMAX, false>(grp, nu, s, m, l, acc, z, vf, vz);
     }
+#pragma unroll
+    for (int gi = 0; gi < GRP; gi++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[gi][e] += z[gi];
     merge_groups<GRP>(G, j, c, vw, ng, gid, li, von, m, l, acc, pm, pl, pacc); /* over q and the stages too */
 }
 

@@ -109,7 +109,7 @@ struct dlayer {
     float *qv;
     int kbits, vbits;        /* 16, or the codes' width on a quantized side */
     uint32_t *ksz, *vsz;     /* (scale, zero) fp16 pairs of a quantized side */
-    int64_t kunits, vunits;  /* pairs per row */
+    int64_t szp;             /* pairs per unit (max_ctx: kvrt_pair_at) */
 };
 /* What every layer shares. */
 struct dglob {
@@ -132,6 +132,8 @@ struct lstate {
     int up_smem;   /* prerope up factors staged in shared memory */
     int kern;      /* KERN_* */
     int gs;        /* threads per position of the prerope kernel (dattn_kernel sets its own per head) */
+    int qb;        /* dattn_kernel's code width: a quantized side's bits, else 16 */
+    int cap;       /* dattn_kernel's stage bytes (dattn_tile) */
     size_t fsmem;  /* a fast kernel's dynamic shared memory */
 };
 
@@ -149,9 +151,9 @@ struct kvrt_cuda {
 /* Element e of the unit whose codes start at byte `col` of row `row` of a
  * quantized side, read back as code·scale + zero (product rounded first). */
 static inline __device__ float ldq(const void *c, int64_t ld, int64_t col, const uint32_t *sz,
-                                   int64_t szld, int64_t unit, int bits, int64_t row, int64_t e) {
+                                   int64_t szp, int64_t unit, int bits, int64_t row, int64_t e) {
     unsigned q = kvrt_code_get((const uint8_t *)c + row * ld + col, bits, e);
-    uint32_t p = sz[row * szld + unit];
+    uint32_t p = sz[kvrt_pair_at(szp, unit, row)];
     float sc = __half2float(__ushort_as_half((unsigned short)(p & 0xffffu)));
     float ze = __half2float(__ushort_as_half((unsigned short)(p >> 16)));
     return __fadd_rn(__fmul_rn((float)q, sc), ze);
@@ -264,7 +266,7 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
             }
             __syncthreads();
             quantize_put(tmp + dh, kw, L.kbits, (uint8_t *)L.kc + krow + kcol,
-                         L.ksz + pos * L.kunits + hk[KVRT_HK_KU], red);
+                         L.ksz + kvrt_pair_at(L.szp, hk[KVRT_HK_KU], pos), red);
         } else if (rot) {
             for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
                 float s = 0.0f;
@@ -279,8 +281,8 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
         if (L.kbits < 16) {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[kb + kp + e] + b[kb + kp + e];
             __syncthreads();
-            quantize_put(tmp, r, L.kbits, (uint8_t *)L.kc + krow + kcol, L.ksz + pos * L.kunits + hk[KVRT_HK_KU],
-                         red);
+            quantize_put(tmp, r, L.kbits, (uint8_t *)L.kc + krow + kcol,
+                         L.ksz + kvrt_pair_at(L.szp, hk[KVRT_HK_KU], pos), red);
         } else {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
                 stc(kc, krow + kcol + e, proj[kb + kp + e] + b[kb + kp + e]);
@@ -292,8 +294,8 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
             __syncthreads(); /* tmp may still be read above */
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[vb + vp + e] + b[vb + vp + e];
             __syncthreads();
-            quantize_put(tmp, r, L.vbits, (uint8_t *)L.vc + vrow + vcol, L.vsz + pos * L.vunits + hk[KVRT_HK_VU],
-                         red);
+            quantize_put(tmp, r, L.vbits, (uint8_t *)L.vc + vrow + vcol,
+                         L.vsz + kvrt_pair_at(L.szp, hk[KVRT_HK_VU], pos), red);
         } else {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
                 stc(vc, vrow + vcol + e, proj[vb + vp + e] + b[vb + vp + e]);
@@ -354,7 +356,7 @@ static __device__ __forceinline__ void unpack(uint4 r, float *o, const float *) 
 struct qsrc {
     int bits;
     const uint32_t *sz;
-    int64_t szld, unit;
+    int64_t szp, unit; /* pairs per unit (kvrt_pair_at), the unit */
 };
 
 template <typename CT>
@@ -380,7 +382,7 @@ static __device__ __forceinline__ uint4 src_load(const src<CT> &S, int64_t s0, i
     int t = x / S.u, k = (x - t * S.u) * S.e;
     uint4 r;
     if (S.q.bits != 16) {
-        r.x = __float_as_uint(ldq(S.s, S.ld, S.c, S.q.sz, S.q.szld, S.q.unit, S.q.bits, s0 + t, k));
+        r.x = __float_as_uint(ldq(S.s, S.ld, S.c, S.q.sz, S.q.szp, S.q.unit, S.q.bits, s0 + t, k));
         r.y = r.z = r.w = 0u;
         return r;
     }
@@ -451,7 +453,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
      * position) free of shared-memory bank conflicts */
     int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw | 1;
     const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
-    const qsrc kq = {L.kbits, L.ksz, L.kunits, hk[KVRT_HK_KU]}, vq = {L.vbits, L.vsz, L.vunits, hk[KVRT_HK_VU]};
+    const qsrc kq = {L.kbits, L.ksz, L.szp, hk[KVRT_HK_KU]}, vq = {L.vbits, L.vsz, L.szp, hk[KVRT_HK_VU]};
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *V = s + grp * KVRT_TILE;
     float *Z = V + (v_smem ? KVRT_TILE * vw : 0), *ups = Z + KVRT_TILE * ks;
@@ -555,7 +557,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * V[t * vw + col];
             else if (vq.bits != 16)
                 for (int64_t t = 0; t < ts; t++)
-                    a += s[gi * KVRT_TILE + t] * ldq(vc, L.vld, vcol, vq.sz, vq.szld, vq.unit, vq.bits, s0 + t, col);
+                    a += s[gi * KVRT_TILE + t] * ldq(vc, L.vld, vcol, vq.sz, vq.szp, vq.unit, vq.bits, s0 + t, col);
             else
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
             acc[x] = a;
@@ -599,11 +601,14 @@ __global__ void fill_kernel(CT *c, int64_t n, uint64_t seed) {
         stc(c, i, kvrt_fill_value(seed, (uint64_t)i));
 }
 
-/* A quantized side: n code bytes and nz (scale, zero) pairs. */
-__global__ void fill_codes_kernel(uint8_t *c, int64_t n, uint32_t *sz, int64_t nz, uint64_t seed) {
+/* A quantized side: n code bytes and the (scale, zero) pairs of rows
+ * 0 .. len-1 of each of its units. */
+__global__ void fill_codes_kernel(uint8_t *c, int64_t n, uint32_t *sz, int64_t units, int64_t max_ctx, int64_t len,
+                                  uint64_t seed) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         c[i] = kvrt_fill_byte(seed, (uint64_t)i);
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (int64_t)gridDim.x * blockDim.x) {
+    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < units * len; x += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = kvrt_pair_at(max_ctx, x / len, x % len);
         uint16_t a, b;
         kvrt_fill_sz(seed, (uint64_t)i, &a, &b);
         sz[i] = (uint32_t)a | (uint32_t)b << 16;
@@ -625,7 +630,7 @@ static struct dlayer dlayer_of(const struct kvrt_cuda *c, int64_t l) {
     L.hk = s->hk, L.hq = s->hq, L.order = s->order;
     L.kc = s->kc, L.vc = s->vc, L.qv = s->qv;
     L.kbits = lp->kbits, L.vbits = lp->vbits, L.ksz = s->ksz, L.vsz = s->vsz;
-    L.kunits = lp->kunits, L.vunits = lp->vunits;
+    L.szp = c->p->max_ctx;
     return L;
 }
 
@@ -689,6 +694,14 @@ static void cu_close(struct kvrt_cuda *c) {
  * 2 or 4 (d_h 64 or 128) by query heads per KV head 1, 2 or 4. */
 #define PATTN_CASES_G(X, g) X(1, 2, g) X(2, 2, g) X(3, 2, g) X(4, 2, g) X(1, 4, g) X(2, 4, g) X(3, 4, g) X(4, 4, g)
 #define PATTN_CASES(X) PATTN_CASES_G(X, 1) PATTN_CASES_G(X, 2) PATTN_CASES_G(X, 4)
+/* dattn_kernel<GRP, QB> */
+#define DATTN_CASES_G(X, g) X(g, 16) X(g, 8) X(g, 4) X(g, 3) X(g, 2)
+#define DATTN_CASES(X) DATTN_CASES_G(X, 1) DATTN_CASES_G(X, 2) DATTN_CASES_G(X, 4)
+/* The stage bytes dattn_kernel aims at (dattn_tile). On an H100, 64K
+ * positions of llama7b's postrope_rotation at half the bytes (heads of 32
+ * and 96 key columns): 238 µs at 8 or 16 KB, 250 at 24, 254 at 32 or 48;
+ * full KV the same at every cap. */
+#define DATTN_STAGE_CAP 16384
 
 /* Picks a layer's attention kernel: a fast one (attn_fast.cuh) when every
  * head's slices fit its layout, the generic one otherwise or when the
@@ -716,17 +729,19 @@ static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp
     if (pre) {
         if (!((grp == 1 || grp == 2 || grp == 4) && (dh == 64 || dh == 128) && ks_first % 16 == 0 && ks_first >= 16 && ks_first <= 64))
             return;
-        int gs = fast_group(8, lp->vw_max, 2);
+        int gs = fast_lanes(lp->vw_max) > 2 ? fast_lanes(lp->vw_max) : 2;
         size_t sm = pattn_smem((int)grp, (int)dh, (int)ks_first, lp->kbits, gs, lp->vw_max, lp->vbits);
         if ((int64_t)sm > optin) return;
         s->kern = KERN_PREROPE, s->gs = gs, s->fsmem = sm;
     } else {
-        if (!(grp == 1 || grp == 2 || grp == 4)) return;
-        size_t sm = 0; /* each head its own group size (attn_fast.cuh): the largest need */
+        if (!(grp == 1 || grp == 2 || grp == 4) || (kq && vq && lp->kbits != lp->vbits)) return;
+        const char *cap = getenv("KVRT_CUDA_STAGE_BYTES"); /* for tuning: dattn_tile's cap */
+        s->cap = cap && atoi(cap) >= 1024 ? atoi(cap) : DATTN_STAGE_CAP;
+        s->qb = kq ? lp->kbits : vq ? lp->vbits : 16;
+        size_t sm = 0; /* each head its own lanes and tile (attn_fast.cuh): the largest need */
         for (int64_t j = 0; j < p->n_kv_heads; j++) {
             const int32_t *hk = lp->hk + j * KVRT_HK_N;
-            int gs = fast_group(hk[KVRT_HK_KW], hk[KVRT_HK_VW], 1);
-            size_t need = dattn_smem((int)grp, gs, hk[KVRT_HK_KW], lp->kbits, hk[KVRT_HK_VW], lp->vbits);
+            size_t need = dattn_smem((int)grp, hk[KVRT_HK_KW], lp->kbits, hk[KVRT_HK_VW], lp->vbits, s->cap);
             sm = need > sm ? need : sm;
         }
         if ((int64_t)sm > optin) return;
@@ -785,9 +800,11 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
      * attribute belongs to the kernel, not to this context, so a smaller
      * value would break another open context that needs more. */
     int o = (int)optin;
-    CK(cudaFuncSetAttribute(dattn_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
-    CK(cudaFuncSetAttribute(dattn_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
-    CK(cudaFuncSetAttribute(dattn_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), "setting shared memory");
+#define DSET(g, b)                                                                                   \
+    CK(cudaFuncSetAttribute(dattn_kernel<g, b>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),     \
+       "setting shared memory");
+    DATTN_CASES(DSET)
+#undef DSET
 #define PSET(k, n, g)                                                                                 \
     CK(cudaFuncSetAttribute(pattn_kernel<k, n, g>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),   \
        "setting shared memory");
@@ -900,14 +917,14 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
     unsigned tasks = (unsigned)(n * p->n_kv_heads);
     int pre = L.kmode == KV_LR_PREROPE_LATENT;
     const struct kvrt_lplan *lp = &p->layers[l];
-    const dside KS = {L.kc, L.ksz, L.kld, L.kunits, L.kbits}, VS = {L.vc, L.vsz, L.vld, L.vunits, L.vbits};
+    const dside KS = {L.kc, L.ksz, L.kld, L.szp, L.kbits}, VS = {L.vc, L.vsz, L.vld, L.szp, L.vbits};
     if (s->kern == KERN_DIRECT) {
-        if (p->grp == 1)
-            dattn_kernel<1><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
-        else if (p->grp == 2)
-            dattn_kernel<2><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
-        else
-            dattn_kernel<4><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, c->pm, c->pl, c->pacc);
+#define DLAUNCH(g, b)                                                                                      \
+        if (p->grp == g && s->qb == b)                                                                   \
+            dattn_kernel<g, b><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, s->cap, c->pm, \
+                                                              c->pl, c->pacc);
+        DATTN_CASES(DLAUNCH)
+#undef DLAUNCH
     } else if (s->kern == KERN_PREROPE) {
         int ksteps = (int)(lp->ksrc_max / 16), ntw = (int)(p->head_dim / 32);
 #define PLAUNCH(k, nw, g)                                                                                   \
@@ -972,13 +989,13 @@ static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t see
     unsigned blocks = 1024;
     uint64_t vseed = seed ^ 0x5bd1e995ull;
     if (lp->kbits < 16)
-        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->kc, nk, s->ksz, len * lp->kunits, seed);
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->kc, nk, s->ksz, lp->kunits, c->p->max_ctx, len, seed);
     else if (c->p->f16)
         fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->kc, nk, seed);
     else
         fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->kc, nk, seed);
     if (lp->vbits < 16)
-        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->vc, nv, s->vsz, len * lp->vunits, vseed);
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->vc, nv, s->vsz, lp->vunits, c->p->max_ctx, len, vseed);
     else if (c->p->f16)
         fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->vc, nv, vseed);
     else

@@ -74,7 +74,7 @@ struct kvrt_lplan {
     int64_t qrows, krows, vrows;    /* rows of wcat per part; rows = their sum */
     int64_t kld, vld;               /* cache row widths (floats or halves; bytes on a quantized side) */
     int kbits, vbits;               /* 16: the side caches f32/f16 (kvrt_plan.f16); 8, 4, 3, 2: codes */
-    int64_t kunits, vunits;         /* units of a quantized side: half2 (scale, zero) per row */
+    int64_t kunits, vunits;         /* units of a quantized side, each with a (scale, zero) per row */
     int64_t kbytes, vbytes;         /* logical cache bytes per position of each side */
     int64_t qw_total, o_total;      /* lengths of qv and att */
     int64_t kw_max, ksrc_max, vw_max;
@@ -118,10 +118,13 @@ struct kvrt_plan {
  * a little-endian bit string (code i at bits [i*bits, (i+1)*bits) of the
  * unit's bytes, ceil(r*bits/8) of them), each unit starting at a multiple
  * of KVRT_QALIGN bytes (KCOL / VCOL), the row pitch (kld / vld) a multiple
- * of 16 bytes; a second array holds per row and unit the pair (scale, zero)
- * as two fp16 numbers (row pitch kunits / vunits pairs, the unit at KU /
- * VU). A group of 8 codes starting at a multiple of 8 occupies exactly
- * `bits` bytes at byte 8k*bits/8 = k*bits of the unit. */
+ * of 16 bytes; a second array holds per unit and row the pair (scale, zero)
+ * as two fp16 numbers (scale in the low half of a 32-bit word), unit-major:
+ * the pairs of one unit (KU / VU) for rows 0 .. max_ctx-1 are contiguous
+ * (kvrt_pair_at), so the consecutive rows a kernel streams for one head
+ * read whole sectors of pairs. A group of 8 codes starting at a multiple
+ * of 8 occupies exactly `bits` bytes at byte 8k*bits/8 = k*bits of the
+ * unit. */
 #define KVRT_QALIGN 8
 static inline KVRT_HD unsigned kvrt_code_get(const uint8_t *u, int bits, int64_t i) {
     int64_t bit = i * bits;
@@ -135,6 +138,10 @@ static inline KVRT_HD void kvrt_code_put(uint8_t *u, int bits, int64_t i, unsign
     unsigned w = q << (bit & 7);
     u[bit >> 3] |= (uint8_t)(w & 0xffu);
     if ((bit & 7) + bits > 8) u[(bit >> 3) + 1] |= (uint8_t)(w >> 8);
+}
+/* Index of the (scale, zero) pair of unit `unit` at row `row`. */
+static inline KVRT_HD int64_t kvrt_pair_at(int64_t max_ctx, int64_t unit, int64_t row) {
+    return unit * max_ctx + row;
 }
 static inline KVRT_HD int64_t kvrt_code_bytes(int64_t rank, int bits) {
     return (rank * bits + 7) / 8;
@@ -218,8 +225,9 @@ static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
 }
 
 /* A kvrt_fill of a quantized side: code byte idx of the row-major byte
- * array, and the (scale, zero) pair idx as fp16 bits (scale in [2^-4,
- * 2^-3), zero in (-2, -1]), the same on every backend. */
+ * array, and the (scale, zero) pair at index idx (kvrt_pair_at) as fp16
+ * bits (scale in [2^-4, 2^-3), zero in (-2, -1]), the same on every
+ * backend. */
 static inline KVRT_HD uint8_t kvrt_fill_byte(uint64_t seed, uint64_t idx) {
     return (uint8_t)(kvrt_mix64(seed + (idx + 1) * 0x9E3779B97F4A7C15ull) >> 56);
 }
@@ -254,7 +262,7 @@ void kvrt_twin_attn_only(struct kvrt_twin *t, int64_t layer, int64_t T);
  * libraries (some 200 MiB of resident memory and 0.4 s at start-up). The
  * object exports one symbol, KVRT_CUDA_ENTRY, a function returning this
  * table; abi and the struct sizes must match the loader's. */
-#define KVRT_CUDA_ABI 2
+#define KVRT_CUDA_ABI 3
 #define KVRT_CUDA_ENTRY "kvrt_cuda_backend"
 #define KVRT_CUDA_SO "libkvrt_cuda.so"
 struct kvrt_cuda;

@@ -23,7 +23,7 @@ struct kvrt_twin {
     const struct kvrt_plan *p;
     void **kc, **vc;       /* [L] caches [max_ctx][kld] / [max_ctx][vld], f32 or f16;
                               a quantized side's code bytes [max_ctx][kld] */
-    uint16_t **ksz, **vsz; /* [L] a quantized side's (scale, zero) [max_ctx][units][2], fp16 */
+    uint16_t **ksz, **vsz; /* [L] a quantized side's (scale, zero) [units][max_ctx][2], fp16 */
     float **qv;            /* [L] query of the last append [qw_total] */
     float *proj;           /* [rows_max] */
     float *att;            /* [o_total max] */
@@ -179,8 +179,8 @@ static void prep(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
     int64_t kat = pos * lp->kld + hk[KVRT_HK_KCOL], vat = pos * lp->vld + hk[KVRT_HK_VCOL];
     int kq = lp->kbits < 16, vq = lp->vbits < 16;
     uint8_t *kcodes = (uint8_t *)kc + kat, *vcodes = (uint8_t *)vc + vat;
-    uint16_t *kpair = kq ? ksz + (pos * lp->kunits + hk[KVRT_HK_KU]) * 2 : NULL;
-    uint16_t *vpair = vq ? vsz + (pos * lp->vunits + hk[KVRT_HK_VU]) * 2 : NULL;
+    uint16_t *kpair = kq ? ksz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_KU], pos) * 2 : NULL;
+    uint16_t *vpair = vq ? vsz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_VU], pos) * 2 : NULL;
     if (lp->kmode == KV_LR_FULL || rot) {
         int64_t k0 = lp->qrows + j * dh;
         for (int64_t e = 0; e < dh; e++) tmp[e] = proj[k0 + e] + b[k0 + e];
@@ -232,7 +232,8 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
     float *K = acc + grp * vw, *Z = K + KVRT_TILE * kw, *s = Z + KVRT_TILE * ks, *V = s + grp * KVRT_TILE;
     int kq = lp->kbits < 16, vq = lp->vbits < 16;
     const uint8_t *kb8 = (const uint8_t *)kc + kcol, *vb8 = (const uint8_t *)vc + vcol;
-    const uint16_t *kp = kq ? ksz + hk[KVRT_HK_KU] * 2 : NULL, *vp = vq ? vsz + hk[KVRT_HK_VU] * 2 : NULL;
+    const uint16_t *kp = kq ? ksz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_KU], 0) * 2 : NULL;
+    const uint16_t *vp = vq ? vsz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_VU], 0) * 2 : NULL;
     for (int64_t gi = 0; gi < grp; gi++) {
         const float *qi = qv + lp->hq[(j * grp + gi) * KVRT_HQ_N + KVRT_HQ_QOFF];
         memcpy(q + gi * kw, qi, (size_t)kw * sizeof(float));
@@ -245,7 +246,7 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
         if (pre) { /* rebuild k = z upᵀ per position, then RoPE */
             for (int64_t t = 0; t < ts; t++)
                 if (kq)
-                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * lp->kunits * 2, lp->kbits, ks, Z + t * ks);
+                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * 2, lp->kbits, ks, Z + t * ks);
                 else
                     for (int64_t k = 0; k < ks; k++) Z[t * ks + k] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + k);
             for (int64_t t = 0; t < ts; t++) {
@@ -259,12 +260,12 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
         } else {
             for (int64_t t = 0; t < ts; t++)
                 if (kq)
-                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * lp->kunits * 2, lp->kbits, kw, K + t * kw);
+                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * 2, lp->kbits, kw, K + t * kw);
                 else
                     for (int64_t e = 0; e < kw; e++) K[t * kw + e] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + e);
         }
         for (int64_t t = 0; vq && t < ts; t++)
-            qload(vb8 + (s0 + t) * lp->vld, vp + (s0 + t) * lp->vunits * 2, lp->vbits, vw, V + t * vw);
+            qload(vb8 + (s0 + t) * lp->vld, vp + (s0 + t) * 2, lp->vbits, vw, V + t * vw);
         for (int64_t gi = 0; gi < grp; gi++) /* in the kernel's parts (kvrt_score_parts) */
             for (int64_t t = 0; t < ts; t++) {
                 float a = 0.0f;
@@ -360,11 +361,15 @@ void kvrt_twin_attend(struct kvrt_twin *t, int64_t layer, int64_t T, float *y) {
 
 /* One side's rows 0..len-1 (kvrt_plan.h: kvrt_fill_value per entry, or a
  * quantized side's kvrt_fill_byte per code byte and kvrt_fill_sz per pair). */
-static void fill_side(void *c, uint16_t *sz, int64_t ld, int bits, int64_t units, int f16, int64_t len,
-                      uint64_t seed) {
+static void fill_side(void *c, uint16_t *sz, int64_t ld, int bits, int64_t units, int64_t max_ctx, int f16,
+                      int64_t len, uint64_t seed) {
     if (bits < 16) {
         for (int64_t i = 0; i < len * ld; i++) ((uint8_t *)c)[i] = kvrt_fill_byte(seed, (uint64_t)i);
-        for (int64_t i = 0; i < len * units; i++) kvrt_fill_sz(seed, (uint64_t)i, &sz[2 * i], &sz[2 * i + 1]);
+        for (int64_t u = 0; u < units; u++)
+            for (int64_t r = 0; r < len; r++) {
+                int64_t i = kvrt_pair_at(max_ctx, u, r);
+                kvrt_fill_sz(seed, (uint64_t)i, &sz[2 * i], &sz[2 * i + 1]);
+            }
         return;
     }
     for (int64_t i = 0; i < len * ld; i++) st(c, f16, i, kvrt_fill_value(seed, (uint64_t)i));
@@ -373,7 +378,8 @@ static void fill_side(void *c, uint16_t *sz, int64_t ld, int bits, int64_t units
 void kvrt_twin_fill(struct kvrt_twin *t, int64_t layer, int64_t len, uint64_t seed) {
     const struct kvrt_plan *p = t->p;
     const struct kvrt_lplan *lp = &p->layers[layer];
-    fill_side(t->kc[layer], t->ksz[layer], lp->kld, lp->kbits, lp->kunits, p->f16, len, seed);
-    fill_side(t->vc[layer], t->vsz[layer], lp->vld, lp->vbits, lp->vunits, p->f16, len, seed ^ 0x5bd1e995ull);
+    fill_side(t->kc[layer], t->ksz[layer], lp->kld, lp->kbits, lp->kunits, p->max_ctx, p->f16, len, seed);
+    fill_side(t->vc[layer], t->vsz[layer], lp->vld, lp->vbits, lp->vunits, p->max_ctx, p->f16, len,
+              seed ^ 0x5bd1e995ull);
     memset(t->qv[layer], 0, (size_t)lp->qw_total * sizeof(float));
 }

@@ -400,7 +400,10 @@ static double json_get(json_t *o, const char *key, const char *out) {
  * and so are quantized latents' (loose), whose codes the runtime's GEMV and
  * the cpu's GEMM may round to neighbouring values where a latent sits on a
  * rounding edge (a code flip: kjv-llama svd at 8, 4, 3 and 2 bits, the twin
- * with either cache: ppl within 1.9e-5, max rel logit 1.5e-2, KL 1.2e-5). */
+ * with either cache: ppl within 1.9e-5, max rel logit 1.5e-2, KL 1.2e-5;
+ * palu in pairs of heads at 4 bits on an H100: ppl 4.4e-5, max rel logit
+ * 2.7e-2, KL 3.0e-6, top-1 1.0), so a flip's logit bound is 5e-2 while
+ * its ppl, KL and top-1 bounds stay. */
 static void check_device_json(const char *args, const char *cpu_key, const char *device,
                               const char *cache, double ppl_rtol, int loose) {
     int f16 = !strcmp(cache, "f16") || loose;
@@ -415,7 +418,7 @@ static void check_device_json(const char *args, const char *cpu_key, const char 
     kvt_assert_close_f64(&dev, &cpu, 1, 0, ppl_rtol, "device ppl against the cpu's");
     double rel = json_get(o, "device_rel_ppl", out), want = dev / cpu - 1;
     kvt_assert_close_f64(&rel, &want, 1, 1e-9, 1e-6, "device_rel_ppl (10 digits of ppl)");
-    cr_assert_lt(json_get(o, "max_rel_logit", out), f16 ? 2e-2 : 1e-4, "%s", out);
+    cr_assert_lt(json_get(o, "max_rel_logit", out), loose ? 5e-2 : f16 ? 2e-2 : 1e-4, "%s", out);
     cr_assert_lt(json_get(o, "device_kl", out), f16 ? 1e-4 : 1e-8, "%s", out);
     cr_assert_gt(json_get(o, "device_top1", out), 0.99, "%s", out);
     cr_assert_gt(json_get(o, "device_tokens_per_s", out), 0, "%s", out);
@@ -524,6 +527,53 @@ Test(cli, verify_device_cuda_reproduces_the_cpu_path, .timeout = 600) {
     }
     kvt_rm_dir(dir);
     free(t);
+}
+
+/* On a GPU, every latent mode at every code width: verify --device cuda
+ * --kv-bits B (B 8, 4, 3, 2; f16 cache) reproduces the cpu perplexity of
+ * the same quantized latents within 1e-3, for one compression of each key
+ * mode (model, decompose options): one test each, so that they run side by
+ * side. */
+static void device_every_width(const char *model, const char *method) {
+    int count = 0;
+    struct kv_err e;
+    kv_err_clear(&e);
+    if (!kvrt_cuda_built()) cr_skip_test("built without cuda; skipping the gpu test");
+    cr_assert_eq(kvrt_device_count(&count, &e), KV_OK, "%s", e.msg);
+    if (count < 1) cr_skip_test("no cuda device (the driver reports none); skipping the gpu test");
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *c = kvt_path(dir, "c"), *st = kvt_path(dir, "s.kvstats");
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "collect -m data/%s -t '%s' --seq-len 128 -q -o '%s'", model, t, st);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    free(out), free(err);
+    snprintf(args, sizeof args, "decompose -m data/%s -s '%s' %s -o '%s' -q", model, st, method, c);
+    cr_assert_eq(kvt_run_cli(args, &out, &err), 0, "%s", err);
+    free(out), free(err);
+    const int bits[] = {8, 4, 3, 2};
+    for (size_t i = 0; i < sizeof bits / sizeof bits[0]; i++) {
+        snprintf(args, sizeof args,
+                 "verify -m data/%s --compressed '%s' --kv-bits %d --text '%s' --device cuda --cache f16 "
+                 "--max-windows 2 --threads 1 --json",
+                 model, c, bits[i], t);
+        check_device_json(args, "ppl", "cuda", "f16", 1e-3, 1);
+    }
+    unlink(st);
+    free(st);
+    kvt_rm_dir(c); /* frees c */
+    kvt_rm_dir(dir);
+    free(t);
+}
+Test(cli, verify_device_cuda_every_width_prerope, .timeout = 300) {
+    device_every_width("kjv-llama", "--method svd --ratio 0.5");
+}
+Test(cli, verify_device_cuda_every_width_grouped_prerope, .timeout = 300) {
+    device_every_width("kjv-llama", "--method palu --group-size 2 --ratio 0.5");
+}
+Test(cli, verify_device_cuda_every_width_postrope, .timeout = 300) {
+    device_every_width("kjv-llama", "--method fdc --ratio 0.5");
+}
+Test(cli, verify_device_cuda_every_width_fused_query, .timeout = 300) {
+    device_every_width("kjv-gpt2", "--method palu --ratio 0.5");
 }
 
 /* A device ppl off by more than --device-tol is exit 3, numbers printed. */
