@@ -41,8 +41,9 @@
  * (i, i + d_h/2). The values go through the groups as in dattn_kernel. */
 
 /* One side of the cache as the fast kernels read it: fp16 elements (bits
- * 16; ld and columns in elements) or codes (ld and columns in bytes, the
- * (scale, zero) pairs in sz, szp of them per unit: kvrt_pair_at). */
+ * 16; ld and columns in elements) or codes (columns in bytes, unit-major
+ * with szp rows per unit: kvrt_code_at, and the (scale, zero) pairs in sz:
+ * kvrt_pair_at). */
 struct dside {
     const void *c;
     const uint32_t *sz;
@@ -130,10 +131,9 @@ static __device__ __forceinline__ void cp_wait() {
 #define NSTAGE 3 /* tiles in shared memory: one computed on, two in flight */
 
 /* A head's slice of one side as staged: per position `chunks` copies of
- * cb bytes (16 for fp16; 8 for codes, a unit's codes rounded up to 8
- * bytes, which stays inside its row: units start at multiples of 8 and
- * rows at multiples of 16) into a stage row of `pitch` bytes, and the
- * (scale, zero) pair of a quantized side (sz non-NULL). */
+ * cb bytes (16 for fp16; 8 for codes, a row's codes rounded up to 8
+ * bytes, which is its pitch in the unit) into a stage row of `pitch`
+ * bytes, and the (scale, zero) pair of a quantized side (sz non-NULL). */
 struct sslice {
     const uint8_t *g;
     int64_t ld;
@@ -149,7 +149,7 @@ static __device__ __forceinline__ sslice slice_of(const dside &S, int64_t col, i
     if (S.bits == 16) {
         x.g = (const uint8_t *)S.c + col * 2, x.ld = S.ld * 2, x.cb = 16, x.chunks = (int)(w / 8), x.sz = NULL;
     } else {
-        x.g = (const uint8_t *)S.c + col, x.ld = S.ld, x.cb = 8;
+        x.g = (const uint8_t *)S.c + kvrt_code_at(S.szp, col, 0, 0), x.ld = kvrt_unit_pitch(w, S.bits), x.cb = 8;
         x.chunks = (int)((kvrt_code_bytes(w, S.bits) + 7) / 8), x.sz = S.sz + kvrt_pair_at(S.szp, unit, 0);
     }
     x.pitch = slice_pitch(w, S.bits);

@@ -148,15 +148,21 @@ struct kvrt_cuda {
     int64_t vw_stride;
 };
 
-/* Element e of the unit whose codes start at byte `col` of row `row` of a
- * quantized side, read back as code·scale + zero (product rounded first). */
-static inline __device__ float ldq(const void *c, int64_t ld, int64_t col, const uint32_t *sz,
-                                   int64_t szp, int64_t unit, int bits, int64_t row, int64_t e) {
-    unsigned q = kvrt_code_get((const uint8_t *)c + row * ld + col, bits, e);
-    uint32_t p = sz[kvrt_pair_at(szp, unit, row)];
+/* A quantized side as the generic kernel reads it (bits 16: not quantized). */
+struct qsrc {
+    int bits;
+    const uint32_t *sz;
+    int64_t szp, unit, up; /* rows per unit (kvrt_pair_at, kvrt_code_at), the unit, its row pitch */
+};
+
+/* Element e at row `row` of the unit at byte column col of a quantized
+ * side, read back as code·scale + zero (product rounded first). */
+static inline __device__ float ldq(const void *c, int64_t col, const qsrc &q, int64_t row, int64_t e) {
+    unsigned v = kvrt_code_get((const uint8_t *)c + kvrt_code_at(q.szp, col, q.up, row), q.bits, e);
+    uint32_t p = q.sz[kvrt_pair_at(q.szp, q.unit, row)];
     float sc = __half2float(__ushort_as_half((unsigned short)(p & 0xffffu)));
     float ze = __half2float(__ushort_as_half((unsigned short)(p >> 16)));
-    return __fadd_rn(__fmul_rn((float)q, sc), ze);
+    return __fadd_rn(__fmul_rn((float)v, sc), ze);
 }
 
 static inline __device__ float ldc(const float *c, int64_t i) { return c[i]; }
@@ -265,7 +271,7 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
                 tmp[dh + a] = s;
             }
             __syncthreads();
-            quantize_put(tmp + dh, kw, L.kbits, (uint8_t *)L.kc + krow + kcol,
+            quantize_put(tmp + dh, kw, L.kbits, (uint8_t *)L.kc + kvrt_code_at(L.szp, kcol, kvrt_unit_pitch(kw, L.kbits), pos),
                          L.ksz + kvrt_pair_at(L.szp, hk[KVRT_HK_KU], pos), red);
         } else if (rot) {
             for (int64_t a = threadIdx.x; a < kw; a += blockDim.x) {
@@ -281,7 +287,7 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
         if (L.kbits < 16) {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[kb + kp + e] + b[kb + kp + e];
             __syncthreads();
-            quantize_put(tmp, r, L.kbits, (uint8_t *)L.kc + krow + kcol,
+            quantize_put(tmp, r, L.kbits, (uint8_t *)L.kc + kvrt_code_at(L.szp, kcol, kvrt_unit_pitch(r, L.kbits), pos),
                          L.ksz + kvrt_pair_at(L.szp, hk[KVRT_HK_KU], pos), red);
         } else {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
@@ -294,7 +300,7 @@ __global__ void prep_kernel(struct dlayer L, struct dglob G, const float *proj, 
             __syncthreads(); /* tmp may still be read above */
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x) tmp[e] = proj[vb + vp + e] + b[vb + vp + e];
             __syncthreads();
-            quantize_put(tmp, r, L.vbits, (uint8_t *)L.vc + vrow + vcol,
+            quantize_put(tmp, r, L.vbits, (uint8_t *)L.vc + kvrt_code_at(L.szp, vcol, kvrt_unit_pitch(r, L.vbits), pos),
                          L.vsz + kvrt_pair_at(L.szp, hk[KVRT_HK_VU], pos), red);
         } else {
             for (int64_t e = threadIdx.x; e < r; e += blockDim.x)
@@ -352,12 +358,6 @@ static __device__ __forceinline__ void unpack(uint4 r, float *o, const float *) 
 
 /* One source of stage2: columns c .. c+w-1 of rows s0 .. s0+ts-1 of cache
  * s (row pitch ld) into d (pitch p), in units of e elements, u per row. */
-/* A quantized side as the generic kernel reads it (bits 16: not quantized). */
-struct qsrc {
-    int bits;
-    const uint32_t *sz;
-    int64_t szp, unit; /* pairs per unit (kvrt_pair_at), the unit */
-};
 
 template <typename CT>
 struct src {
@@ -382,7 +382,7 @@ static __device__ __forceinline__ uint4 src_load(const src<CT> &S, int64_t s0, i
     int t = x / S.u, k = (x - t * S.u) * S.e;
     uint4 r;
     if (S.q.bits != 16) {
-        r.x = __float_as_uint(ldq(S.s, S.ld, S.c, S.q.sz, S.q.szp, S.q.unit, S.q.bits, s0 + t, k));
+        r.x = __float_as_uint(ldq(S.s, S.c, S.q, s0 + t, k));
         r.y = r.z = r.w = 0u;
         return r;
     }
@@ -453,7 +453,8 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
      * position) free of shared-memory bank conflicts */
     int64_t kcol = hk[KVRT_HK_KCOL], vcol = hk[KVRT_HK_VCOL], kpad = kw | 1;
     const CT *kc = (const CT *)L.kc, *vc = (const CT *)L.vc;
-    const qsrc kq = {L.kbits, L.ksz, L.szp, hk[KVRT_HK_KU]}, vq = {L.vbits, L.vsz, L.szp, hk[KVRT_HK_VU]};
+    const qsrc kq = {L.kbits, L.ksz, L.szp, hk[KVRT_HK_KU], kvrt_unit_pitch(ks, L.kbits)};
+    const qsrc vq = {L.vbits, L.vsz, L.szp, hk[KVRT_HK_VU], kvrt_unit_pitch(vw, L.vbits)};
     float *q = sm, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *s = K + KVRT_TILE * kpad, *V = s + grp * KVRT_TILE;
     float *Z = V + (v_smem ? KVRT_TILE * vw : 0), *ups = Z + KVRT_TILE * ks;
@@ -557,7 +558,7 @@ __global__ void __launch_bounds__(NT, 4) attn_kernel(struct dlayer L, struct dgl
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * V[t * vw + col];
             else if (vq.bits != 16)
                 for (int64_t t = 0; t < ts; t++)
-                    a += s[gi * KVRT_TILE + t] * ldq(vc, L.vld, vcol, vq.sz, vq.szp, vq.unit, vq.bits, s0 + t, col);
+                    a += s[gi * KVRT_TILE + t] * ldq(vc, vcol, vq, s0 + t, col);
             else
                 for (int64_t t = 0; t < ts; t++) a += s[gi * KVRT_TILE + t] * ldc(vc, (s0 + t) * L.vld + vcol + col);
             acc[x] = a;
@@ -601,14 +602,11 @@ __global__ void fill_kernel(CT *c, int64_t n, uint64_t seed) {
         stc(c, i, kvrt_fill_value(seed, (uint64_t)i));
 }
 
-/* A quantized side: n code bytes and the (scale, zero) pairs of rows
- * 0 .. len-1 of each of its units. */
-__global__ void fill_codes_kernel(uint8_t *c, int64_t n, uint32_t *sz, int64_t units, int64_t max_ctx, int64_t len,
-                                  uint64_t seed) {
+/* A quantized side: its n code bytes and nz (scale, zero) pairs. */
+__global__ void fill_codes_kernel(uint8_t *c, int64_t n, uint32_t *sz, int64_t nz, uint64_t seed) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         c[i] = kvrt_fill_byte(seed, (uint64_t)i);
-    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < units * len; x += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = kvrt_pair_at(max_ctx, x / len, x % len);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (int64_t)gridDim.x * blockDim.x) {
         uint16_t a, b;
         kvrt_fill_sz(seed, (uint64_t)i, &a, &b);
         sz[i] = (uint32_t)a | (uint32_t)b << 16;
@@ -985,17 +983,17 @@ static int cu_fill(struct kvrt_cuda *c, int64_t layer, int64_t len, uint64_t see
     CK(cudaSetDevice(c->dev), "selecting the device");
     const struct kvrt_lplan *lp = &c->p->layers[layer];
     const struct lstate *s = &c->ls[layer];
-    int64_t nk = len * lp->kld, nv = len * lp->vld;
+    int64_t nk = len * lp->kld, nv = len * lp->vld, mc = c->p->max_ctx; /* codes: whole arrays (kvrt_plan.h) */
     unsigned blocks = 1024;
     uint64_t vseed = seed ^ 0x5bd1e995ull;
     if (lp->kbits < 16)
-        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->kc, nk, s->ksz, lp->kunits, c->p->max_ctx, len, seed);
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->kc, mc * lp->kld, s->ksz, lp->kunits * mc, seed);
     else if (c->p->f16)
         fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->kc, nk, seed);
     else
         fill_kernel<float><<<blocks, 256, 0, c->st>>>((float *)s->kc, nk, seed);
     if (lp->vbits < 16)
-        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->vc, nv, s->vsz, lp->vunits, c->p->max_ctx, len, vseed);
+        fill_codes_kernel<<<blocks, 256, 0, c->st>>>((uint8_t *)s->vc, mc * lp->vld, s->vsz, lp->vunits * mc, vseed);
     else if (c->p->f16)
         fill_kernel<__half><<<blocks, 256, 0, c->st>>>((__half *)s->vc, nv, vseed);
     else

@@ -114,11 +114,16 @@ struct kvrt_plan {
  *   with qmax = 2^bits - 1; code_i = clamp(rint((z_i - zero) / scale), 0,
  *   qmax) (0 when scale is 0); read back as code_i * scale + zero, the
  *   product rounded before the sum (no fused multiply-add).
- * A quantized side's cache row holds, per unit in unit order, the codes as
- * a little-endian bit string (code i at bits [i*bits, (i+1)*bits) of the
- * unit's bytes, ceil(r*bits/8) of them), each unit starting at a multiple
- * of KVRT_QALIGN bytes (KCOL / VCOL), the row pitch (kld / vld) a multiple
- * of 16 bytes; a second array holds per unit and row the pair (scale, zero)
+ * A quantized side holds, per unit, the codes of each row as a
+ * little-endian bit string (code i at bits [i*bits, (i+1)*bits) of the
+ * row's bytes, ceil(r*bits/8) of them), unit-major: unit u's rows 0 ..
+ * max_ctx-1 are contiguous, upitch = ceil(r*bits/8) rounded up to
+ * KVRT_QALIGN bytes apart (kvrt_unit_pitch), from byte KCOL·max_ctx (VCOL
+ * for values), KCOL being the sum of the units before it of upitch; so a
+ * head's stream of consecutive rows reads whole sectors, however few bytes
+ * a row of it has. kld / vld: the sum over units, rounded up to 16 bytes
+ * (max_ctx·kld bytes hold the side). A second array holds per unit and row
+ * the pair (scale, zero)
  * as two fp16 numbers (scale in the low half of a 32-bit word), unit-major:
  * the pairs of one unit (KU / VU) for rows 0 .. max_ctx-1 are contiguous
  * (kvrt_pair_at), so the consecutive rows a kernel streams for one head
@@ -138,6 +143,14 @@ static inline KVRT_HD void kvrt_code_put(uint8_t *u, int bits, int64_t i, unsign
     unsigned w = q << (bit & 7);
     u[bit >> 3] |= (uint8_t)(w & 0xffu);
     if ((bit & 7) + bits > 8) u[(bit >> 3) + 1] |= (uint8_t)(w >> 8);
+}
+/* Bytes between two rows of a quantized unit of rank r, and the byte
+ * where row `row` of the unit at column col (KCOL / VCOL) starts. */
+static inline KVRT_HD int64_t kvrt_unit_pitch(int64_t rank, int bits) {
+    return ((rank * bits + 7) / 8 + KVRT_QALIGN - 1) / KVRT_QALIGN * KVRT_QALIGN;
+}
+static inline KVRT_HD int64_t kvrt_code_at(int64_t max_ctx, int64_t col, int64_t upitch, int64_t row) {
+    return col * max_ctx + row * upitch;
 }
 /* Index of the (scale, zero) pair of unit `unit` at row `row`. */
 static inline KVRT_HD int64_t kvrt_pair_at(int64_t max_ctx, int64_t unit, int64_t row) {
@@ -224,10 +237,10 @@ static inline KVRT_HD float kvrt_fill_value(uint64_t seed, uint64_t idx) {
     return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
 }
 
-/* A kvrt_fill of a quantized side: code byte idx of the row-major byte
- * array, and the (scale, zero) pair at index idx (kvrt_pair_at) as fp16
- * bits (scale in [2^-4, 2^-3), zero in (-2, -1]), the same on every
- * backend. */
+/* A kvrt_fill of a quantized side: code byte idx of its whole array
+ * (max_ctx·kld bytes), and the (scale, zero) pair at index idx (every
+ * unit's max_ctx pairs) as fp16 bits (scale in [2^-4, 2^-3), zero in (-2,
+ * -1]), the same on every backend. */
 static inline KVRT_HD uint8_t kvrt_fill_byte(uint64_t seed, uint64_t idx) {
     return (uint8_t)(kvrt_mix64(seed + (idx + 1) * 0x9E3779B97F4A7C15ull) >> 56);
 }

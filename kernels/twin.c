@@ -22,7 +22,7 @@
 struct kvrt_twin {
     const struct kvrt_plan *p;
     void **kc, **vc;       /* [L] caches [max_ctx][kld] / [max_ctx][vld], f32 or f16;
-                              a quantized side's code bytes [max_ctx][kld] */
+                              a quantized side's code bytes, unit-major (kvrt_code_at) */
     uint16_t **ksz, **vsz; /* [L] a quantized side's (scale, zero) [units][max_ctx][2], fp16 */
     float **qv;            /* [L] query of the last append [qw_total] */
     float *proj;           /* [rows_max] */
@@ -178,7 +178,12 @@ static void prep(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
     int64_t kb = lp->qrows + hk[KVRT_HK_KPROJ], vb = lp->qrows + lp->krows + hk[KVRT_HK_VPROJ];
     int64_t kat = pos * lp->kld + hk[KVRT_HK_KCOL], vat = pos * lp->vld + hk[KVRT_HK_VCOL];
     int kq = lp->kbits < 16, vq = lp->vbits < 16;
-    uint8_t *kcodes = (uint8_t *)kc + kat, *vcodes = (uint8_t *)vc + vat;
+    uint8_t *kcodes = kq ? (uint8_t *)kc + kvrt_code_at(p->max_ctx, hk[KVRT_HK_KCOL],
+                                                        kvrt_unit_pitch(hk[KVRT_HK_KSRC], lp->kbits), pos)
+                         : NULL;
+    uint8_t *vcodes = vq ? (uint8_t *)vc + kvrt_code_at(p->max_ctx, hk[KVRT_HK_VCOL],
+                                                        kvrt_unit_pitch(hk[KVRT_HK_VW], lp->vbits), pos)
+                         : NULL;
     uint16_t *kpair = kq ? ksz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_KU], pos) * 2 : NULL;
     uint16_t *vpair = vq ? vsz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_VU], pos) * 2 : NULL;
     if (lp->kmode == KV_LR_FULL || rot) {
@@ -231,7 +236,9 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
     float *q = scr, *m = q + grp * kw, *l = m + grp, *alpha = l + grp, *acc = alpha + grp;
     float *K = acc + grp * vw, *Z = K + KVRT_TILE * kw, *s = Z + KVRT_TILE * ks, *V = s + grp * KVRT_TILE;
     int kq = lp->kbits < 16, vq = lp->vbits < 16;
-    const uint8_t *kb8 = (const uint8_t *)kc + kcol, *vb8 = (const uint8_t *)vc + vcol;
+    /* a quantized unit's rows: from kb8 / vb8, kup / vup bytes apart */
+    const uint8_t *kb8 = (const uint8_t *)kc + kcol * p->max_ctx, *vb8 = (const uint8_t *)vc + vcol * p->max_ctx;
+    int64_t kup = kq ? kvrt_unit_pitch(ks, lp->kbits) : 0, vup = vq ? kvrt_unit_pitch(vw, lp->vbits) : 0;
     const uint16_t *kp = kq ? ksz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_KU], 0) * 2 : NULL;
     const uint16_t *vp = vq ? vsz + kvrt_pair_at(p->max_ctx, hk[KVRT_HK_VU], 0) * 2 : NULL;
     for (int64_t gi = 0; gi < grp; gi++) {
@@ -246,7 +253,7 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
         if (pre) { /* rebuild k = z upᵀ per position, then RoPE */
             for (int64_t t = 0; t < ts; t++)
                 if (kq)
-                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * 2, lp->kbits, ks, Z + t * ks);
+                    qload(kb8 + (s0 + t) * kup, kp + (s0 + t) * 2, lp->kbits, ks, Z + t * ks);
                 else
                     for (int64_t k = 0; k < ks; k++) Z[t * ks + k] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + k);
             for (int64_t t = 0; t < ts; t++) {
@@ -260,12 +267,12 @@ static void task(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int64_t
         } else {
             for (int64_t t = 0; t < ts; t++)
                 if (kq)
-                    qload(kb8 + (s0 + t) * lp->kld, kp + (s0 + t) * 2, lp->kbits, kw, K + t * kw);
+                    qload(kb8 + (s0 + t) * kup, kp + (s0 + t) * 2, lp->kbits, kw, K + t * kw);
                 else
                     for (int64_t e = 0; e < kw; e++) K[t * kw + e] = ld(kc, p->f16, (s0 + t) * lp->kld + kcol + e);
         }
         for (int64_t t = 0; vq && t < ts; t++)
-            qload(vb8 + (s0 + t) * lp->vld, vp + (s0 + t) * 2, lp->vbits, vw, V + t * vw);
+            qload(vb8 + (s0 + t) * vup, vp + (s0 + t) * 2, lp->vbits, vw, V + t * vw);
         for (int64_t gi = 0; gi < grp; gi++) /* in the kernel's parts (kvrt_score_parts) */
             for (int64_t t = 0; t < ts; t++) {
                 float a = 0.0f;
@@ -363,13 +370,9 @@ void kvrt_twin_attend(struct kvrt_twin *t, int64_t layer, int64_t T, float *y) {
  * quantized side's kvrt_fill_byte per code byte and kvrt_fill_sz per pair). */
 static void fill_side(void *c, uint16_t *sz, int64_t ld, int bits, int64_t units, int64_t max_ctx, int f16,
                       int64_t len, uint64_t seed) {
-    if (bits < 16) {
-        for (int64_t i = 0; i < len * ld; i++) ((uint8_t *)c)[i] = kvrt_fill_byte(seed, (uint64_t)i);
-        for (int64_t u = 0; u < units; u++)
-            for (int64_t r = 0; r < len; r++) {
-                int64_t i = kvrt_pair_at(max_ctx, u, r);
-                kvrt_fill_sz(seed, (uint64_t)i, &sz[2 * i], &sz[2 * i + 1]);
-            }
+    if (bits < 16) { /* the whole arrays: a unit's rows 0..len-1 are not one range of them */
+        for (int64_t i = 0; i < max_ctx * ld; i++) ((uint8_t *)c)[i] = kvrt_fill_byte(seed, (uint64_t)i);
+        for (int64_t i = 0; i < units * max_ctx; i++) kvrt_fill_sz(seed, (uint64_t)i, &sz[2 * i], &sz[2 * i + 1]);
         return;
     }
     for (int64_t i = 0; i < len * ld; i++) st(c, f16, i, kvrt_fill_value(seed, (uint64_t)i));

@@ -13,7 +13,7 @@
 # summary goes to stdout. Exit 1 if a test, a target or a sanitizer fails.
 # ONLY=tests,bench,ncu,sanitize (any of them) runs those parts. The shared
 # test data is found as the tests find it ($KVCAL_SHARED, default
-# ../shared).
+# ../shared); JOBS (default 8) tests run side by side.
 set -u
 out=${1:-build/gpu}
 mkdir -p "$out"
@@ -30,7 +30,7 @@ if part tests; then
     for t in "test_kvrt --filter kvrt_gpu/*" "test_cli --filter cli/verify_device*" "test_bench_attn"; do
         set -- $t
         start=$(date +%s)
-        timeout 200 "build/tests/$1" "${@:2}" -j4 --verbose >>"$out/tests.log" 2>&1
+        timeout 200 "build/tests/$1" "${@:2}" -j${JOBS:-8} --verbose >>"$out/tests.log" 2>&1
         rc=$?
         line=$(grep -a "Synthesis" "$out/tests.log" | tail -1)
         say "tests: $t: exit $rc, $(( $(date +%s) - start )) s: ${line#*Synthesis: }"
