@@ -62,10 +62,13 @@ int kv_dec_check_opts(const struct kv_decompose_opts *o, int have_stats, int hav
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be at least 2 and %s at least 1",
                        n[KV_DECOMPOSE_OPT_SEQ_LEN], n[KV_DECOMPOSE_OPT_WINDOWS]);
     if (eps && r) return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "give %s or %s, not both", eps_n, ratio);
+    char num[32];
     if (eps && !(eps > 0 && eps <= 1))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %g is outside (0, 1]", eps_n, eps);
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %s is outside (0, 1]", eps_n,
+                       kv_num_str(num, sizeof num, eps));
     if (r && !(r > 0 && r <= 1))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %g is outside (0, 1]", ratio, r);
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %s is outside (0, 1]", ratio,
+                       kv_num_str(num, sizeof num, r));
     /* lorc's own allocation (progressive) takes d_min alone, layer-budget e_b */
     int lorc_default = a == KV_ALLOC_DEFAULT && o->method == KV_METHOD_LORC;
     if (!eps && !r && !(a == KV_ALLOC_PROGRESSIVE && o->d_min > 0) &&
@@ -123,6 +126,7 @@ int kv_decompose_check_model(const struct kv_decompose_opts *o, const struct kv_
     if (s && !kv_shapes_match(c, s->info.n_layers, s->info.dim, s->info.n_heads, s->info.n_kv_heads, s->info.head_dim,
                               "statistics", o->stats_path, err))
         return KV_EINVAL;
+    if (s && kv_stats_check_complete(s, o->stats_path, err)) return KV_EINVAL; /* as merge refuses it */
     if (o->alloc == KV_ALLOC_FISHER && !o->fisher && !(s && s->info.has_fisher)) {
         /* the file is the subject when it has a name */
         if (o->stats_path)

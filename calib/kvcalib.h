@@ -433,7 +433,8 @@ int kv_decompose_check(const struct kv_decompose_opts *o, const char *const *nam
 
 /* The rules that need the model m and the statistics s (NULL: none), after
  * kv_decompose_check: a method other than svd and lorc needs statistics,
- * group_size divides the model's KV heads, s has m's shapes, and fisher
+ * group_size divides the model's KV heads, s has m's shapes and is complete
+ * (not an unfinished checkpoint: kv_stats_check_complete), and fisher
  * allocation needs Fisher sums in s (or o->fisher). KV_EINVAL: about the
  * options (no path), or naming o->stats_path when it is about that file. */
 int kv_decompose_check_model(const struct kv_decompose_opts *o, const struct kv_model *m,

@@ -309,15 +309,6 @@ static int train_step(struct trainer *t, struct kv_train_log *lg, struct kv_err 
 
 /* ---------------------------------------------------------------- checkpoints */
 
-/* The shortest %g form of v that reads back as v. */
-static const char *num(char *buf, size_t cap, double v) {
-    for (int p = 1; p <= 17; p++) {
-        snprintf(buf, cap, "%.*g", p, v);
-        if (strtod(buf, NULL) == v) break;
-    }
-    return buf;
-}
-
 /* The options a resume must share with the checkpoint, as metadata. */
 static int ckpt_fingerprint(const struct trainer *t, char *buf, size_t cap) {
     const struct kv_train_opts *o = t->o;
@@ -331,10 +322,10 @@ static int ckpt_fingerprint(const struct trainer *t, char *buf, size_t cap) {
                     (long long)c->n_layers, (long long)c->n_heads, (long long)c->n_kv_heads,
                     (long long)c->head_dim, (long long)c->vocab_size, (long long)c->max_seq_len,
                     (long long)o->seq_len, (long long)o->batch, (long long)o->steps,
-                    (long long)o->warmup, num(n[0], 32, o->lr), num(n[1], 32, o->min_lr),
-                    num(n[2], 32, o->weight_decay), num(n[3], 32, o->beta1), num(n[4], 32, o->beta2),
-                    num(n[5], 32, o->adam_eps), num(n[6], 32, o->grad_clip),
-                    num(n[7], 32, o->bos_fraction), o->seed);
+                    (long long)o->warmup, kv_num_str(n[0], 32, o->lr), kv_num_str(n[1], 32, o->min_lr),
+                    kv_num_str(n[2], 32, o->weight_decay), kv_num_str(n[3], 32, o->beta1), kv_num_str(n[4], 32, o->beta2),
+                    kv_num_str(n[5], 32, o->adam_eps), kv_num_str(n[6], 32, o->grad_clip),
+                    kv_num_str(n[7], 32, o->bos_fraction), o->seed);
 }
 
 static int ckpt_write(const struct trainer *t, struct kv_err *err) {

@@ -70,6 +70,8 @@ static int set_value(const struct cli_cmd *cmd, const struct cli_opt *o, const c
         double x = strtod(v, &end);
         if (errno || end == v || *end)
             return cli_usage_error(cmd, "option '--%s' needs a number, got '%s'", o->name, v);
+        if (!isfinite(x)) /* no option takes nan or inf; some use nan for "not given" */
+            return cli_usage_error(cmd, "option '--%s' needs a finite number, got '%s'", o->name, v);
         *(double *)o->dst = x;
         return 0;
     }
@@ -89,6 +91,7 @@ static int set_value(const struct cli_cmd *cmd, const struct cli_opt *o, const c
 int cli_parse(const struct cli_cmd *cmd, int argc, char **argv, const char **pos, int *n_pos) {
     *n_pos = 0;
     int only_pos = 0;
+    unsigned char given[CLI_MAX_OPTS] = {0}; /* a value option given twice is an error, not "the last wins" */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (only_pos || a[0] != '-' || a[1] == 0) {
@@ -133,6 +136,9 @@ int cli_parse(const struct cli_cmd *cmd, int argc, char **argv, const char **pos
             if (i + 1 >= argc) return cli_usage_error(cmd, "option '%s' needs a value", a);
             v = argv[++i];
         }
+        int k = (int)(o - cmd->opts);
+        if (o->type != OPT_LIST && k < CLI_MAX_OPTS && given[k]++)
+            return cli_usage_error(cmd, "option '--%s' given twice", o->name);
         int rc = set_value(cmd, o, v);
         if (rc) return rc;
     }

@@ -14,6 +14,9 @@ enum { EXIT_OK = 0, EXIT_ERR = 1, EXIT_USAGE = 2, EXIT_TOLERANCE = 3 };
 
 enum cli_opt_type { OPT_FLAG, OPT_STR, OPT_INT, OPT_DOUBLE, OPT_LIST };
 
+/* Options a command may have (cli_parse tracks which were given). */
+#define CLI_MAX_OPTS 128
+
 /* Destination of an OPT_LIST option: every occurrence is appended. */
 #define CLI_MAX_LIST 1024
 struct cli_list {

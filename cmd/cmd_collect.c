@@ -262,7 +262,7 @@ int cmd_collect(int argc, char **argv) {
         return cli_usage_error(cmd, "--seed must be 0 or more, got %lld", (long long)a->seed);
     if (kv_collect_check_options(&o, collect_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
-    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
+    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be 0 (all cores) or more");
     if (a->sequential && a->samples == 0)
         return cli_usage_error(cmd, "--sequential needs --samples N (without it every window is "
                                     "used, in order)");

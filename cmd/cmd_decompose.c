@@ -4,6 +4,7 @@
  * (kv_decompose_check, kv_decompose_check_model, kv_decompose,
  * kv_decompose_write): this file parses, loads, calls and prints. */
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,7 +55,7 @@ static const struct cli_opt opts[] = {
     {"ratio", 0, OPT_DOUBLE, &A.o.ratio, "R", "keep the fraction R in (0, 1] of the KV bytes per token"},
     {"group-size", 0, OPT_INT, &A.o.group_size, "S",
      "KV heads per unit for svd, palu and fdc values: 1 = per head (M-LRD, default),\n"
-     "all = joint (J-LRD), between = groups (G-LRD)"},
+     "the model's KV head count = joint (J-LRD), between = groups (G-LRD)"},
     {"rank-multiple", 0, OPT_INT, &A.o.rank_multiple, "N", "round every rank up to a multiple of N (default 1)"},
     {"min-rank", 0, OPT_INT, &A.o.min_rank, "N", "smallest rank of a unit (default 1)"},
     {"d-min", 0, OPT_DOUBLE, &A.o.d_min, "F", "lorc: smallest layer rank as a fraction (eq. 13)"},
@@ -171,11 +172,16 @@ static int resolve_options(void) {
                                          "removal, global)", A.alloc);
         A.o.alloc = (enum kv_alloc)alloc;
     }
+    if (!isnan(A.o.eps) && !(A.o.eps > 0))
+        return cli_usage_error(&cmd, "--eps %g is outside (0, 1]", A.o.eps);
+    if (!isnan(A.o.ratio) && !(A.o.ratio > 0))
+        return cli_usage_error(&cmd, "--ratio %g is outside (0, 1]", A.o.ratio);
+    A.o.eps = isnan(A.o.eps) ? 0 : A.o.eps, A.o.ratio = isnan(A.o.ratio) ? 0 : A.o.ratio;
     A.o.stats_path = A.stats, A.o.text_path = A.text, A.o.names = flag_names;
     struct kv_err err;
     kv_err_clear(&err);
     if (kv_decompose_check(&A.o, flag_names, &err)) return cli_usage_error(&cmd, "%s", err.msg);
-    if (A.threads < 0) return cli_usage_error(&cmd, "--threads must be positive");
+    if (A.threads < 0) return cli_usage_error(&cmd, "--threads must be 0 (all cores) or more");
     return -1;
 }
 
@@ -338,6 +344,7 @@ static int run(struct inputs *in) {
 int cmd_decompose(int argc, char **argv) {
     memset(&A, 0, sizeof A);
     kv_decompose_defaults(&A.o);
+    A.o.eps = A.o.ratio = NAN; /* not given (the library's 0), told apart from a given 0 */
     const char *pos[1];
     int n_pos;
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);

@@ -348,7 +348,7 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
         return cli_usage_error(cmd, "give exactly one of --text or --tokens");
     if (kv_ppl_check(a->seq_len, a->max_windows, ppl_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
-    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be positive");
+    if (a->threads < 0) return cli_usage_error(cmd, "--threads must be 0 (all cores) or more");
     if (a->kv_bits && !a->comp) return cli_usage_error(cmd, "--kv-bits needs --compressed");
     if (a->hadamard && !a->comp) return cli_usage_error(cmd, "--hadamard needs --compressed");
     if (a->kv_bits && !kv_lr_bits_valid(a->kv_bits))

@@ -6,6 +6,7 @@
 #include "err.h"
 #include "ggufmodel.h"
 #include "hfdir.h"
+#include "limits.h"
 #include "llama2c.h"
 #include "mapfile.h"
 #include "model.h"
@@ -29,7 +30,10 @@ static int is_gguf(const char *path) {
     return n == 4 && memcmp(mg, "GGUF", 4) == 0;
 }
 
-int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
+/* kv_tok_open, a llama2.c tokenizer.bin of fewer than n_vocab records (n_vocab
+ * > 0, a model's vocabulary) refused as truncated: a file cut at a record
+ * boundary is not a smaller tokenizer. */
+static int tok_open_n(const char *path, int32_t n_vocab, struct kv_tokenizer **out, struct kv_err *err) {
     int kind = kv_path_kind(path);
     if (kind < 0) return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "no such file");
     if (kind == 1) {
@@ -41,7 +45,15 @@ int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err)
     }
     if (ends_with(path, ".json")) return kv_hf_load_tokenizer(path, out, err);
     if (is_gguf(path)) return kv_gguf_load_tokenizer(path, out, err);
-    return kv_l2c_load_tokenizer(path, -1, out, err);
+    int rc = kv_l2c_load_tokenizer(path, -1, out, err);
+    if (rc || n_vocab <= 0 || kv_tok_n_vocab(*out) >= n_vocab) return rc; /* more: kv_model_open says so */
+    kv_tok_free(*out); /* fewer records than the vocabulary: read again to name where the file ends */
+    *out = NULL;
+    return kv_l2c_load_tokenizer(path, n_vocab, out, err);
+}
+
+int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err) {
+    return tok_open_n(path, -1, out, err);
 }
 
 int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model **out,
@@ -65,7 +77,8 @@ int kv_model_open(const char *path, const char *tokenizer_path, struct kv_model 
     if (rc) return rc;
     if (tokenizer_path) {
         struct kv_tokenizer *tok;
-        rc = kv_tok_open(tokenizer_path, &tok, err);
+        int32_t want = m->cfg.vocab_size <= KV_MAX_VOCAB ? (int32_t)m->cfg.vocab_size : -1;
+        rc = tok_open_n(tokenizer_path, want, &tok, err);
         if (rc) {
             kv_model_close(m);
             return rc;

@@ -56,3 +56,18 @@ _Noreturn void kv_assert_fail(const char *expr, const char *file, int line) {
     fprintf(stderr, "kvcal: internal error: assertion '%s' failed at %s:%d\n", expr, file, line);
     abort();
 }
+
+/* The shortest %.Pg form of v, P from p0 up, that reads back as v (as a
+ * float: as (float)v). */
+static const char *shortest(char *buf, size_t cap, double v, int as_float, int p0) {
+    for (int p = p0; p <= 17; p++) {
+        snprintf(buf, cap, "%.*g", p, v);
+        double back = strtod(buf, NULL);
+        if (as_float ? (float)back == (float)v : back == v) break;
+    }
+    return buf;
+}
+
+const char *kv_num_str(char *buf, size_t cap, double v) { return shortest(buf, cap, v, 0, 1); }
+
+const char *kv_float_str(char *buf, size_t cap, float v) { return shortest(buf, cap, (double)v, 1, 6); }

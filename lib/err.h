@@ -25,6 +25,13 @@ int kv_fail_at(struct kv_err *err, int code, const char *path, uint64_t off,
 
 KV_NORETURN void kv_assert_fail(const char *expr, const char *file, int line);
 
+/* The shortest %g form of v that reads back as v, in buf (for messages and
+ * metadata: 1.0000001 stays 1.0000001, not %g's 1); returns buf. */
+const char *kv_num_str(char *buf, size_t cap, double v);
+/* For a float: %g's six digits, or more until it reads back as that float
+ * (1e-05, not the 9.99999975e-06 of its double; 10000, not 1e+04). */
+const char *kv_float_str(char *buf, size_t cap, float v);
+
 /* Checked arithmetic on sizes read from files: return 0 on overflow. */
 static inline int kv_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
     return !__builtin_mul_overflow(a, b, out);

@@ -25,7 +25,7 @@ int kv_ppl_check(int64_t seq_len, int64_t max_windows, const char *const *names,
                      : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                                "seq-len %lld is too short, need at least 2", (long long)seq_len);
     if (max_windows < 0)
-        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be positive",
+        return names ? kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be 0 (every window) or more",
                                names[KV_PPL_OPT_MAX_WINDOWS])
                      : kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                                "max windows must be 0 (every window) or more, found %lld",

@@ -108,6 +108,57 @@ Test(cli, usage_errors_exit_2_with_one_message_and_the_usage) {
                "usage: kvcal generate --model PATH [--prompt TEXT] [-n N] (see 'kvcal generate --help')\n");
 }
 
+/* Numbers that are not finite, a value option given twice, and the
+ * bounds of --threads, --max-windows, --eps and --ratio: each a usage error
+ * naming what was given (before, nan and inf were taken, so --device-tol
+ * nan never failed and train --lr inf ran to a nan loss; a repeated -m kept
+ * the last; --eps 0 asked for --eps; --eps 1.0000001 printed as 1). */
+Test(cli, option_values_are_checked_as_given) {
+    const char *vu = "usage: kvcal verify --model PATH --text FILE [--compressed DIR] [options] (see 'kvcal verify --help')\n";
+    const char *du = "usage: kvcal decompose --model PATH [--stats FILE] -o DIR (--eps E | --ratio R) [options] "
+                     "(see 'kvcal decompose --help')\n";
+    const char *tu = "usage: kvcal train --text FILE -o DIR [options] (see 'kvcal train --help')\n";
+    char want[1024];
+    const struct {
+        const char *args, *msg, *usage;
+    } rows[] = {
+        {"verify -m m -t t --device twin --device-tol nan", "kvcal verify: option '--device-tol' needs a finite number, got 'nan'\n", vu},
+        {"verify -m m -t t --device-tol -inf", "kvcal verify: option '--device-tol' needs a finite number, got '-inf'\n", vu},
+        {"verify -m a -m b -t t", "kvcal verify: option '--model' given twice\n", vu},
+        {"verify -m a -t t --text u", "kvcal verify: option '--text' given twice\n", vu},
+        {"verify -m m -t t --threads -1", "kvcal verify: --threads must be 0 (all cores) or more\n", vu},
+        {"verify -m m -t t --max-windows -1", "kvcal verify: --max-windows must be 0 (every window) or more\n", vu},
+        {"bench-attn --synthetic llama7b --keep nan", "kvcal bench-attn: option '--keep' needs a finite number, got 'nan'\n",
+         "usage: kvcal bench-attn (--synthetic PRESET | --manifest DIR) [options] (see 'kvcal bench-attn --help')\n"},
+        {"decompose -m m -o o --d-min inf --eps 0.9", "kvcal decompose: option '--d-min' needs a finite number, got 'inf'\n", du},
+        {"decompose -m m -o o --eps 0", "kvcal decompose: --eps 0 is outside (0, 1]\n", du},
+        {"decompose -m m -o o --ratio -0.5", "kvcal decompose: --ratio -0.5 is outside (0, 1]\n", du},
+        {"decompose -m m -o o --eps 1.0000001", "kvcal decompose: --eps 1.0000001 is outside (0, 1]\n", du},
+        {"decompose -m m -o o --eps 0.9 --threads -2", "kvcal decompose: --threads must be 0 (all cores) or more\n", du},
+        {"train --text t -o o --lr inf", "kvcal train: option '--lr' needs a finite number, got 'inf'\n", tu},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        snprintf(want, sizeof want, "%s%s", rows[i].msg, rows[i].usage);
+        expect_cli(rows[i].args, 2, want);
+    }
+}
+
+/* A llama2.c tokenizer.bin cut at a record boundary reads as truncated
+ * when it is paired with a model (its vocabulary is the count), instead of
+ * a smaller tokenizer whose perplexity is nonsense. */
+Test(cli, truncated_tokenizer_bin_is_refused) {
+    size_t len;
+    char *b = read_shared("models/stories260K/tok512.bin", &len);
+    const char *m = kvt_shared("models/stories260K/stories260K.bin");
+    char *dir = kvt_temp_dir(), *t = fixture(dir, "t.bin", b, 1220), *txt = fixture(dir, "x.txt", "Once upon a time.", 17);
+    char args[4096], want[4096];
+    snprintf(args, sizeof args, "verify -m '%s' --tokenizer '%s' -t '%s' -q", m, t, txt);
+    snprintf(want, sizeof want, "kvcal: %s: offset 1220: truncated: need 4 bytes for the score of token 87, have 0\n", t);
+    expect_cli(args, 1, want);
+    free(b), free(t), free(txt);
+    kvt_rm_dir(dir);
+}
+
 Test(cli, missing_files_exit_1) {
     expect_cli("inspect /nonexistent/model.gguf", 1,
                "kvcal: /nonexistent/model.gguf: no such file or directory\n");

@@ -381,6 +381,29 @@ Test(decompose_check, model_rules_name_quantities_or_flags_and_the_file) {
     opts_env_free(&e);
 }
 
+/* Statistics that are an unfinished checkpoint are refused, naming the
+ * file, as merge refuses them (before, decompose used the windows summed
+ * so far without a word). */
+Test(decompose_check, refuses_an_unfinished_checkpoint) {
+    struct opts_env e = opts_env();
+    int64_t done = e.s->info.next_window;
+    e.s->info.plan_windows = done + 3;
+    struct kv_decompose_opts o = check_opts("ratio=0.5");
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_decompose_check_model(&o, e.m, e.s, kv_decompose_flag_names, &err), KV_EINVAL);
+    char want[256];
+    snprintf(want, sizeof want,
+             "an unfinished checkpoint (%lld of %lld windows); finish it with 'kvcal collect --resume' first",
+             (long long)done, (long long)done + 3);
+    cr_assert_str_eq(err.msg, want);
+    cr_assert_str_eq(err.path, "s.kvstats");
+    e.s->info.plan_windows = done;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_decompose_check_model(&o, e.m, e.s, kv_decompose_flag_names, &err), KV_OK, "%s", err.msg);
+    opts_env_free(&e);
+}
+
 /* kv_decompose names the options as o->names says, also in the messages
  * only a run can give (the floor of the cache); NULL is the library's
  * quantity names. */

@@ -450,7 +450,7 @@ Test(ppl_check, options_in_the_library_words_or_the_callers) {
     cr_assert_eq(kv_ppl_check(16, -1, NULL, &err), KV_EINVAL);
     cr_assert_str_eq(err.msg, "max windows must be 0 (every window) or more, found -1");
     cr_assert_eq(kv_ppl_check(16, -3, ppl_flags, &err), KV_EINVAL);
-    cr_assert_str_eq(err.msg, "--max-windows must be positive");
+    cr_assert_str_eq(err.msg, "--max-windows must be 0 (every window) or more");
     cr_assert_eq(kv_ppl_check_tol(0, ppl_flags, &err), KV_OK);
     cr_assert_eq(kv_ppl_check_tol(NAN, ppl_flags, &err), KV_OK, "NaN is 'not given'");
     cr_assert_eq(kv_ppl_check_tol(-1, ppl_flags, &err), KV_EINVAL);
