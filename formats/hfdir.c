@@ -1,5 +1,6 @@
 #include "hfdir.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -20,6 +21,19 @@
 
 /* bos_token_id / eos_token_id: an id, a list of ids (the first is used), or
  * null. *out is left alone when absent. */
+
+/* A config number the model keeps as a float: one beyond the float range
+ * is refused as written, not passed on as inf. */
+static int as_float(double v, const char *key, const char *path, float *out, struct kv_err *err) {
+    if (fabs(v) > FLT_MAX) {
+        char num[32];
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "key '%s' is %s, beyond the range of a float", key,
+                       kv_num_str(num, sizeof num, v));
+    }
+    *out = (float)v;
+    return KV_OK;
+}
+
 static int get_token_id(const json_t *root, const char *key, const char *path, int32_t *out,
                         struct kv_err *err) {
     json_t *v = json_object_get(root, key);
@@ -85,6 +99,7 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
     double eps = 1e-5;
     int tied = 1;
     if ((rc = kv_json_get_num(root, "layer_norm_epsilon", path, 1, 0, &eps, err)) ||
+        (rc = as_float(eps, "layer_norm_epsilon", path, &cfg->norm_eps, err)) ||
         (rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
         (rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
         (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
@@ -96,7 +111,6 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
     cfg->head_dim = dim / heads;
     cfg->vocab_size = vocab;
     cfg->max_seq_len = ctx;
-    cfg->norm_eps = (float)eps;
     cfg->tied_embeddings = tied;
     cfg->has_qkv_bias = 1;
     return KV_OK;
@@ -150,7 +164,9 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     }
     double eps = 1e-6, theta = 10000.0;
     if ((rc = kv_json_get_num(root, "rms_norm_eps", path, 1, 0, &eps, err)) ||
-        (rc = kv_json_get_num(root, "rope_theta", path, 1, 0, &theta, err)))
+        (rc = kv_json_get_num(root, "rope_theta", path, 1, 0, &theta, err)) ||
+        (rc = as_float(eps, "rms_norm_eps", path, &cfg->norm_eps, err)) ||
+        (rc = as_float(theta, "rope_theta", path, &cfg->rope_theta, err)))
         return rc;
     int tied = 0, attn_bias = 0, mlp_bias = 0;
     if ((rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
@@ -189,8 +205,6 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     cfg->head_dim = head_dim;
     cfg->vocab_size = vocab;
     cfg->max_seq_len = ctx;
-    cfg->norm_eps = (float)eps;
-    cfg->rope_theta = (float)theta;
     cfg->tied_embeddings = tied;
     cfg->has_qkv_bias = attn_bias;
     return KV_OK;

@@ -317,7 +317,6 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
         {"vocab_size", r->vocab_size, c->vocab_size},
         {"tied_embeddings", r->tied_embeddings, c->tied_embeddings},
         {"qkv_bias", r->has_qkv_bias, c->has_qkv_bias},
-        {"rope layout (1 = half)", r->rope_layout, kv_lrl_has_rope(c->arch) ? c->rope_layout : 0},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].file != dims[i].model) {
@@ -326,6 +325,35 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
                          dims[i].key, (long long)dims[i].file, (long long)dims[i].model);
             goto done;
         }
+    /* what an engine following the manifest computes with: as the model's */
+    if (r->max_seq_len && r->max_seq_len != c->max_seq_len) {
+        rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET,
+                     "made from a model with max_seq_len %lld, but the given model has %lld",
+                     (long long)r->max_seq_len, (long long)c->max_seq_len);
+        goto done;
+    }
+    const struct {
+        const char *key;
+        float file, model;
+    } reals[] = {
+        {"norm_eps", r->norm_eps, c->norm_eps},
+        {"rope theta", kv_lrl_has_rope(c->arch) ? r->rope_theta : 0, kv_lrl_has_rope(c->arch) ? c->rope_theta : 0},
+    };
+    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++)
+        if (reals[i].file != reals[i].model) {
+            char a[32], b[32];
+            rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET, "made from a model with %s %s, but the given model has %s",
+                         reals[i].key, kv_float_str(a, sizeof a, reals[i].file), kv_float_str(b, sizeof b, reals[i].model));
+            goto done;
+        }
+    int rope_model = kv_lrl_has_rope(c->arch) ? (int)c->rope_layout : KV_ROPE_INTERLEAVED;
+    if ((int)r->rope_layout != rope_model) {
+        static const char *const pairs[] = {"interleaved (2i, 2i+1)", "half (i, i + d_h/2)"};
+        rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET,
+                     "made from a model whose rope pairs are %s, but the given model's are %s",
+                     pairs[r->rope_layout == KV_ROPE_HALF], pairs[rope_model == KV_ROPE_HALF]);
+        goto done;
+    }
     char fp[65];
     if ((rc = kv_model_fingerprint(m, fp, err))) goto done;
     if (strcmp(fp, mf.fingerprint) != 0) {

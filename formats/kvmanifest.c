@@ -443,6 +443,14 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
         (rc = kv_json_get_bool(mo, "qkv_bias", path, 1, &c->has_qkv_bias, err)))
         return in_ctx(rc, err, "model");
     c->norm_eps = (float)eps;
+    /* checked for type and range (an engine reads them); the reader compares
+     * max_seq_len with the base model, bos and eos are the tokenizer's */
+    int64_t bos = -1, eos = -1;
+    if ((rc = kv_json_get_int(mo, "max_seq_len", path, 1, KV_MAX_CTX, 0, &c->max_seq_len, err)) ||
+        (rc = kv_json_get_int(mo, "bos_id", path, -1, KV_MAX_VOCAB, 0, &bos, err)) ||
+        (rc = kv_json_get_int(mo, "eos_id", path, -1, KV_MAX_VOCAB, 0, &eos, err)))
+        return in_ctx(rc, err, "model");
+    c->bos_id = (int32_t)bos, c->eos_id = (int32_t)eos;
     if (c->n_heads % c->n_kv_heads)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "model: n_heads %lld is not a multiple of n_kv_heads %lld",

@@ -55,8 +55,10 @@ struct kv_mf_names {
 struct kv_mf {
     struct kv_config cfg;          /* arch, dim, hidden_dim, n_layers, n_heads,
                                       n_kv_heads, head_dim, vocab_size, norm_eps,
-                                      tied_embeddings, has_qkv_bias, and the rope
-                                      layout and theta (llama); the rest 0 */
+                                      tied_embeddings, has_qkv_bias, max_seq_len
+                                      (0 when absent), bos_id and eos_id (-1 when
+                                      absent), and the rope layout and theta
+                                      (llama); the rest 0 */
     char fingerprint[65];          /* model.fingerprint */
     const char *weights;           /* the weights file's name, no slash */
     struct kv_mf_names (*names)[2]; /* [n_layers][keys, values] */

@@ -430,6 +430,7 @@ int kv_hf_load_tokenizer_ids(const char *path, int32_t bos, int32_t eos,
     if (rc) return rc;
     rc = tok_from_json(root, path, bos, eos, out, err);
     json_decref(root);
+    if (rc && err && !err->path[0]) snprintf(err->path, sizeof err->path, "%s", path); /* the tokenizer's own rules */
     return rc;
 }
 

@@ -196,7 +196,7 @@ int kv_model_add_tensors(struct kv_model *m, const struct kv_tensor *t, int64_t 
                          struct kv_err *err) {
     if (grow((void **)&m->tensors, &m->cap_tensors, m->n_tensors + n, sizeof *m->tensors))
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    memcpy(m->tensors + m->n_tensors, t, (size_t)n * sizeof *t);
+    if (n > 0) memcpy(m->tensors + m->n_tensors, t, (size_t)n * sizeof *t); /* t may be NULL for none */
     m->n_tensors += n;
     return KV_OK;
 }

@@ -423,6 +423,25 @@ Test(hf_load, names_the_missing_tensor) {
     ref_free(&r);
 }
 
+/* A safetensors file whose header is `{}` (no tensors at all) names the
+ * first missing tensor; adding its zero tensors to the model must not pass
+ * memcpy a null pointer (UBSan flagged it). */
+Test(hf_load, empty_safetensors_header_names_the_missing_tensor) {
+    struct ref_model r;
+    ref_build(&r, 0, 0);
+    char *dir = make_dir(&r, "F32", 0, 0, NULL, NULL);
+    char *p = kvt_path(dir, "model.safetensors");
+    FILE *f = fopen(p, "wb");
+    cr_assert_not_null(f);
+    const unsigned char hdr[10] = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+    cr_assert_eq(fwrite(hdr, 1, sizeof hdr, f), sizeof hdr);
+    fclose(f);
+    free(p);
+    load_fails(dir, KV_EFORMAT, "model.safetensors: missing tensor 'model.embed_tokens.weight'");
+    kvt_rm_dir(dir);
+    ref_free(&r);
+}
+
 Test(hf_load, refuses_rope_scaling) {
     char *dir = kvt_temp_dir();
     write_text(dir, "config.json",
@@ -489,6 +508,15 @@ Test(hf_load, reports_bad_config_values) {
     load_fails(dir, KV_EUNSUPPORTED, "config.json: hidden_act 'gelu' is not supported, expected 'silu'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 16}");
     load_fails(dir, KV_EFORMAT, "config.json: missing key 'intermediate_size'");
+    /* beyond a float: named as written (before: "norm epsilon inf must be positive") */
+    write_text(dir, "config.json",
+               "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 32, "
+               "\"num_attention_heads\": 2, \"num_hidden_layers\": 1, \"vocab_size\": 8, \"rms_norm_eps\": 1e308}");
+    load_fails(dir, KV_EFORMAT, "config.json: key 'rms_norm_eps' is 1e+308, beyond the range of a float");
+    write_text(dir, "config.json",
+               "{\"model_type\": \"gpt2\", \"n_embd\": 16, \"n_head\": 2, \"n_layer\": 1, \"vocab_size\": 8, "
+               "\"n_positions\": 8, \"layer_norm_epsilon\": 1e39}");
+    load_fails(dir, KV_EFORMAT, "config.json: key 'layer_norm_epsilon' is 1e+39, beyond the range of a float");
     kvt_rm_dir(dir);
 }
 

@@ -510,6 +510,38 @@ Test(kvdir_open, refuses_another_model) {
     cr_assert(strstr(err.msg, want), "'%s' lacks '%s'", err.msg, want);
     kv_model_close(other);
 
+    /* what an engine reads from the manifest must be the model's (before:
+     * a manifest with another theta, norm epsilon or context was taken) */
+    struct kv_config tc = small_cfg(0);
+    tc.rope_theta = 500000.0f;
+    other = model_of(tc, 18);
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.msg, "made from a model with rope theta 10000, but the given model has 500000");
+    kv_model_close(other);
+    tc = small_cfg(0), tc.norm_eps = 1e-6f;
+    other = model_of(tc, 18);
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.msg, "made from a model with norm_eps 1e-05, but the given model has 1e-06");
+    kv_model_close(other);
+    tc = small_cfg(0), tc.max_seq_len = 128;
+    other = model_of(tc, 18);
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.msg, "made from a model with max_seq_len 64, but the given model has 128");
+    kv_model_close(other);
+
+    /* the other rope pairs, in words (before: "rope layout (1 = half) 0") */
+    struct kv_config ic = small_cfg(0);
+    ic.rope_layout = KV_ROPE_INTERLEAVED;
+    other = model_of(ic, 18);
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, other, &lr, &err), KV_EINVAL, "%s", fmt_err(&err));
+    cr_assert_str_eq(err.msg, "made from a model whose rope pairs are half (i, i + d_h/2), but the given "
+                              "model's are interleaved (2i, 2i+1)");
+    kv_model_close(other);
+
     /* other shapes: named before any fingerprint is computed */
     other = make_model(1, 17);
     kv_err_clear(&err);

@@ -262,6 +262,8 @@ static void j_q_proj_stray(json_t *r) {
 }
 static void j_weights_path(json_t *r) { set(r, "weights", json_string("../w.safetensors")); }
 static void j_energy(json_t *r) { set(unit_json(r, 0, "k", 0), "energy", json_string("lots")); }
+static void j_bos_type(json_t *r) { set(json_object_get(r, "model"), "bos_id", json_string("1")); }
+static void j_ctx_zero(json_t *r) { set(json_object_get(r, "model"), "max_seq_len", json_integer(0)); }
 static void j_layers(json_t *r) {
     cr_assert_eq(json_array_remove(json_object_get(r, "layers"), 2), 0);
 }
@@ -296,6 +298,10 @@ static const struct row rows[] = {
     {"fused_query on llama", j_fused_query, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
       "layer 0 k: mode 'fused_query' needs a model without rope, found arch 'llama'"}, 0},
+    {"bos_id of another type", j_bos_type, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "model: key 'bos_id' must be"}, 0},
+    {"max_seq_len 0", j_ctx_zero, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "model: key 'max_seq_len'"}, 0},
     {"unknown arch", j_arch, 0, NULL,
      {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
       "model: arch 'mamba' is not supported, expected 'llama' or 'gpt2'"}, 0},

@@ -128,6 +128,15 @@ Test(hf_tokenizer, refuses_other_tokenizer_kinds) {
               KV_EFORMAT, "vocab has no piece for id 1 (ids go up to 2)");
     tok_fails("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b c\"]}}",
               KV_EFORMAT, "merges[0] must be \"a b\" or [\"a\", \"b\"], found \"a b c\"");
+    /* a rule the tokenizer library checks names the file too (before: no file) */
+    size_t n = 5000;
+    char *big = malloc(n + 1), *text = malloc(n + 512);
+    memset(big, 'x', n), big[n] = 0;
+    snprintf(text, n + 512,
+             "{\"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"%s\"},"
+             " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}", big);
+    tok_fails(text, KV_EINVAL, "space piece is 5000 bytes but must be 1..4096");
+    free(big), free(text);
 }
 
 Test(hf_tokenizer, tinystories_round_trip_on_20kb_of_stories) {
