@@ -317,6 +317,9 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
         {"vocab_size", r->vocab_size, c->vocab_size},
         {"tied_embeddings", r->tied_embeddings, c->tied_embeddings},
         {"qkv_bias", r->has_qkv_bias, c->has_qkv_bias},
+        /* what an engine following the manifest computes with: as the model's
+         * (a manifest without max_seq_len, from before it was read, agrees) */
+        {"max_seq_len", r->max_seq_len ? r->max_seq_len : c->max_seq_len, c->max_seq_len},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].file != dims[i].model) {
@@ -325,13 +328,6 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
                          dims[i].key, (long long)dims[i].file, (long long)dims[i].model);
             goto done;
         }
-    /* what an engine following the manifest computes with: as the model's */
-    if (r->max_seq_len && r->max_seq_len != c->max_seq_len) {
-        rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET,
-                     "made from a model with max_seq_len %lld, but the given model has %lld",
-                     (long long)r->max_seq_len, (long long)c->max_seq_len);
-        goto done;
-    }
     const struct {
         const char *key;
         float file, model;
