@@ -515,9 +515,8 @@ static int verify_sources(const struct job *j, struct kv_err *err) {
         if (fd_file != t->file) {
             if (fd >= 0) close(fd);
             fd_file = t->file;
-            if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
-                rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s",
-                             kv_errtext(errno, eb, sizeof eb));
+            if ((fd = kv_open_regular(path, NULL, err)) < 0) {
+                rc = KV_EIO;
                 break;
             }
         }
@@ -652,10 +651,8 @@ static int fill_file(int fd, const char *path, const char *tmp, void *vctx, stru
     const struct job *j = ctx->j;
     const char *src = j->files[ctx->file];
     char eb[128];
-    int in = open(src, O_RDONLY | O_CLOEXEC);
-    if (in < 0)
-        return kv_fail(err, KV_EIO, src, KV_NO_OFFSET, "cannot open: %s",
-                       kv_errtext(errno, eb, sizeof eb));
+    int in = kv_open_regular(src, NULL, err);
+    if (in < 0) return KV_EIO;
     uint8_t *buf = malloc(EXPORT_CHUNK);
     int rc = buf ? KV_OK : kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     uint64_t off = 0;

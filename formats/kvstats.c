@@ -640,13 +640,10 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
 }
 
 int kv_stats_probe(const char *path) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return 0;
     char buf[4096];
-    size_t n = fread(buf, 1, sizeof buf, fp);
-    fclose(fp);
+    ssize_t n = kv_read_head(path, buf, sizeof buf);
     return n >= 4 && !memcmp(buf, "GGUF", 4) &&
-           memmem(buf, n, KV_STATS_TYPE, strlen(KV_STATS_TYPE)) != NULL;
+           memmem(buf, (size_t)n, KV_STATS_TYPE, strlen(KV_STATS_TYPE)) != NULL;
 }
 
 int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err) {

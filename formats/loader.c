@@ -22,12 +22,8 @@ static int ends_with(const char *s, const char *suf) {
  * bad magic must reach the GGUF parser to be told so). */
 static int is_gguf(const char *path) {
     if (ends_with(path, ".gguf")) return 1;
-    FILE *f = fopen(path, "rb");
-    if (!f) return 0;
     char mg[4] = {0};
-    size_t n = fread(mg, 1, 4, f);
-    fclose(f);
-    return n == 4 && memcmp(mg, "GGUF", 4) == 0;
+    return kv_read_head(path, mg, 4) == 4 && memcmp(mg, "GGUF", 4) == 0;
 }
 
 /* kv_tok_open, a llama2.c tokenizer.bin of fewer than n_vocab records (n_vocab

@@ -17,32 +17,57 @@ const char *kv_errtext(int e, char *buf, size_t cap) {
     return buf;
 }
 
-int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err) {
-    m->data = NULL;
-    m->len = 0;
+int kv_open_regular(const char *path, uint64_t *size, struct kv_err *err) {
     char eb[128];
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO that has no writer must not wait for one */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", kv_errtext(errno, eb, sizeof eb));
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", kv_errtext(errno, eb, sizeof eb)), -1;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", kv_errtext(e, eb, sizeof eb));
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", kv_errtext(e, eb, sizeof eb)), -1;
     }
-    if (S_ISDIR(st.st_mode)) {
+    if (!S_ISREG(st.st_mode)) {
         close(fd);
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "is a directory, expected a file");
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET,
+                       S_ISDIR(st.st_mode) ? "is a directory, expected a file"
+                                           : "not a regular file (a pipe, FIFO or device is not read; give a file)"),
+               -1;
     }
-    if (st.st_size > 0) {
-        void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    if (size) *size = (uint64_t)st.st_size;
+    return fd;
+}
+
+ssize_t kv_read_head(const char *path, void *buf, size_t cap) {
+    int fd = kv_open_regular(path, NULL, NULL);
+    if (fd < 0) return -1;
+    ssize_t n;
+    do n = read(fd, buf, cap);
+    while (n < 0 && errno == EINTR);
+    close(fd);
+    return n;
+}
+
+int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err) {
+    m->data = NULL;
+    m->len = 0;
+    char eb[128];
+    uint64_t size = 0;
+    int fd = kv_open_regular(path, &size, err);
+    if (fd < 0) return KV_EIO; /* every failure of kv_open_regular is */
+    if (size > 0) {
+        void *p = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {
             int e = errno;
             close(fd);
             return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot map: %s", kv_errtext(e, eb, sizeof eb));
         }
         m->data = p;
-        m->len = (uint64_t)st.st_size;
+        m->len = size;
     }
     close(fd);
     return KV_OK;

@@ -3,6 +3,8 @@
 #ifndef KV_MAPFILE_H
 #define KV_MAPFILE_H
 
+#include <sys/types.h>
+
 #include "kvformats.h"
 
 struct kv_map {
@@ -10,7 +12,17 @@ struct kv_map {
     uint64_t len;
 };
 
-/* Map path read-only. Errors: KV_EIO naming path and strerror. */
+/* Open path for reading if it is a regular file, without waiting on a
+ * FIFO that has no writer: the descriptor, and the size in *size (if not
+ * NULL); -1 with KV_EIO naming path ("not a regular file" for a pipe, FIFO
+ * or device, which kvcal never reads: they would block or read as empty). */
+int kv_open_regular(const char *path, uint64_t *size, struct kv_err *err);
+/* Up to cap bytes from the start of the regular file path (a probe: -1 when
+ * it is not one or cannot be read, never blocking on a FIFO). */
+ssize_t kv_read_head(const char *path, void *buf, size_t cap);
+
+/* Map path read-only (a regular file: kv_open_regular). Errors: KV_EIO
+ * naming path and strerror. */
 int kv_map_open(const char *path, struct kv_map *m, struct kv_err *err);
 void kv_map_close(struct kv_map *m);
 /* Heap copy of a kv_map suitable for kv_model_on_close(kv_map_free_cb, ...). */

@@ -159,6 +159,28 @@ Test(cli, truncated_tokenizer_bin_is_refused) {
     kvt_rm_dir(dir);
 }
 
+/* A FIFO (or pipe, or device) in place of an input file is refused at
+ * once, naming it: before, one without a writer blocked forever and one
+ * with a writer read as empty. The timeout is the test of "at once". */
+Test(cli, fifos_are_not_read, .timeout = 30) {
+    const char *p = kvt_shared("models/stories260K/stories260K.bin");
+    if (!p) cr_skip_test("shared models are absent; skipping");
+    char *m = strdup(p), *t = strdup(kvt_shared("models/stories260K/tok512.bin"));
+    char *dir = kvt_temp_dir(), *f = kvt_path(dir, "fifo"), *txt = fixture(dir, "x.txt", "Once upon a time.", 17);
+    cr_assert_eq(mkfifo(f, 0600), 0);
+    char args[5][4096], want[4096];
+    snprintf(args[0], sizeof args[0], "verify -m '%s' --tokenizer '%s' -t '%s' -q", m, t, f);
+    snprintf(args[1], sizeof args[1], "verify -m '%s' -t '%s' -q", f, txt);
+    snprintf(args[2], sizeof args[2], "verify -m '%s' --tokenizer '%s' -t '%s' -q", m, f, txt);
+    snprintf(args[3], sizeof args[3], "verify -m '%s' --tokens '%s' -q", m, f);
+    snprintf(args[4], sizeof args[4], "inspect '%s'", f);
+    snprintf(want, sizeof want, "kvcal: %s: not a regular file (a pipe, FIFO or device is not read; give a file)\n", f);
+    for (int i = 0; i < 5; i++) expect_cli(args[i], 1, want);
+    unlink(f);
+    free(f), free(txt), free(m), free(t);
+    kvt_rm_dir(dir);
+}
+
 Test(cli, missing_files_exit_1) {
     expect_cli("inspect /nonexistent/model.gguf", 1,
                "kvcal: /nonexistent/model.gguf: no such file or directory\n");
