@@ -21,20 +21,24 @@ int kv_open_regular(const char *path, uint64_t *size, struct kv_err *err) {
     char eb[128];
     /* O_NONBLOCK: opening a FIFO that has no writer must not wait for one */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", kv_errtext(errno, eb, sizeof eb)), -1;
+    if (fd < 0) {
+        kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot open: %s", kv_errtext(errno, eb, sizeof eb));
+        return -1;
+    }
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", kv_errtext(e, eb, sizeof eb)), -1;
+        kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot stat: %s", kv_errtext(e, eb, sizeof eb));
+        return -1;
     }
     if (!S_ISREG(st.st_mode)) {
         close(fd);
-        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET,
-                       S_ISDIR(st.st_mode) ? "is a directory, expected a file"
-                                           : "not a regular file (a pipe, FIFO or device is not read; give a file)"),
-               -1;
+        if (S_ISDIR(st.st_mode))
+            kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "is a directory, expected a file");
+        else
+            kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "not a regular file (a pipe, FIFO or device is not read; give a file)");
+        return -1;
     }
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
