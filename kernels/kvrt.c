@@ -166,11 +166,11 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
     }
     for (int64_t u = 0; u < K->n_units; u++) {
         kuo[u + 1] = kuo[u] + K->units[u].rank;
-        kbo[u + 1] = align_up(kbo[u] + kvrt_code_bytes(K->units[u].rank, lp->kbits), KVRT_QALIGN);
+        kbo[u + 1] = kbo[u] + kvrt_unit_pitch(K->units[u].rank, lp->kbits); /* code columns */
     }
     for (int64_t u = 0; u < V->n_units; u++) {
         vuo[u + 1] = vuo[u] + V->units[u].rank;
-        vbo[u + 1] = align_up(vbo[u] + kvrt_code_bytes(V->units[u].rank, lp->vbits), KVRT_QALIGN);
+        vbo[u + 1] = vbo[u] + kvrt_unit_pitch(V->units[u].rank, lp->vbits);
     }
     zkw = kuo[K->n_units], zvw = vuo[V->n_units];
     /* per KV head tables */

@@ -30,8 +30,8 @@
  *          unit's latent columns)
  *   KOWN, VOWN  1 when head j writes its unit's latent columns (the unit's
  *          first head; every head for full and postrope keys)
- *   KU, VU the index of head j's unit on a quantized side (its column in
- *          that side's scale/zero rows); else 0
+ *   KU, VU the index of head j's unit on a quantized side (which run of
+ *          (scale, zero) pairs is its: kvrt_pair_at); else 0
  *   KPROJ, VPROJ  the first element of head j's latent (its unit's) in the
  *          latent rows of proj's key and value parts: KCOL / VCOL on an
  *          unquantized side, where those are element columns
@@ -123,13 +123,11 @@ struct kvrt_plan {
  * head's stream of consecutive rows reads whole sectors, however few bytes
  * a row of it has. kld / vld: the sum over units, rounded up to 16 bytes
  * (max_ctx·kld bytes hold the side). A second array holds per unit and row
- * the pair (scale, zero)
- * as two fp16 numbers (scale in the low half of a 32-bit word), unit-major:
- * the pairs of one unit (KU / VU) for rows 0 .. max_ctx-1 are contiguous
- * (kvrt_pair_at), so the consecutive rows a kernel streams for one head
- * read whole sectors of pairs. A group of 8 codes starting at a multiple
- * of 8 occupies exactly `bits` bytes at byte 8k*bits/8 = k*bits of the
- * unit. */
+ * the pair (scale, zero) as two fp16 numbers (scale in the low half of a
+ * 32-bit word), unit-major too: the pairs of one unit (KU / VU) for rows 0
+ * .. max_ctx-1 are contiguous (kvrt_pair_at). A group of 8 codes starting
+ * at a multiple of 8 occupies exactly `bits` bytes at byte 8k*bits/8 =
+ * k*bits of the unit. */
 #define KVRT_QALIGN 8
 static inline KVRT_HD unsigned kvrt_code_get(const uint8_t *u, int bits, int64_t i) {
     int64_t bit = i * bits;
@@ -144,10 +142,13 @@ static inline KVRT_HD void kvrt_code_put(uint8_t *u, int bits, int64_t i, unsign
     u[bit >> 3] |= (uint8_t)(w & 0xffu);
     if ((bit & 7) + bits > 8) u[(bit >> 3) + 1] |= (uint8_t)(w >> 8);
 }
+static inline KVRT_HD int64_t kvrt_code_bytes(int64_t rank, int bits) {
+    return (rank * bits + 7) / 8;
+}
 /* Bytes between two rows of a quantized unit of rank r, and the byte
  * where row `row` of the unit at column col (KCOL / VCOL) starts. */
 static inline KVRT_HD int64_t kvrt_unit_pitch(int64_t rank, int bits) {
-    return ((rank * bits + 7) / 8 + KVRT_QALIGN - 1) / KVRT_QALIGN * KVRT_QALIGN;
+    return (kvrt_code_bytes(rank, bits) + KVRT_QALIGN - 1) / KVRT_QALIGN * KVRT_QALIGN;
 }
 static inline KVRT_HD int64_t kvrt_code_at(int64_t max_ctx, int64_t col, int64_t upitch, int64_t row) {
     return col * max_ctx + row * upitch;
@@ -155,9 +156,6 @@ static inline KVRT_HD int64_t kvrt_code_at(int64_t max_ctx, int64_t col, int64_t
 /* Index of the (scale, zero) pair of unit `unit` at row `row`. */
 static inline KVRT_HD int64_t kvrt_pair_at(int64_t max_ctx, int64_t unit, int64_t row) {
     return unit * max_ctx + row;
-}
-static inline KVRT_HD int64_t kvrt_code_bytes(int64_t rank, int bits) {
-    return (rank * bits + 7) / 8;
 }
 
 /* Parts each query-key dot product of a tile is split into: with fewer
