@@ -18,6 +18,10 @@
  * without conversion instructions (codef), and their (scale, zero) pairs
  * are applied once per position, not per element (dec8).
  *
+ * mattn_kernel<NQ, KB, VB> (at the end of this file): keys scored as
+ * stored (full, fused_query, postrope_rotation) on tensor cores, where its
+ * widths apply; dattn_kernel otherwise.
+ *
  * dattn_kernel<GRP, QB>: keys scored as stored (full, fused_query,
  * postrope_rotation), GRP query heads per KV head: keys and values each
  * with their own group width, so that a head with narrow keys and wide
@@ -214,6 +218,29 @@ static __device__ __forceinline__ uint4 raw8s(const uint8_t *row, int bits, int 
     return r;
 }
 
+/* A task's end: ng states per query head in shared
+ * memory (gm [ng][grp], gl [ng][grp], gacc [ng][grp][vw], from the start),
+ * merged into the task's partial (the same merge as combine_kernel's). */
+static __device__ void merge_partials(const struct dglob &G, int64_t j, int64_t c, int64_t vw, int ng, int64_t grp,
+                                      float *pm, float *pl, float *pacc) {
+    extern __shared__ float sm[];
+    const float *gm = sm, *gl = gm + ng * grp, *gacc = gl + ng * grp;
+    for (int64_t x = threadIdx.x; x < grp * vw; x += blockDim.x) {
+        int64_t gi = x / vw, col = x - gi * vw;
+        float M = -INFINITY;
+        for (int g = 0; g < ng; g++) M = fmaxf(M, gm[g * grp + gi]);
+        float Ls = 0.0f, A = 0.0f;
+        for (int g = 0; g < ng; g++) {
+            float w = expf(gm[g * grp + gi] - M); /* 0 for a group that saw no position */
+            Ls += w * gl[g * grp + gi];
+            A += w * gacc[((int64_t)g * grp + gi) * vw + col];
+        }
+        int64_t at = (j * grp + gi) * G.max_chunks + c;
+        pacc[at * G.vw_stride + col] = A;
+        if (col == 0) pm[at] = M, pl[at] = Ls;
+    }
+}
+
 /* The end of a fast task: once the copies are done, each group's (m, l,
  * acc) goes to shared memory (gm [ng][GRP], gl [ng][GRP], gacc [ng][GRP][vw],
  * over the stages), and they are merged per query head into the task's
@@ -233,21 +260,9 @@ static __device__ void merge_groups(const struct dglob &G, int64_t j, int64_t c,
         for (int gi = 0; gi < GRP; gi++)
             for (int e = 0; e < 8; e++) gacc[((int64_t)gid * GRP + gi) * vw + 8 * li + e] = acc[gi][e];
     __syncthreads();
-    for (int64_t x = threadIdx.x; x < grp * vw; x += blockDim.x) {
-        int64_t gi = x / vw, col = x - gi * vw;
-        float M = -INFINITY;
-        for (int g = 0; g < ng; g++) M = fmaxf(M, gm[g * grp + gi]);
-        float Ls = 0.0f, A = 0.0f;
-        for (int g = 0; g < ng; g++) {
-            float w = expf(gm[g * grp + gi] - M); /* 0 for a group that saw no position */
-            Ls += w * gl[g * grp + gi];
-            A += w * gacc[((int64_t)g * grp + gi) * vw + col];
-        }
-        int64_t at = (j * grp + gi) * G.max_chunks + c;
-        pacc[at * G.vw_stride + col] = A;
-        if (col == 0) pm[at] = M, pl[at] = Ls;
-    }
+    merge_partials(G, j, c, vw, ng, grp, pm, pl, pacc);
 }
+
 
 /* Folds nu scored positions s[u][gi] (-inf where absent) and their values
  * into a group's softmax state; every lane of the group holds the same
@@ -709,4 +724,361 @@ static size_t pattn_smem(int grp, int dh, int ksz, int kbits, int gs, int64_t vw
                   NSTAGE * stage_bytes(PI, slice_pitch(ksz, kbits), slice_pitch(vw_max, vbits));
     size_t merge = (size_t)(NT / gs) * (size_t)grp * (size_t)(2 + vw_max) * sizeof(float);
     return main > merge ? main : merge;
+}
+
+/* ---------------------------------------------------------------- keys as stored, on tensor cores */
+
+/* mattn_kernel<NQ, KB, VB>: the keys-as-stored modes (full, fused_query,
+ * postrope_rotation) with both products on tensor cores, mma.sync
+ * m16n8k16, fp16 inputs and fp32 accumulation, for up to 4·NQ query heads
+ * per KV head, keys and values each fp16 (16) or codes of 8 or 4 bits.
+ * Each warp takes 16 positions of the tile at a time:
+ *  - scores: A = the 16 key rows (fp16 as cached, or the integer codes,
+ *    exact in fp16), B = the queries, column 2h query head h's hi part and
+ *    2h + 1 its lo part (q·2^e = hi + lo, e per head so that the largest
+ *    element is below 2^14, which keeps both parts normal): the sum of the
+ *    two columns carries about 2^-22 of q, not fp16's 2^-11. The lane
+ *    (g, t) of a quad ends with the scores of positions g and g + 8 for
+ *    query head t (4·n + t in n-tile n); a code's (scale, zero) applies
+ *    to the score as scale (q·c) + zero Σq.
+ *  - softmax: each lane its head's online state; the maximum over the
+ *    warp's 16 positions takes three exchanges.
+ *  - values: A = the value rows transposed (rows value columns, k the 16
+ *    positions), B = the probabilities split as hi + lo the same way
+ *    (times the value code's scale; its zero goes to a running sum), moved
+ *    from the score layout to B's by four exchanges.
+ * A lane's k slots are a permutation of the key columns chosen so that
+ * its loads are whole and its codes decode with a mask (mslot_col); the
+ * query fragments follow the same permutation, so the dot product is
+ * unchanged. The value columns a lane accumulates are likewise its own
+ * contiguous slice (mval_col). At the end the warps' states merge as in
+ * the other kernels. Rows past the chunk's end are cleared in their
+ * stage, so that a zero probability never meets a stale NaN. */
+#define MW (NT / 32) /* warps */
+/* Tiles in shared memory: one computed on, one in flight. On an H100 at
+ * 64K positions two stages beat three (full KV 415.9 against 433.7 µs,
+ * GQA 163.3 against 174.0, 4-bit postrope 188.2 against 188.9): a task's
+ * stages take less shared memory, so more blocks share a multiprocessor. */
+#ifndef MSTAGE
+#define MSTAGE 2
+#endif
+#define MKS 8        /* k-steps of 16 key columns at most: kw <= 128 */
+#define MVT 8        /* m-tiles of 16 value columns at most: vw <= 128 */
+
+/* The key column of slot s (0 .. 15) of k-step kk: a lane t holds slots
+ * 2t, 2t+1 (its first register) and 2t+8, 2t+9 (its second), columns
+ * 4t .. 4t+3 of the step: in order for fp16 (one 8-byte load), as
+ * (4t, 4t+2), (4t+1, 4t+3) for codes (one mask each). */
+template <int B>
+static __host__ __device__ __forceinline__ int mslot_col(int kk, int s) {
+    const int t = (s & 7) >> 1, e = s & 1, hi = s >> 3;
+    return 16 * kk + 4 * t + (B == 16 ? 2 * hi + e : hi + 2 * e);
+}
+/* The value column of row slot r (0 .. 15) of m-tile mt for lane group g
+ * (r = g or g + 8) in a head of nvt m-tiles: lane group g owns columns
+ * 2·nvt·g .. 2·nvt·(g+1) - 1, two per m-tile. */
+static __host__ __device__ __forceinline__ int mval_col(int nvt, int mt, int r) {
+    return 2 * (nvt * (r & 7) + mt) + (r >> 3);
+}
+
+/* fp16 pairs (1024 + c) less 1024: the codes as exact fp16 numbers. */
+static __device__ __forceinline__ uint32_t hless1024(uint32_t x) {
+#ifdef KVRT_EMULATE
+    return pack2(__float2half_rn(__half2float(__ushort_as_half((unsigned short)(x & 0xffffu))) - 1024.0f),
+                 __float2half_rn(__half2float(__ushort_as_half((unsigned short)(x >> 16))) - 1024.0f));
+#else
+    __half2 h = *reinterpret_cast<__half2 *>(&x);
+    h = __hsub2(h, __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+    return *reinterpret_cast<uint32_t *>(&h);
+#endif
+}
+
+/* The two A registers of a staged key row for k-step kk, lane t of its
+ * quad: slots (2t, 2t+1) and (2t+8, 2t+9), columns mslot_col<B>. */
+template <int B>
+static __device__ __forceinline__ void mkey(const uint8_t *row, int kk, int t, uint32_t &r0, uint32_t &r1) {
+    if constexpr (B == 16) {
+        const uint2 v = *reinterpret_cast<const uint2 *>(row + 32 * kk + 8 * t);
+        r0 = v.x, r1 = v.y;
+    } else if constexpr (B == 8) {
+        const uint32_t w = *reinterpret_cast<const uint32_t *>(row + 16 * kk + 4 * t);
+        r0 = hless1024(__byte_perm(w, 0x64646464u, 0x4240u));
+        r1 = hless1024(__byte_perm(w, 0x64646464u, 0x4341u));
+    } else {
+        const uint32_t u = *reinterpret_cast<const unsigned short *>(row + 8 * kk + 2 * t);
+        const uint32_t y = u | u << 8;
+        r0 = hless1024((y & 0x000F000Fu) | 0x64006400u);
+        r1 = hless1024(((y >> 4) & 0x000F000Fu) | 0x64006400u);
+    }
+}
+
+/* A lane group's slice of a staged value row (2·nvt columns from column
+ * 2·nvt·g, at p) as 32-bit words, in the widest loads its alignment
+ * allows. */
+template <int B>
+static __device__ __forceinline__ void mvrow(const uint8_t *p, int nvt, uint32_t (&w)[MVT]) {
+    const int bytes = nvt * B / 4;
+#pragma unroll
+    for (int i = 0; i < MVT; i++) w[i] = 0u;
+    if (bytes % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < MVT; i += 2)
+            if (4 * i < bytes) {
+                const uint2 v = *reinterpret_cast<const uint2 *>(p + 4 * i);
+                w[i] = v.x, w[i + 1] = v.y;
+            }
+    } else if (bytes % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < MVT; i++)
+            if (4 * i < bytes) w[i] = *reinterpret_cast<const uint32_t *>(p + 4 * i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 2 * MVT; i++)
+            if (2 * i < bytes) w[i >> 1] |= (uint32_t)*reinterpret_cast<const unsigned short *>(p + 2 * i) << (16 * (i & 1));
+    }
+}
+/* The two A registers of m-tile mt from two rows' slices (x, y: positions
+ * k and k + 1): column mval_col(.., g) in r0, mval_col(.., g + 8) in r1,
+ * each as (row x, row y). */
+template <int B>
+static __device__ __forceinline__ void mval(const uint32_t (&x)[MVT], const uint32_t (&y)[MVT], int mt,
+                                            uint32_t &r0, uint32_t &r1) {
+    if constexpr (B == 16) {
+        r0 = __byte_perm(x[mt], y[mt], 0x5410u), r1 = __byte_perm(x[mt], y[mt], 0x7632u);
+    } else if constexpr (B == 8) {
+        const unsigned k = 2u * ((unsigned)mt & 1u), s = k | (k + 1u) << 4 | (k + 4u) << 8 | (k + 5u) << 12;
+        const uint32_t v = __byte_perm(x[mt >> 1], y[mt >> 1], s); /* x's two codes, y's two codes */
+        r0 = hless1024(__byte_perm(v, 0x64646464u, 0x4240u));
+        r1 = hless1024(__byte_perm(v, 0x64646464u, 0x4341u));
+    } else {
+        const unsigned k = (unsigned)mt & 3u, s = k | k << 4 | (k + 4u) << 8 | (k + 4u) << 12;
+        const uint32_t v = __byte_perm(x[mt >> 2], y[mt >> 2], s); /* x's byte in byte 0, y's in byte 2 */
+        r0 = hless1024((v & 0x000F000Fu) | 0x64006400u);
+        r1 = hless1024(((v >> 4) & 0x000F000Fu) | 0x64006400u);
+    }
+}
+
+/* A staged row pitch for the fragments' loads: an odd number of 16-byte
+ * units, so that the rows a warp reads at once fall in different banks. */
+static __host__ __device__ __forceinline__ int mattn_pitch(int pitch) {
+    return (pitch / 16) % 2 ? pitch : pitch + 16;
+}
+/* Positions per tile: 64 (16 a warp), doubled while a stage stays within
+ * cap bytes, up to 256. */
+static __host__ __device__ __forceinline__ int mattn_tile(int pa, int pb, int cap) {
+    int tp = 16 * MW;
+    while (tp < 256 && stage_bytes(2 * tp, pa, pb) <= (size_t)cap) tp *= 2;
+    return tp;
+}
+/* Clears rows np .. tp-1 of a stage (both slices and their pairs). */
+static __device__ __forceinline__ void stage_clear(uint8_t *st, int tp, int pa, int pb, int np) {
+    uint8_t *sb = st + (size_t)tp * pa, *z = sb + (size_t)tp * pb;
+    const int na = (tp - np) * pa / 16, nb = (tp - np) * pb / 16;
+    for (int x = threadIdx.x; x < na; x += NT) reinterpret_cast<uint4 *>(st + (size_t)np * pa)[x] = make_uint4(0u, 0u, 0u, 0u);
+    for (int x = threadIdx.x; x < nb; x += NT) reinterpret_cast<uint4 *>(sb + (size_t)np * pb)[x] = make_uint4(0u, 0u, 0u, 0u);
+    for (int x = np + threadIdx.x; x < tp; x += NT) reinterpret_cast<uint32_t *>(z)[x] = 0u, reinterpret_cast<uint32_t *>(z)[tp + x] = 0u;
+}
+
+/* 2^e such that a query whose largest magnitude is mx has it in [2^13, 2^14). */
+static __device__ __forceinline__ float mq_mul(float mx) {
+    if (!(mx > 0.0f) || !(mx < INFINITY)) return 1.0f;
+    int e;
+    frexpf(mx, &e);
+    return ldexpf(1.0f, 14 - e);
+}
+
+template <int NQ, int KB, int VB>
+__global__ void __launch_bounds__(NT, NQ == 1 ? 4 : 2) mattn_kernel(struct dlayer L, struct dglob G, dside KS, dside VS,
+                                                                  int64_t T, int64_t len, int64_t n_full, int64_t rem,
+                                                                  int cap, float *pm, float *pl, float *pacc) {
+    extern __shared__ float sm[];
+    int64_t j, c;
+    kvrt_task(L.order, L.hk, G.g, n_full, len, rem, blockIdx.x, &j, &c);
+    const int32_t *hk = L.hk + j * KVRT_HK_N;
+    const int kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW], grp = (int)G.grp, nks = kw / 16, nvt = vw / 16;
+    sslice A = slice_of(KS, hk[KVRT_HK_KCOL], kw, hk[KVRT_HK_KU]);
+    sslice B = slice_of(VS, hk[KVRT_HK_VCOL], vw, hk[KVRT_HK_VU]);
+    A.pitch = mattn_pitch(A.pitch), B.pitch = mattn_pitch(B.pitch);
+    const int tp = mattn_tile(A.pitch, B.pitch, cap);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const size_t sbytes = stage_bytes(tp, A.pitch, B.pitch);
+    uint8_t *stages = reinterpret_cast<uint8_t *>(sm);
+    /* the queries as B fragments (column g: head 4n + g/2, hi or lo part),
+     * and for this lane's score head 4n + t the scale back and Σq */
+    float hmul[4 * NQ], hsum[4 * NQ]; /* per query head 4n .. 4n+3: mq_mul and Σq, over the warp */
+#pragma unroll
+    for (int h = 0; h < 4 * NQ; h++) {
+        float mx = 0.0f, sum = 0.0f;
+        if (h < grp) {
+            const float *qh = L.qv + L.hq[(j * grp + h) * KVRT_HQ_N + KVRT_HQ_QOFF];
+            for (int i = lane; i < kw; i += 32) mx = fmaxf(mx, fabsf(qh[i])), sum += qh[i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)), sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        hmul[h] = mq_mul(mx), hsum[h] = sum;
+    }
+    uint32_t qb[NQ][MKS][2];
+    float qinv[NQ], qsum[NQ], m[NQ], l[NQ], z[NQ], acc[MVT][NQ][4];
+#pragma unroll
+    for (int n = 0; n < NQ; n++) {
+        const int hb = 4 * n + (g >> 1), hc = 4 * n + t;
+        const float *qi = hb < grp ? L.qv + L.hq[(j * grp + hb) * KVRT_HQ_N + KVRT_HQ_QOFF] : NULL;
+        float mul = 0.0f, cmul = 1.0f, csum = 0.0f; /* selected without indexing the arrays */
+#pragma unroll
+        for (int h = 0; h < 4 * NQ; h++) {
+            if (h == hb) mul = hmul[h];
+            if (h == hc) cmul = hmul[h], csum = hsum[h];
+        }
+#pragma unroll
+        for (int kk = 0; kk < MKS; kk++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                uint32_t pk = 0u;
+                if (qi && kk < nks)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float v = qi[mslot_col<KB>(kk, 2 * t + e + 8 * r)] * mul;
+                        __half h = __float2half_rn(v);
+                        if (g & 1) h = __float2half_rn(v - __half2float(h));
+                        pk |= (uint32_t)__half_as_ushort(h) << (16 * e);
+                    }
+                qb[n][kk][r] = pk;
+            }
+        qinv[n] = hc < grp ? 1.0f / cmul : 0.0f, qsum[n] = hc < grp ? csum : 0.0f;
+        m[n] = -INFINITY, l[n] = 0.0f, z[n] = 0.0f;
+#pragma unroll
+        for (int mt = 0; mt < MVT; mt++) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+    }
+    const int64_t t0 = c * len, t1 = t0 + len < T ? t0 + len : T;
+    const int ntile = (int)((t1 - t0 + tp - 1) / tp);
+    for (int n = 0; n < MSTAGE - 1 + ntile; n++) {
+        const int it = n - (MSTAGE - 1); /* the tile computed on after issuing tile n */
+        if (it >= 0) {
+            cp_wait<MSTAGE - 2>(); /* tile it has landed (this thread's copies) */
+            __syncthreads();       /* everyone's copies and clears; everyone is done with tile it-1 */
+        }
+        if (n < ntile) {
+            const int64_t p = t0 + (int64_t)n * tp;
+            const int np = t1 - p < tp ? (int)(t1 - p) : tp;
+            uint8_t *st = stages + (n % MSTAGE) * sbytes;
+            stage_issue(st, tp, A, B, p, np);
+            if (np < tp) stage_clear(st, tp, A.pitch, B.pitch, np);
+        }
+        cp_commit();
+        if (it < 0) continue;
+        const uint8_t *ra = stages + (it % MSTAGE) * sbytes, *rb = ra + (size_t)tp * A.pitch;
+        const uint32_t *za = reinterpret_cast<const uint32_t *>(rb + (size_t)tp * B.pitch), *zb = za + tp;
+        const int64_t pt = t0 + (int64_t)it * tp;
+        const int npt = t1 - pt < tp ? (int)(t1 - pt) : tp;
+        for (int r0 = 16 * warp; r0 < npt; r0 += 16 * MW) {
+            /* scores of rows r0 + g and r0 + g + 8 */
+            float C[NQ][4];
+#pragma unroll
+            for (int n = 0; n < NQ; n++) C[n][0] = C[n][1] = C[n][2] = C[n][3] = 0.0f;
+            const uint8_t *k0 = ra + (size_t)(r0 + g) * A.pitch, *k1 = k0 + 8 * (size_t)A.pitch;
+#pragma unroll
+            for (int kk = 0; kk < MKS; kk++)
+                if (kk < nks) {
+                    uint32_t a0, a1, a2, a3;
+                    mkey<KB>(k0, kk, t, a0, a2);
+                    mkey<KB>(k1, kk, t, a1, a3);
+#pragma unroll
+                    for (int n = 0; n < NQ; n++) mma16816(C[n], a0, a1, a2, a3, qb[n][kk][0], qb[n][kk][1]);
+                }
+            const bool in0 = r0 + g < npt, in1 = r0 + g + 8 < npt;
+            float2 kz0 = make_float2(1.0f, 0.0f), kz1 = kz0, vz0 = kz0, vz1 = kz0;
+            if (KB != 16) kz0 = pair_of(za[r0 + g]), kz1 = pair_of(za[r0 + g + 8]);
+            if (VB != 16) vz0 = pair_of(zb[r0 + g]), vz1 = pair_of(zb[r0 + g + 8]);
+            uint32_t bv[NQ][2];
+            float al[NQ];
+#pragma unroll
+            for (int n = 0; n < NQ; n++) {
+                float s0 = (C[n][0] + C[n][1]) * qinv[n], s1 = (C[n][2] + C[n][3]) * qinv[n];
+                if (KB != 16) s0 = kz0.x * s0 + kz0.y * qsum[n], s1 = kz1.x * s1 + kz1.y * qsum[n];
+                s0 = in0 ? s0 * G.scale : -INFINITY;
+                s1 = in1 ? s1 * G.scale : -INFINITY;
+                float mx = fmaxf(s0, s1);
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+                const float mn = fmaxf(m[n], mx);
+                float a = 1.0f, p0 = 0.0f, p1 = 0.0f;
+                if (mn != -INFINITY) a = expf(m[n] - mn), p0 = expf(s0 - mn), p1 = expf(s1 - mn);
+                m[n] = mn, al[n] = a;
+                l[n] = l[n] * a + (p0 + p1);
+                if (VB != 16) z[n] = z[n] * a + (p0 * vz0.y + p1 * vz1.y), p0 *= vz0.x, p1 *= vz1.x;
+                const __half h0 = __float2half_rn(p0), h1 = __float2half_rn(p1);
+                const uint32_t H = pack2(h0, h1);
+                const uint32_t Lo = pack2(__float2half_rn(p0 - __half2float(h0)), __float2half_rn(p1 - __half2float(h1)));
+                /* B: column g (head 4n + g/2, hi or lo), k = positions 2t, 2t+1 | 2t+8, 2t+9:
+                 * from the lanes holding rows 2t and 2t+1 for that head */
+                const int sa = 8 * t + (g >> 1), sb = sa + 4;
+                const uint32_t ah = __shfl_sync(0xffffffffu, H, sa), alo = __shfl_sync(0xffffffffu, Lo, sa);
+                const uint32_t bh = __shfl_sync(0xffffffffu, H, sb), blo = __shfl_sync(0xffffffffu, Lo, sb);
+                const uint32_t xa = (g & 1) ? alo : ah, xb = (g & 1) ? blo : bh;
+                bv[n][0] = __byte_perm(xa, xb, 0x5410u), bv[n][1] = __byte_perm(xa, xb, 0x7632u);
+            }
+            bool re = false;
+#pragma unroll
+            for (int n = 0; n < NQ; n++) re = re || al[n] != 1.0f;
+            if (__any_sync(0xffffffffu, re))
+#pragma unroll
+                for (int mt = 0; mt < MVT; mt++)
+#pragma unroll
+                    for (int n = 0; n < NQ; n++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) acc[mt][n][e] *= al[n];
+            /* values of rows r0 + 2t, +1, +8, +9 */
+            uint32_t wa[MVT], wb[MVT], wc[MVT], wd[MVT];
+            const uint8_t *v0 = rb + (size_t)(r0 + 2 * t) * B.pitch + (size_t)(g * nvt * VB / 4);
+            mvrow<VB>(v0, nvt, wa);
+            mvrow<VB>(v0 + B.pitch, nvt, wb);
+            mvrow<VB>(v0 + 8 * (size_t)B.pitch, nvt, wc);
+            mvrow<VB>(v0 + 9 * (size_t)B.pitch, nvt, wd);
+#pragma unroll
+            for (int mt = 0; mt < MVT; mt++)
+                if (mt < nvt) {
+                    uint32_t a0, a1, a2, a3;
+                    mval<VB>(wa, wb, mt, a0, a1);
+                    mval<VB>(wc, wd, mt, a2, a3);
+#pragma unroll
+                    for (int n = 0; n < NQ; n++) mma16816(acc[mt][n], a0, a1, a2, a3, bv[n][0], bv[n][1]);
+                }
+        }
+    }
+    /* each head's sums over its lanes; then the warps' states merge */
+#pragma unroll
+    for (int n = 0; n < NQ; n++)
+#pragma unroll
+        for (int o = 4; o < 32; o *= 2)
+            l[n] += __shfl_xor_sync(0xffffffffu, l[n], o), z[n] += __shfl_xor_sync(0xffffffffu, z[n], o);
+    cp_wait<0>();
+    __syncthreads(); /* the stages are free */
+    float *gm = sm, *gl = gm + MW * grp, *gacc = gl + MW * grp;
+#pragma unroll
+    for (int n = 0; n < NQ; n++) {
+        const int hc = 4 * n + t;
+        if (hc < grp) {
+            if (g == 0) gm[warp * grp + hc] = m[n], gl[warp * grp + hc] = l[n];
+            float *o = gacc + ((int64_t)warp * grp + hc) * vw;
+#pragma unroll
+            for (int mt = 0; mt < MVT; mt++)
+                if (mt < nvt) {
+                    o[mval_col(nvt, mt, g)] = acc[mt][n][0] + acc[mt][n][1] + z[n];
+                    o[mval_col(nvt, mt, g + 8)] = acc[mt][n][2] + acc[mt][n][3] + z[n];
+                }
+        }
+    }
+    __syncthreads();
+    merge_partials(G, j, c, vw, MW, grp, pm, pl, pacc);
+}
+
+/* Shared memory of mattn_kernel for one head: its stages, or the merge
+ * area, whichever is larger. */
+static size_t mattn_smem(int grp, int64_t kw, int kbits, int64_t vw, int vbits, int cap) {
+    const int pa = mattn_pitch(slice_pitch(kw, kbits)), pb = mattn_pitch(slice_pitch(vw, vbits));
+    size_t st = MSTAGE * stage_bytes(mattn_tile(pa, pb, cap), pa, pb);
+    size_t merge = (size_t)MW * (size_t)grp * (size_t)(2 + vw) * sizeof(float);
+    return st > merge ? st : merge;
 }

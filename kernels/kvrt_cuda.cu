@@ -120,7 +120,7 @@ struct dglob {
 };
 
 /* Which attention kernel a layer runs (attn_fast.cuh; generic otherwise). */
-enum { KERN_GENERIC = 0, KERN_DIRECT, KERN_PREROPE };
+enum { KERN_GENERIC = 0, KERN_DIRECT, KERN_PREROPE, KERN_MMA };
 
 struct lstate {
     float *wcat, *bcat, *up, *rot, *wo, *qv;
@@ -133,6 +133,7 @@ struct lstate {
     int kern;      /* KERN_* */
     int gs;        /* threads per position of the prerope kernel (dattn_kernel sets its own per head) */
     int qb;        /* dattn_kernel's code width: a quantized side's bits, else 16 */
+    int nq;        /* mattn_kernel's n-tiles of query heads (up to 4 each) */
     int cap;       /* dattn_kernel's stage bytes (dattn_tile) */
     size_t fsmem;  /* a fast kernel's dynamic shared memory */
 };
@@ -695,15 +696,45 @@ static void cu_close(struct kvrt_cuda *c) {
 /* dattn_kernel<GRP, QB> */
 #define DATTN_CASES_G(X, g) X(g, 16) X(g, 8) X(g, 4) X(g, 3) X(g, 2)
 #define DATTN_CASES(X) DATTN_CASES_G(X, 1) DATTN_CASES_G(X, 2) DATTN_CASES_G(X, 4)
+/* mattn_kernel<NQ, KB, VB>: key and value widths 16 (fp16), 8 or 4, both
+ * quantized only at the same width */
+#define MATTN_CASES_N(X, n) X(n, 16, 16) X(n, 8, 8) X(n, 4, 4) X(n, 8, 16) X(n, 16, 8) X(n, 4, 16) X(n, 16, 4)
+#define MATTN_CASES(X) MATTN_CASES_N(X, 1) MATTN_CASES_N(X, 2)
 /* The stage bytes dattn_kernel aims at (dattn_tile). On an H100, 64K
  * positions of llama7b's postrope_rotation at half the bytes (heads of 32
  * and 96 key columns): 238 µs at 8 or 16 KB, 250 at 24, 254 at 32 or 48;
  * full KV the same at every cap. */
 #define DATTN_STAGE_CAP 16384
 
+/* Whether mattn_kernel takes a keys-as-stored layer: up to 8 query heads
+ * per KV head, every head's key width a multiple of 16 and its value width
+ * of 32, both at most 128, each side fp16 or codes of 8 or 4 bits (the
+ * same if both are codes); and the shared memory it needs (0 if not). */
+static size_t mattn_fits(const struct kvrt_plan *p, const struct kvrt_lplan *lp, int cap, int64_t optin) {
+    int kq = lp->kbits < 16, vq = lp->vbits < 16;
+    if (p->grp > 8 || (kq && lp->kbits != 8 && lp->kbits != 4) || (vq && lp->vbits != 8 && lp->vbits != 4) ||
+        (kq && vq && lp->kbits != lp->vbits))
+        return 0;
+    size_t sm = 0;
+    for (int64_t j = 0; j < p->n_kv_heads; j++) {
+        const int32_t *hk = lp->hk + j * KVRT_HK_N;
+        int64_t kw = hk[KVRT_HK_KW], vw = hk[KVRT_HK_VW];
+        if (kw % 16 || kw > 16 * MKS || vw % 32 || vw > 16 * MVT) return 0;
+        size_t need = mattn_smem((int)p->grp, kw, lp->kbits, vw, lp->vbits, cap);
+        sm = need > sm ? need : sm;
+    }
+    return (int64_t)sm <= optin ? sm : 0;
+}
+
 /* Picks a layer's attention kernel: a fast one (attn_fast.cuh) when every
  * head's slices fit its layout, the generic one otherwise or when the
- * environment sets KVRT_CUDA_KERNEL=generic (to compare the two). */
+ * environment sets KVRT_CUDA_KERNEL=generic (to compare them). Keys as
+ * stored go to mattn_kernel with several query heads per KV head or 4-bit
+ * codes, and to dattn_kernel otherwise, as measured on an H100 at 64K
+ * (docs/performance.md): GQA full KV 163.3 against 208.1 µs, 4-bit
+ * postrope 188.2 against 213.8, but MHA fp16 full KV 415.9 against 396.6
+ * and 8-bit postrope 222.4 against 215.2. KVRT_CUDA_KERNEL=mma or direct
+ * sends every such layer that fits to one of the two. */
 static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp, struct lstate *s,
                           int64_t optin) {
     s->kern = KERN_GENERIC, s->gs = 0, s->fsmem = 0;
@@ -732,9 +763,16 @@ static void choose_kernel(const struct kvrt_plan *p, const struct kvrt_lplan *lp
         if ((int64_t)sm > optin) return;
         s->kern = KERN_PREROPE, s->gs = gs, s->fsmem = sm;
     } else {
-        if (!(grp == 1 || grp == 2 || grp == 4) || (kq && vq && lp->kbits != lp->vbits)) return;
-        const char *cap = getenv("KVRT_CUDA_STAGE_BYTES"); /* for tuning: dattn_tile's cap */
+        const char *cap = getenv("KVRT_CUDA_STAGE_BYTES"); /* for tuning: the stage caps */
         s->cap = cap && atoi(cap) >= 1024 ? atoi(cap) : DATTN_STAGE_CAP;
+        int mma = force && !strcmp(force, "mma") ? 1 : force && !strcmp(force, "direct") ? 0
+                  : grp > 1 || lp->kbits == 4 || lp->vbits == 4;
+        size_t msm = mma ? mattn_fits(p, lp, s->cap, optin) : 0;
+        if (msm) {
+            s->kern = KERN_MMA, s->nq = grp > 4 ? 2 : 1, s->fsmem = msm;
+            return;
+        }
+        if (!(grp == 1 || grp == 2 || grp == 4) || (kq && vq && lp->kbits != lp->vbits)) return;
         s->qb = kq ? lp->kbits : vq ? lp->vbits : 16;
         size_t sm = 0; /* each head its own lanes and tile (attn_fast.cuh): the largest need */
         for (int64_t j = 0; j < p->n_kv_heads; j++) {
@@ -803,6 +841,11 @@ static int open_layers(struct kvrt_cuda *c, int64_t optin, struct kv_err *err) {
        "setting shared memory");
     DATTN_CASES(DSET)
 #undef DSET
+#define MSET(n, kb, vb)                                                                              \
+    CK(cudaFuncSetAttribute(mattn_kernel<n, kb, vb>, cudaFuncAttributeMaxDynamicSharedMemorySize, o), \
+       "setting shared memory");
+    MATTN_CASES(MSET)
+#undef MSET
 #define PSET(k, n, g)                                                                                 \
     CK(cudaFuncSetAttribute(pattn_kernel<k, n, g>, cudaFuncAttributeMaxDynamicSharedMemorySize, o),   \
        "setting shared memory");
@@ -923,6 +966,13 @@ static int attn_dev(struct kvrt_cuda *c, int64_t l, int64_t T, struct kv_err *er
                                                               c->pl, c->pacc);
         DATTN_CASES(DLAUNCH)
 #undef DLAUNCH
+    } else if (s->kern == KERN_MMA) {
+#define MLAUNCH(qn, kb, vb)                                                                              \
+        if (s->nq == qn && lp->kbits == kb && lp->vbits == vb)                                          \
+            mattn_kernel<qn, kb, vb><<<tasks, NT, s->fsmem, c->st>>>(L, G, KS, VS, T, len, n_full, rem, s->cap, \
+                                                                    c->pm, c->pl, c->pacc);
+        MATTN_CASES(MLAUNCH)
+#undef MLAUNCH
     } else if (s->kern == KERN_PREROPE) {
         int ksteps = (int)(lp->ksrc_max / 16), ntw = (int)(p->head_dim / 32);
 #define PLAUNCH(k, nw, g)                                                                                   \
