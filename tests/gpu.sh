@@ -3,7 +3,8 @@
 # device and a built tree (`make`): the GPU test suites (GPU against the
 # CPU twin, verify --device cuda against the CPU path, bench-attn on cuda),
 # make bench's attention targets, the bench-attn tables (fast kernels and
-# the generic one, KVRT_CUDA_KERNEL=generic, in the same run), Nsight
+# the generic one, KVRT_CUDA_KERNEL=generic, and keys as stored on one of
+# their two kernels, KVRT_CUDA_KERNEL=direct or mma, in the same run), Nsight
 # Compute's DRAM throughput of the attention kernels at 64K, and
 # compute-sanitizer's four tools over every kernel.
 #
@@ -27,10 +28,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,clocks.max.sm,driver_
 
 if part tests; then
     : >"$out/tests.log"
-    for t in "test_kvrt --filter kvrt_gpu/*" "test_cli --filter cli/verify_device*" "test_bench_attn"; do
+    # the last: the GPU suite again with keys as stored on dattn_kernel only
+    for t in "test_kvrt --filter kvrt_gpu/*" "test_cli --filter cli/verify_device*" "test_bench_attn" \
+             "test_kvrt --filter kvrt_gpu/* direct"; do
         set -- $t
         start=$(date +%s)
-        timeout 200 "build/tests/$1" "${@:2}" -j${JOBS:-8} --verbose >>"$out/tests.log" 2>&1
+        k=; [ "${@: -1}" = direct ] && { k=direct; set -- "${@:1:$#-1}"; }
+        KVRT_CUDA_KERNEL=$k timeout 200 "build/tests/$1" "${@:2}" -j${JOBS:-8} --verbose >>"$out/tests.log" 2>&1
         rc=$?
         line=$(grep -a "Synthesis" "$out/tests.log" | tail -1)
         say "tests: $t: exit $rc, $(( $(date +%s) - start )) s: ${line#*Synthesis: }"
@@ -45,6 +49,12 @@ if part bench; then
     done
     KVRT_CUDA_KERNEL=generic "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 -q \
         >>"$out/bench.log" 2>&1 || status=1
+    for k in direct mma; do # keys as stored on one kernel only (dattn_kernel, mattn_kernel), to compare
+        for p in "llama7b --kv-bits 16" "llama7b --kv-bits 4" "llama3-8b"; do
+            KVRT_CUDA_KERNEL=$k "$bin" bench-attn --synthetic $p --ctx 64K --cache f16 -q \
+                >>"$out/bench.log" 2>&1 || status=1
+        done
+    done
     for b in 8 4 2; do
         "$bin" bench-attn --synthetic llama7b --ctx 4K,64K --cache f16 --kv-bits $b -q >>"$out/bench.log" 2>&1 || status=1
     done
@@ -75,13 +85,15 @@ if part sanitize && command -v compute-sanitizer >/dev/null; then
     : >"$out/sanitize.log"
     # each run: every configuration of the preset (full, prerope or
     # fused_query, postrope), 700 positions (a partial last chunk); the
-    # fast kernels where they apply, and the generic one on quantized
-    # caches (KVRT_CUDA_KERNEL=generic)
+    # fast kernels where they apply, the generic one on quantized caches
+    # (KVRT_CUDA_KERNEL=generic), and each keys-as-stored kernel forced
+    # where the default picks the other (KVRT_CUDA_KERNEL=direct, mma)
     runs=("fast --synthetic llama7b --cache f16" "fast --synthetic llama7b --cache f32"
           "fast --synthetic llama7b --cache f16 --kv-bits 4" "fast --synthetic llama7b --cache f16 --kv-bits 3"
           "fast --synthetic llama3-8b --cache f16 --kv-bits 2" "fast --synthetic llama3-8b --cache f16"
           "fast --synthetic gpt2-xl --cache f16 --kv-bits 8" "fast --synthetic gpt2-xl --cache f32"
-          "generic --synthetic llama7b --cache f16 --kv-bits 4" "generic --synthetic llama3-8b --cache f16 --kv-bits 3")
+          "generic --synthetic llama7b --cache f16 --kv-bits 4" "generic --synthetic llama3-8b --cache f16 --kv-bits 3"
+          "direct --synthetic llama7b --cache f16 --kv-bits 4" "mma --synthetic llama7b --cache f16")
     pids=()
     i=0
     for tool in memcheck racecheck synccheck initcheck; do
