@@ -1,4 +1,5 @@
 /* kvcal: the command table and dispatch. */
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -49,6 +50,10 @@ static int edit_distance(const char *a, const char *b) {
 }
 
 int main(int argc, char **argv) {
+    /* past a file-size limit (ulimit -f) a write then fails with EFBIG,
+     * which every writer reports and cleans up after, instead of the
+     * process dying silently with its temporary left behind */
+    signal(SIGXFSZ, SIG_IGN);
     if (argc < 2) {
         list_commands(stdout);
         return EXIT_OK;

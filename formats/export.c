@@ -179,19 +179,6 @@ static int check_output(const char *model_path, const char *out, int is_dir,
             return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
                            "is a directory; the export of a model file is one file");
     }
-    if (!is_dir) { /* kv_write_atomic truncates OUT.tmp first */
-        size_t n = strlen(out);
-        char *tmp = malloc(n + 5);
-        if (!tmp) return kv_fail(err, KV_ENOMEM, out, KV_NO_OFFSET, "out of memory");
-        memcpy(tmp, out, n);
-        memcpy(tmp + n, ".tmp", 5);
-        int clash = stat(tmp, &so) == 0 && same_inode(&sm, &so);
-        free(tmp);
-        if (clash)
-            return kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
-                           "its temporary '%s.tmp' is the source model; refusing to overwrite it",
-                           out);
-    }
     return KV_OK;
 }
 

@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,8 +262,22 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     if (!rc) rc = kv_fsync_dir(tmp, tmp, err);
     /* look again: the directory may have changed while the weights were written */
     if (!rc) rc = classify_target(out, NULL, &t, err);
-    if (!rc && t == T_EARLIER) rc = remove_files(out, 0, err);
-    if (!rc && rename(tmp, out) != 0)
+    /* An earlier output is swapped with the new one in one step
+     * (RENAME_EXCHANGE): out holds the old output or the new one, whole,
+     * at every moment, and the old one, now at tmp, is removed after. A
+     * file system without the exchange gets the old order: the earlier
+     * files removed, then the new directory renamed in. */
+    int swapped = 0;
+    if (!rc && t == T_EARLIER) {
+        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, out, RENAME_EXCHANGE) == 0)
+            swapped = 1;
+        else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)
+            rc = remove_files(out, 0, err);
+        else
+            rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot exchange '%s' with it: %s", tmp,
+                         kv_errtext(errno, eb, sizeof eb));
+    }
+    if (!rc && !swapped && rename(tmp, out) != 0)
         rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
                      kv_errtext(errno, eb, sizeof eb));
     if (rc) {
@@ -272,6 +287,8 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
         goto done;
     }
     rc = kv_fsync_dir(parent, parent, err);
+    if (swapped && !rc) /* the earlier output, now at tmp */
+        rc = remove_files(tmp, 1, err);
 done:
     free(out);
     free(parent);

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -153,25 +154,42 @@ int kv_fsync_parent(const char *path, struct kv_err *err) {
     return rc;
 }
 
+int kv_tmp_create(const char *path, int *fd_out, char **tmp_out, struct kv_err *err) {
+    static atomic_uint seq;
+    char eb[128];
+    size_t n = strlen(path) + 40;
+    char *tmp = malloc(n);
+    *fd_out = -1, *tmp_out = NULL;
+    if (!tmp) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    for (int tries = 0; tries < 1000; tries++) {
+        snprintf(tmp, n, "%s.tmp-%ld-%u", path, (long)getpid(), atomic_fetch_add(&seq, 1u));
+        int fd = open(tmp, O_CREAT | O_EXCL | O_NOFOLLOW | O_WRONLY | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            *fd_out = fd, *tmp_out = tmp;
+            return KV_OK;
+        }
+        if (errno != EEXIST) {
+            int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot create '%s': %s", tmp,
+                             kv_errtext(errno, eb, sizeof eb));
+            free(tmp);
+            return rc;
+        }
+    }
+    int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET,
+                     "cannot create a temporary file beside it: 1000 names taken, the last '%s'", tmp);
+    free(tmp);
+    return rc;
+}
+
 int kv_write_atomic(const char *path,
                     int (*fill)(int fd, const char *path, const char *tmp, void *ctx,
                                 struct kv_err *err),
                     void *ctx, struct kv_err *err) {
     char eb[128];
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 5);
-    if (!tmp) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    memcpy(tmp, path, plen);
-    memcpy(tmp + plen, ".tmp", 5);
-
-    int fd = open(tmp, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        int rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot create '%s': %s", tmp,
-                         kv_errtext(errno, eb, sizeof eb));
-        free(tmp);
-        return rc;
-    }
-    int rc = fill(fd, path, tmp, ctx, err);
+    char *tmp;
+    int fd, rc = kv_tmp_create(path, &fd, &tmp, err);
+    if (rc != KV_OK) return rc;
+    rc = fill(fd, path, tmp, ctx, err);
     int e = 0;
     const char *op = NULL;
     if (rc == KV_OK) {

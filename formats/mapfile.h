@@ -47,13 +47,21 @@ char *kv_path_join(const char *dir, const char *name);
 int kv_fsync_dir(const char *dir, const char *path, struct kv_err *err);
 int kv_fsync_parent(const char *path, struct kv_err *err);
 
+/* Create a new file beside path to write it through: "path.tmp-PID-N"
+ * (mode 0644 less the umask), created exclusively, so an existing file or
+ * a symlink planted under that name is neither followed nor truncated, and
+ * concurrent writers get names of their own. On KV_OK *fd_out is open for
+ * writing and *tmp_out holds the name (the caller frees it). Errors:
+ * KV_EIO naming path, KV_ENOMEM. */
+int kv_tmp_create(const char *path, int *fd_out, char **tmp_out, struct kv_err *err);
+
 /* Write path atomically, so that it always holds either its old content or
- * all of the new: create path.tmp (mode 0644, truncating a stale one), let
- * fill write the whole content to fd, fsync and close it, rename it over
- * path, then fsync the directory. fill gets path and the temporary's name for
+ * all of the new: create a temporary beside it (kv_tmp_create), let fill
+ * write the whole content to fd, fsync and close it, rename it over path,
+ * then fsync the directory. fill gets path and the temporary's name for
  * its messages and returns KV_OK or a status with err filled (a failed write
- * is KV_EIO naming path: "cannot write 'path.tmp': ..."); it must not close
- * fd. On any failure path.tmp is removed and path is left as it was.
+ * is KV_EIO naming path: "cannot write 'TMP': ..."); it must not close fd.
+ * On any failure the temporary is removed and path is left as it was.
  * Errors: KV_EIO naming path, KV_ENOMEM, and whatever fill returns. */
 int kv_write_atomic(const char *path,
                     int (*fill)(int fd, const char *path, const char *tmp, void *ctx,

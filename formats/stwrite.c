@@ -406,26 +406,13 @@ int kv_file_copy(const char *src, const char *dst, struct kv_err *err) {
     if (in.fd < 0)
         return kv_fail(err, KV_EIO, src, KV_NO_OFFSET, "cannot open: %s",
                        kv_errtext(errno, eb, sizeof eb));
-    struct stat st, tst;
+    struct stat st;
     int rc = KV_OK;
     if (fstat(in.fd, &st) != 0) {
         rc = kv_fail(err, KV_EIO, src, KV_NO_OFFSET, "cannot stat: %s",
                      kv_errtext(errno, eb, sizeof eb));
     } else if (S_ISDIR(st.st_mode)) {
         rc = kv_fail(err, KV_EIO, src, KV_NO_OFFSET, "is a directory, expected a file");
-    } else {
-        /* creating dst.tmp truncates it: it must not be the source */
-        size_t n = strlen(dst) + 5;
-        char *tmp = malloc(n);
-        if (!tmp) {
-            rc = kv_fail(err, KV_ENOMEM, dst, KV_NO_OFFSET, "out of memory");
-        } else {
-            snprintf(tmp, n, "%s.tmp", dst);
-            if (stat(tmp, &tst) == 0 && tst.st_dev == st.st_dev && tst.st_ino == st.st_ino)
-                rc = kv_fail(err, KV_EINVAL, src, KV_NO_OFFSET,
-                             "source is '%s', the temporary file the copy writes", tmp);
-            free(tmp);
-        }
     }
     if (rc == KV_OK) rc = kv_write_atomic(dst, fill_copy, &in, err);
     close(in.fd);

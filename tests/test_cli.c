@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -178,6 +179,54 @@ Test(cli, fifos_are_not_read, .timeout = 30) {
     for (int i = 0; i < 5; i++) expect_cli(args[i], 1, want);
     unlink(f);
     free(f), free(txt), free(m), free(t);
+    kvt_rm_dir(dir);
+}
+
+static char *device_text(const char *dir);
+
+/* The finding of an adversarial run: with a symlink planted at the old
+ * fixed temporary name, collect overwrote its target. Now the temporary
+ * has a name of its own, created exclusively. */
+Test(cli, a_planted_temporary_is_not_followed, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "x.kvstats");
+    char *victim = kvt_path(dir, "victim.txt"), *link_path = kvt_path(dir, "x.kvstats.tmp");
+    free(fixture(dir, "victim.txt", "precious", 8));
+    cr_assert_eq(symlink(victim, link_path), 0);
+    char args[8192];
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
+    expect_cli(args, 0, "");
+    size_t n;
+    char *v = kvt_read_file(victim, &n);
+    cr_assert(v && n == 8 && !memcmp(v, "precious", 8), "the symlink's target was written");
+    struct stat sb;
+    cr_assert_eq(lstat(st, &sb), 0);
+    cr_assert(S_ISREG(sb.st_mode), "%s is not a regular file", st);
+    cr_assert_eq(kvt_tmp_left(st), 0);
+    free(v), free(victim), free(link_path), free(st), free(t);
+    kvt_rm_dir(dir);
+}
+
+/* Past a file-size limit (ulimit -f) a run says so and exits 1, leaving no
+ * temporary and no output, instead of dying of SIGXFSZ. */
+Test(cli, a_file_size_limit_is_reported, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "x.kvstats");
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
+    struct rlimit rl = {.rlim_cur = 64 * 1024, .rlim_max = RLIM_INFINITY};
+    struct rlimit old;
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+    rl.rlim_max = old.rlim_max;
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+    int rc = kvt_run_cli(args, &out, &err);
+    setrlimit(RLIMIT_FSIZE, &old);
+    cr_assert_eq(rc, 1, "exit %d, want 1; stderr:\n%s", rc, err);
+    char want[8192];
+    snprintf(want, sizeof want, "kvcal: %s: cannot write '%s.tmp-", st, st);
+    cr_assert(!strncmp(err, want, strlen(want)), "stderr '%s' does not start '%s'", err, want);
+    cr_assert(strstr(err, "': file too large\n"), "stderr '%s'", err);
+    cr_assert_eq(kvt_tmp_left(st), 0);
+    cr_assert_eq(access(st, F_OK), -1, "%s exists", st);
+    free(out), free(err), free(st), free(t);
     kvt_rm_dir(dir);
 }
 

@@ -92,11 +92,16 @@ Test(export_dense, output_that_is_the_source_is_refused) {
     char *link_path = kvt_path(dir, "alias.bin");
     cr_assert_eq(link(copy, link_path), 0);
     export_fails(m, copy, lr, link_path, KV_EINVAL, "is the source model", NULL, NULL);
-    /* and OUT whose temporary OUT.tmp is the source */
+    /* a source named like an old-style temporary of OUT (OUT.tmp) is no
+     * clash: the export writes through a new name of its own */
     char *tmp_src = kvt_path(dir, "x.bin.tmp");
     cr_assert_eq(rename(link_path, tmp_src), 0);
     char *x = kvt_path(dir, "x.bin");
-    export_fails(m, copy, lr, x, KV_EINVAL, "x.bin.tmp", "source model", NULL);
+    struct kv_err xe;
+    kv_err_clear(&xe);
+    cr_assert_eq(kv_lr_export_dense(m, copy, lr, x, &xe), KV_OK, "%s", xe.msg);
+    cr_assert_eq(kvt_tmp_left(x), 0);
+    unlink(x);
     size_t n1;
     char *after = kvt_read_file(copy, &n1);
     cr_assert(n0 == n1 && !memcmp(before, after, n0), "the source changed");

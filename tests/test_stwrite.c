@@ -13,6 +13,7 @@
 #include "model.h"
 #include "safetensors.h"
 #include "stwrite.h"
+#include "mapfile.h"
 #include "testutil.h"
 #include "xorshift64.h"
 
@@ -156,7 +157,7 @@ Test(stw, round_trips_every_dtype_shape_and_metadata) {
     char *path = kvt_path(dir, "out.safetensors");
     cr_assert_eq(kv_stw_write(w, path, &err), KV_OK, "%s", fmt_err(&err));
     char *tmp = tmp_of(path);
-    cr_assert(!exists(tmp), "%s left behind", tmp);
+    cr_assert_eq(kvt_tmp_left(path), 0, "a temporary of %s left behind", path);
 
     size_t len = 0;
     uint8_t *bytes = (uint8_t *)kvt_read_file(path, &len);
@@ -440,7 +441,7 @@ Test(stw, write_into_a_missing_directory_is_eio_naming_the_path) {
     char *path = kvt_path(sub, "x.safetensors");
     expect_eio_naming(kv_stw_write(w, path, &err), &err, path, "no such file or directory");
     char *tmp = tmp_of(path);
-    cr_assert(!exists(tmp));
+    cr_assert_eq(kvt_tmp_left(path), 0, "a temporary of %s left behind", path);
     cr_assert(!exists(path));
     kv_stw_free(w);
     rmdir(dir);
@@ -477,7 +478,7 @@ Test(stw, write_into_a_read_only_directory_is_eio_and_leaves_nothing) {
     char *path = kvt_path(dir, "x.safetensors");
     expect_eio_naming(kv_stw_write(w, path, &err), &err, path, "permission denied");
     char *tmp = tmp_of(path);
-    cr_assert(!exists(tmp));
+    cr_assert_eq(kvt_tmp_left(path), 0, "a temporary of %s left behind", path);
     cr_assert(!exists(path));
     kv_stw_free(w);
     chmod(dir, 0755);
@@ -500,7 +501,7 @@ Test(stw, failed_rename_removes_the_temporary_file) {
     fclose(f);
     expect_eio_naming(kv_stw_write(w, path, &err), &err, path, "cannot rename");
     char *tmp = tmp_of(path);
-    cr_assert(!exists(tmp), "%s left behind", tmp);
+    cr_assert_eq(kvt_tmp_left(path), 0, "a temporary of %s left behind", path);
     cr_assert(exists(inside), "the directory was touched");
     kv_stw_free(w);
     unlink(inside);
@@ -512,7 +513,7 @@ Test(stw, failed_rename_removes_the_temporary_file) {
     free(dir);
 }
 
-Test(stw, replaces_an_existing_file_and_a_stale_temporary) {
+Test(stw, replaces_an_existing_file_and_leaves_a_stale_temporary_alone) {
     struct kv_err err;
     kv_err_clear(&err);
     char *dir = kvt_temp_dir();
@@ -533,7 +534,13 @@ Test(stw, replaces_an_existing_file_and_a_stale_temporary) {
     struct kv_stw *w = one_tensor_writer();
     cr_assert_eq(kv_stw_write(w, path, &err), KV_OK, "%s", fmt_err(&err));
     kv_stw_free(w);
-    cr_assert(!exists(tmp), "%s left behind", tmp);
+    cr_assert_eq(kvt_tmp_left(path), 0, "a temporary of %s left behind", path);
+    /* another writer's (or an older version's) temporary is not ours to touch */
+    size_t tl = 0;
+    char *tb = kvt_read_file(tmp, &tl);
+    cr_assert(tb && tl == old_len && !memcmp(tb, old, old_len), "%s was touched", tmp);
+    free(tb);
+    unlink(tmp);
     struct stat after;
     cr_assert_eq(stat(path, &after), 0);
     /* a new inode renamed into place, not the old file rewritten */
@@ -594,7 +601,7 @@ Test(stw, file_copy_copies_exactly) {
         cr_assert_eq(kv_file_copy(src, dst, &err), KV_OK, "%s", fmt_err(&err));
         expect_content(dst, b, n);
         expect_content(src, b, n);
-        cr_assert(!exists(tmp), "%s left behind", tmp);
+        cr_assert_eq(kvt_tmp_left(dst), 0, "a temporary of %s left behind", dst);
         free(b);
     }
     /* onto itself: the content survives */
@@ -620,20 +627,24 @@ Test(stw, file_copy_from_a_missing_source_fails_cleanly) {
     char *tmp = tmp_of(dst);
     expect_eio_naming(kv_file_copy(src, dst, &err), &err, src, "no such file or directory");
     cr_assert(!exists(dst));
-    cr_assert(!exists(tmp));
+    cr_assert_eq(kvt_tmp_left(dst), 0, "a temporary of %s left behind", dst);
     /* an existing destination is left alone */
     static const char keep[] = "keep me";
     write_file(dst, keep, sizeof keep);
     expect_eio_naming(kv_file_copy(src, dst, &err), &err, src, "cannot open");
     expect_content(dst, keep, sizeof keep);
-    cr_assert(!exists(tmp));
+    cr_assert_eq(kvt_tmp_left(dst), 0, "a temporary of %s left behind", dst);
     /* a directory is not a file to copy */
     expect_eio_naming(kv_file_copy(dir, dst, &err), &err, dir, "is a directory");
     expect_content(dst, keep, sizeof keep);
-    /* the destination's own temporary is refused before it is truncated */
-    write_file(tmp, keep, sizeof keep);
-    expect_err(kv_file_copy(tmp, dst, &err), &err, KV_EINVAL, "temporary");
-    expect_content(tmp, keep, sizeof keep);
+    /* a file named like an old-style temporary of dst is just a source:
+     * the copy's own temporary has a name of its own */
+    static const char other[] = "other bytes";
+    write_file(tmp, other, sizeof other);
+    cr_assert_eq(kv_file_copy(tmp, dst, &err), KV_OK, "%s", fmt_err(&err));
+    expect_content(tmp, other, sizeof other);
+    expect_content(dst, other, sizeof other);
+    cr_assert_eq(kvt_tmp_left(dst), 0);
     unlink(tmp);
     unlink(dst);
     rmdir(dir);
@@ -656,5 +667,57 @@ Test(stw, file_copy_into_a_missing_directory_is_eio_naming_the_destination) {
     free(src);
     free(dst);
     free(sub);
+    free(dir);
+}
+
+/* A symlink planted where the writer's temporary goes (the old fixed name,
+ * and the next names kv_tmp_create would try) is neither followed nor
+ * truncated: the victim keeps its bytes, the output is a regular file. */
+Test(stw, write_never_follows_a_planted_temporary) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    char *dir = kvt_temp_dir();
+    char *path = kvt_path(dir, "x.safetensors");
+    char *victim = kvt_path(dir, "victim.txt");
+    static const char keep[] = "precious";
+    write_file(victim, keep, sizeof keep);
+    char *old = tmp_of(path);
+    cr_assert_eq(symlink(victim, old), 0);
+    /* learn the name the next call starts from, then plant symlinks there */
+    int fd;
+    char *probe;
+    cr_assert_eq(kv_tmp_create(path, &fd, &probe, &err), KV_OK, "%s", fmt_err(&err));
+    close(fd);
+    unlink(probe);
+    long pid;
+    unsigned seq;
+    cr_assert_eq(sscanf(probe + strlen(path), ".tmp-%ld-%u", &pid, &seq), 2, "name '%s'", probe);
+    cr_assert_eq(pid, (long)getpid());
+    char planted[8][4200];
+    for (int k = 0; k < 8; k++) {
+        snprintf(planted[k], sizeof planted[k], "%s.tmp-%ld-%u", path, pid, seq + 1 + (unsigned)k);
+        cr_assert_eq(symlink(victim, planted[k]), 0);
+    }
+    struct kv_stw *w = one_tensor_writer();
+    cr_assert_eq(kv_stw_write(w, path, &err), KV_OK, "%s", fmt_err(&err));
+    kv_stw_free(w);
+    expect_content(victim, keep, sizeof keep);
+    struct stat st;
+    cr_assert_eq(lstat(path, &st), 0);
+    cr_assert(S_ISREG(st.st_mode), "%s is not a regular file", path);
+    struct kv_st_file *f = NULL;
+    cr_assert_eq(kv_st_open(path, &f, &err), KV_OK, "%s", fmt_err(&err));
+    kv_st_close(f);
+    /* the planted links are still there (not ours), nothing else is */
+    cr_assert_eq(kvt_tmp_left(path), 8);
+    for (int k = 0; k < 8; k++) unlink(planted[k]);
+    unlink(old);
+    unlink(path);
+    unlink(victim);
+    rmdir(dir);
+    free(probe);
+    free(old);
+    free(path);
+    free(victim);
     free(dir);
 }

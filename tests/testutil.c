@@ -140,3 +140,18 @@ void kvt_rm_dir(char *dir) {
     rmdir(dir);
     free(dir);
 }
+
+int kvt_tmp_left(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char dir[4096], prefix[1024];
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    snprintf(prefix, sizeof prefix, "%s.tmp-", slash ? slash + 1 : path);
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (!strncmp(e->d_name, prefix, strlen(prefix))) n++;
+    closedir(d);
+    return n;
+}

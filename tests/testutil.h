@@ -29,6 +29,9 @@ char *kvt_temp_dir(void);
 void kvt_rm_dir(char *dir);
 /* dir + "/" + name, malloc'd. */
 char *kvt_path(const char *dir, const char *name);
+/* How many temporaries of path (PATH.tmp-*, kv_tmp_create's names) its
+ * directory holds. */
+int kvt_tmp_left(const char *path);
 /* Read a whole file (malloc'd, NUL-terminated); NULL on failure. */
 char *kvt_read_file(const char *path, size_t *len);
 
