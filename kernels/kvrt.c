@@ -522,9 +522,7 @@ static int64_t side_alloc(int64_t ld, int bits, int64_t units, int f16) {
     return bits < 16 ? ld + 4 * units : ld * (f16 ? 2 : 4);
 }
 
-/* Bytes of memory available to a new allocation: MemAvailable of
- * /proc/meminfo, else the physical memory; 0 when unknown. */
-static double mem_available(void) {
+double kvrt_mem_available(void) {
     FILE *f = fopen("/proc/meminfo", "r");
     char line[256];
     long long kib = -1;
@@ -538,7 +536,7 @@ static double mem_available(void) {
 
 int kvrt_cache_fits(const struct kvrt *rt, int64_t max_ctx, struct kv_err *err) {
     if (kvrt_backend_of(rt) != KVRT_BACKEND_TWIN) return KV_OK;
-    double need = 0, have = mem_available();
+    double need = 0, have = kvrt_mem_available();
     for (int64_t l = 0; l < rt->p.n_layers; l++) {
         const struct kvrt_lplan *lp = &rt->p.layers[l];
         need += (double)max_ctx * (double)(side_alloc(lp->kld, lp->kbits, lp->kunits, rt->p.f16) +

@@ -136,6 +136,9 @@ int kvrt_layer_info(const struct kvrt *rt, int64_t layer, struct kvrt_layer_info
  * physical memory); KV_ENOMEM naming both sizes otherwise, rather than be
  * killed for it. A CUDA runtime allocated its caches at kvrt_open. */
 int kvrt_cache_fits(const struct kvrt *rt, int64_t max_ctx, struct kv_err *err);
+/* Bytes of memory available to a new allocation: MemAvailable of
+ * /proc/meminfo, else the physical memory; 0 when unknown. */
+double kvrt_mem_available(void);
 enum kvrt_backend kvrt_backend_of(const struct kvrt *rt);
 /* The sequence chunk length and the number of (KV head, chunk) tasks one
  * attention step over T positions uses. */
@@ -190,6 +193,12 @@ int kvrt_synth_lowrank(const struct kv_model *m, enum kv_lr_mode kmode, enum kv_
  * manifest's ranks can be timed without its weights. */
 int kvrt_synth_fill_factors(struct kv_lowrank *lr, uint64_t seed, struct kv_err *err);
 int kvrt_synth_model_for(const struct kv_lowrank *lr, struct kv_model **out, struct kv_err *err);
+/* KV_OK when the synthetic model kvrt_synth_model_for would build for lr,
+ * and the runtime's copy of its attention projections, fit in 90% of the
+ * memory available now (kvrt_mem_available; the factors come on top);
+ * KV_ENOMEM naming the shapes and both sizes otherwise, before anything
+ * is allocated. */
+int kvrt_synth_fits(const struct kv_lowrank *lr, struct kv_err *err);
 
 /* ---------------------------------------------------------------- benchmark tables */
 

@@ -77,6 +77,7 @@ int kvrt_bench_manifest(struct kv_lowrank *lr, int64_t layers, struct kv_model *
     if (rc) return rc;
     /* only the timed layers get factors and a model */
     if ((rc = kv_lr_truncate(lr, layers > 0 ? layers : li.n_layers, err))) return rc;
+    if ((rc = kvrt_synth_fits(lr, err))) return rc;
     if ((rc = kvrt_synth_fill_factors(lr, SEED_FACTORS, err))) return rc;
     return kvrt_synth_model_for(lr, m, err);
 }

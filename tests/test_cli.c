@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvrt.h"
@@ -227,6 +228,47 @@ Test(cli, a_file_size_limit_is_reported, .timeout = 120) {
     cr_assert_eq(kvt_tmp_left(st), 0);
     cr_assert_eq(access(st, F_OK), -1, "%s exists", st);
     free(out), free(err), free(st), free(t);
+    kvt_rm_dir(dir);
+}
+
+/* A manifest whose shapes no machine holds (the adversarial run's dim
+ * 2^20 took 9.4 GB and a minute) is refused before anything is allocated,
+ * with the shapes and both sizes. */
+Test(cli, bench_attn_refuses_a_manifest_too_large_to_time, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "s.kvstats"), *c = kvt_path(dir, "c");
+    char args[8192];
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "decompose -m data/kjv-llama -s '%s' --method svd --ratio 0.5 -q -o '%s'", st, c);
+    expect_cli(args, 0, "");
+    char *mp = kvt_path(c, "kvcal.json");
+    json_error_t je;
+    json_t *root = json_load_file(mp, 0, &je);
+    cr_assert_not_null(root, "%s", je.text);
+    json_t *model = json_object_get(root, "model"), *kb = json_object_get(root, "kv_bytes_per_token");
+    json_object_set_new(model, "dim", json_integer(1 << 20));
+    json_object_set_new(model, "head_dim", json_integer(1 << 14));
+    /* the base bytes follow the shapes: 4 layers, 2 KV heads, k and v, f16 */
+    json_int_t base = 4 * 2 * 2 * (1 << 14) * 2;
+    json_object_set_new(kb, "base", json_integer(base));
+    json_object_set_new(kb, "ratio", json_real((double)json_integer_value(json_object_get(kb, "compressed")) / (double)base));
+    cr_assert_eq(json_dump_file(root, mp, JSON_INDENT(1)), 0);
+    json_decref(root);
+    snprintf(args, sizeof args, "bench-attn --manifest '%s' --device twin --ctx 1K -q", c);
+    char *out, *err;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = kvt_run_cli(args, &out, &err);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    cr_assert_eq(rc, 1, "exit %d; stderr:\n%s", rc, err);
+    const char *want = "kvcal: timing the manifest's shapes (dim 1048576, 4 layers, 4 heads of 16384) needs at least "
+                       "6147.1 GiB for its synthetic weights, but ";
+    cr_assert(!strncmp(err, want, strlen(want)), "stderr '%s'", err);
+    cr_assert(strstr(err, " GiB of memory is available\n"), "stderr '%s'", err);
+    double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    cr_assert_lt(s, 10.0, "took %.1f s", s);
+    free(out), free(err), free(mp), free(st), free(t);
+    kvt_rm_dir(c);
     kvt_rm_dir(dir);
 }
 
