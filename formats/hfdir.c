@@ -547,6 +547,12 @@ static int load_dir(const char *dir, struct kv_model **out, char **paths, struct
 
     if (!rc && kv_path_kind(paths[3]) == 0) {
         rc = kv_hf_load_tokenizer_ids(paths[3], cfg.bos_id, cfg.eos_id, &m->tok, err);
+        /* the tokenizer's own file is the one at fault (kv_model_finish
+         * would name the weights) */
+        if (!rc && kv_tok_n_vocab(m->tok) > cfg.vocab_size)
+            rc = kv_fail(err, KV_EFORMAT, paths[3], KV_NO_OFFSET,
+                         "tokenizer has %d pieces but config.json's vocab_size is %lld",
+                         kv_tok_n_vocab(m->tok), (long long)cfg.vocab_size);
         if (!rc) {
             if (m->cfg.bos_id < 0) m->cfg.bos_id = kv_tok_bos(m->tok);
             if (m->cfg.eos_id < 0) m->cfg.eos_id = kv_tok_eos(m->tok);

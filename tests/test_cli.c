@@ -272,6 +272,39 @@ Test(cli, bench_attn_refuses_a_manifest_too_large_to_time, .timeout = 120) {
     kvt_rm_dir(dir);
 }
 
+/* A tokenizer.json with more pieces than config.json's vocab_size is
+ * blamed on the tokenizer, not on model.safetensors. */
+Test(cli, a_tokenizer_larger_than_the_vocabulary_is_named) {
+    char *dir = kvt_temp_dir(), *hf = kvt_path(dir, "hf");
+    cr_assert_eq(mkdir(hf, 0755), 0);
+    const char *names[] = {"config.json", "model.safetensors", "tokenizer.json"};
+    for (int i = 0; i < 3; i++) {
+        char src[256];
+        snprintf(src, sizeof src, "data/kjv-llama/%s", names[i]);
+        size_t n;
+        char *b = kvt_read_file(src, &n);
+        cr_assert_not_null(b, "%s", src);
+        free(fixture(hf, names[i], b, n));
+        free(b);
+    }
+    char *tp = kvt_path(hf, "tokenizer.json");
+    json_error_t je;
+    json_t *root = json_load_file(tp, 0, &je), *added = json_object_get(root, "added_tokens");
+    cr_assert(json_is_array(added), "%s", je.text);
+    for (int id = 258; id < 260; id++)
+        json_array_append_new(added, json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id", id, "content",
+                                               id == 258 ? "<x1>" : "<x2>", "single_word", 0, "lstrip", 0,
+                                               "rstrip", 0, "normalized", 0, "special", 1));
+    cr_assert_eq(json_dump_file(root, tp, 0), 0);
+    json_decref(root);
+    char args[4096], want[4096];
+    snprintf(args, sizeof args, "inspect '%s'", hf);
+    snprintf(want, sizeof want, "kvcal: %s: tokenizer has 260 pieces but config.json's vocab_size is 258\n", tp);
+    expect_cli(args, 1, want);
+    free(tp), free(hf);
+    kvt_rm_dir(dir);
+}
+
 Test(cli, missing_files_exit_1) {
     expect_cli("inspect /nonexistent/model.gguf", 1,
                "kvcal: /nonexistent/model.gguf: no such file or directory\n");
