@@ -274,25 +274,24 @@ int kvrt_synth_fill_factors(struct kv_lowrank *lr, uint64_t seed, struct kv_err 
     return KV_OK;
 }
 
+/* The synthetic model timed for a manifest's shapes. */
+static struct kv_config config_for(const struct kv_lowrank *lr) {
+    return synth_config(needs_gpt2(lr) ? KV_ARCH_GPT2 : KV_ARCH_LLAMA, lr->info.n_layers, lr->info.dim,
+                        lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim);
+}
+
 int kvrt_synth_model_for(const struct kv_lowrank *lr, struct kv_model **out, struct kv_err *err) {
-    struct kv_config c = synth_config(needs_gpt2(lr) ? KV_ARCH_GPT2 : KV_ARCH_LLAMA, lr->info.n_layers,
-                                      lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim);
+    struct kv_config c = config_for(lr);
     return kv_model_init_random(&c, 1, out, err);
 }
 
 int kvrt_synth_fits(const struct kv_lowrank *lr, struct kv_err *err) {
-    struct kv_config c = synth_config(needs_gpt2(lr) ? KV_ARCH_GPT2 : KV_ARCH_LLAMA, lr->info.n_layers,
-                                      lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim);
+    struct kv_config c = config_for(lr);
     double need = 0, have = kvrt_mem_available();
-    int64_t shp[2];
     for (int k = 0; k < KV_W_COUNT; k++) {
-        int use = kv_wkind_use(&c, k);
-        if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !c.has_qkv_bias)) continue;
-        int nd = kv_model_expected_shape(&c, k, shp);
-        double n = nd == 2 ? (double)shp[0] * (double)shp[1] : (double)shp[0];
         int attn = k == KV_W_Q || k == KV_W_K || k == KV_W_V || k == KV_W_O;
-        /* as kv_model_init_random allocates them, the attention ones twice */
-        need += 4.0 * n * (double)(k < KV_W_FIRST_LAYER ? 1 : c.n_layers) * (attn ? 2 : 1);
+        /* fp32, the attention projections twice (the runtime's copy) */
+        need += 4.0 * kv_model_random_elems(&c, k) * (attn ? 2 : 1);
     }
     if (have <= 0 || need <= 0.9 * have) return KV_OK;
     return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,

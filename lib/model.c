@@ -395,19 +395,26 @@ static void fill_normal(float *p, int64_t n, float stdev, uint64_t *s) {
     }
 }
 
+double kv_model_random_elems(const struct kv_config *cfg, enum kv_wkind kind) {
+    int use = kv_wkind_use(cfg, kind);
+    if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !cfg->has_qkv_bias)) return 0;
+    int64_t shp[2];
+    int nd = kv_model_expected_shape(cfg, kind, shp);
+    return (nd == 2 ? (double)shp[0] * (double)shp[1] : (double)shp[0]) *
+           (double)(kind < KV_W_FIRST_LAYER ? 1 : cfg->n_layers);
+}
+
 int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_model **out,
                          struct kv_err *err) {
     struct kv_model *m;
     int rc = kv_model_create(cfg, KV_FORMAT_SYNTHETIC, "synthetic", &m, err);
     if (rc) return rc;
     uint64_t s = seed;
-    int64_t shp[2];
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : cfg->n_layers;
-        int use = kv_wkind_use(cfg, k);
-        if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !cfg->has_qkv_bias)) continue;
-        int nd = kv_model_expected_shape(cfg, k, shp);
-        int64_t n = nd == 2 ? shp[0] * shp[1] : shp[0];
+        double total = kv_model_random_elems(cfg, k);
+        if (total == 0) continue;
+        int64_t n = (int64_t)(total / (double)nl);
         for (int64_t l = 0; l < nl; l++) {
             float *p = own_floats(m, n);
             if (!p) {

@@ -116,6 +116,10 @@ int kv_model_expected_shape(const struct kv_config *cfg, enum kv_wkind kind, int
  * or KV_WUSE_OPTIONAL (Llama's q/k/v biases; the head when tied is NONE). */
 enum { KV_WUSE_NONE = 0, KV_WUSE_REQUIRED = 1, KV_WUSE_OPTIONAL = 2 };
 int kv_wkind_use(const struct kv_config *cfg, enum kv_wkind kind);
+/* Elements of weight kind that kv_model_init_random allocates for cfg, over
+ * every layer (0 when it allocates none): the count to check against
+ * memory before building a model. */
+double kv_model_random_elems(const struct kv_config *cfg, enum kv_wkind kind);
 /* The bound weight of kind (layer ignored for global kinds), or NULL. */
 const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer);
 /* Mutable weight of a model whose weights kvcal allocated (kv_model_init_random,
