@@ -231,6 +231,70 @@ Test(cli, a_file_size_limit_is_reported, .timeout = 120) {
     kvt_rm_dir(dir);
 }
 
+/* kvcal ARGS under an address-space limit of kb KiB (ulimit -v), killed
+ * after 10 s: the exit status (137 when it was killed), stderr in *err. */
+static int run_limited(long kb, const char *args, char **err) {
+    const char *bin = getenv("KVCAL_BIN");
+    if (!bin || !*bin) bin = "build/kvcal";
+    char *dir = kvt_temp_dir(), *ep = kvt_path(dir, "err"), cmd[16384];
+    snprintf(cmd, sizeof cmd,
+             "timeout -s KILL 10 sh -c 'ulimit -v %ld && exec \"$0\" \"$@\"' %s %s "
+             ">/dev/null 2>'%s' </dev/null",
+             kb, bin, args, ep);
+    int st = system(cmd);
+    *err = kvt_read_file(ep, NULL);
+    cr_assert_not_null(*err);
+    unlink(ep), free(ep), rmdir(dir), free(dir);
+    cr_assert(st != -1 && WIFEXITED(st), "%s: status %d", cmd, st);
+    return WEXITSTATUS(st);
+}
+
+/* The finding of an adversarial run: under ulimit -v OpenBLAS retried a
+ * failed work-buffer mapping forever, in its constructor (before main) or
+ * inside a matrix product, so even 'kvcal inspect' hung. Now every command,
+ * under 50, 100, 200 and 400 MiB, ends within 10 s with a result or a
+ * message; one thread's run fits in 400 MiB. */
+Test(cli, no_command_hangs_under_an_address_space_limit, .timeout = 600) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "s.kvstats"),
+         *c = kvt_path(dir, "c"), args[8192];
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "decompose -m data/kjv-llama -s '%s' --method svd --ratio 0.5 -q -o '%s'", st, c);
+    expect_cli(args, 0, "");
+    const char *fmt[] = {
+        "inspect data/kjv-llama",
+        "verify -m data/kjv-llama -t '%1$s/verses.txt' --threads 1",
+        "verify -m data/kjv-llama -t '%1$s/verses.txt'",
+        "generate -m data/kjv-llama -p In -n 4 --threads 1",
+        "collect -m data/kjv-llama -t '%1$s/verses.txt' --seq-len 128 -q -o '%1$s/x.kvstats'",
+        "merge '%1$s/s.kvstats' -o '%1$s/m.kvstats'",
+        "decompose -m data/kjv-llama -s '%1$s/s.kvstats' --ratio 0.5 -q -o '%1$s/d'",
+        "export --dense '%1$s/c' --model data/kjv-llama -o '%1$s/e'",
+        "train --text '%1$s/verses.txt' -o '%1$s/tr' --dim 32 --layers 1 --heads 2 --steps 2 "
+        "--seq-len 16 --batch 2 --threads 1",
+        "bench-attn --synthetic gpt2-xl --device twin --ctx 1K -q",
+    };
+    const long mib[] = {50, 100, 200, 400};
+    for (size_t i = 0; i < sizeof mib / sizeof mib[0]; i++)
+        for (size_t j = 0; j < sizeof fmt / sizeof fmt[0]; j++) {
+            char *err;
+            snprintf(args, sizeof args, fmt[j], dir);
+            int rc = run_limited(mib[i] * 1024, args, &err);
+            cr_assert(rc != 137, "ulimit -v %ld MiB: kvcal %s ran past 10 s; stderr:\n%s", mib[i], args, err);
+            /* 127: the loader could not even map the C library */
+            cr_assert(rc == 0 || ((rc == 1 || rc == 127) && *err), "ulimit -v %ld MiB: kvcal %s: exit %d; stderr:\n%s",
+                      mib[i], args, rc, err);
+            if (mib[i] == 400 && j == 1) cr_assert_eq(rc, 0, "kvcal %s: exit %d; stderr:\n%s", args, rc, err);
+            if (mib[i] == 200 && j == 0)
+                cr_assert(strstr(err, "kvcal: out of memory: the BLAS library could not map a ") == err &&
+                              strstr(err, "(address-space limit, ulimit -v: 200 MiB); raise the limit"),
+                          "stderr:\n%s", err);
+            free(err);
+        }
+    free(st), free(c), free(t);
+    kvt_rm_dir(dir);
+}
+
 /* A manifest whose shapes no machine holds (the adversarial run's dim
  * 2^20 took 9.4 GB and a minute) is refused before anything is allocated,
  * with the shapes and both sizes. */
