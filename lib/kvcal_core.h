@@ -175,6 +175,23 @@ int32_t kv_tok_eos(const struct kv_tokenizer *tok);
 int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
                   int32_t **ids, int64_t *n_ids, struct kv_err *err);
 
+/* Streaming encoder: the text fed in pieces gives, concatenated over the
+ * calls, exactly kv_tok_encode's tokens of the whole text, in memory of
+ * the order of `chunk` bytes (0: 1 MiB) rather than of the text. It cuts
+ * where no merge can span and no literal token does: before a ' ' that
+ * follows another character (unless a vocabulary piece holds a space after
+ * another character), or before an ASCII character without a piece of its
+ * own (a byte-fallback '\n' in most SentencePiece vocabularies). Text
+ * without such a place is gathered whole (up to eof). feed appends len
+ * bytes (eof: the text ends with them) and sets *ids, *n_ids to the tokens
+ * now settled, owned by the stream until its next call. */
+struct kv_tok_stream;
+int kv_tok_stream_new(const struct kv_tokenizer *tok, int add_bos, size_t chunk,
+                      struct kv_tok_stream **out, struct kv_err *err);
+int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, int eof,
+                       const int32_t **ids, int64_t *n_ids, struct kv_err *err);
+void kv_tok_stream_free(struct kv_tok_stream *s);
+
 /* Bytes of token id as text, given the previous token (SentencePiece strips
  * the dummy-prefix space after BOS). Byte tokens decode to their byte.
  * Writes at most cap bytes (no NUL) and returns the full length. */

@@ -102,6 +102,14 @@ struct kv_tokenizer {
     char *space;
     size_t space_len;
     int dummy;
+    /* Where a stream may cut the text (built by finish): before a ' ' that
+     * follows another character when cut_space (no mergeable piece holds
+     * space_piece after a byte that does not end one), and before an ASCII
+     * byte b with cut_byte[b] (its character has no mergeable piece, so its
+     * symbol never merges). max_lit: the longest literal in bytes. */
+    int cut_space;
+    unsigned char cut_byte[128];
+    size_t max_lit;
 
     /* Before finish: ids in call order. After: sorted by (first byte, length
      * descending, id), deduplicated, with [lit_begin[c], lit_begin[c+1])
@@ -495,6 +503,24 @@ int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err
         if (mergeable_type(tok->type[id]) && tok->len[id] > tok->max_piece)
             tok->max_piece = tok->len[id];
     }
+    tok->cut_space = 1;
+    for (int32_t id = 0; id < tok->n_vocab && tok->cut_space; id++) {
+        const char *p = piece_bytes(tok, id);
+        size_t n = tok->len[id], sl = tok->space_len;
+        if (!mergeable_type(tok->type[id])) continue;
+        for (size_t k = 1; k + sl <= n && tok->cut_space; k++)
+            if (memcmp(p + k, tok->space, sl) == 0 &&
+                !(k >= sl && memcmp(p + k - sl, tok->space, sl) == 0))
+                tok->cut_space = 0;
+    }
+    for (int b = 0; b < 128; b++) {
+        char c = (char)b;
+        int32_t id = piece_find(tok, &c, 1);
+        tok->cut_byte[b] = b != ' ' && (id < 0 || !mergeable_type(tok->type[id]));
+    }
+    tok->max_lit = 0;
+    for (size_t i = 0; i < tok->n_lits; i++)
+        if (tok->len[tok->lits[i]] > tok->max_lit) tok->max_lit = tok->len[tok->lits[i]];
     tok->finished = 1;
     return KV_OK;
 oom:
@@ -754,8 +780,10 @@ static int32_t match_literal(const struct kv_tokenizer *t, const char *text, siz
     return -1;
 }
 
-int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
-                  int32_t **ids, int64_t *n_ids, struct kv_err *err) {
+/* The tokens of text[0, len). first: the text starts the input (the dummy
+ * prefix applies); a later piece of a stream starts at a safe cut. */
+static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
+                       int first, int32_t **ids, int64_t *n_ids, struct kv_err *err) {
     KV_ASSERT(tok && tok->finished && ids && n_ids);
     KV_ASSERT(text || len == 0);
     *ids = NULL;
@@ -795,15 +823,15 @@ int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, 
             pos++;
             continue;
         }
-        rc = encode_segment(tok, &w, text + seg, pos - seg, tok->dummy && seg == 0 && pos > 0,
-                            out, &n_out, err);
+        rc = encode_segment(tok, &w, text + seg, pos - seg,
+                            first && tok->dummy && seg == 0 && pos > 0, out, &n_out, err);
         if (rc) goto done;
         out[n_out++] = lit;
         pos += tok->len[lit];
         seg = pos;
     }
-    rc = encode_segment(tok, &w, text + seg, len - seg, tok->dummy && seg == 0 && len > 0, out,
-                        &n_out, err);
+    rc = encode_segment(tok, &w, text + seg, len - seg, first && tok->dummy && seg == 0 && len > 0,
+                        out, &n_out, err);
     if (rc) goto done;
     KV_ASSERT((size_t)n_out <= cap);
     int32_t *shrunk = realloc(out, (n_out ? (size_t)n_out : 1) * sizeof *out);
@@ -817,6 +845,115 @@ done:
     free(w.sym);
     free(w.heap);
     return rc;
+}
+
+int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
+                  int32_t **ids, int64_t *n_ids, struct kv_err *err) {
+    return encode_text(tok, text, len, add_bos, 1, ids, n_ids, err);
+}
+
+/* ---------------------------------------------------------------- streams */
+
+struct kv_tok_stream {
+    const struct kv_tokenizer *tok;
+    int add_bos, started; /* started: BOS and the dummy prefix are out */
+    size_t chunk;         /* text gathered before a cut is looked for */
+    char *pend;           /* text not yet encoded */
+    size_t n_pend, cap_pend, scanned;
+    int32_t *ids;         /* the last call's tokens */
+};
+
+int kv_tok_stream_new(const struct kv_tokenizer *tok, int add_bos, size_t chunk,
+                      struct kv_tok_stream **out, struct kv_err *err) {
+    KV_ASSERT(tok && tok->finished && out);
+    *out = NULL;
+    if (add_bos && tok->bos < 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "bos requested but the tokenizer has no bos token");
+    struct kv_tok_stream *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    s->tok = tok;
+    s->add_bos = add_bos;
+    s->chunk = chunk ? chunk : KV_TOK_STREAM_CHUNK;
+    *out = s;
+    return KV_OK;
+}
+
+void kv_tok_stream_free(struct kv_tok_stream *s) {
+    if (!s) return;
+    free(s->pend);
+    free(s->ids);
+    free(s);
+}
+
+/* Whether text may be cut at c (0 < c < n). No merge may span c: text[c]
+ * is an ASCII character whose symbol never merges, or (cut_space) a ' '
+ * after a character that is neither ' ' nor ends in space_piece (an ASCII
+ * byte always starts a character). And no literal starting before c may
+ * end after it, so the whole text's literal scan also passes through c. */
+static int cut_at(const struct kv_tokenizer *t, const char *text, size_t n, size_t c) {
+    unsigned char b = (unsigned char)text[c];
+    if (b >= 128) return 0;
+    if (b == ' ') {
+        if (!t->cut_space || text[c - 1] == ' ') return 0;
+        if (c >= t->space_len && memcmp(text + c - t->space_len, t->space, t->space_len) == 0)
+            return 0;
+    } else if (!t->cut_byte[b]) {
+        return 0;
+    }
+    size_t q0 = t->max_lit && c >= t->max_lit ? c - t->max_lit + 1 : 0;
+    for (size_t q = q0; t->n_lits && q < c; q++) {
+        int32_t lit = match_literal(t, text, q, n);
+        if (lit >= 0 && q + t->len[lit] > c) return 0;
+    }
+    return 1;
+}
+
+int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, int eof,
+                       const int32_t **ids, int64_t *n_ids, struct kv_err *err) {
+    KV_ASSERT(s && ids && n_ids && (text || len == 0));
+    const struct kv_tokenizer *t = s->tok;
+    *ids = NULL;
+    *n_ids = 0;
+    free(s->ids);
+    s->ids = NULL;
+    if (len > s->cap_pend - s->n_pend) {
+        size_t cap = s->cap_pend ? s->cap_pend : 4096;
+        while (cap - s->n_pend < len) {
+            if (cap > SIZE_MAX / 2)
+                return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "text too long to encode");
+            cap *= 2;
+        }
+        char *p = realloc(s->pend, cap);
+        if (!p) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory encoding text");
+        s->pend = p;
+        s->cap_pend = cap;
+    }
+    if (len) memcpy(s->pend + s->n_pend, text, len);
+    s->n_pend += len;
+    size_t cut = 0;
+    if (eof) {
+        if (s->started && s->n_pend == 0) return KV_OK;
+        cut = s->n_pend;
+    } else if (s->n_pend >= s->chunk) {
+        /* the literal check reads up to max_lit bytes past the cut; text
+         * below `scanned` holds no cut (a verdict needs only max_lit bytes
+         * of lookahead, so it stands) */
+        size_t look = t->max_lit > 1 ? t->max_lit : 1;
+        for (size_t c = s->n_pend > look ? s->n_pend - look : 0; c > s->scanned && !cut; c--)
+            if (cut_at(t, s->pend, s->n_pend, c)) cut = c;
+        if (!cut && s->n_pend > look) s->scanned = s->n_pend - look;
+    }
+    if (!cut && !(eof && !s->started)) return KV_OK;
+    int rc = encode_text(t, s->pend, cut, s->add_bos && !s->started, !s->started, &s->ids, n_ids,
+                         err);
+    if (rc) return rc;
+    s->started = 1;
+    memmove(s->pend, s->pend + cut, s->n_pend - cut);
+    s->n_pend -= cut;
+    s->scanned = 0;
+    *ids = s->ids;
+    return KV_OK;
 }
 
 /* ---------------------------------------------------------------- decode */

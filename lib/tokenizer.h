@@ -64,6 +64,10 @@ int kv_tok_add_literal(struct kv_tokenizer *tok, int32_t id, struct kv_err *err)
 /* Build lookup tables; every id must have been set. Errors name path. */
 int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err);
 
+/* Text gathered by a stream before it looks for a cut (kv_tok_stream_new
+ * with chunk 0). */
+#define KV_TOK_STREAM_CHUNK ((size_t)1 << 20)
+
 /* Raw piece bytes of id (not NUL-terminated). */
 const char *kv_tok_piece(const struct kv_tokenizer *tok, int32_t id, size_t *len);
 float kv_tok_score(const struct kv_tokenizer *tok, int32_t id);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvformats.h"
 #include "testutil.h"
 #include "tok_fixture.h"
 #include "tokenizer.h"
@@ -393,4 +394,155 @@ Test(tok_encode, long_run_of_one_character) {
     free(text);
     kv_tok_free(t);
     tb_free(&b);
+}
+
+/* ---------------------------------------------------------------- streams */
+
+/* text through a kv_tok_stream of the given chunk, fed in pieces of 1 to
+ * max_feed bytes: the concatenated tokens (malloc'd) in *n, and in *parts
+ * how many calls returned tokens. */
+static int32_t *stream_encode(const struct kv_tokenizer *t, const char *text, size_t len, int bos,
+                              size_t chunk, size_t max_feed, uint64_t *rng, int64_t *n,
+                              int64_t *parts) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_tok_stream *s;
+    cr_assert_eq(kv_tok_stream_new(t, bos, chunk, &s, &err), KV_OK, "%s", err.msg);
+    size_t cap = len + 16, pos = 0;
+    int32_t *all = malloc(cap * sizeof *all);
+    cr_assert(all);
+    *n = 0, *parts = 0;
+    for (int eof = 0; !eof;) {
+        size_t k = 1 + (size_t)(rng_next(rng) % max_feed);
+        if (k > len - pos) k = len - pos;
+        eof = pos + k == len;
+        const int32_t *ids;
+        int64_t m;
+        cr_assert_eq(kv_tok_stream_feed(s, text + pos, k, eof, &ids, &m, &err), KV_OK, "%s",
+                     err.msg);
+        pos += k;
+        cr_assert((size_t)(*n + m) <= cap);
+        if (m) memcpy(all + *n, ids, (size_t)m * sizeof *ids), (*parts)++;
+        *n += m;
+    }
+    kv_tok_stream_free(s);
+    return all;
+}
+
+static void expect_same_tokens(const struct kv_tokenizer *t, const char *text, size_t len,
+                               int bos, size_t chunk, size_t max_feed, uint64_t *rng,
+                               const char *what, int64_t *parts) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    int32_t *want = NULL;
+    int64_t n_want = 0, n = 0;
+    cr_assert_eq(kv_tok_encode(t, text, len, bos, &want, &n_want, &err), KV_OK, "%s", err.msg);
+    int32_t *got = stream_encode(t, text, len, bos, chunk, max_feed, rng, &n, parts);
+    int64_t i = 0;
+    while (i < n && i < n_want && got[i] == want[i]) i++;
+    cr_assert(i == n && n == n_want,
+              "%s, chunk %zu: the stream's %lld tokens differ from the whole text's %lld at "
+              "token %lld (got %d, want %d)",
+              what, chunk, (long long)n, (long long)n_want, (long long)i, i < n ? got[i] : -1,
+              i < n_want ? want[i] : -1);
+    free(got), free(want);
+}
+
+/* Random vocabularies (some with pieces that hold a space after another
+ * character, which forbid every cut; literals with spaces inside) and
+ * random texts: the stream's tokens are the whole text's, whatever the
+ * chunk and the feed sizes. */
+Test(tok_stream, random_vocabularies_match_whole_text_encoding) {
+    uint64_t rng = 7;
+    int64_t cut = 0, uncut = 0;
+    for (int v = 0; v < 80; v++) {
+        struct tb b;
+        random_vocab(&b, &rng, (enum kv_tok_mode)(v % 2), v % 4 < 2);
+        struct kv_tokenizer *t = tb_build(&b);
+        for (int s = 0; s < 20; s++) {
+            char text[4096];
+            size_t len = 0;
+            while (len < sizeof text - 256) len += random_text(&b, &rng, text + len, 256);
+            int64_t parts;
+            char what[64];
+            snprintf(what, sizeof what, "vocab %d text %d", v, s);
+            expect_same_tokens(t, text, len, rng_below(&rng, 2), 1 + (size_t)rng_below(&rng, 64),
+                               1 + (size_t)rng_below(&rng, 300), &rng, what, &parts);
+            if (parts > 2) cut++;
+            else uncut++;
+        }
+        kv_tok_free(t);
+        tb_free(&b);
+    }
+    cr_assert(cut > 1000, "%lld texts cut, %lld not", (long long)cut, (long long)uncut);
+}
+
+/* A piece holding a space after another character ("a▁b") forbids cuts
+ * at spaces: a stream that cut there would give a, ▁b instead of a▁b. */
+Test(tok_stream, no_cut_at_a_space_a_piece_spans) {
+    struct tb b;
+    tb_init(&b, KV_TOK_SCORE, SP, 1);
+    tb_specials(&b);
+    tb_bytes(&b);
+    tb_add(&b, SP, 0, KV_TOKT_NORMAL);
+    tb_add(&b, "a", 0, KV_TOKT_NORMAL);
+    tb_add(&b, "b", 0, KV_TOKT_NORMAL);
+    tb_add(&b, SP "b", 1, KV_TOKT_NORMAL);
+    int32_t ab = tb_add(&b, "a" SP "b", 2, KV_TOKT_NORMAL);
+    struct kv_tokenizer *t = tb_build(&b);
+    char text[600];
+    size_t len = 0;
+    while (len + 4 <= sizeof text) memcpy(text + len, "a ba", 4), len += 4;
+    uint64_t rng = 5;
+    int64_t parts, n;
+    expect_same_tokens(t, text, len, 1, 1, 7, &rng, "a b", &parts);
+    int32_t *ids = stream_encode(t, text, len, 1, 1, 7, &rng, &n, &parts);
+    int64_t n_ab = 0;
+    for (int64_t i = 0; i < n; i++) n_ab += ids[i] == ab;
+    cr_assert_eq(n_ab, (int64_t)(len / 4), "%lld of %zu 'a b' pairs merged", (long long)n_ab,
+                 len / 4);
+    cr_assert_eq(parts, 1, "the stream cut %lld times", (long long)parts - 1);
+    free(ids);
+    kv_tok_free(t);
+    tb_free(&b);
+}
+
+/* Every shared tokenizer on every shared text: identical tokens in chunks
+ * of 1 byte (a cut at every safe space), 4 KiB and the default 1 MiB. */
+Test(tok_stream, shared_texts_match_whole_text_encoding, .timeout = 300) {
+    const char *toks[] = {"models/llama2-tokenizer/tokenizer.bin", "models/stories260K/tok512.bin",
+                          "models/stories260K/stories260K.gguf",
+                          "models/tinystories-656K/tokenizer.json"};
+    const char *texts[] = {"text/tinystories/val1k.txt", "text/wikitext-2-raw/wiki.test.raw"};
+    if (!kvt_shared(texts[0])) cr_skip_test("shared texts are absent; skipping");
+    uint64_t rng = 11;
+    for (size_t i = 0; i < sizeof toks / sizeof toks[0] + 1; i++) {
+        char tp[4096];
+        const char *sp = i < sizeof toks / sizeof toks[0] ? kvt_shared(toks[i])
+                                                          : "data/kjv-llama/tokenizer.json";
+        cr_assert(sp, "shared tokenizer %s is absent", toks[i]);
+        snprintf(tp, sizeof tp, "%s", sp);
+        struct kv_err err;
+        kv_err_clear(&err);
+        struct kv_tokenizer *t;
+        cr_assert_eq(kv_tok_open(tp, &t, &err), KV_OK, "%s: %s", tp, err.msg);
+        for (size_t j = 0; j < sizeof texts / sizeof texts[0]; j++) {
+            size_t len;
+            char *text = kvt_read_file(kvt_shared(texts[j]), &len);
+            cr_assert(text);
+            const size_t chunks[] = {1, 4096, 0};
+            for (size_t c = 0; c < 3; c++) {
+                int64_t parts;
+                expect_same_tokens(t, text, len, 1, chunks[c], 1 << 16, &rng, tp, &parts);
+                /* every vocabulary but tinystories-656K's (which holds
+                 * pieces like "e▁", and a piece for each ASCII character
+                 * of these texts) allows cuts */
+                if (chunks[c] && chunks[c] < len / 4 && i != 3)
+                    cr_assert(parts > 4, "%s on %s, chunk %zu: only %lld parts", tp, texts[j],
+                              chunks[c], (long long)parts);
+            }
+            free(text);
+        }
+        kv_tok_free(t);
+    }
 }
