@@ -158,9 +158,32 @@ int kv_calib_check(const struct kv_calib_opts *o, const char *const *names, stru
 /* 1 when shard I/N = index/count names one: 0 <= index < count. */
 int kv_calib_shard_valid(int64_t index, int64_t count);
 
+/* The tokens of one input (.txt, .gz, .jsonl, .jsonl.gz, read as above),
+ * tokenized as the text streams (kv_tok_stream): memory is of the order of
+ * a megabyte of text, its tokens and the longest JSON line, not of the
+ * file. get sets *ids to tokens [a, a+len) (*got of them, fewer only at
+ * the end), valid until the next call; a never goes below an earlier
+ * call's. finish reads to the end: the count of all tokens, the sha256 and
+ * size of the file, and its bytes decompressed (the JSON itself for JSON
+ * lines); any may be NULL. */
+struct kv_text_tokens;
+int kv_text_tokens_open(const char *path, const struct kv_tokenizer *tok, int add_bos,
+                        struct kv_text_tokens **out, struct kv_err *err);
+int kv_text_tokens_get(struct kv_text_tokens *t, int64_t a, int64_t len, const int32_t **ids,
+                       int64_t *got, struct kv_err *err);
+int kv_text_tokens_finish(struct kv_text_tokens *t, int64_t *n_tokens, char sha256[65],
+                          uint64_t *file_bytes, uint64_t *text_bytes, struct kv_err *err);
+void kv_text_tokens_close(struct kv_text_tokens *t);
+/* The window function of a kv_token_src (kvcal_core.h) whose ctx is a
+ * kv_text_tokens: tokens [w*seq_len, (w+1)*seq_len), an error naming the
+ * file when the text ends before them (it changed since it was counted). */
+int kv_text_tokens_window(void *t, int64_t w, int64_t seq_len, const int32_t **ids,
+                          struct kv_err *err);
+
 /* Read, hash and tokenize every input, then draw the window plan: the chosen
  * windows in (input, window) order. Errors name the file (and the line and
- * byte offset for JSON lines). Only the tokens of one input stay in memory. */
+ * byte offset for JSON lines). Inputs stream: memory is that of
+ * kv_text_tokens, not of the text. */
 int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tokenizer *tok,
                   const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err);
 void kv_calib_free(struct kv_calib *c);
@@ -168,8 +191,10 @@ int64_t kv_calib_n_inputs(const struct kv_calib *c);
 const struct kv_calib_input *kv_calib_input(const struct kv_calib *c, int64_t i);
 /* Windows in the plan. */
 int64_t kv_calib_n_windows(const struct kv_calib *c);
-/* Tokens of plan entry i (seq_len ids), valid until the next call; re-reads
- * and re-tokenizes its input when another input is loaded. *input and *window
+/* Tokens of plan entry i (seq_len ids), valid until the next call; reads
+ * its input on from the last window asked for, or from the start (after
+ * checking the file's sha256 against the scan) for another input or an
+ * earlier window. *input and *window
  * (may be NULL) receive the input index and the window index within it. */
 int kv_calib_window(struct kv_calib *c, int64_t i, const int32_t **ids, int64_t *input,
                     int64_t *window, struct kv_err *err);

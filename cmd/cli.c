@@ -242,6 +242,65 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
     return 0;
 }
 
+int cli_check_bos(const struct kv_tokenizer *tok, const char *model_path, const char *tok_path) {
+    if (!tok || kv_tok_bos(tok) >= 0) return 0;
+    fprintf(stderr,
+            "kvcal: %s: the tokenizer has no bos token, and kvcal starts every text with one; "
+            "give a tokenizer that has one (--tokenizer FILE)\n",
+            tok_path ? tok_path : model_path);
+    return EXIT_ERR;
+}
+
+static int ids_window(void *ctx, int64_t w, int64_t seq_len, const int32_t **ids,
+                      struct kv_err *err) {
+    *ids = ((const struct cli_tokens *)ctx)->ids + w * seq_len;
+    return KV_OK;
+}
+
+int cli_open_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
+                    struct cli_tokens *t) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    memset(t, 0, sizeof *t);
+    t->src.ctx = t;
+    if (tokens_path) {
+        t->path = tokens_path;
+        t->src.window = ids_window;
+        if (kv_tokens_read(tokens_path, &t->ids, &t->src.n_tokens,
+                           (int32_t)kv_model_config(m)->vocab_size, &err))
+            return cli_report(&err);
+        return 0;
+    }
+    t->path = text_path;
+    t->src.window = kv_text_tokens_window;
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    if (!tok) {
+        fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE "
+                        "(llama2.c tokenizer.bin, tokenizer.json or .gguf) or --tokens FILE\n");
+        return EXIT_ERR;
+    }
+    /* a first pass counts the tokens; the second reads the windows */
+    uint64_t bytes = 0;
+    int rc = kv_text_tokens_open(text_path, tok, 1, &t->tt, &err);
+    if (!rc) rc = kv_text_tokens_finish(t->tt, &t->src.n_tokens, NULL, NULL, &bytes, &err);
+    kv_text_tokens_close(t->tt);
+    t->tt = NULL;
+    if (!rc) rc = kv_text_tokens_open(text_path, tok, 1, &t->tt, &err);
+    t->src.ctx = t->tt;
+    if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text_path);
+        return cli_report(&err);
+    }
+    t->n_bytes = (size_t)bytes;
+    return 0;
+}
+
+void cli_close_tokens(struct cli_tokens *t) {
+    free(t->ids);
+    kv_text_tokens_close(t->tt);
+    memset(t, 0, sizeof *t);
+}
+
 json_t *cli_json_text(const char *s) {
     char *r = kv_utf8_repair(s);
     json_t *j = r ? json_string(r) : NULL;

@@ -95,6 +95,27 @@ int cli_load_model(const char *path, const char *tok_path, struct kv_model **m);
 int cli_load_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
                     int32_t **ids, int64_t *n, size_t *n_bytes);
 
+/* 0 when tok has a bos token (kvcal starts every text with one); else
+ * prints an error naming the tokenizer's file (tok_path, or the model's
+ * when the model holds it) and returns EXIT_ERR. */
+int cli_check_bos(const struct kv_tokenizer *tok, const char *model_path, const char *tok_path);
+
+/* The tokens verify scores, read window by window (t->src): --tokens in
+ * memory (4 bytes a token), or --text tokenized as it streams, counted in
+ * a first pass (memory of the order of a megabyte of text, whatever the
+ * text's size). t->n_bytes: the text's bytes (0 for --tokens). Prints errors;
+ * returns 0 or EXIT_ERR. */
+struct cli_tokens {
+    struct kv_token_src src;
+    const char *path;
+    int32_t *ids;               /* --tokens */
+    struct kv_text_tokens *tt;  /* --text */
+    size_t n_bytes;
+};
+int cli_open_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
+                    struct cli_tokens *t);
+void cli_close_tokens(struct cli_tokens *t);
+
 /* "dim 64, 5 layers, 8 heads (4 kv), head_dim 8, ffn 172, vocab 512" */
 void cli_describe_config(const struct kv_config *c, char *buf, size_t cap);
 

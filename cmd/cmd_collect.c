@@ -212,6 +212,10 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
         kv_model_close(m);
         return EXIT_ERR;
     }
+    if ((rc = cli_check_bos(tok, a->model, a->tokenizer))) {
+        kv_model_close(m);
+        return rc;
+    }
     if (!quiet)
         fprintf(stderr, "reading and tokenizing %d input%s\n", a->texts.n,
                 a->texts.n > 1 ? "s" : "");

@@ -208,7 +208,9 @@ static int load_inputs(struct inputs *in) {
     if (A.o.alloc == KV_ALLOC_LAYER_BUDGET) {
         int64_t n_ids = 0, seq = A.o.seq_len;
         size_t n_bytes = 0;
-        if ((rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes))) return rc;
+        if ((rc = cli_check_bos(kv_model_tokenizer(in->m), A.model, A.tokenizer)) ||
+            (rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes)))
+            return rc;
         if (n_ids / seq < A.o.calib_windows) A.o.calib_windows = n_ids / seq;
         if (A.o.calib_windows < 1) {
             fprintf(stderr, "kvcal: %s: %lld tokens, fewer than one window of %lld\n", A.text,

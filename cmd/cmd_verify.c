@@ -46,7 +46,7 @@ static int device_open(struct device *dv, const struct kv_model *m, const struct
 /* The windows of base and, with lr, compressed on the cpu, plus the device
  * run with dv->on. Prints errors, naming src for those of the run itself. */
 static int run_windows(const struct kv_model *m, const struct kv_lowrank *lr, int bits,
-                       struct device *dv, const int32_t *ids, int64_t n, int64_t seq_len,
+                       struct device *dv, const struct kv_token_src *ts, int64_t seq_len,
                        int64_t max_windows, int quiet, const char *src,
                        struct kv_compare_result *r) {
     struct kvrt *rt = NULL;
@@ -58,11 +58,11 @@ static int run_windows(const struct kv_model *m, const struct kv_lowrank *lr, in
     cli_progress_start(&prog, "windows", quiet);
     if (rt) {
         const struct kv_fwd_hooks hk = {.ctx = rt, .attn = kvrt_fwd_attn};
-        rc = kv_ppl_compare_attn(m, lr, bits, &hk, ids, n, seq_len, max_windows, cli_progress_cb,
-                                 &prog, r, &err);
+        rc = kv_ppl_compare_src(m, lr, bits, &hk, ts, seq_len, max_windows, cli_progress_cb,
+                                &prog, r, &err);
     } else {
-        rc = kv_ppl_compare(m, lr, bits, ids, n, seq_len, max_windows, cli_progress_cb, &prog, r,
-                            &err);
+        rc = kv_ppl_compare_src(m, lr, bits, NULL, ts, seq_len, max_windows, cli_progress_cb,
+                                &prog, r, &err);
     }
     cli_progress_end(&prog);
     if (rc && rt && kvrt_error(rt)->code != KV_OK) {
@@ -137,7 +137,8 @@ static const struct cli_opt verify_opts[] = {
     CLI_OPT_MODEL(&A.model),
     {"tokenizer", 0, OPT_STR, &A.tokenizer, "FILE",
      "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
-    {"text", 't', OPT_STR, &A.text, "FILE", "evaluation text, .txt or .gz (one document)"},
+    {"text", 't', OPT_STR, &A.text, "FILE",
+     "evaluation text, .txt or .gz (one document; .jsonl as collect reads it)"},
     {"tokens", 0, OPT_STR, &A.tokens, "FILE",
      "pre-tokenized ids (little-endian uint32) instead of --text; include BOS yourself"},
     {"compressed", 0, OPT_STR, &A.comp, "DIR",
@@ -252,7 +253,7 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
 
 /* Base against compressed: both models on the same windows. */
 static int verify_compressed(const struct verify_args *a, const char *src, struct kv_model *m,
-                             const int32_t *ids, int64_t n, size_t n_bytes, struct device *dv) {
+                             const struct kv_token_src *ts, size_t n_bytes, struct device *dv) {
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_lowrank *lr;
@@ -265,7 +266,7 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
     int bits = a->kv_bits ? (int)a->kv_bits : li.kv_bits;
     kv_lr_set_kv_bits(lr, bits, &err); /* what the runtime is asked to cache; checked above */
     struct kv_compare_result r;
-    int rc = run_windows(m, lr, bits, dv, ids, n, a->seq_len, a->max_windows, a->quiet || a->json,
+    int rc = run_windows(m, lr, bits, dv, ts, a->seq_len, a->max_windows, a->quiet || a->json,
                          src, &r);
     if (!rc) rc = device_verdict(dv, &r, print_compressed(a, src, n_bytes, m, lr, bits, dv, &r));
     kv_lr_free(lr);
@@ -313,12 +314,12 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
 
 /* The base model's windows, with a device run against them with --device. */
 static int verify_base(const struct verify_args *a, const char *src, struct kv_model *m,
-                       const int32_t *ids, int64_t n, size_t n_bytes, struct device *dv) {
+                       const struct kv_token_src *ts, size_t n_bytes, struct device *dv) {
     struct kv_compare_result cr;
     struct kv_ppl_result r;
     int rc;
     if (dv->on) { /* the device against the base */
-        rc = run_windows(m, NULL, 16, dv, ids, n, a->seq_len, a->max_windows, a->quiet || a->json,
+        rc = run_windows(m, NULL, 16, dv, ts, a->seq_len, a->max_windows, a->quiet || a->json,
                          src, &cr);
         r = cr.base;
     } else {
@@ -326,7 +327,7 @@ static int verify_base(const struct verify_args *a, const char *src, struct kv_m
         cli_progress_start(&prog, "windows", a->quiet || a->json);
         struct kv_err err;
         kv_err_clear(&err);
-        rc = kv_ppl_run(m, ids, n, a->seq_len, a->max_windows, cli_progress_cb, &prog, &r, &err);
+        rc = kv_ppl_run_src(m, ts, a->seq_len, a->max_windows, cli_progress_cb, &prog, &r, &err);
         cli_progress_end(&prog);
         if (rc) {
             if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
@@ -385,13 +386,15 @@ int cmd_verify(int argc, char **argv) {
     const char *src = a->text ? a->text : a->tokens;
     struct kv_model *m;
     if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
-    int32_t *ids;
-    int64_t n;
-    size_t n_bytes;
-    if (!(rc = cli_load_tokens(m, a->text, a->tokens, &ids, &n, &n_bytes))) {
-        rc = a->comp ? verify_compressed(a, src, m, ids, n, n_bytes, &dv)
-                     : verify_base(a, src, m, ids, n, n_bytes, &dv);
-        free(ids);
+    struct cli_tokens t;
+    if (a->text && (rc = cli_check_bos(kv_model_tokenizer(m), a->model, a->tokenizer))) {
+        kv_model_close(m);
+        return rc;
+    }
+    if (!(rc = cli_open_tokens(m, a->text, a->tokens, &t))) {
+        rc = a->comp ? verify_compressed(a, src, m, &t.src, t.n_bytes, &dv)
+                     : verify_base(a, src, m, &t.src, t.n_bytes, &dv);
+        cli_close_tokens(&t);
     }
     kv_model_close(m);
     return rc;

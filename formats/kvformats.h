@@ -33,6 +33,18 @@ int kv_tok_open(const char *path, struct kv_tokenizer **out, struct kv_err *err)
  * NUL-terminated buffer. */
 int kv_text_read(const char *path, char **out, size_t *len, struct kv_err *err);
 
+/* The same text read in order, in pieces, in memory of one piece: open,
+ * then read up to cap bytes at a time (*n 0 at the end). The file's raw
+ * bytes (compressed, for gzip) are hashed as they are read: once read to
+ * the end, kv_text_src_sha256 gives their sha256 (KV_EINVAL before). */
+struct kv_text_src;
+int kv_text_src_open(const char *path, struct kv_text_src **out, struct kv_err *err);
+int kv_text_src_read(struct kv_text_src *s, char *buf, size_t cap, size_t *n, struct kv_err *err);
+uint64_t kv_text_src_file_bytes(const struct kv_text_src *s);
+uint64_t kv_text_src_text_bytes(const struct kv_text_src *s);
+int kv_text_src_sha256(struct kv_text_src *s, char hex[65]);
+void kv_text_src_close(struct kv_text_src *s);
+
 /* A copy of s that a JSON file can hold: each byte that starts no valid
  * UTF-8 character (as jansson judges it) becomes U+FFFD, the rest is kept.
  * For paths and names that are bytes, not text. malloc'd; NULL without

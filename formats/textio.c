@@ -1,66 +1,162 @@
 /* Plain and gzip text, and little-endian uint32 token files. */
 #include <errno.h>
+#include <nettle/sha2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "err.h"
 #include "mapfile.h"
 
-/* zlib counts in uInt: feed and drain at most this much per call. */
-#define ZCHUNK ((size_t)1 << 30)
+/* Raw bytes read from the file at a time. */
+#define SRC_IN ((size_t)1 << 20)
 
-static int gunzip(const struct kv_map *mp, const char *path, char **out, size_t *len,
-                  struct kv_err *err) {
-    size_t cap = (size_t)mp->len * 4 + 4096, n = 0, in_pos = 0;
-    char *buf = malloc(cap);
-    if (!buf) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory reading text");
+struct kv_text_src {
+    char *path;
+    int fd;
+    uint64_t size, raw_pos; /* raw_pos: file bytes read (and hashed) so far */
+    uint64_t text_pos;      /* text bytes handed out */
+    int gz, zinit, done;
     z_stream zs;
-    memset(&zs, 0, sizeof zs);
-    if (inflateInit2(&zs, 15 + 32) != Z_OK) { /* +32: detect the gzip header */
-        free(buf);
-        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "cannot start the gzip decoder");
+    unsigned char *in; /* gzip input */
+    struct sha256_ctx sha;
+};
+
+void kv_text_src_close(struct kv_text_src *s) {
+    if (!s) return;
+    if (s->zinit) inflateEnd(&s->zs);
+    if (s->fd >= 0) close(s->fd);
+    free(s->in);
+    free(s->path);
+    free(s);
+}
+
+int kv_text_src_open(const char *path, struct kv_text_src **out, struct kv_err *err) {
+    *out = NULL;
+    uint64_t size = 0;
+    int fd = kv_open_regular(path, &size, err);
+    if (fd < 0) return KV_EIO;
+    struct kv_text_src *s = calloc(1, sizeof *s);
+    if (!s || !(s->path = strdup(path))) {
+        close(fd);
+        free(s);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory reading text");
     }
-    int rc = KV_OK;
-    for (;;) {
-        if (zs.avail_in == 0 && in_pos < mp->len) {
-            size_t chunk = mp->len - in_pos < ZCHUNK ? (size_t)(mp->len - in_pos) : ZCHUNK;
-            zs.next_in = (Bytef *)mp->data + in_pos;
-            zs.avail_in = (uInt)chunk;
-            in_pos += chunk;
+    s->fd = fd;
+    s->size = size;
+    sha256_init(&s->sha);
+    unsigned char magic[2];
+    ssize_t got;
+    do got = pread(fd, magic, 2, 0);
+    while (got < 0 && errno == EINTR);
+    if (got == 2 && magic[0] == 0x1f && magic[1] == 0x8b) {
+        s->gz = 1;
+        s->in = malloc(SRC_IN);
+        if (!s->in || inflateInit2(&s->zs, 15 + 32) != Z_OK) { /* +32: the gzip header */
+            kv_text_src_close(s);
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "cannot start the gzip decoder");
         }
-        if (cap - n < 65536) {
-            char *nb = realloc(buf, cap * 2);
-            if (!nb) {
-                rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory reading text");
-                break;
-            }
+        s->zinit = 1;
+    }
+    *out = s;
+    return KV_OK;
+}
+
+/* Up to cap raw bytes of the file into buf, hashed; *n 0 at its end. */
+static int raw_read(struct kv_text_src *s, void *buf, size_t cap, size_t *n, struct kv_err *err) {
+    ssize_t r;
+    do r = read(s->fd, buf, cap);
+    while (r < 0 && errno == EINTR);
+    if (r < 0) {
+        char eb[128];
+        return kv_fail(err, KV_EIO, s->path, s->raw_pos, "cannot read: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    }
+    if (r == 0 && s->raw_pos != s->size)
+        return kv_fail(err, KV_EIO, s->path, s->raw_pos,
+                       "the file shrank while it was read (%llu of %llu bytes)",
+                       (unsigned long long)s->raw_pos, (unsigned long long)s->size);
+    sha256_update(&s->sha, (size_t)r, buf);
+    s->raw_pos += (uint64_t)r;
+    *n = (size_t)r;
+    return KV_OK;
+}
+
+int kv_text_src_read(struct kv_text_src *s, char *buf, size_t cap, size_t *n, struct kv_err *err) {
+    *n = 0;
+    if (s->done || cap == 0) return KV_OK;
+    if (cap > (uInt)-1) cap = (uInt)-1; /* zlib counts in uInt */
+    if (!s->gz) {
+        int rc = raw_read(s, buf, cap, n, err);
+        if (rc) return rc;
+        s->done = *n == 0;
+        s->text_pos += *n;
+        return KV_OK;
+    }
+    while (*n == 0 && !s->done) {
+        if (s->zs.avail_in == 0 && s->raw_pos < s->size) {
+            size_t got;
+            int rc = raw_read(s, s->in, SRC_IN, &got, err);
+            if (rc) return rc;
+            s->zs.next_in = s->in;
+            s->zs.avail_in = (uInt)got;
+        }
+        s->zs.next_out = (Bytef *)buf;
+        s->zs.avail_out = (uInt)cap;
+        int zr = inflate(&s->zs, Z_NO_FLUSH);
+        *n = cap - s->zs.avail_out;
+        uint64_t consumed = s->raw_pos - s->zs.avail_in;
+        if (zr == Z_STREAM_END) {
+            if (consumed == s->size) s->done = 1;
+            else inflateReset(&s->zs); /* another gzip member follows */
+        } else if (zr == Z_BUF_ERROR && consumed == s->size && *n == 0) {
+            return kv_fail(err, KV_EFORMAT, s->path, s->size, "gzip: truncated stream");
+        } else if (zr != Z_OK && zr != Z_BUF_ERROR) {
+            return kv_fail(err, KV_EFORMAT, s->path, consumed, "gzip: %s",
+                           zr == Z_MEM_ERROR ? "out of memory" : s->zs.msg ? s->zs.msg : "corrupt data");
+        }
+    }
+    s->text_pos += *n;
+    return KV_OK;
+}
+
+uint64_t kv_text_src_file_bytes(const struct kv_text_src *s) { return s->size; }
+
+uint64_t kv_text_src_text_bytes(const struct kv_text_src *s) { return s->text_pos; }
+
+int kv_text_src_sha256(struct kv_text_src *s, char hex[65]) {
+    if (!s->done) return KV_EINVAL;
+    uint8_t d[SHA256_DIGEST_SIZE];
+    sha256_digest(&s->sha, sizeof d, d);
+    for (int i = 0; i < SHA256_DIGEST_SIZE; i++) snprintf(hex + 2 * i, 3, "%02x", d[i]);
+    return KV_OK;
+}
+
+int kv_text_read(const char *path, char **out, size_t *len, struct kv_err *err) {
+    struct kv_text_src *s;
+    int rc = kv_text_src_open(path, &s, err);
+    if (rc) return rc;
+    size_t cap = s->gz ? 4 * (size_t)s->size + 4096 : (size_t)s->size + 1, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf && cap - n < 65536 && !s->done) {
+            char *nb = cap > SIZE_MAX / 2 ? NULL : realloc(buf, cap * 2);
+            if (!nb) free(buf);
             buf = nb;
             cap *= 2;
         }
-        size_t room = cap - n - 1 < ZCHUNK ? cap - n - 1 : ZCHUNK;
-        zs.next_out = (Bytef *)buf + n;
-        zs.avail_out = (uInt)room;
-        int zr = inflate(&zs, Z_NO_FLUSH);
-        n += room - zs.avail_out;
-        uint64_t consumed = in_pos - zs.avail_in;
-        if (zr == Z_STREAM_END) {
-            if (consumed == mp->len) break;
-            inflateReset(&zs); /* another gzip member follows */
-            continue;
+        if (!buf) {
+            kv_text_src_close(s);
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory reading text");
         }
-        if (zr == Z_BUF_ERROR && consumed == mp->len) {
-            rc = kv_fail(err, KV_EFORMAT, path, mp->len, "gzip: truncated stream");
-            break;
-        }
-        if (zr != Z_OK && zr != Z_BUF_ERROR) {
-            rc = kv_fail(err, KV_EFORMAT, path, consumed, "gzip: %s",
-                         zr == Z_MEM_ERROR ? "out of memory" : zs.msg ? zs.msg : "corrupt data");
-            break;
-        }
+        size_t got;
+        if ((rc = kv_text_src_read(s, buf + n, cap - n - 1, &got, err))) break;
+        n += got;
+        if (got == 0 && s->done) break;
     }
-    inflateEnd(&zs);
+    kv_text_src_close(s);
     if (rc) {
         free(buf);
         return rc;
@@ -68,28 +164,6 @@ static int gunzip(const struct kv_map *mp, const char *path, char **out, size_t 
     buf[n] = 0;
     *out = buf;
     *len = n;
-    return KV_OK;
-}
-
-int kv_text_read(const char *path, char **out, size_t *len, struct kv_err *err) {
-    struct kv_map mp;
-    int rc = kv_map_open(path, &mp, err);
-    if (rc) return rc;
-    if (mp.len >= 2 && mp.data[0] == 0x1f && mp.data[1] == 0x8b) {
-        rc = gunzip(&mp, path, out, len, err);
-        kv_map_close(&mp);
-        return rc;
-    }
-    char *buf = malloc((size_t)mp.len + 1);
-    if (!buf) {
-        kv_map_close(&mp);
-        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory reading text");
-    }
-    if (mp.len) memcpy(buf, mp.data, (size_t)mp.len);
-    buf[mp.len] = 0;
-    *out = buf;
-    *len = (size_t)mp.len;
-    kv_map_close(&mp);
     return KV_OK;
 }
 

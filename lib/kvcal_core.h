@@ -176,9 +176,10 @@ int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, 
                   int32_t **ids, int64_t *n_ids, struct kv_err *err);
 
 /* Streaming encoder: the text fed in pieces gives, concatenated over the
- * calls, exactly kv_tok_encode's tokens of the whole text, in memory of
- * the order of `chunk` bytes (0: 1 MiB) rather than of the text. It cuts
- * where no merge can span and no literal token does: before a ' ' that
+ * calls, exactly kv_tok_encode's tokens of the whole text, encoded in
+ * slices of about `chunk` bytes (0: 64 KiB), in memory of that order
+ * rather than of the text. It cuts where no merge can span and no
+ * literal token does: before a ' ' that
  * follows another character (unless a vocabulary piece holds a space after
  * another character), or before an ASCII character without a piece of its
  * own (a byte-fallback '\n' in most SentencePiece vocabularies). Text
@@ -463,6 +464,27 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
                         const struct kv_fwd_hooks *dev, const int32_t *tokens, int64_t n_tokens,
                         int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
                         void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
+
+/* The same three, over tokens read window by window rather than held in
+ * one array (a text tokenized as it streams: kv_text_tokens in
+ * kvcalib.h): window(ctx, w, seq_len, &ids, err) sets *ids to tokens
+ * [w*seq_len, (w+1)*seq_len), valid until its next call; w only grows.
+ * n_tokens is the whole sequence's count. kv_ppl_compare_src runs the
+ * compressed model when lr is not NULL and the device when dev is not
+ * NULL (at least one of them). */
+struct kv_token_src {
+    int (*window)(void *ctx, int64_t w, int64_t seq_len, const int32_t **ids,
+                  struct kv_err *err);
+    void *ctx;
+    int64_t n_tokens;
+};
+int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_ppl_result *out, struct kv_err *err);
+int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                       const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+                       int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                       void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
 
 /* ---------------------------------------------------------------- greedy generation */
 

@@ -74,9 +74,29 @@ static int count_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows,
     return KV_OK;
 }
 
+/* An array as a kv_token_src. */
+struct array_src {
+    const int32_t *tokens;
+};
+
+static int array_window(void *ctx, int64_t w, int64_t seq_len, const int32_t **ids,
+                        struct kv_err *err) {
+    *ids = ((const struct array_src *)ctx)->tokens + w * seq_len;
+    return KV_OK;
+}
+
 int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens,
                int64_t seq_len, int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
                struct kv_ppl_result *out, struct kv_err *err) {
+    struct array_src a = {tokens};
+    struct kv_token_src src = {array_window, &a, n_tokens};
+    return kv_ppl_run_src(m, &src, seq_len, max_windows, progress, progress_ctx, out, err);
+}
+
+int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_ppl_result *out, struct kv_err *err) {
+    int64_t n_tokens = src->n_tokens;
     int64_t windows;
     int rc0 = count_windows(n_tokens, seq_len, max_windows, &windows, err);
     if (rc0) return rc0;
@@ -86,7 +106,8 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
     int64_t vocab = m->cfg.vocab_size;
     double nll = 0, t0 = kv_now();
     for (int64_t w = 0; w < windows; w++) {
-        const int32_t *tw = tokens + w * seq_len;
+        const int32_t *tw;
+        if ((rc = src->window(src->ctx, w, seq_len, &tw, err))) break;
         rc = kv_fwd_run(f, tw, seq_len, 0, NULL, err);
         if (rc) break;
         const float *lg = kv_fwd_logits(f);
@@ -165,12 +186,12 @@ static const char *const run_name[N_RUNS] = {"base", "compressed", "device"};
 /* Base, compressed (when with_comp: lr's latent cache on the CPU) and
  * device (when dev: attention through dev's hooks) on the same windows. */
 static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
-                   int with_comp, const struct kv_fwd_hooks *dev, const int32_t *tokens,
-                   int64_t n_tokens, int64_t seq_len, int64_t max_windows,
+                   int with_comp, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+                   int64_t seq_len, int64_t max_windows,
                    kv_progress_fn progress, void *progress_ctx, struct kv_compare_result *out,
                    struct kv_err *err) {
     kv_err_clear(err);
-    int64_t windows;
+    int64_t n_tokens = src->n_tokens, windows;
     int rc = count_windows(n_tokens, seq_len, max_windows, &windows, err);
     if (rc) return rc;
     struct kv_fwd *f[N_RUNS] = {NULL};
@@ -187,7 +208,8 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
     double nll[N_RUNS] = {0}, sec[N_RUNS] = {0}, kl = 0, dkl = 0, best = -1;
     int64_t agree = 0, dagree = 0, best_w = 0, best_i = 0;
     for (int64_t w = 0; w < windows && !rc; w++) {
-        const int32_t *tw = tokens + w * seq_len;
+        const int32_t *tw;
+        if ((rc = src->window(src->ctx, w, seq_len, &tw, err))) break;
         for (int k = 0; k < N_RUNS && !rc; k++) {
             if (!f[k]) continue;
             double t0 = kv_now();
@@ -274,8 +296,10 @@ int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                    const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
                    int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
                    struct kv_compare_result *out, struct kv_err *err) {
-    return compare(m, lr, kv_bits, 1, NULL, tokens, n_tokens, seq_len, max_windows, progress,
-                   progress_ctx, out, err);
+    struct array_src a = {tokens};
+    struct kv_token_src src = {array_window, &a, n_tokens};
+    return compare(m, lr, kv_bits, 1, NULL, &src, seq_len, max_windows, progress, progress_ctx,
+                   out, err);
 }
 
 int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
@@ -284,6 +308,21 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
                         void *progress_ctx, struct kv_compare_result *out, struct kv_err *err) {
     if (!dev || !dev->attn)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "device hooks without an attn hook");
-    return compare(m, lr, kv_bits, lr != NULL, dev, tokens, n_tokens, seq_len, max_windows,
-                   progress, progress_ctx, out, err);
+    struct array_src a = {tokens};
+    struct kv_token_src src = {array_window, &a, n_tokens};
+    return compare(m, lr, kv_bits, lr != NULL, dev, &src, seq_len, max_windows, progress,
+                   progress_ctx, out, err);
+}
+
+int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                       const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+                       int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                       void *progress_ctx, struct kv_compare_result *out, struct kv_err *err) {
+    if (dev && !dev->attn)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "device hooks without an attn hook");
+    if (!lr && !dev)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "a comparison needs a compressed model or device hooks");
+    return compare(m, lr, kv_bits, lr != NULL, dev, src, seq_len, max_windows, progress,
+                   progress_ctx, out, err);
 }

@@ -931,28 +931,64 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
     }
     if (len) memcpy(s->pend + s->n_pend, text, len);
     s->n_pend += len;
-    size_t cut = 0;
-    if (eof) {
-        if (s->started && s->n_pend == 0) return KV_OK;
-        cut = s->n_pend;
-    } else if (s->n_pend >= s->chunk) {
-        /* the literal check reads up to max_lit bytes past the cut; text
-         * below `scanned` holds no cut (a verdict needs only max_lit bytes
-         * of lookahead, so it stands) */
-        size_t look = t->max_lit > 1 ? t->max_lit : 1;
-        for (size_t c = s->n_pend > look ? s->n_pend - look : 0; c > s->scanned && !cut; c--)
-            if (cut_at(t, s->pend, s->n_pend, c)) cut = c;
-        if (!cut && s->n_pend > look) s->scanned = s->n_pend - look;
+    /* Encode slices of about `chunk` bytes, each ending at a cut: the last
+     * cut at or before start + chunk, else the first after it. The literal
+     * check reads up to max_lit bytes past a cut, so before eof cuts stop
+     * that far from the end; text up to `scanned` holds no cut (a verdict
+     * needs only that lookahead, so it stands across calls). */
+    size_t look = t->max_lit > 1 ? t->max_lit : 1, start = 0;
+    size_t limit = s->n_pend > look ? s->n_pend - look : 0;
+    int64_t n_out = 0, cap_out = 0;
+    int rc = KV_OK;
+    for (;;) {
+        size_t left = s->n_pend - start, cut = 0;
+        if (!eof && left < s->chunk) break;
+        if (eof && left <= s->chunk) {
+            if (s->started && left == 0) break;
+            cut = s->n_pend;
+        } else {
+            size_t lo = s->scanned > start ? s->scanned : start;
+            size_t hi = start + s->chunk < limit ? start + s->chunk : limit;
+            for (size_t c = hi; c > lo && !cut; c--)
+                if (cut_at(t, s->pend, s->n_pend, c)) cut = c;
+            for (size_t c = hi + 1; c <= limit && !cut; c++)
+                if (cut_at(t, s->pend, s->n_pend, c)) cut = c;
+            if (!cut && !eof) {
+                s->scanned = limit;
+                break;
+            }
+            if (!cut) cut = s->n_pend;
+        }
+        int32_t *part;
+        int64_t n_part;
+        rc = encode_text(t, s->pend + start, cut - start, s->add_bos && !s->started, !s->started,
+                         &part, &n_part, err);
+        if (rc) break;
+        s->started = 1;
+        start = cut;
+        if (n_out + n_part > cap_out) {
+            int64_t c = cap_out ? cap_out : 1024;
+            while (c < n_out + n_part) c *= 2;
+            int32_t *p = realloc(s->ids, (size_t)c * sizeof *p);
+            if (!p) {
+                free(part);
+                rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory encoding text");
+                break;
+            }
+            s->ids = p;
+            cap_out = c;
+        }
+        if (n_part) memcpy(s->ids + n_out, part, (size_t)n_part * sizeof *part);
+        n_out += n_part;
+        free(part);
+        if (start == s->n_pend) break;
     }
-    if (!cut && !(eof && !s->started)) return KV_OK;
-    int rc = encode_text(t, s->pend, cut, s->add_bos && !s->started, !s->started, &s->ids, n_ids,
-                         err);
     if (rc) return rc;
-    s->started = 1;
-    memmove(s->pend, s->pend + cut, s->n_pend - cut);
-    s->n_pend -= cut;
-    s->scanned = 0;
+    memmove(s->pend, s->pend + start, s->n_pend - start);
+    s->n_pend -= start;
+    s->scanned = s->scanned > start ? s->scanned - start : 0;
     *ids = s->ids;
+    *n_ids = n_out;
     return KV_OK;
 }
 

@@ -184,6 +184,7 @@ Test(cli, fifos_are_not_read, .timeout = 30) {
 }
 
 static char *device_text(const char *dir);
+static double json_get(json_t *o, const char *key, const char *out);
 
 /* The finding of an adversarial run: with a symlink planted at the old
  * fixed temporary name, collect overwrote its target. Now the temporary
@@ -292,6 +293,87 @@ Test(cli, no_command_hangs_under_an_address_space_limit, .timeout = 600) {
             free(err);
         }
     free(st), free(c), free(t);
+    kvt_rm_dir(dir);
+}
+
+/* The finding of an adversarial run: tokenizing held ~55 bytes per byte
+ * of text (a 10 MB text needed 585 MB). Now verify and collect stream
+ * their text: on 8 MB the peak RSS stays under 96 MiB (before, verify
+ * peaked at 264 MiB). */
+Test(cli, verify_and_collect_stream_a_large_text, .timeout = 300) {
+    char *dir = kvt_temp_dir(), *big = kvt_path(dir, "big.txt"), *st = kvt_path(dir, "s.kvstats");
+    const char *verse = "And God said, Let there be light: and there was light. And God saw the "
+                        "light, that it was good: and God divided the light from the darkness.\n";
+    FILE *f = fopen(big, "wb");
+    cr_assert_not_null(f);
+    size_t n = 0;
+    while (n < (size_t)8 << 20) n += fwrite(verse, 1, strlen(verse), f);
+    cr_assert_eq(fclose(f), 0);
+    char args[8192], *out, *err;
+    snprintf(args, sizeof args, "verify -m data/kjv-llama -t '%s' --max-windows 2 --json -q", big);
+    int rc = kvt_run_cli(args, &out, &err);
+    cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    cr_assert_not_null(o, "%s", je.text);
+    double rss = json_get(o, "peak_rss_mib", out), tokens = json_get(o, "tokens", out);
+    cr_assert(rss < 96, "verify of %zu bytes peaked at %.1f MiB", n, rss);
+    cr_assert(tokens > (double)n / 4, "%.0f tokens in %zu bytes", tokens, n);
+    json_decref(o), free(out), free(err);
+    snprintf(args, sizeof args,
+             "collect -m data/kjv-llama -t '%s' --seq-len 128 --samples 2 -o '%s'", big, st);
+    rc = kvt_run_cli(args, &out, &err);
+    cr_assert_eq(rc, 0, "exit %d; stderr:\n%s", rc, err);
+    const char *p = strstr(out, "peak rss ");
+    cr_assert(p, "no peak rss in:\n%s", out);
+    rss = strtod(p + strlen("peak rss "), NULL);
+    cr_assert(rss < 96, "collect of %zu bytes peaked at %.1f MiB", n, rss);
+    free(out), free(err), free(big), free(st);
+    kvt_rm_dir(dir);
+}
+
+/* The finding of an adversarial run: "bos requested but the tokenizer
+ * has no bos token" was blamed on the text file, or on no file. Now every
+ * command that tokenizes text names the tokenizer's file and what to do. */
+Test(cli, a_tokenizer_without_bos_is_named, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *m = kvt_path(dir, "nobos"), args[8192];
+    cr_assert_eq(mkdir(m, 0755), 0);
+    size_t len;
+    char *cfg = kvt_read_file("data/kjv-llama/config.json", &len);
+    cr_assert_not_null(cfg);
+    char *bos = strstr(cfg, "\"bos_token_id\": 256,");
+    cr_assert_not_null(bos);
+    memmove(bos, bos + strlen("\"bos_token_id\": 256,"), strlen(bos + strlen("\"bos_token_id\": 256,")) + 1);
+    free(fixture(m, "config.json", cfg, strlen(cfg)));
+    json_error_t je;
+    json_t *tj = json_load_file("data/kjv-llama/tokenizer.json", 0, &je);
+    cr_assert_not_null(tj, "%s", je.text);
+    json_object_del(tj, "post_processor");
+    json_object_set_new(json_array_get(json_object_get(tj, "added_tokens"), 0), "content",
+                        json_string("<pad>"));
+    char *tp = kvt_path(m, "tokenizer.json");
+    cr_assert_eq(json_dump_file(tj, tp, 0), 0);
+    json_decref(tj);
+    char cp[4096];
+    snprintf(cp, sizeof cp, "cp data/kjv-llama/model.safetensors '%s/'", m);
+    cr_assert_eq(system(cp), 0);
+    char want[8192];
+    snprintf(want, sizeof want,
+             "kvcal: %s: the tokenizer has no bos token, and kvcal starts every text with one; "
+             "give a tokenizer that has one (--tokenizer FILE)\n", m);
+    snprintf(args, sizeof args, "verify -m '%s' -t '%s' -q", m, t);
+    expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "collect -m '%s' -t '%s' -q -o '%s/s.kvstats'", m, t, dir);
+    expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "generate -m '%s' -n 2", m);
+    expect_cli(args, 1, want);
+    /* the tokenizer named by --tokenizer is the one blamed */
+    snprintf(want, sizeof want,
+             "kvcal: %s: the tokenizer has no bos token, and kvcal starts every text with one; "
+             "give a tokenizer that has one (--tokenizer FILE)\n", tp);
+    snprintf(args, sizeof args, "verify -m data/kjv-llama --tokenizer '%s' -t '%s' -q", tp, t);
+    expect_cli(args, 1, want);
+    free(cfg), free(tp), free(m), free(t);
     kvt_rm_dir(dir);
 }
 

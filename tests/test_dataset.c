@@ -6,11 +6,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include "dataset.h"
+#include "kvcalib.h"
 #include "testutil.h"
 
 #define TOK_REL "models/stories260K/tok512.bin"
@@ -770,4 +772,86 @@ Test(dataset, checks_word_messages_with_the_callers_names) {
     cr_assert_eq(kv_calib_check(&ok, flags, &err), KV_OK);
     cr_assert(kv_calib_shard_valid(0, 1) && kv_calib_shard_valid(3, 4));
     cr_assert(!kv_calib_shard_valid(4, 4) && !kv_calib_shard_valid(-1, 4) && !kv_calib_shard_valid(0, 0));
+}
+
+/* ---------------------------------------------------------------- streaming */
+
+static long peak_rss_kib(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss;
+}
+
+/* The finding of an adversarial run: tokenizing held ~55 bytes per byte
+ * of text (10 MB of text took 585 MB). An input now streams: 8 MB of text,
+ * plain and as .jsonl.gz documents, are counted with the peak RSS rising
+ * by less than 48 MB (encoding it whole takes ~230 MB more), and windows
+ * fetched at growing, skipping offsets equal the whole text's tokens. */
+Test(dataset, inputs_stream_in_bounded_memory_with_the_whole_texts_tokens, .timeout = 300) {
+    struct kv_tokenizer *tok = load_tok();
+    enum { N_DOCS = 64 };
+    char *docs[N_DOCS];
+    size_t tl = 0;
+    for (int i = 0; i < N_DOCS; i++) tl += strlen(docs[i] = gen_text(100 + (uint64_t)i, 26000)) + 2;
+    char *txt = malloc(tl + 1), *jsonl = make_jsonl(docs, N_DOCS);
+    size_t n = 0;
+    for (int i = 0; i < N_DOCS; i++)
+        n += (size_t)sprintf(txt + n, "%s%s", i ? "\n\n" : "", docs[i]), free(docs[i]);
+    cr_assert(n > (size_t)7 << 20, "%zu bytes of text", n);
+    char *paths[2] = {write_text(txt, ".txt"), write_gz(jsonl, strlen(jsonl), ".jsonl.gz")};
+    size_t text_len[2] = {n, strlen(jsonl)}; /* decompressed, before JSON parsing */
+    free(jsonl);
+    int64_t counted[2];
+    long before = peak_rss_kib();
+    for (int k = 0; k < 2; k++) {
+        struct kv_text_tokens *t;
+        struct kv_err err;
+        uint64_t fb, tb;
+        char sha[65];
+        cr_assert_eq(kv_text_tokens_open(paths[k], tok, 1, &t, &err), KV_OK, "%s", fmt_err(&err));
+        cr_assert_eq(kv_text_tokens_finish(t, &counted[k], sha, &fb, &tb, &err), KV_OK, "%s",
+                     fmt_err(&err));
+        cr_assert_eq(tb, text_len[k], "%s: %llu bytes of text, expected %zu", paths[k],
+                     (unsigned long long)tb, text_len[k]);
+        struct stat st;
+        cr_assert_eq(stat(paths[k], &st), 0);
+        cr_assert_eq(fb, (uint64_t)st.st_size);
+        kv_text_tokens_close(t);
+    }
+    long rise = peak_rss_kib() - before;
+    cr_assert(rise < 48 * 1024, "counting 2 x %zu bytes raised the peak rss by %ld KiB", n, rise);
+
+    int32_t *ref;
+    int64_t n_ref = encode(tok, txt, &ref);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(counted[k], n_ref, "%s: %lld tokens, the whole text has %lld", paths[k],
+                     (long long)counted[k], (long long)n_ref);
+        struct kv_text_tokens *t;
+        struct kv_err err;
+        cr_assert_eq(kv_text_tokens_open(paths[k], tok, 1, &t, &err), KV_OK, "%s", fmt_err(&err));
+        uint64_t x = 77;
+        int64_t checked = 0;
+        for (int64_t a = 0; a < n_ref;) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            int64_t len = 1 + (int64_t)((x >> 33) % 5000);
+            const int32_t *ids;
+            int64_t got;
+            cr_assert_eq(kv_text_tokens_get(t, a, len, &ids, &got, &err), KV_OK, "%s",
+                         fmt_err(&err));
+            int64_t want = n_ref - a < len ? n_ref - a : len;
+            cr_assert_eq(got, want, "%s at %lld: %lld tokens, want %lld", paths[k], (long long)a,
+                         (long long)got, (long long)want);
+            for (int64_t i = 0; i < got; i++)
+                cr_assert_eq(ids[i], ref[a + i], "%s: token %lld is %d, the whole text's %d",
+                             paths[k], (long long)(a + i), ids[i], ref[a + i]);
+            checked += got;
+            a += (int64_t)((x >> 40) % 3 == 0 ? len / 2 + 1 : len + (int64_t)((x >> 20) % 20000));
+        }
+        cr_assert(checked > n_ref / 20, "%lld tokens checked", (long long)checked);
+        kv_text_tokens_close(t);
+    }
+    free(ref);
+    for (int k = 0; k < 2; k++) unlink(paths[k]), free(paths[k]);
+    free(txt);
+    kv_tok_free(tok);
 }
