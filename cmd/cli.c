@@ -42,13 +42,24 @@ static void print_help(const struct cli_cmd *cmd) {
     if (cmd->details) printf("\n%s", cmd->details);
 }
 
+/* msg on stderr after prefix, each byte that starts no valid UTF-8
+ * character shown as U+FFFD: a path or a file's string that is not text
+ * never reaches the terminal raw. */
+static void print_message(const char *prefix, const char *msg) {
+    char *r = kv_utf8_repair(msg);
+    fprintf(stderr, "%s%s\n", prefix, r ? r : msg);
+    free(r);
+}
+
 int cli_usage_error(const struct cli_cmd *cmd, const char *fmt, ...) {
+    char msg[4096], prefix[64];
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "kvcal %s: ", cmd->name);
-    vfprintf(stderr, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "\nusage: kvcal %s %s (see 'kvcal %s --help')\n", cmd->name, cmd->usage,
+    snprintf(prefix, sizeof prefix, "kvcal %s: ", cmd->name);
+    print_message(prefix, msg);
+    fprintf(stderr, "usage: kvcal %s %s (see 'kvcal %s --help')\n", cmd->name, cmd->usage,
             cmd->name);
     return EXIT_USAGE;
 }
@@ -148,14 +159,14 @@ int cli_parse(const struct cli_cmd *cmd, int argc, char **argv, const char **pos
 int cli_report(const struct kv_err *err) {
     char buf[2400];
     kv_err_format(err, buf, sizeof buf, cli_verbose);
-    fprintf(stderr, "kvcal: %s\n", buf);
+    print_message("kvcal: ", buf);
     return EXIT_ERR;
 }
 
 int cli_report_refusal(const struct kv_err *err) {
     char buf[2400];
     kv_err_format(err, buf, sizeof buf, 0);
-    fprintf(stderr, "kvcal: %s\n", buf);
+    print_message("kvcal: ", buf);
     return EXIT_ERR;
 }
 

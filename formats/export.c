@@ -80,10 +80,19 @@ static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
             const char *sn = side_name(wk);
             if (s->mode == KV_LR_FULL) continue;
             if (s->mode == KV_LR_POSTROPE_ROTATION) {
-                rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
-                             "layer %lld %s: mode 'postrope_rotation' cannot be exported dense: "
-                             "its projection acts after rope, which no %s weight expresses",
-                             (long long)l, sn, which ? "v_proj" : "k_proj");
+                /* without rope the rotation could fold into the weight, but
+                 * the export writes only the up·down modes */
+                rc = kv_arch_has_rope(c->arch)
+                         ? kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                                   "layer %lld %s: mode 'postrope_rotation' cannot be exported "
+                                   "dense: its projection acts after rope, which no %s weight "
+                                   "expresses",
+                                   (long long)l, sn, which ? "v_proj" : "k_proj")
+                         : kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                                   "layer %lld %s: mode 'postrope_rotation' (a rotation of the "
+                                   "projected keys, from --method zack or fdc) is not exported "
+                                   "dense: export writes prerope_latent and fused_query keys",
+                                   (long long)l, sn);
                 break;
             }
             if (s->mode != KV_LR_PREROPE_LATENT && s->mode != KV_LR_FUSED_QUERY &&

@@ -405,6 +405,11 @@ static int tok_from_json(const json_t *root, const char *path, int32_t bos_ovr, 
     for (int32_t id = 0; !rc && id < n; id++)
         rc = kv_tok_set_piece(tok, id, pieces[id].s, pieces[id].len, 0.0f, pieces[id].type, err);
     if (!rc) rc = add_merges(tok, merges, path, err);
+    if (!rc && strlen(sp.space_piece) > KV_MAX_PIECE)
+        rc = kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                     "the replacement for ' ' (pre_tokenizer Metaspace or normalizer Replace) is "
+                     "%zu bytes, more than a piece may hold (%d)",
+                     strlen(sp.space_piece), KV_MAX_PIECE);
     if (!rc) {
         kv_tok_set_special(tok, bos, eos, unk);
         rc = kv_tok_set_normalizer(tok, sp.space_piece, sp.dummy, err);

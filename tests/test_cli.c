@@ -256,6 +256,7 @@ static int run_limited(long kb, const char *args, char **err) {
  * under 50, 100, 200 and 400 MiB, ends within 10 s with a result or a
  * message; one thread's run fits in 400 MiB. */
 Test(cli, no_command_hangs_under_an_address_space_limit, .timeout = 600) {
+    KVT_SKIP_SANITIZED("the shadow memory needs more address space than any of these limits");
     char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "s.kvstats"),
          *c = kvt_path(dir, "c"), args[8192];
     snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
@@ -301,6 +302,7 @@ Test(cli, no_command_hangs_under_an_address_space_limit, .timeout = 600) {
  * their text: on 8 MB the peak RSS stays under 96 MiB (before, verify
  * peaked at 264 MiB). */
 Test(cli, verify_and_collect_stream_a_large_text, .timeout = 300) {
+    KVT_SKIP_SANITIZED("the shadow memory and quarantine inflate the peak rss");
     char *dir = kvt_temp_dir(), *big = kvt_path(dir, "big.txt"), *st = kvt_path(dir, "s.kvstats");
     const char *verse = "And God said, Let there be light: and there was light. And God saw the "
                         "light, that it was good: and God divided the light from the darkness.\n";
@@ -374,6 +376,70 @@ Test(cli, a_tokenizer_without_bos_is_named, .timeout = 120) {
     snprintf(args, sizeof args, "verify -m data/kjv-llama --tokenizer '%s' -t '%s' -q", tp, t);
     expect_cli(args, 1, want);
     free(cfg), free(tp), free(m), free(t);
+    kvt_rm_dir(dir);
+}
+
+/* The finding of an adversarial run: a Metaspace replacement of 5000
+ * bytes gave "space piece is 5000 bytes but must be 1..4096", naming no
+ * file. Now the tokenizer.json and the field are named. */
+Test(cli, an_overlong_space_replacement_names_the_tokenizer) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *tp = kvt_path(dir, "tokenizer.json");
+    json_error_t je;
+    json_t *tj = json_load_file("data/kjv-llama/tokenizer.json", 0, &je);
+    cr_assert_not_null(tj, "%s", je.text);
+    char *rep = malloc(5001);
+    memset(rep, 'x', 5000), rep[5000] = 0;
+    json_object_set_new(tj, "pre_tokenizer", json_pack("{s:s, s:s}", "type", "Metaspace", "replacement", rep));
+    cr_assert_eq(json_dump_file(tj, tp, 0), 0);
+    json_decref(tj);
+    char args[8192], want[8192];
+    snprintf(args, sizeof args, "verify -m data/kjv-llama --tokenizer '%s' -t '%s' -q", tp, t);
+    snprintf(want, sizeof want,
+             "kvcal: %s: the replacement for ' ' (pre_tokenizer Metaspace or normalizer Replace) "
+             "is 5000 bytes, more than a piece may hold (4096)\n", tp);
+    expect_cli(args, 1, want);
+    free(rep), free(tp), free(t);
+    kvt_rm_dir(dir);
+}
+
+/* The finding of an adversarial run: bytes that are not UTF-8 (here in a
+ * path and in an option's value) were echoed raw to the terminal. Now
+ * each such byte shows as U+FFFD. */
+Test(cli, bytes_that_are_not_utf8_are_not_echoed_raw) {
+    const char *runs[][2] = {
+        {"inspect '/nonexistent/\xff\xfe.bin'", "kvcal: /nonexistent/\xef\xbf\xbd\xef\xbf\xbd.bin: "},
+        {"verify -m data/kjv-llama -t x --seq-len '\xff'",
+         "kvcal verify: option '--seq-len' needs an integer, got '\xef\xbf\xbd'\n"},
+    };
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        char *out, *err;
+        int rc = kvt_run_cli(runs[i][0], &out, &err);
+        cr_assert(rc == 1 || rc == 2, "kvcal %s: exit %d", runs[i][0], rc);
+        cr_assert(!strchr(err, '\xff') && !strchr(err, '\xfe'), "raw bytes in: %s", err);
+        cr_assert(!strncmp(err, runs[i][1], strlen(runs[i][1])), "stderr '%s' does not start '%s'",
+                  err, runs[i][1]);
+        free(out), free(err);
+    }
+}
+
+/* The finding of an adversarial run: zack keys of GPT-2 were refused for
+ * export because they "act after rope", which GPT-2 does not have. Now the
+ * refusal says what the mode is and what export writes. */
+Test(cli, export_of_gpt2_rotated_keys_is_refused_without_rope, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "s.kvstats"),
+         *c = kvt_path(dir, "c"), *e = kvt_path(dir, "e"), args[8192], want[8192];
+    snprintf(args, sizeof args, "collect -m data/kjv-gpt2 -t '%s' --seq-len 64 -q -o '%s'", t, st);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "decompose -m data/kjv-gpt2 -s '%s' --method zack --ratio 0.5 -q -o '%s'", st, c);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "export --dense '%s' --model data/kjv-gpt2 -o '%s'", c, e);
+    snprintf(want, sizeof want,
+             "kvcal: %s: layer 0 k: mode 'postrope_rotation' (a rotation of the projected keys, "
+             "from --method zack or fdc) is not exported dense: export writes prerope_latent and "
+             "fused_query keys\n", c);
+    expect_cli(args, 1, want);
+    cr_assert_eq(access(e, F_OK), -1, "%s was written", e);
+    free(st), free(c), free(e), free(t);
     kvt_rm_dir(dir);
 }
 

@@ -8,11 +8,13 @@
 
 #include "testutil.h"
 
+#include "fuzz/fuzz_config.c"
 #include "fuzz/fuzz_kvstats.c"
 #include "fuzz/fuzz_manifest.c"
 #include "fuzz/fuzz_model.c"
 #include "fuzz/fuzz_safetensors.c"
 #include "fuzz/fuzz_scratch.c"
+#include "fuzz/fuzz_text.c"
 #include "fuzz/fuzz_tokenizer.c"
 
 typedef void (*target_fn)(const uint8_t *, size_t);
@@ -57,6 +59,12 @@ Test(fuzz_replay, tokenizer_corpus_never_crashes) {
 }
 Test(fuzz_replay, kvstats_corpus_never_crashes) {
     cr_assert_gt(replay("kvstats", kv_fuzz_kvstats), 0);
+}
+Test(fuzz_replay, config_corpus_never_crashes) {
+    cr_assert_gt(replay("config", kv_fuzz_config), 0);
+}
+Test(fuzz_replay, text_corpus_streams_as_it_reads_whole) {
+    cr_assert_gt(replay("text", kv_fuzz_text), 0);
 }
 Test(fuzz_replay, manifest_corpus_never_crashes) {
     cr_assert_gt(replay("manifest", kv_fuzz_manifest), 0);
