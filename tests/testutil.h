@@ -5,6 +5,7 @@
 #include <criterion/criterion.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kvcal.h"
 
@@ -18,6 +19,15 @@ const char *kvt_shared(const char *rel);
     const char *var = kvt_shared(rel);                                                     \
     do {                                                                                   \
         if (!var) cr_skip_test("shared test data '%s' is absent; skipping", rel);           \
+    } while (0)
+
+/* Skip the current test under the sanitizers (make check-san sets
+ * KVCAL_SANITIZED): for tests that measure memory or limit the address
+ * space, which AddressSanitizer's shadow memory and quarantine defeat. */
+#define KVT_SKIP_SANITIZED(why)                                                            \
+    do {                                                                                   \
+        if (getenv("KVCAL_SANITIZED"))                                                     \
+            cr_skip_test("under the sanitizers: %s; skipping", why);                       \
     } while (0)
 
 /* Write bytes to a fresh temporary file; returns its malloc'd path. */
