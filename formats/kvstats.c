@@ -204,6 +204,34 @@ static uint32_t crc_of(const void *data, uint64_t n) {
     return (uint32_t)c;
 }
 
+/* zlib crc32 of the metadata (every key but the crcs, and has_fisher,
+ * which the tensors carry) as one canonical text: what kvcal.meta_crc32
+ * holds, so a changed count, seed, plan or dataset record is detected as a
+ * changed tensor is. */
+static uint32_t meta_crc(const struct kv_stats *s) {
+    const struct kv_stats_info *i = &s->info;
+    char buf[512];
+    uLong c = crc32(0L, Z_NULL, 0);
+    int n = snprintf(buf, sizeof buf,
+                     "%s\n%s\n%lld %lld %lld %lld %lld\n%lld %lld %lld\n%s %llu %lld %lld %lld "
+                     "%lld %lld\n",
+                     i->version, i->fingerprint, (long long)i->n_layers, (long long)i->dim,
+                     (long long)i->n_heads, (long long)i->n_kv_heads, (long long)i->head_dim,
+                     (long long)i->seq_len, (long long)i->tokens, (long long)i->windows,
+                     i->sampling, (unsigned long long)i->seed, (long long)i->samples,
+                     (long long)i->shard_index, (long long)i->shard_count,
+                     (long long)i->plan_windows, (long long)i->next_window);
+    c = crc32(c, (const Bytef *)buf, (uInt)n);
+    for (int64_t k = 0; k < i->n_inputs; k++) {
+        const struct kv_stats_input *in = &s->inputs[k];
+        c = crc32(c, (const Bytef *)in->path, (uInt)strlen(in->path));
+        n = snprintf(buf, sizeof buf, "\n%s %llu %lld %lld\n", in->sha256,
+                     (unsigned long long)in->bytes, (long long)in->tokens, (long long)in->windows);
+        c = crc32(c, (const Bytef *)buf, (uInt)n);
+    }
+    return (uint32_t)c;
+}
+
 static int is_hex64(const char *s) {
     if (strlen(s) != 64) return 0;
     for (int i = 0; i < 64; i++)
@@ -290,7 +318,8 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.bytes", by, ni, err)) ||
         (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.tokens", tk, ni, err)) ||
         (rc = kv_ggufw_add_arr_u64(w, "kvcal.datasets.windows", wn, ni, err)) ||
-        (rc = kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)nt, err)))
+        (rc = kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)nt, err)) ||
+        (rc = kv_ggufw_add_u32(w, "kvcal.meta_crc32", meta_crc(s), err)))
         goto done;
     for (int64_t l = 0; l < s->info.n_layers; l++)
         for (int t = 0; t < per; t++) {
@@ -355,10 +384,10 @@ static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                        (int)(ty.len > 64 ? 64 : ty.len), ty.p, KV_STATS_TYPE);
     uint32_t fv;
     if ((rc = kv_gguf_get_u32(f, "kvcal.format_version", &fv, err))) return rc;
-    if (fv != KV_STATS_FORMAT_VERSION)
+    if (fv < 1 || fv > KV_STATS_FORMAT_VERSION)
         return kv_fail(err, KV_EUNSUPPORTED, path, kv_gguf_find(f, "kvcal.format_version")->val_off,
                        "key 'kvcal.format_version': stats format version %u is not supported "
-                       "(this kvcal reads version %d)",
+                       "(this kvcal reads versions up to %d)",
                        fv, KV_STATS_FORMAT_VERSION);
     if ((rc = get_string(f, "kvcal.version", s->info.version, sizeof s->info.version, err)) ||
         (rc = get_string(f, "kvcal.model.fingerprint", s->info.fingerprint, sizeof s->info.fingerprint, err)))
@@ -595,6 +624,28 @@ done:
     return rc;
 }
 
+/* Version 2 files carry kvcal.meta_crc32 (version 1 files, from before
+ * it, have none): it must match the metadata read. */
+static int check_meta_crc(const struct kv_gguf_file *f, const struct kv_stats *s,
+                          struct kv_err *err) {
+    uint32_t fv = 0, stored;
+    int rc = kv_gguf_get_u32(f, "kvcal.format_version", &fv, err);
+    if (rc) return rc;
+    const struct kv_gguf_kv *k = kv_gguf_find(f, "kvcal.meta_crc32");
+    if (!k && fv < 2) return KV_OK;
+    if (!k)
+        return kv_fail(err, KV_EFORMAT, f->path, KV_NO_OFFSET,
+                       "no key 'kvcal.meta_crc32', which format version %u files carry", fv);
+    if ((rc = kv_gguf_get_u32(f, "kvcal.meta_crc32", &stored, err))) return rc;
+    uint32_t c = meta_crc(s);
+    if (c != stored)
+        return kv_fail(err, KV_EFORMAT, f->path, k->val_off,
+                       "key 'kvcal.meta_crc32': metadata crc32 mismatch (stored %08x, computed "
+                       "%08x): a count, the seed, the plan or a dataset record was changed",
+                       (unsigned)stored, (unsigned)c);
+    return KV_OK;
+}
+
 int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_stats **out,
                    struct kv_err *err) {
     struct kv_gguf_file f;
@@ -627,7 +678,7 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
                          (long long)s->info.n_layers, (long long)s->info.dim, ok ? "more" : "too many",
                          (unsigned long long)len);
         else if (!(rc = alloc_layers(s, path, err)) && (!fisher || !(rc = alloc_fisher(s, path, err))) &&
-                 !(rc = read_inputs(&f, s, err)))
+                 !(rc = read_inputs(&f, s, err)) && !(rc = check_meta_crc(&f, s, err)))
             rc = read_tensors(&f, s, err);
     }
     kv_gguf_release(&f);

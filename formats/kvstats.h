@@ -1,10 +1,11 @@
-/* Statistics file (.kvstats), format version 1, and the statistics in
+/* Statistics file (.kvstats), format version 2, and the statistics in
  * memory (internal; the API is in kvformats.h).
  *
  * A GGUF v3 file (formats/gguf.h) with these metadata keys:
  *
  *   general.type              string  "kvcal.stats"
- *   kvcal.format_version      uint32  1
+ *   kvcal.format_version      uint32  2 (1: written before meta_crc32;
+ *                                     still read)
  *   kvcal.version             string  kvcal version that wrote it
  *   kvcal.model.fingerprint   string  64 hex digits (kv_model_fingerprint)
  *   kvcal.model.n_layers, .dim, .n_heads, .n_kv_heads, .head_dim   uint64
@@ -24,6 +25,14 @@
  *   kvcal.datasets.windows    [uint64] windows of each input accumulated
  *   kvcal.crc32               [uint32] zlib crc32 of each tensor's data, in
  *                                      tensor order
+ *   kvcal.meta_crc32          uint32  (version 2) zlib crc32 of this text,
+ *                                     numbers in decimal, strings as stored:
+ *       "<version>\n<fingerprint>\n<n_layers> <dim> <n_heads> <n_kv_heads>
+ *        <head_dim>\n<seq_len> <tokens> <sequences>\n<sampling> <seed>
+ *        <samples> <shard.index> <shard.count> <plan.windows>
+ *        <plan.next_window>\n" and for each dataset "<path>\n<sha256>
+ *        <bytes> <tokens> <windows>\n" (one space between fields, no
+ *        line breaks but the \n shown)
  *
  * and, per layer N, four float64 tensors (sums over tokens, never means;
  * shapes row-major as kvcal prints them, GGUF stores ne[] reversed):
@@ -45,8 +54,8 @@
  * in that order, layer after layer (blk.0's eight, then blk.1's). Either
  * every layer has all four or none does. Fisher sums and the covariances'
  * diagonals are sums of squares, so never negative. Matrices are stored in
- * full (both triangles). A file without the Fisher tensors is the same
- * version 1 file as before they existed. */
+ * full (both triangles). A file without the Fisher tensors has the same
+ * layout as one from before they existed. */
 #ifndef KV_KVSTATS_H
 #define KV_KVSTATS_H
 
@@ -80,7 +89,7 @@ struct kv_stats {
 
 
 #define KV_STATS_TYPE "kvcal.stats"
-#define KV_STATS_FORMAT_VERSION 1
+#define KV_STATS_FORMAT_VERSION 2
 #define KV_STATS_PER_LAYER 4        /* tensors per layer without Fisher statistics */
 #define KV_STATS_FISHER_PER_LAYER 4 /* added per layer with them */
 

@@ -25,6 +25,32 @@ static inline uint32_t crc_of(const void *p, uint64_t n) {
     return (uint32_t)crc32(crc32(0L, Z_NULL, 0), p, (uInt)n);
 }
 
+/* kvcal.meta_crc32 as kvstats.h defines it: the crc32 of one text of the
+ * other keys' values (decimal numbers, the strings as they are). */
+static inline uint32_t hmeta_crc(const struct kv_stats *s) {
+    const struct kv_stats_info *i = &s->info;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    cr_assert(f);
+    fprintf(f, "%s\n%s\n", i->version, i->fingerprint);
+    fprintf(f, "%lld %lld %lld %lld %lld\n", (long long)i->n_layers, (long long)i->dim,
+            (long long)i->n_heads, (long long)i->n_kv_heads, (long long)i->head_dim);
+    fprintf(f, "%lld %lld %lld\n", (long long)i->seq_len, (long long)i->tokens,
+            (long long)i->windows);
+    fprintf(f, "%s %llu %lld %lld %lld %lld %lld\n", i->sampling, (unsigned long long)i->seed,
+            (long long)i->samples, (long long)i->shard_index, (long long)i->shard_count,
+            (long long)i->plan_windows, (long long)i->next_window);
+    for (int64_t k = 0; k < i->n_inputs; k++)
+        fprintf(f, "%s\n%s %llu %lld %lld\n", s->inputs[k].path, s->inputs[k].sha256,
+                (unsigned long long)s->inputs[k].bytes, (long long)s->inputs[k].tokens,
+                (long long)s->inputs[k].windows);
+    fclose(f);
+    uint32_t c = crc_of(text, len);
+    free(text);
+    return c;
+}
+
 /* A stats-like GGUF written from the documented layout (kvstats.h) with the
  * raw GGUF writer; each field overrides one piece. */
 struct hspec {
@@ -42,7 +68,7 @@ struct hspec {
 };
 
 /* No override: the file kv_stats_write writes. */
-static inline struct hspec hspec_default(void) { return (struct hspec){.format_version = 1}; }
+static inline struct hspec hspec_default(void) { return (struct hspec){.format_version = 2}; }
 
 /* A tensor as the independent writer stores it. */
 struct htensor {
@@ -188,6 +214,8 @@ static inline char *hand_write(const struct kv_stats *s, const struct hspec *h, 
         KEY("kvcal.crc32", kv_ggufw_add_arr_u64(w, "kvcal.crc32", crc64, (uint64_t)ncrc, &err));
     else
         KEY("kvcal.crc32", kv_ggufw_add_arr_u32(w, "kvcal.crc32", crc, (uint64_t)ncrc, &err));
+    if (h->format_version >= 2)
+        KEY("kvcal.meta_crc32", kv_ggufw_add_u32(w, "kvcal.meta_crc32", hmeta_crc(s), &err));
 #undef U64
 #undef STR
 #undef KEY

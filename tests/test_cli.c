@@ -443,6 +443,39 @@ Test(cli, export_of_gpt2_rotated_keys_is_refused_without_rope, .timeout = 120) {
     kvt_rm_dir(dir);
 }
 
+/* The finding of an adversarial run: the .kvstats crc32s covered the
+ * tensors, not the metadata, so a changed seed or dataset size went
+ * unnoticed. Now kvcal.meta_crc32 covers it: one changed value is
+ * refused with the key and its offset. */
+Test(cli, a_changed_kvstats_metadata_value_is_detected, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *st = kvt_path(dir, "s.kvstats"), args[8192];
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t '%s' --seq-len 128 -q -o '%s'", t, st);
+    expect_cli(args, 0, "");
+    snprintf(args, sizeof args, "inspect '%s'", st);
+    expect_cli(args, 0, NULL);
+    size_t len;
+    unsigned char *b = (unsigned char *)kvt_read_file(st, &len);
+    cr_assert_not_null(b);
+    /* GGUF: the key, a u32 type, then the u64 value */
+    const char key[] = "kvcal.seed";
+    unsigned char *k = memmem(b, len, key, sizeof key - 1);
+    cr_assert_not_null(k);
+    size_t val = (size_t)(k - b) + sizeof key - 1 + 4;
+    b[val] ^= 1;
+    free(fixture(dir, "s.kvstats", b, len));
+    int rc;
+    char *out, *err;
+    rc = kvt_run_cli(args, &out, &err);
+    cr_assert_eq(rc, 1, "exit %d; stderr:\n%s", rc, err);
+    char want[8192];
+    snprintf(want, sizeof want, "kvcal: %s: offset ", st);
+    cr_assert(!strncmp(err, want, strlen(want)) &&
+                  strstr(err, ": key 'kvcal.meta_crc32': metadata crc32 mismatch (stored "),
+              "stderr: %s", err);
+    free(out), free(err), free(b), free(st), free(t);
+    kvt_rm_dir(dir);
+}
+
 /* A manifest whose shapes no machine holds (the adversarial run's dim
  * 2^20 took 9.4 GB and a minute) is refused before anything is allocated,
  * with the shapes and both sizes. */
