@@ -147,7 +147,12 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(BUILD)/libkvrt.a $(BUILD)/libkv
 # skipped test prints its reason; the passing tests' RUN/PASS lines are
 # dropped. The closing line adds up Criterion's per-suite synthesis (a crash
 # counts as a failure) and the [SKIP] lines, which that synthesis leaves out.
-test: all $(TEST_BIN)
+# The fault injector tests/test_faults.c preloads into kvcal.
+$(BUILD)/tests/libfault.so: tests/fault/faultinject.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -O1 -Wall -Wextra $< -ldl -o $@
+
+test: all $(TEST_BIN) $(BUILD)/tests/libfault.so
 	@if command -v bible >/dev/null; then $(MAKE) --no-print-directory -s data; \
 	 else echo "make test: no 'bible' command (make deps installs bible-kjv): the KJV tests will skip"; fi
 	@pass=0; fail=0; skip=0; failed=""; log=$$(mktemp); \

@@ -961,8 +961,8 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
         }
         int32_t *part;
         int64_t n_part;
-        rc = encode_text(t, s->pend + start, cut - start, s->add_bos && !s->started, !s->started,
-                         &part, &n_part, err);
+        rc = encode_text(t, s->pend ? s->pend + start : "", cut - start,
+                         s->add_bos && !s->started, !s->started, &part, &n_part, err);
         if (rc) break;
         s->started = 1;
         start = cut;
@@ -984,7 +984,7 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
         if (start == s->n_pend) break;
     }
     if (rc) return rc;
-    memmove(s->pend, s->pend + start, s->n_pend - start);
+    if (start) memmove(s->pend, s->pend + start, s->n_pend - start);
     s->n_pend -= start;
     s->scanned = s->scanned > start ? s->scanned - start : 0;
     *ids = s->ids;

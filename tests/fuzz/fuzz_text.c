@@ -4,6 +4,7 @@
  * whole read succeeds the streams must give the same tokens, or the target
  * aborts. The vocabulary is built here: byte fallback, a few merges, and
  * literals with spaces inside, which cuts must not split. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
