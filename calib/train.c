@@ -15,6 +15,7 @@
  * step, tokens, loss, lr, grad norm, eval loss or NaN), and __metadata__
  * with the step, the random stream state and every option that must match
  * on resume. */
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -145,6 +146,7 @@ static double normal(uint64_t *s) {
 
 struct trainer {
     struct kv_train_opts *o;
+    char stage[2048];   /* out_dir.tmp-PID: the output until it is whole, or "" */
     struct kv_model *m;
     struct kv_tokenizer *tok;
     struct kv_grad *g;
@@ -485,12 +487,52 @@ static int log_fill(int fd, const char *path, const char *tmp, void *ctx, struct
     return bad ? kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write the training log") : KV_OK;
 }
 
+/* The files a trained model's directory holds: out_dir may be replaced
+ * only when it holds nothing else. */
+static const char *const out_files[] = {"config.json", "model.safetensors", "tokenizer.json",
+                                        "train_log.tsv"};
+
+static int check_out_dir(const char *dir, struct kv_err *err) {
+    int kind = kv_path_kind(dir);
+    if (kind < 0) return KV_OK;
+    if (kind == 0) return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "exists and is not a directory");
+    char eb[128];
+    DIR *d = opendir(dir);
+    if (!d)
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot open directory: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    int rc = KV_OK;
+    struct dirent *e;
+    while (!rc && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        int known = 0;
+        for (size_t i = 0; i < sizeof out_files / sizeof out_files[0]; i++)
+            known |= !strcmp(e->d_name, out_files[i]);
+        if (!known)
+            rc = kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                         "holds '%.200s', not a file of a trained model (config.json, "
+                         "model.safetensors, tokenizer.json, train_log.tsv); refusing to "
+                         "replace it",
+                         e->d_name);
+    }
+    closedir(d);
+    return rc;
+}
+
+/* The model, its tokenizer and the log into the staging directory, then
+ * the staging directory in place of out_dir in one step (kv_dir_install):
+ * out_dir is the earlier output or the new one, whole, at every moment. */
 static int write_outputs(struct trainer *t, const char *tok_path, struct kv_err *err) {
-    int rc = kv_hf_write(t->m, t->o->out_dir, t->o->out_dtype, tok_path, err);
+    int rc = check_out_dir(t->o->out_dir, err); /* again: it may have changed meanwhile */
+    if (!rc) rc = kv_hf_write(t->m, t->stage, t->o->out_dtype, tok_path, err);
     if (rc) return rc;
     char path[4096];
-    snprintf(path, sizeof path, "%s/train_log.tsv", t->o->out_dir);
-    return kv_write_atomic(path, log_fill, t, err);
+    snprintf(path, sizeof path, "%s/train_log.tsv", t->stage);
+    if ((rc = kv_write_atomic(path, log_fill, t, err)) || (rc = kv_fsync_dir(t->stage, t->stage, err)) ||
+        (rc = kv_dir_install(t->stage, t->o->out_dir, err)))
+        return rc;
+    t->stage[0] = 0;
+    return KV_OK;
 }
 
 /* ---------------------------------------------------------------- the run */
@@ -511,15 +553,23 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
             return kv_fail(err, KV_EIO, ins[i], KV_NO_OFFSET, "cannot open: %s",
                            kv_errtext(errno, eb, sizeof eb));
         }
-    if (mkdir(o->out_dir, 0755) && errno != EEXIST) {
+    /* the output is made in out_dir.tmp-PID and put in place at the end */
+    if ((rc = check_out_dir(o->out_dir, err))) return rc;
+    size_t n = strlen(o->out_dir);
+    while (n > 1 && o->out_dir[n - 1] == '/') n--;
+    snprintf(t->stage, sizeof t->stage, "%.*s.tmp-%ld", (int)n, o->out_dir, (long)getpid());
+    if (mkdir(t->stage, 0755) != 0) {
         char eb[128];
-        return kv_fail(err, KV_EIO, o->out_dir, KV_NO_OFFSET, "cannot create the directory: %s",
-                       kv_errtext(errno, eb, sizeof eb));
+        int e = errno;
+        rc = kv_fail(err, KV_EIO, t->stage, KV_NO_OFFSET, "cannot create the directory: %s",
+                     kv_errtext(e, eb, sizeof eb));
+        t->stage[0] = 0;
+        return rc;
     }
     if (o->tokenizer_path) {
         snprintf(tok_path, cap, "%s", o->tokenizer_path);
     } else {
-        snprintf(tok_path, cap, "%s/tokenizer.json", o->out_dir);
+        snprintf(tok_path, cap, "%s/tokenizer.json", t->stage);
         if ((rc = kv_hf_write_byte_tokenizer(tok_path, err))) return rc;
     }
     if ((rc = kv_tok_open(tok_path, &t->tok, err))) return rc;
@@ -605,6 +655,11 @@ int kv_train(struct kv_train_opts *o, struct kv_err *err) {
         o->tokens_seen = t.tokens;
         o->run_tokens = t.tokens - tok0;
         rc = write_outputs(&t, tok_path, err);
+    }
+    if (t.stage[0]) { /* not put in place: nothing of it stays */
+        struct kv_err ignored;
+        kv_err_clear(&ignored);
+        kv_remove_dir_files(t.stage, 1, &ignored);
     }
     trainer_free(&t);
     return rc;

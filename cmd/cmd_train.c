@@ -29,7 +29,9 @@ static struct train_args {
 static const struct cli_opt train_opts[] = {
     {"text", 0, OPT_STR, &A.text, "FILE", "training text (.txt or .gz)"},
     {"eval", 0, OPT_STR, &A.eval, "FILE", "held-out text, scored every --eval-every steps"},
-    {"output", 'o', OPT_STR, &A.out, "DIR", "HF directory to write at the end"},
+    {"output", 'o', OPT_STR, &A.out, "DIR",
+     "HF directory to write at the end (an earlier model there is replaced whole; "
+     "a directory with other files is refused)"},
     {"tokenizer", 0, OPT_STR, &A.tok, "FILE",
      "HF tokenizer.json (default: kvcal's byte-level one,\nwritten into DIR)"},
     {"arch", 0, OPT_STR, &A.arch, "NAME", "llama (RMSNorm, RoPE, GQA, SwiGLU) or gpt2\n(default llama)"},

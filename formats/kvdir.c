@@ -141,32 +141,6 @@ int kv_lr_dir_check(const char *dir, const char *name, struct kv_err *err) {
     return rc;
 }
 
-/* Unlink every entry of dir (no subdirectories) and, if rmdir_too, dir. */
-static int remove_files(const char *dir, int rmdir_too, struct kv_err *err) {
-    char eb[128];
-    DIR *d = opendir(dir);
-    if (!d)
-        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot open directory: %s",
-                       kv_errtext(errno, eb, sizeof eb));
-    int rc = KV_OK;
-    struct dirent *e;
-    while (!rc && (e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        char *p = kv_path_join(dir, e->d_name);
-        if (!p)
-            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
-        else if (unlink(p) != 0)
-            rc = kv_fail(err, KV_EIO, p, KV_NO_OFFSET, "cannot remove: %s",
-                         kv_errtext(errno, eb, sizeof eb));
-        free(p);
-    }
-    closedir(d);
-    if (!rc && rmdir_too && rmdir(dir) != 0)
-        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot remove directory: %s",
-                     kv_errtext(errno, eb, sizeof eb));
-    return rc;
-}
-
 /* ================================================================ write */
 
 /* Fill the temporary directory tmp. */
@@ -241,11 +215,11 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
                        "factors were made from model %.12s but this model is %.12s",
                        lr->info.model_fingerprint, fp);
 
-    char *out = trim_dir(dir), *parent = out ? kv_path_dir(out) : NULL;
+    char *out = trim_dir(dir);
     size_t n = out ? strlen(out) + 32 : 0;
     char *tmp = out ? malloc(n) : NULL;
-    if (!out || !parent || !tmp) {
-        free(out), free(parent), free(tmp);
+    if (!out || !tmp) {
+        free(out), free(tmp);
         return kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
     }
     snprintf(tmp, n, "%s.tmp-%ld", out, (long)getpid());
@@ -263,35 +237,16 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     /* look again: the directory may have changed while the weights were written */
     if (!rc) rc = classify_target(out, NULL, &t, err);
     /* An earlier output is swapped with the new one in one step
-     * (RENAME_EXCHANGE): out holds the old output or the new one, whole,
-     * at every moment, and the old one, now at tmp, is removed after. A
-     * file system without the exchange gets the old order: the earlier
-     * files removed, then the new directory renamed in. */
-    int swapped = 0;
-    if (!rc && t == T_EARLIER) {
-        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, out, RENAME_EXCHANGE) == 0)
-            swapped = 1;
-        else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)
-            rc = remove_files(out, 0, err);
-        else
-            rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot exchange '%s' with it: %s", tmp,
-                         kv_errtext(errno, eb, sizeof eb));
-    }
-    if (!rc && !swapped && rename(tmp, out) != 0)
-        rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
-                     kv_errtext(errno, eb, sizeof eb));
-    if (rc) {
+     * (kv_dir_install): out holds the old output or the new one, whole, at
+     * every moment. */
+    if (!rc) rc = kv_dir_install(tmp, out, err);
+    if (rc && kv_path_kind(tmp) == 1) {
         struct kv_err ignored;
         kv_err_clear(&ignored);
-        remove_files(tmp, 1, &ignored);
-        goto done;
+        kv_remove_dir_files(tmp, 1, &ignored);
     }
-    rc = kv_fsync_dir(parent, parent, err);
-    if (swapped && !rc) /* the earlier output, now at tmp */
-        rc = remove_files(tmp, 1, err);
 done:
     free(out);
-    free(parent);
     free(tmp);
     return rc;
 }

@@ -1,5 +1,6 @@
 #include "mapfile.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -219,3 +220,54 @@ int kv_write_atomic(const char *path,
     free(tmp);
     return kv_fsync_parent(path, err);
 }
+
+/* Unlink every entry of dir (no subdirectories) and, if rmdir_too, dir. */
+int kv_remove_dir_files(const char *dir, int rmdir_too, struct kv_err *err) {
+    char eb[128];
+    DIR *d = opendir(dir);
+    if (!d)
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot open directory: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    int rc = KV_OK;
+    struct dirent *e;
+    while (!rc && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *p = kv_path_join(dir, e->d_name);
+        if (!p)
+            rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+        else if (unlink(p) != 0)
+            rc = kv_fail(err, KV_EIO, p, KV_NO_OFFSET, "cannot remove: %s",
+                         kv_errtext(errno, eb, sizeof eb));
+        free(p);
+    }
+    closedir(d);
+    if (!rc && rmdir_too && rmdir(dir) != 0)
+        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot remove directory: %s",
+                     kv_errtext(errno, eb, sizeof eb));
+    return rc;
+}
+
+int kv_dir_install(const char *tmp, const char *out, struct kv_err *err) {
+    char eb[128];
+    int swapped = 0, rc = KV_OK;
+    if (kv_path_kind(out) == 1) {
+        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, out, RENAME_EXCHANGE) == 0)
+            swapped = 1;
+        else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)
+            rc = kv_remove_dir_files(out, 0, err); /* the old order: empty it, then rename */
+        else
+            return kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot exchange '%s' with it: %s", tmp,
+                           kv_errtext(errno, eb, sizeof eb));
+    }
+    if (!rc && !swapped && rename(tmp, out) != 0)
+        rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
+                     kv_errtext(errno, eb, sizeof eb));
+    if (rc) return rc;
+    char *parent = kv_path_dir(out);
+    if (!parent) return kv_fail(err, KV_ENOMEM, out, KV_NO_OFFSET, "out of memory");
+    rc = kv_fsync_dir(parent, parent, err);
+    free(parent);
+    if (!rc && swapped) rc = kv_remove_dir_files(tmp, 1, err); /* the earlier one, now at tmp */
+    return rc;
+}
+

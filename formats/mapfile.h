@@ -47,6 +47,18 @@ char *kv_path_join(const char *dir, const char *name);
 int kv_fsync_dir(const char *dir, const char *path, struct kv_err *err);
 int kv_fsync_parent(const char *path, struct kv_err *err);
 
+/* Unlink every entry of dir (no subdirectories) and, if rmdir_too, dir. */
+int kv_remove_dir_files(const char *dir, int rmdir_too, struct kv_err *err);
+
+/* Put the complete directory tmp (files only) in place of out, on the same
+ * file system: renamed there when out is absent, else exchanged with out
+ * in one step (renameat2 RENAME_EXCHANGE), so out is the earlier directory
+ * or the new one, whole, at every moment, and the earlier one, now at tmp,
+ * is removed after. A file system without the exchange gets the old order:
+ * out's files removed, then tmp renamed. The parent directory is synced.
+ * The caller has checked that out may be replaced. */
+int kv_dir_install(const char *tmp, const char *out, struct kv_err *err);
+
 /* Create a new file beside path to write it through: "path.tmp-PID-N"
  * (mode 0644 less the umask), created exclusively, so an existing file or
  * a symlink planted under that name is neither followed nor truncated, and

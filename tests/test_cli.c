@@ -476,6 +476,27 @@ Test(cli, a_changed_kvstats_metadata_value_is_detected, .timeout = 120) {
     kvt_rm_dir(dir);
 }
 
+/* train writes its model beside the output and puts it in place whole
+ * (the fault table kills it at every step); so it replaces only a
+ * directory that holds nothing but an earlier model's files. */
+Test(cli, train_refuses_to_replace_a_directory_with_other_files, .timeout = 120) {
+    char *dir = kvt_temp_dir(), *t = device_text(dir), *o = kvt_path(dir, "o"), args[8192], want[8192];
+    snprintf(args, sizeof args,
+             "train --text '%s' -o '%s' --dim 32 --layers 1 --heads 2 --steps 1 --seq-len 16 "
+             "--batch 2 -q", t, o);
+    expect_cli(args, 0, "");
+    expect_cli(args, 0, ""); /* an earlier model is replaced */
+    free(fixture(o, "notes.txt", "mine", 4));
+    snprintf(want, sizeof want,
+             "kvcal: %s: holds 'notes.txt', not a file of a trained model (config.json, "
+             "model.safetensors, tokenizer.json, train_log.tsv); refusing to replace it\n", o);
+    expect_cli(args, 1, want);
+    char *notes = kvt_path(o, "notes.txt");
+    cr_assert_eq(access(notes, F_OK), 0, "notes.txt was removed");
+    free(notes), free(o), free(t);
+    kvt_rm_dir(dir);
+}
+
 /* A manifest whose shapes no machine holds (the adversarial run's dim
  * 2^20 took 9.4 GB and a minute) is refused before anything is allocated,
  * with the shapes and both sizes. */

@@ -1,5 +1,5 @@
 /* The fault-injection table: each writing command (collect, merge,
- * decompose, export) killed with SIGKILL just before or just after
+ * decompose, export, train) killed with SIGKILL just before or just after
  * each fsync and each rename it makes (tests/fault/faultinject.c, preloaded),
  * over an earlier good output where the command replaces one. After every
  * kill the output is the earlier one or the new one, whole, never a mix or a
@@ -199,5 +199,16 @@ Test(faults, decompose, .timeout = 300) {
 Test(faults, export, .timeout = 300) {
     const struct fault_case c = {"export", NULL,
                                  "export --dense %s/c --model data/kjv-llama -o %s/e", "e"};
+    fault_table_row(&c);
+}
+
+Test(faults, train, .timeout = 300) {
+    const struct fault_case c = {
+        "train",
+        "train --text %s/t.txt -o %s/tr --dim 32 --layers 1 --heads 2 --steps 1 --seq-len 16 "
+        "--batch 2 -q",
+        "train --text %s/t.txt -o %s/tr --dim 32 --layers 1 --heads 2 --steps 2 --seq-len 16 "
+        "--batch 2 -q",
+        "tr"};
     fault_table_row(&c);
 }
