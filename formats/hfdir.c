@@ -421,11 +421,11 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
         kv_convert_to_f32(t->dtype, t->data, in, n);
         for (int64_t i = 0; i < n; i++) /* here, where the element's offset is known */
             if (!isfinite(in[i])) {
+                const char *what = isnan(in[i]) ? "nan" : "inf"; /* before in is freed */
                 free(in);
                 return kv_fail(err, KV_ENUMERIC, path,
                                t->offset + (uint64_t)i * kv_dtype_size(t->dtype),
-                               "tensor '%s' element %lld is %s", t->name, (long long)i,
-                               isnan(in[i]) ? "nan" : "inf");
+                               "tensor '%s' element %lld is %s", t->name, (long long)i, what);
             }
         for (int64_t i = 0; i < cols; i++) /* in [cols, total] -> out [total, cols] */
             for (int64_t o = 0; o < total; o++) out[o * cols + i] = in[i * total + o];
