@@ -381,7 +381,7 @@ Test(cli, a_tokenizer_without_bos_is_named, .timeout = 120) {
 
 /* The finding of an adversarial run: a Metaspace replacement of 5000
  * bytes gave "space piece is 5000 bytes but must be 1..4096", naming no
- * file. Now the tokenizer.json and the field are named. */
+ * file (later the file, but not the field). Now both are named. */
 Test(cli, an_overlong_space_replacement_names_the_tokenizer) {
     char *dir = kvt_temp_dir(), *t = device_text(dir), *tp = kvt_path(dir, "tokenizer.json");
     json_error_t je;

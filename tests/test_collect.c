@@ -50,6 +50,7 @@ static int same_file(const char *a, const char *b) {
 }
 
 Test(collect_cli, kill_9_after_a_checkpoint_then_resume_is_bitwise_identical, .timeout = 240) {
+    KVT_SKIP_SANITIZED("over its time limit at the sanitizers' speed");
     char base[4096];
     base_args(base, sizeof base);
     char *dir = kvt_temp_dir();

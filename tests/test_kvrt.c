@@ -359,6 +359,7 @@ Test(kvrt_twin, quantized_matches_forward_tinystories656K, .timeout = 300) {
     twin_matches_forward_quantized(W656, llama_methods, N_OF(llama_methods));
 }
 Test(kvrt_twin, quantized_matches_forward_kjv_llama, .timeout = 300) {
+    KVT_SKIP_SANITIZED("over its time limit at the sanitizers' speed");
     twin_matches_forward_quantized(WKJV_LLAMA, llama_methods, N_OF(llama_methods));
 }
 Test(kvrt_twin, quantized_matches_forward_kjv_gpt2, .timeout = 300) {

@@ -135,7 +135,9 @@ Test(hf_tokenizer, refuses_other_tokenizer_kinds) {
     snprintf(text, n + 512,
              "{\"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"%s\"},"
              " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}", big);
-    tok_fails(text, KV_EINVAL, "space piece is 5000 bytes but must be 1..4096");
+    tok_fails(text, KV_EFORMAT,
+              "the replacement for ' ' (pre_tokenizer Metaspace or normalizer Replace) is 5000 "
+              "bytes, more than a piece may hold (4096)");
     free(big), free(text);
 }
 
