@@ -83,9 +83,9 @@ struct fault_case {
 };
 
 /* Kill points of one case, until a run with the fault armed finishes (its
- * fault point lies past the command's last call): the first four of each
- * step, then every other, every fourth... (a command makes one fsync per
- * file, and decompose writes a dozen). */
+ * fault point lies past the command's last call): the first three of each
+ * step, then 4, 6, 9, 13, ... (a command makes one fsync per file, and
+ * decompose writes a dozen). */
 static int run_case(const char *dir, const struct fault_case *c) {
     char oldv[8192] = "", newv[8192], out[4096], old_d[65], new_d[65], got[65], rm[8192];
     snprintf(out, sizeof out, "%s/%s", dir, c->out);
@@ -106,7 +106,7 @@ static int run_case(const char *dir, const struct fault_case *c) {
     int kills = 0;
     const char *ops[] = {"fsync", "rename", "rename+"};
     for (int o = 0; o < 3; o++)
-        for (int n = 1;; n += n < 4 ? 1 : n / 4) {
+        for (int n = 1;; n += n < 3 ? 1 : n / 2) {
             char fault[32];
             snprintf(fault, sizeof fault, "%s:%d", ops[o], n);
             int rc = run(newv, fault);

@@ -507,8 +507,9 @@ Test(tok_stream, no_cut_at_a_space_a_piece_spans) {
     tb_free(&b);
 }
 
-/* Every shared tokenizer on every shared text: identical tokens in chunks
- * of 1 byte (a cut at every safe space), 4 KiB and the default 1 MiB. */
+/* Every shared tokenizer on every shared text: identical tokens in slices
+ * of 1 byte (a cut at every safe place; val1k only), 4 KiB and the default
+ * 64 KiB. */
 Test(tok_stream, shared_texts_match_whole_text_encoding, .timeout = 300) {
     const char *toks[] = {"models/llama2-tokenizer/tokenizer.bin", "models/stories260K/tok512.bin",
                           "models/stories260K/stories260K.gguf",
@@ -531,7 +532,8 @@ Test(tok_stream, shared_texts_match_whole_text_encoding, .timeout = 300) {
             char *text = kvt_read_file(kvt_shared(texts[j]), &len);
             cr_assert(text);
             const size_t chunks[] = {1, 4096, 0};
-            for (size_t c = 0; c < 3; c++) {
+            /* a cut at every safe space on the smaller text only (time) */
+            for (size_t c = j == 0 ? 0 : 1; c < 3; c++) {
                 int64_t parts;
                 expect_same_tokens(t, text, len, 1, chunks[c], 1 << 16, &rng, tp, &parts);
                 /* every vocabulary but tinystories-656K's (which holds
