@@ -28,7 +28,7 @@ static int run(const char *args, const char *fault) {
     int st = system(cmd);
     cr_assert(st != -1, "%s", cmd);
     if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
-    return WEXITSTATUS(st) >= 128 ? WEXITSTATUS(st) : WEXITSTATUS(st);
+    return WEXITSTATUS(st);
 }
 
 static int cmp_str(const void *a, const void *b) {
