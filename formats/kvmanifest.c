@@ -25,6 +25,40 @@ static double rel_error(double dropped, double energy) {
     return energy > 0 ? dropped / energy : 0.0;
 }
 
+/* The words the manifest's model object uses for what an architecture's
+ * forward pass does besides attention. */
+struct arch_words {
+    const char *norm, *activation, *mlp, *positions;
+};
+
+static struct arch_words arch_words(enum kv_arch arch) {
+    const struct kv_arch_desc *d = kv_arch_desc(arch);
+    struct arch_words w = {d->layernorm ? "layernorm" : "rmsnorm",
+                           d->gelu_mlp ? "gelu_new" : "silu", d->gelu_mlp ? "plain" : "gated",
+                           d->rope ? "rope" : "learned"};
+    return w;
+}
+
+/* Layer l's query and output projections as an engine applies them: the
+ * fused query when its keys are fused_query, the plain q_proj otherwise (and
+ * the bias that goes with it, when the model has q biases); o_proj (fused
+ * or not, one name) and its bias where the architecture has one. */
+struct attn_names {
+    char q[KV_LRL_NAME_CAP], qb[KV_LRL_NAME_CAP], o[KV_LRL_NAME_CAP], ob[KV_LRL_NAME_CAP];
+    int has_qb, has_ob;
+};
+
+static void attn_names(struct attn_names *a, const struct kv_config *c,
+                       const struct kv_lowrank *lr, int64_t l) {
+    int fused = lr->layers[l].k.mode == KV_LR_FUSED_QUERY;
+    kv_lrl_attn_name(a->q, c->arch, l, 'q', fused ? "_fused.weight" : "_proj.weight");
+    kv_lrl_attn_name(a->qb, c->arch, l, 'q', fused ? "_fused.bias" : "_proj.bias");
+    kv_lrl_attn_name(a->o, c->arch, l, 'o', "_proj.weight");
+    kv_lrl_attn_name(a->ob, c->arch, l, 'o', "_proj.bias");
+    a->has_qb = c->has_qkv_bias;
+    a->has_ob = kv_arch_desc(c->arch)->block_biases;
+}
+
 /* ================================================================ write */
 
 /* json_t builders that remember the first allocation failure. */
@@ -209,6 +243,16 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "bos_id", json_integer(c->bos_id));
     jset(&b, mo, "eos_id", json_integer(c->eos_id));
     jset(&b, mo, "tokenizer", json_text(tok_name));
+    /* what the forward pass does around attention, as words an engine can
+     * switch on (the reader checks them against arch) */
+    struct arch_words aw = arch_words(c->arch);
+    jset(&b, mo, "norm", json_string(aw.norm));
+    jset(&b, mo, "activation", json_string(aw.activation));
+    jset(&b, mo, "mlp", json_string(aw.mlp));
+    jset(&b, mo, "positions", json_string(aw.positions));
+    json_t *map = jset(&b, mo, "kv_head_of_query", json_array());
+    for (int64_t i = 0; i < c->n_heads; i++)
+        jappend(&b, map, json_integer(i / (c->n_heads / c->n_kv_heads)));
 
     jset(&b, root, "stats", stats);
     if (kv_lrl_has_rope(c->arch)) {
@@ -253,6 +297,12 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     for (int64_t l = 0; l < lr->info.n_layers && !b.bad; l++) {
         json_t *yo = json_object();
         jset(&b, yo, "index", json_integer(l));
+        struct attn_names an;
+        attn_names(&an, c, lr, l);
+        jset(&b, yo, "q_proj", json_string(an.q));
+        jset(&b, yo, "q_proj_bias", name_or_null(an.has_qb ? an.qb : NULL));
+        jset(&b, yo, "o_proj", json_string(an.o));
+        jset(&b, yo, "o_proj_bias", name_or_null(an.has_ob ? an.ob : NULL));
         jset(&b, yo, "k", side_json(&b, m, lr, l, 0));
         jset(&b, yo, "v", side_json(&b, m, lr, l, 1));
         jappend(&b, layers, yo);
@@ -407,6 +457,94 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
     return KV_OK;
 }
 
+/* An optional string key that, when present, must be want (what arch
+ * does): keys added to version 1 after its first manifests. */
+static int check_word(const json_t *o, const char *key, const char *want, const char *arch,
+                      const char *path, struct kv_err *err) {
+    const char *v = NULL;
+    int rc = kv_json_get_str(o, key, path, 0, &v, err);
+    if (rc) return in_ctx(rc, err, "model");
+    if (v && strcmp(v, want) != 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: %s '%.64s' does not match arch '%s', which has '%s'", key, v, arch,
+                       want);
+    return KV_OK;
+}
+
+/* norm, activation, mlp and positions agree with the arch, and
+ * kv_head_of_query is the map kvcal's attention uses: query head i reads KV
+ * head i / (n_heads / n_kv_heads). Each may be absent (earlier manifests). */
+static int check_arch_words(const json_t *mo, const struct kv_config *c, const char *path,
+                            struct kv_err *err) {
+    struct arch_words w = arch_words(c->arch);
+    const char *an = kv_arch_name(c->arch);
+    int rc;
+    if ((rc = check_word(mo, "norm", w.norm, an, path, err)) ||
+        (rc = check_word(mo, "activation", w.activation, an, path, err)) ||
+        (rc = check_word(mo, "mlp", w.mlp, an, path, err)) ||
+        (rc = check_word(mo, "positions", w.positions, an, path, err)))
+        return rc;
+    json_t *map = json_object_get(mo, "kv_head_of_query");
+    if (!map) return KV_OK;
+    if (!json_is_array(map) || json_array_size(map) != (size_t)c->n_heads) {
+        char found[64];
+        kv_json_repr(map, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: key 'kv_head_of_query' must be an array of n_heads %lld kv head "
+                       "indices, found %s",
+                       (long long)c->n_heads, found);
+    }
+    int64_t group = c->n_heads / c->n_kv_heads;
+    for (int64_t i = 0; i < c->n_heads; i++) {
+        json_t *h = json_array_get(map, (size_t)i);
+        if (json_is_integer(h) && json_integer_value(h) == i / group) continue;
+        char found[64];
+        kv_json_repr(h, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: kv_head_of_query[%lld] is %s, expected %lld (query head i reads kv "
+                       "head i / (n_heads / n_kv_heads))",
+                       (long long)i, found, (long long)(i / group));
+    }
+    return KV_OK;
+}
+
+/* One of a layer's projection names: want (NULL: must be null). */
+static int check_layer_name(const json_t *yo, const char *key, const char *want,
+                            const char *path, const char *ctx, struct kv_err *err) {
+    const char *v;
+    int rc = get_name(yo, key, path, 0, &v, err);
+    if (rc) return in_ctx(rc, err, ctx);
+    if (!v == !want && (!v || !strcmp(v, want))) return KV_OK;
+    return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: %s is %s%.200s%s, expected %s%s%s",
+                   ctx, key, v ? "'" : "", v ? v : "null", v ? "'" : "", want ? "'" : "",
+                   want ? want : "null", want ? "'" : "");
+}
+
+/* Layer l's q_proj, q_proj_bias, o_proj and o_proj_bias (all four, or none
+ * in earlier manifests): the tensors kvcal applies, the fused ones under the
+ * names its sides give. */
+static int check_layer_names(const json_t *yo, int64_t l, const struct kv_config *c,
+                             const struct kv_lowrank *lr, const struct kv_mf_names *nm,
+                             const char *path, struct kv_err *err) {
+    static const char *const keys[] = {"q_proj", "q_proj_bias", "o_proj", "o_proj_bias"};
+    int present = 0;
+    for (int i = 0; i < 4; i++) present += json_object_get(yo, keys[i]) != NULL;
+    if (!present) return KV_OK;
+    char ctx[48];
+    snprintf(ctx, sizeof ctx, "layer %lld", (long long)l);
+    struct attn_names a;
+    attn_names(&a, c, lr, l);
+    int fused = lr->layers[l].k.mode == KV_LR_FUSED_QUERY;
+    const char *want[4] = {fused ? nm[0].q_proj : a.q,
+                           fused ? nm[0].q_proj_bias : a.has_qb ? a.qb : NULL, nm[1].o_proj,
+                           a.has_ob ? a.ob : NULL};
+    for (int i = 0; i < 4; i++) {
+        int rc = check_layer_name(yo, keys[i], want[i], path, ctx, err);
+        if (rc) return rc;
+    }
+    return KV_OK;
+}
+
 /* "model", "rope", "weights" and "weight_layout" into mf. */
 static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                        struct kv_err *err) {
@@ -457,6 +595,7 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                        (long long)c->n_heads, (long long)c->n_kv_heads);
 
     if ((rc = parse_rope(root, path, c, err))) return rc;
+    if ((rc = check_arch_words(mo, c, path, err))) return rc;
 
     const char *w, *layout = NULL;
     if ((rc = kv_json_get_str(root, "weights", path, 1, &w, err))) return rc;
@@ -739,7 +878,8 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
             goto fail;
         }
         if ((rc = parse_side(yo, l, 0, c, lr, &mf->names[l][0], path, err)) ||
-            (rc = parse_side(yo, l, 1, c, lr, &mf->names[l][1], path, err)))
+            (rc = parse_side(yo, l, 1, c, lr, &mf->names[l][1], path, err)) ||
+            (rc = check_layer_names(yo, l, c, lr, mf->names[l], path, err)))
             goto fail;
     }
 

@@ -9,12 +9,20 @@
  *     options {..}, model {fingerprint, source, format, arch ("llama" or
  *     "gpt2"), dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim,
  *     vocab_size, norm_eps, tied_embeddings, qkv_bias, max_seq_len, bos_id,
- *     eos_id, tokenizer}, stats, rope {layout, pairs, theta, scaling} (null
+ *     eos_id, tokenizer, norm, activation, mlp, positions,
+ *     kv_head_of_query}, stats, rope {layout, pairs, theta, scaling} (null
  *     for gpt2: no rope), latent {dtype, bits, quantization, hadamard},
  *     weights, weight_layout "linear [out, in]", kv_bytes_per_token {base,
  *     compressed, ratio}, predicted_error {k, v}, layers [..]
  *
- * Each layer {index, k, v}; each side ("k", "v") holds mode, rank (Σ
+ * norm ("rmsnorm", "layernorm"), activation ("silu", "gelu_new"), mlp
+ * ("gated", "plain") and positions ("rope", "learned") say in words what
+ * arch does; kv_head_of_query[i] = i / (n_heads / n_kv_heads).
+ *
+ * Each layer {index, q_proj, q_proj_bias, o_proj, o_proj_bias, k, v}: the
+ * four names are the query and output projections as an engine applies
+ * them in every mode (the fused query for fused_query keys; biases null
+ * where the model has none). Each side ("k", "v") holds mode, rank (Σ
  * rank_u), predicted_error, the tensor names down, down_bias, proj (and
  * proj_bias), for V o_proj (and o_cols when fused), for fused_query K
  * q_proj, q_proj_bias (null without q biases) and q_cols, and units
@@ -28,13 +36,16 @@
  *
  * The parser checks everything the manifest alone can say: the format and
  * version, types and ranges of every key it reads, the architecture and
- * rope, the latent bits, every side (lrlayout.h's rules), the names each
+ * rope, the words and kv_head_of_query against the architecture, the latent
+ * bits, each layer's projection names against the names kvcal applies, every side (lrlayout.h's rules), the names each
  * mode needs and the nulls it forbids, o_cols and q_cols, and that
  * kv_bytes_per_token is what the ranks give. Errors are KV_EFORMAT naming
  * the file (KV_EUNSUPPORTED for a newer version, an unknown arch, rope
  * scaling or another weight layout), with no offset except where the JSON
  * itself is invalid (jansson's position). The first rule broken is the one
- * reported, in the order above. */
+ * reported, in the order above. The words, kv_head_of_query and the
+ * layers' projection names came after the first version-1 manifests: a
+ * manifest without them is read as before. */
 #ifndef KV_KVMANIFEST_H
 #define KV_KVMANIFEST_H
 

@@ -84,6 +84,17 @@ static void check_manifest(struct kv_config cfg, int bits) {
     cr_assert_eq((float)jnum(mo, "norm_eps"), c->norm_eps);
     cr_assert_eq(json_is_true(json_object_get(mo, "qkv_bias")), bias);
     cr_assert_eq(json_is_true(json_object_get(mo, "tied_embeddings")), c->tied_embeddings);
+    /* what an engine needs besides attention, and which KV head each query
+     * head reads (h / g consecutive query heads per KV head) */
+    cr_assert_str_eq(jstr(mo, "norm"), gpt2 ? "layernorm" : "rmsnorm");
+    cr_assert_str_eq(jstr(mo, "activation"), gpt2 ? "gelu_new" : "silu");
+    cr_assert_str_eq(jstr(mo, "mlp"), gpt2 ? "plain" : "gated");
+    cr_assert_str_eq(jstr(mo, "positions"), gpt2 ? "learned" : "rope");
+    json_t *map = json_object_get(mo, "kv_head_of_query");
+    cr_assert_eq((int64_t)json_array_size(map), c->n_heads);
+    for (int64_t h = 0; h < c->n_heads; h++)
+        cr_assert_eq(json_integer_value(json_array_get(map, (size_t)h)),
+                     h * c->n_kv_heads / c->n_heads, "kv_head_of_query[%lld]", (long long)h);
 
     json_t *ro = json_object_get(root, "rope");
     if (gpt2) {
@@ -116,6 +127,27 @@ static void check_manifest(struct kv_config cfg, int bits) {
     for (int64_t l = 0; l < c->n_layers; l++) {
         json_t *yo = json_array_get(layers, (size_t)l);
         cr_assert_eq(jint(yo, "index"), l);
+        {
+            /* the query and output projections as applied, in every mode */
+            char a[96], nm[160];
+            snprintf(a, sizeof a, gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
+                     (long long)l);
+            int fq = lr->layers[l].k.mode == KV_LR_FUSED_QUERY;
+            snprintf(nm, sizeof nm, "%sq_%s.weight", a, fq ? "fused" : "proj");
+            cr_assert_str_eq(jstr(yo, "q_proj"), nm);
+            snprintf(nm, sizeof nm, "%sq_%s.bias", a, fq ? "fused" : "proj");
+            if (bias)
+                cr_assert_str_eq(jstr(yo, "q_proj_bias"), nm);
+            else
+                cr_assert(json_is_null(json_object_get(yo, "q_proj_bias")));
+            snprintf(nm, sizeof nm, "%so_proj.weight", a);
+            cr_assert_str_eq(jstr(yo, "o_proj"), nm);
+            snprintf(nm, sizeof nm, "%so_proj.bias", a);
+            if (gpt2)
+                cr_assert_str_eq(jstr(yo, "o_proj_bias"), nm);
+            else
+                cr_assert(json_is_null(json_object_get(yo, "o_proj_bias")));
+        }
         for (int s = 0; s < 2; s++) {
             const struct kv_lr_side *sd = s ? &lr->layers[l].v : &lr->layers[l].k;
             json_t *so = json_object_get(yo, s ? "v" : "k");
@@ -264,6 +296,40 @@ static void j_weights_path(json_t *r) { set(r, "weights", json_string("../w.safe
 static void j_energy(json_t *r) { set(unit_json(r, 0, "k", 0), "energy", json_string("lots")); }
 static void j_bos_type(json_t *r) { set(json_object_get(r, "model"), "bos_id", json_string("1")); }
 static void j_ctx_zero(json_t *r) { set(json_object_get(r, "model"), "max_seq_len", json_integer(0)); }
+static void j_norm(json_t *r) { set(json_object_get(r, "model"), "norm", json_string("layernorm")); }
+static void j_activation(json_t *r) {
+    set(json_object_get(r, "model"), "activation", json_string("gelu"));
+}
+static void j_positions(json_t *r) {
+    set(json_object_get(r, "model"), "positions", json_string("rope"));
+}
+static void j_kv_map(json_t *r) {
+    json_t *map = json_object_get(json_object_get(r, "model"), "kv_head_of_query");
+    cr_assert_eq(json_array_set_new(map, 3, json_integer(2)), 0);
+}
+static void j_kv_map_short(json_t *r) {
+    json_t *map = json_object_get(json_object_get(r, "model"), "kv_head_of_query");
+    cr_assert_eq(json_array_remove(map, 7), 0);
+}
+static void j_layer_q_proj(json_t *r) {
+    set(json_array_get(json_object_get(r, "layers"), 1), "q_proj",
+        json_string("model.layers.1.self_attn.k_proj.weight"));
+}
+static void j_layer_q_fused(json_t *r) {
+    /* a fused query layer must name the fused projection its keys name */
+    set(json_array_get(json_object_get(r, "layers"), 0), "q_proj",
+        json_string("transformer.h.0.attn.q_proj.weight"));
+}
+static void j_layer_o_bias(json_t *r) {
+    set(json_array_get(json_object_get(r, "layers"), 2), "o_proj_bias", json_null());
+}
+static void j_layer_q_bias(json_t *r) {
+    set(json_array_get(json_object_get(r, "layers"), 0), "q_proj_bias",
+        json_string("model.layers.0.self_attn.q_proj.bias"));
+}
+static void j_layer_partial(json_t *r) {
+    cr_assert_eq(json_object_del(json_array_get(json_object_get(r, "layers"), 1), "o_proj"), 0);
+}
 static void j_layers(json_t *r) {
     cr_assert_eq(json_array_remove(json_object_get(r, "layers"), 2), 0);
 }
@@ -330,6 +396,38 @@ static const struct row rows[] = {
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'weights'"}, 0},
     {"energy type", j_energy, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 0: key 'energy'"}, 0},
+    {"norm against arch", j_norm, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: norm 'layernorm' does not match arch 'llama', which has 'rmsnorm'"}, 0},
+    {"activation against arch", j_activation, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: activation 'gelu' does not match arch 'gpt2', which has 'gelu_new'"}, 1},
+    {"positions against arch", j_positions, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: positions 'rope' does not match arch 'gpt2', which has 'learned'"}, 1},
+    {"kv head of a query head", j_kv_map, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: kv_head_of_query[3] is 2, expected 1 (query head i reads kv head i / (n_heads / "
+      "n_kv_heads))"}, 0},
+    {"kv head map length", j_kv_map_short, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: key 'kv_head_of_query' must be an array of n_heads 8 kv head indices"}, 0},
+    {"layer q_proj", j_layer_q_proj, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 1: q_proj is 'model.layers.1.self_attn.k_proj.weight', expected "
+      "'model.layers.1.self_attn.q_proj.weight'"}, 0},
+    {"layer q_proj of fused keys", j_layer_q_fused, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0: q_proj is 'transformer.h.0.attn.q_proj.weight', expected "
+      "'transformer.h.0.attn.q_fused.weight'"}, 1},
+    {"layer o_proj_bias of gpt2", j_layer_o_bias, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 2: o_proj_bias is null, expected 'transformer.h.2.attn.o_proj.bias'"}, 1},
+    {"layer q_proj_bias without q biases", j_layer_q_bias, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0: q_proj_bias is 'model.layers.0.self_attn.q_proj.bias', expected null"}, 0},
+    {"layer projections in part", j_layer_partial, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 1: missing key 'o_proj'"}, 0},
     {"layer count", j_layers, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "2 entries, expected n_layers 3"}, 0},
 };
@@ -429,6 +527,37 @@ Test(kvmanifest_parse, reads_the_bytes_of_a_valid_manifest) {
         kv_lr_free(lr);
         kv_lr_free(from_file);
         free(b), free(text);
+        fx_free(&f);
+    }
+}
+
+/* The keys added to version 1 after its first manifests (the model's norm,
+ * activation, mlp, positions and kv_head_of_query, each layer's
+ * projections): a manifest without them is still read, as the same model. */
+static void j_earlier(json_t *r) {
+    json_t *mo = json_object_get(r, "model");
+    static const char *const mk[] = {"norm", "activation", "mlp", "positions",
+                                     "kv_head_of_query"};
+    for (size_t i = 0; i < sizeof mk / sizeof mk[0]; i++)
+        cr_assert_eq(json_object_del(mo, mk[i]), 0, "%s", mk[i]);
+    static const char *const lk[] = {"q_proj", "q_proj_bias", "o_proj", "o_proj_bias"};
+    json_t *layers = json_object_get(r, "layers");
+    for (size_t l = 0; l < json_array_size(layers); l++)
+        for (size_t i = 0; i < sizeof lk / sizeof lk[0]; i++)
+            cr_assert_eq(json_object_del(json_array_get(layers, l), lk[i]), 0, "%s", lk[i]);
+}
+
+Test(kvmanifest_open, reads_a_manifest_from_before_the_added_keys) {
+    for (int gpt2 = 0; gpt2 < 2; gpt2++) {
+        struct fx f;
+        fx_init_arch(&f, gpt2);
+        edit_json(&f, j_earlier);
+        struct kv_lowrank *lr = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_lr_dir_open(f.dir, f.m, &lr, &err), KV_OK, "%s", fmt_err(&err));
+        assert_lr_eq(f.lr, lr, 1);
+        kv_lr_free(lr);
         fx_free(&f);
     }
 }
