@@ -561,8 +561,8 @@ static int setup(struct trainer *t, char *tok_path, size_t cap, struct kv_err *e
     if (mkdir(t->stage, 0755) != 0) {
         char eb[128];
         int e = errno;
-        rc = kv_fail(err, KV_EIO, t->stage, KV_NO_OFFSET, "cannot create the directory: %s",
-                     kv_errtext(e, eb, sizeof eb));
+        rc = kv_fail(err, KV_EIO, o->out_dir, KV_NO_OFFSET, "cannot create directory '%s': %s",
+                     t->stage, kv_errtext(e, eb, sizeof eb));
         t->stage[0] = 0;
         return rc;
     }

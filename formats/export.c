@@ -730,9 +730,16 @@ static int write_dir(const struct job *j, const char *out, struct kv_err *err) {
         rc = kv_write_atomic(p, fill_file, &ctx, err); /* also syncs tmp */
         free(p);
     }
-    if (!rc && rename(tmp, dst) != 0)
-        rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
-                     kv_errtext(errno, eb, sizeof eb));
+    if (!rc && rename(tmp, dst) != 0) {
+        if (errno == ENOTEMPTY || errno == EEXIST)
+            rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET,
+                         "directory was filled while this run wrote '%s' (another run?); "
+                         "refusing to replace it",
+                         tmp);
+        else
+            rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot rename '%s' to it: %s", tmp,
+                         kv_errtext(errno, eb, sizeof eb));
+    }
     if (rc)
         remove_tree(tmp);
     else

@@ -228,7 +228,7 @@ int kv_lr_dir_write(const struct kv_model *m, const struct kv_lowrank *lr,
     enum target t;
     if ((rc = classify_target(out, NULL, &t, err))) goto done;
     if (mkdir(tmp, 0755) != 0) {
-        rc = kv_fail(err, KV_EIO, tmp, KV_NO_OFFSET, "cannot create directory: %s",
+        rc = kv_fail(err, KV_EIO, out, KV_NO_OFFSET, "cannot create directory '%s': %s", tmp,
                      kv_errtext(errno, eb, sizeof eb));
         goto done;
     }
