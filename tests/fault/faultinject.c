@@ -140,34 +140,32 @@ static int writes(int flags) {
     return (flags & O_CREAT) || (flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC);
 }
 
-#define OPEN_LIKE(name)                                                   \
-    int name(const char *path, int flags, ...) {                          \
-        REAL(name);                                                       \
-        mode_t mode = 0;                                                  \
-        if ((flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE) {     \
-            va_list ap;                                                   \
-            va_start(ap, flags);                                          \
-            mode = (mode_t)va_arg(ap, int);                               \
-            va_end(ap);                                                   \
-        }                                                                 \
-        if (read_only(path) && writes(flags)) return fail(EROFS);         \
-        return real(path, flags, mode);                                   \
+/* mode: open's third argument, present when flags create a file. */
+#define MODE_ARG(flags, mode)                                        \
+    mode_t mode = 0;                                                 \
+    if (((flags) & O_CREAT) || ((flags) & O_TMPFILE) == O_TMPFILE) { \
+        va_list ap;                                                  \
+        va_start(ap, flags);                                         \
+        mode = (mode_t)va_arg(ap, int);                              \
+        va_end(ap);                                                  \
+    }
+
+#define OPEN_LIKE(name)                                           \
+    int name(const char *path, int flags, ...) {                  \
+        REAL(name);                                               \
+        MODE_ARG(flags, mode);                                    \
+        if (read_only(path) && writes(flags)) return fail(EROFS); \
+        return real(path, flags, mode);                           \
     }
 OPEN_LIKE(open)
 OPEN_LIKE(open64)
 
-#define OPENAT_LIKE(name)                                                 \
-    int name(int dfd, const char *path, int flags, ...) {                 \
-        REAL(name);                                                       \
-        mode_t mode = 0;                                                  \
-        if ((flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE) {     \
-            va_list ap;                                                   \
-            va_start(ap, flags);                                          \
-            mode = (mode_t)va_arg(ap, int);                               \
-            va_end(ap);                                                   \
-        }                                                                 \
-        if (read_only(path) && writes(flags)) return fail(EROFS);         \
-        return real(dfd, path, flags, mode);                              \
+#define OPENAT_LIKE(name)                                         \
+    int name(int dfd, const char *path, int flags, ...) {         \
+        REAL(name);                                               \
+        MODE_ARG(flags, mode);                                    \
+        if (read_only(path) && writes(flags)) return fail(EROFS); \
+        return real(dfd, path, flags, mode);                      \
     }
 OPENAT_LIKE(openat)
 OPENAT_LIKE(openat64)
