@@ -170,7 +170,8 @@ static const struct cli_cmd verify_cmd = {
     "Report the perplexity of a model on held-out text.",
     "protocol (windows): the text is one document with BOS once at its start; its tokens\n"
     "are cut into non-overlapping windows of --seq-len (the remainder is dropped); each\n"
-    "window runs on its own and positions 1..seq-len-1 are scored; ppl = exp(mean nll).\n"
+    "window runs on its own from position 0, and positions 1..seq-len-1 are scored (the\n"
+    "nll of the token at t given the tokens before it); ppl = exp(mean nll).\n"
     "\nwith --compressed the base model and the compressed one run the same windows; the\n"
     "compressed cache stores only latents: keys rebuilt from them before RoPE (palu,\n"
     "eigen, svd, lorc), or scored as rotated post-RoPE q·k (fdc, zack); values stay\n"
