@@ -37,9 +37,10 @@
  * The parser checks everything the manifest alone can say: the format and
  * version, types and ranges of every key it reads, the architecture and
  * rope, the words and kv_head_of_query against the architecture, the latent
- * bits, each layer's projection names against the names kvcal applies, every side (lrlayout.h's rules), the names each
- * mode needs and the nulls it forbids, o_cols and q_cols, and that
- * kv_bytes_per_token is what the ranks give. Errors are KV_EFORMAT naming
+ * bits, every side (lrlayout.h's rules), the names each mode needs and the
+ * nulls it forbids, o_cols and q_cols, each layer's projection names against
+ * the names kvcal applies, and that kv_bytes_per_token is what the ranks
+ * give. Errors are KV_EFORMAT naming
  * the file (KV_EUNSUPPORTED for a newer version, an unknown arch, rope
  * scaling or another weight layout), with no offset except where the JSON
  * itself is invalid (jansson's position). The first rule broken is the one
