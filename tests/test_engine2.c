@@ -78,7 +78,8 @@ static char *write_calibration(const char *dir) {
 }
 
 static void check_model(const char *model) {
-    if (!have_node()) cr_skip_test("node is not installed; the second engine (" ENGINE ") needs it");
+    if (!have_node())
+        cr_skip_test("node is not installed; the second engine (" ENGINE ") needs it");
     char *dir = kvt_temp_dir(), *tok = write_tokens(dir), *cal = write_calibration(dir);
     char *st = kvt_path(dir, "s.kvstats"), args[16384], *out, *err;
     snprintf(args, sizeof args,

@@ -394,14 +394,14 @@ static char *prepare(int needs) {
         int need;
         const char *args;
     } prep[] = {
-        {NEED_STATS | NEED_COMPRESSED,
-         "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 --samples 8 -q -o %s/base.kvstats"},
+        {NEED_STATS | NEED_COMPRESSED, "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 "
+                                       "--samples 8 --threads 1 -q -o %s/base.kvstats"},
         {NEED_SHARDS, "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 --samples 8 "
-                      "--shard 0/2 -q -o %s/s0.kvstats"},
+                      "--shard 0/2 --threads 1 -q -o %s/s0.kvstats"},
         {NEED_SHARDS, "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 --samples 8 "
-                      "--shard 1/2 -q -o %s/s1.kvstats"},
-        {NEED_COMPRESSED,
-         "decompose -m data/kjv-llama -s %s/base.kvstats --method svd --ratio 0.5 -q -o %s/c"},
+                      "--shard 1/2 --threads 1 -q -o %s/s1.kvstats"},
+        {NEED_COMPRESSED, "decompose -m data/kjv-llama -s %s/base.kvstats --method svd "
+                          "--ratio 0.5 --threads 1 -q -o %s/c"},
     };
     for (size_t i = 0; i < sizeof prep / sizeof prep[0]; i++) {
         if (!(needs & prep[i].need)) continue;
@@ -449,25 +449,29 @@ static void fault_table_row(const struct fault_case *c, enum fault_kind kind) {
 }
 
 static const struct fault_case collect_case = {
-    "collect", "collect -m data/kjv-llama -t %s/t.txt --seq-len 32 --samples 8 -q -o %s/x.kvstats",
-    "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 --samples 8 -q -o %s/x.kvstats",
+    "collect",
+    "collect -m data/kjv-llama -t %s/t.txt --seq-len 32 --samples 8 --threads 1 -q -o %s/x.kvstats",
+    "collect -m data/kjv-llama -t %s/t.txt --seq-len 64 --samples 8 --threads 1 -q -o %s/x.kvstats",
     "x.kvstats", 0};
 static const struct fault_case merge_case = {
     "merge", "merge %s/s0.kvstats -o %s/m.kvstats",
     "merge %s/s0.kvstats %s/s1.kvstats -o %s/m.kvstats", "m.kvstats", NEED_SHARDS};
 static const struct fault_case decompose_case = {
     "decompose",
-    "decompose -m data/kjv-llama -s %s/base.kvstats --method svd --ratio 0.5 -q -o %s/d",
-    "decompose -m data/kjv-llama -s %s/base.kvstats --method svd --ratio 0.25 -q -o %s/d", "d",
+    "decompose -m data/kjv-llama -s %s/base.kvstats --method svd --ratio 0.5 --threads 1 -q "
+    "-o %s/d",
+    "decompose -m data/kjv-llama -s %s/base.kvstats --method svd --ratio 0.25 --threads 1 -q "
+    "-o %s/d",
+    "d",
     NEED_STATS};
 static const struct fault_case export_case = {
     "export", NULL, "export --dense %s/c --model data/kjv-llama -o %s/e", "e", NEED_COMPRESSED};
 static const struct fault_case train_case = {
     "train",
     "train --text %s/t.txt -o %s/tr --dim 32 --layers 1 --heads 2 --steps 1 --seq-len 16 "
-    "--batch 2 -q",
+    "--batch 2 --threads 1 -q",
     "train --text %s/t.txt -o %s/tr --dim 32 --layers 1 --heads 2 --steps 2 --seq-len 16 "
-    "--batch 2 -q",
+    "--batch 2 --threads 1 -q",
     "tr", 0};
 
 /* One test per command and fault: kills (the name of the command alone),

@@ -130,7 +130,8 @@ static void check_manifest(struct kv_config cfg, int bits) {
         {
             /* the query and output projections as applied, in every mode */
             char a[96], nm[160];
-            snprintf(a, sizeof a, gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
+            snprintf(a, sizeof a,
+                     gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
                      (long long)l);
             int fq = lr->layers[l].k.mode == KV_LR_FUSED_QUERY;
             snprintf(nm, sizeof nm, "%sq_%s.weight", a, fq ? "fused" : "proj");
@@ -296,7 +297,9 @@ static void j_weights_path(json_t *r) { set(r, "weights", json_string("../w.safe
 static void j_energy(json_t *r) { set(unit_json(r, 0, "k", 0), "energy", json_string("lots")); }
 static void j_bos_type(json_t *r) { set(json_object_get(r, "model"), "bos_id", json_string("1")); }
 static void j_ctx_zero(json_t *r) { set(json_object_get(r, "model"), "max_seq_len", json_integer(0)); }
-static void j_norm(json_t *r) { set(json_object_get(r, "model"), "norm", json_string("layernorm")); }
+static void j_norm(json_t *r) {
+    set(json_object_get(r, "model"), "norm", json_string("layernorm"));
+}
 static void j_activation(json_t *r) {
     set(json_object_get(r, "model"), "activation", json_string("gelu"));
 }
