@@ -57,6 +57,22 @@ static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
+/* The names in dir (dot files too when hidden), sorted, strdup'd into
+ * names (at most cap): their count. */
+static int sorted_names(const char *dir, char **names, int cap, int hidden) {
+    DIR *d = opendir(dir);
+    cr_assert(d, "%s", dir);
+    int k = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && (hidden || e->d_name[0] != '.') &&
+            k < cap)
+            names[k++] = strdup(e->d_name);
+    closedir(d);
+    qsort(names, (size_t)k, sizeof *names, cmp_str);
+    return k;
+}
+
 /* sha256 of a file's bytes, or of a directory's sorted names and files'
  * bytes; "absent" when path does not exist. */
 static void digest(const char *path, char out[65]) {
@@ -70,17 +86,10 @@ static void digest(const char *path, char out[65]) {
     cr_assert(all);
     char *names[64];
     int k = 0;
-    if (S_ISDIR(st.st_mode)) {
-        DIR *d = opendir(path);
-        cr_assert(d);
-        struct dirent *e;
-        while ((e = readdir(d)))
-            if (e->d_name[0] != '.' && k < 64) names[k++] = strdup(e->d_name);
-        closedir(d);
-        qsort(names, (size_t)k, sizeof *names, cmp_str);
-    } else {
+    if (S_ISDIR(st.st_mode))
+        k = sorted_names(path, names, 64, 0);
+    else
         names[k++] = NULL;
-    }
     for (int i = 0; i < k; i++) {
         char *p = names[i] ? kvt_path(path, names[i]) : strdup(path);
         size_t len;
@@ -187,16 +196,8 @@ static int run_case(const char *dir, const struct fault_case *c) {
 
 /* The names in dir, sorted, one per line. */
 static char *listing(const char *dir) {
-    DIR *d = opendir(dir);
-    cr_assert(d, "%s", dir);
     char *names[256];
-    int k = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && k < 256)
-            names[k++] = strdup(e->d_name);
-    closedir(d);
-    qsort(names, (size_t)k, sizeof *names, cmp_str);
+    int k = sorted_names(dir, names, 256, 1);
     size_t cap = 1, n = 0;
     for (int i = 0; i < k; i++) cap += strlen(names[i]) + 1;
     char *all = malloc(cap);
@@ -265,7 +266,8 @@ static int full_disk(const char *dir, const struct setup *u) {
 /* Each file-size limit (ulimit -f) below the largest file the run writes,
  * from 512 bytes up to one byte short of it. The number of limits met. */
 static int file_size_limit(const char *dir, const struct setup *u) {
-    /* the largest file of the new output: one of it or the file itself */
+    /* the largest file of the new output: the output itself, or the largest
+     * file of the output directory */
     char *before = listing(dir), *err;
     restore(u);
     cr_assert_eq(run(u->newv, NULL), 0);
@@ -273,16 +275,15 @@ static int file_size_limit(const char *dir, const struct setup *u) {
     struct stat st;
     cr_assert_eq(stat(u->out, &st), 0);
     if (S_ISDIR(st.st_mode)) {
-        DIR *d = opendir(u->out);
-        struct dirent *e;
-        while ((e = readdir(d))) {
-            char *p = kvt_path(u->out, e->d_name);
+        char *names[64];
+        int k = sorted_names(u->out, names, 64, 1);
+        for (int i = 0; i < k; i++) {
+            char *p = kvt_path(u->out, names[i]);
             struct stat fs;
             if (stat(p, &fs) == 0 && S_ISREG(fs.st_mode) && fs.st_size > largest)
                 largest = fs.st_size;
-            free(p);
+            free(p), free(names[i]);
         }
-        closedir(d);
     } else {
         largest = st.st_size;
     }
