@@ -36,10 +36,11 @@ PUBLIC_H    := lib/kvcal.h lib/kvcal_core.h formats/kvformats.h calib/kvcalib.h 
 INSTALLED_H := $(addprefix $(BUILD)/include/,$(notdir $(PUBLIC_H)))
 # folder of a source path: its first component
 layer = $(firstword $(subst /, ,$(1)))
-LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lnettle -lz -lm -fopenmp
+LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-needed -llapack -lblas -Wl,--as-needed -ljansson -lpcre2-8 -lutf8proc -lnettle -lz -lm -fopenmp
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
-                libcriterion-dev libjansson-dev nettle-dev zlib1g-dev bible-kjv
+                libcriterion-dev libjansson-dev nettle-dev zlib1g-dev bible-kjv \
+                libpcre2-dev libutf8proc-dev
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)

@@ -282,6 +282,12 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
                        "seq-len %lld differs from the first shard's %lld; statistics of different "
                        "window lengths do not add up", (long long)b->info.seq_len,
                        (long long)acc->info.seq_len);
+    if (strcmp(acc->info.tokenization, b->info.tokenization))
+        return kv_fail(err, KV_EINVAL, b_path, KV_NO_OFFSET,
+                       "tokenized as '%s' but the first shard as '%s'; collect every shard with "
+                       "the same tokenizer and --parse-special choice",
+                       b->info.tokenization[0] ? b->info.tokenization : "(not recorded)",
+                       acc->info.tokenization[0] ? acc->info.tokenization : "(not recorded)");
     int rc = kv_stats_check_complete(b, b_path, err);
     if (rc) return rc;
     if (acc->info.next_window < acc->info.plan_windows)

@@ -29,6 +29,7 @@ static int start_fresh(struct kv_stats *s, const char *fp, struct kv_calib *c,
     s->info.shard_count = o->shard_count;
     s->info.plan_windows = kv_calib_n_windows(c);
     s->info.next_window = 0;
+    kv_calib_tokenization(c, s->info.tokenization, sizeof s->info.tokenization);
     for (int64_t i = 0; i < kv_calib_n_inputs(c); i++) {
         const struct kv_calib_input *in = kv_calib_input(c, i);
         int rc = kv_stats_add_input(s, in->path, in->sha256, in->bytes, in->tokens, 0, err);
@@ -53,6 +54,10 @@ static int check_resume(const struct kv_stats *s, const char *fp, struct kv_cali
         return DIFFER("--seq-len", "%lld", (long long)s->info.seq_len, (long long)o->seq_len);
     if (strcmp(s->info.sampling, sampling_of(o)))
         return DIFFER("the sampling", "%s", s->info.sampling, sampling_of(o));
+    char tz[sizeof s->info.tokenization];
+    kv_calib_tokenization(c, tz, sizeof tz);
+    if (s->info.tokenization[0] && strcmp(s->info.tokenization, tz))
+        return DIFFER("the tokenization", "'%s'", s->info.tokenization, tz);
     if (s->info.samples != o->samples)
         return DIFFER("--samples", "%lld", (long long)s->info.samples, (long long)o->samples);
     if (!strcmp(s->info.sampling, "random") && s->info.seed != o->seed)

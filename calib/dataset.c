@@ -19,6 +19,7 @@ struct plan_entry {
 
 struct kv_calib {
     const struct kv_tokenizer *tok; /* borrowed; outlives the kv_calib */
+    int tok_flags;                  /* KV_TOK_* of every input's stream */
     int64_t seq_len;
     int64_t n_inputs;
     struct kv_calib_input *inputs;  /* [n_inputs] */
@@ -208,13 +209,17 @@ struct kv_text_tokens {
     int64_t base, n, cap;
 };
 
-int kv_text_tokens_open(const char *path, const struct kv_tokenizer *tok, int add_bos,
+int64_t kv_text_tokens_specials(const struct kv_text_tokens *t) {
+    return kv_tok_stream_specials(t->ts);
+}
+
+int kv_text_tokens_open(const char *path, const struct kv_tokenizer *tok, int flags,
                         struct kv_text_tokens **out, struct kv_err *err) {
     *out = NULL;
     struct kv_text_tokens *t = calloc(1, sizeof *t);
     if (!t) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     int rc = in_open(path, &t->in, err);
-    if (!rc) rc = kv_tok_stream_new(tok, add_bos, 0, &t->ts, err);
+    if (!rc) rc = kv_tok_stream_new(tok, flags, 0, &t->ts, err);
     if (rc) {
         if (err && !err->path[0]) snprintf(err->path, sizeof err->path, "%s", path);
         kv_text_tokens_close(t);
@@ -356,10 +361,11 @@ static int load_input(struct kv_calib *c, int64_t k, int scan, struct kv_err *er
                            in->sha256);
     }
     struct kv_text_tokens *t;
-    if ((rc = kv_text_tokens_open(in->path, c->tok, 1, &t, err))) return rc;
+    if ((rc = kv_text_tokens_open(in->path, c->tok, c->tok_flags, &t, err))) return rc;
     if (scan) {
         int64_t n;
         rc = kv_text_tokens_finish(t, &n, in->sha256, &in->bytes, NULL, err);
+        in->specials = kv_text_tokens_specials(t);
         kv_text_tokens_close(t);
         if (rc) return rc;
         in->tokens = n;
@@ -512,6 +518,12 @@ static int make_plan(struct kv_calib *c, const struct kv_calib_opts *o, struct k
 
 /* ---------------------------------------------------------------- API */
 
+void kv_calib_tokenization(const struct kv_calib *c, char *buf, size_t cap) {
+    snprintf(buf, cap, "bos=%d eos=%d special=%s", (c->tok_flags & KV_TOK_ADD_BOS) != 0,
+             (c->tok_flags & KV_TOK_ADD_EOS) != 0,
+             (c->tok_flags & KV_TOK_PARSE_SPECIAL) ? "parsed" : "text");
+}
+
 int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tokenizer *tok,
                   const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err) {
     KV_ASSERT(tok && opts && out && (paths || n_paths <= 0));
@@ -524,6 +536,7 @@ int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tok
     struct kv_calib *c = calloc(1, sizeof *c);
     if (!c) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     c->tok = tok;
+    c->tok_flags = kv_tok_policy(tok) | (opts->parse_special ? KV_TOK_PARSE_SPECIAL : 0);
     c->seq_len = opts->seq_len;
     c->loaded = -1;
     c->inputs = calloc((size_t)n_paths, sizeof *c->inputs);

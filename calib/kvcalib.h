@@ -125,6 +125,7 @@ struct kv_calib_opts {
     uint64_t seed;        /* random draw */
     int64_t shard_index;  /* keep planned windows i with i % shard_count == shard_index */
     int64_t shard_count;  /* 1 = no sharding */
+    int parse_special;    /* special-token strings in the text become control ids */
 };
 
 struct kv_calib_input {
@@ -134,6 +135,7 @@ struct kv_calib_input {
     int64_t tokens;       /* tokens with BOS */
     int64_t windows;      /* tokens / seq_len */
     int64_t planned;      /* windows of this input in the plan */
+    int64_t specials;     /* special-token strings encoded as text (scan) */
 };
 
 struct kv_calib; /* inputs, the window plan, and the tokens of one input */
@@ -167,7 +169,11 @@ int kv_calib_shard_valid(int64_t index, int64_t count);
  * size of the file, and its bytes decompressed (the JSON itself for JSON
  * lines); any may be NULL. */
 struct kv_text_tokens;
-int kv_text_tokens_open(const char *path, const struct kv_tokenizer *tok, int add_bos,
+/* flags: KV_TOK_* for the stream (kv_tok_policy plus KV_TOK_PARSE_SPECIAL);
+ * kv_text_tokens_specials: special-token strings read so far that were
+ * encoded as text. */
+int64_t kv_text_tokens_specials(const struct kv_text_tokens *t);
+int kv_text_tokens_open(const char *path, const struct kv_tokenizer *tok, int flags,
                         struct kv_text_tokens **out, struct kv_err *err);
 int kv_text_tokens_get(struct kv_text_tokens *t, int64_t a, int64_t len, const int32_t **ids,
                        int64_t *got, struct kv_err *err);
@@ -187,6 +193,8 @@ int kv_text_tokens_window(void *t, int64_t w, int64_t seq_len, const int32_t **i
 int kv_calib_open(const char *const *paths, int64_t n_paths, const struct kv_tokenizer *tok,
                   const struct kv_calib_opts *opts, struct kv_calib **out, struct kv_err *err);
 void kv_calib_free(struct kv_calib *c);
+/* How its texts become tokens: "bos=B eos=E special=text|parsed". */
+void kv_calib_tokenization(const struct kv_calib *c, char *buf, size_t cap);
 int64_t kv_calib_n_inputs(const struct kv_calib *c);
 const struct kv_calib_input *kv_calib_input(const struct kv_calib *c, int64_t i);
 /* Windows in the plan. */

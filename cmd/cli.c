@@ -10,6 +10,13 @@
 #include <unistd.h>
 
 int cli_verbose = 0;
+int cli_parse_special = 0;
+
+int cli_tok_flags(const struct kv_tokenizer *tok) {
+    return kv_tok_policy(tok) | (cli_parse_special ? KV_TOK_PARSE_SPECIAL : 0);
+}
+
+const char *cli_special_mode(void) { return cli_parse_special ? "parsed" : "text"; }
 
 double cli_peak_rss_mib(void) {
     struct rusage ru;
@@ -243,7 +250,7 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
     char *text;
     size_t len;
     if (kv_text_read(text_path, &text, &len, &err)) return cli_report(&err);
-    int rc = kv_tok_encode(tok, text, len, 1, ids, n, &err);
+    int rc = kv_tok_encode(tok, text, len, cli_tok_flags(tok), ids, n, &err);
     free(text);
     if (rc) {
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text_path);
@@ -251,15 +258,6 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
     }
     *n_bytes = len;
     return 0;
-}
-
-int cli_check_bos(const struct kv_tokenizer *tok, const char *model_path, const char *tok_path) {
-    if (!tok || kv_tok_bos(tok) >= 0) return 0;
-    fprintf(stderr,
-            "kvcal: %s: the tokenizer has no bos token, and kvcal starts every text with one; "
-            "give a tokenizer that has one (--tokenizer FILE)\n",
-            tok_path ? tok_path : model_path);
-    return EXIT_ERR;
 }
 
 static int ids_window(void *ctx, int64_t w, int64_t seq_len, const int32_t **ids,
@@ -292,11 +290,12 @@ int cli_open_tokens(const struct kv_model *m, const char *text_path, const char 
     }
     /* a first pass counts the tokens; the second reads the windows */
     uint64_t bytes = 0;
-    int rc = kv_text_tokens_open(text_path, tok, 1, &t->tt, &err);
+    int rc = kv_text_tokens_open(text_path, tok, cli_tok_flags(tok), &t->tt, &err);
     if (!rc) rc = kv_text_tokens_finish(t->tt, &t->src.n_tokens, NULL, NULL, &bytes, &err);
+    if (!rc) t->specials = kv_text_tokens_specials(t->tt);
     kv_text_tokens_close(t->tt);
     t->tt = NULL;
-    if (!rc) rc = kv_text_tokens_open(text_path, tok, 1, &t->tt, &err);
+    if (!rc) rc = kv_text_tokens_open(text_path, tok, cli_tok_flags(tok), &t->tt, &err);
     t->src.ctx = t->tt;
     if (rc) {
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", text_path);

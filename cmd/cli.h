@@ -41,6 +41,10 @@ struct cli_opt {
     {"threads", 0, OPT_INT, (dst), "N", "threads for BLAS and OpenMP (default: all cores)"}
 #define CLI_OPT_JSON(dst) {"json", 0, OPT_FLAG, (dst), NULL, "print one JSON object on stdout"}
 #define CLI_OPT_QUIET(dst) {"quiet", 'q', OPT_FLAG, (dst), NULL, "no progress on stderr"}
+#define CLI_OPT_PARSE_SPECIAL                                                                   \
+    {"parse-special", 0, OPT_FLAG, &cli_parse_special, NULL,                                  \
+     "read special-token strings in the text (\"<s>\", \"<|endoftext|>\") as their\n"          \
+     "control tokens; by default they are ordinary text and only counted"}
 
 struct cli_cmd {
     const char *name;
@@ -71,6 +75,13 @@ int cli_report_refusal(const struct kv_err *err);
 
 /* Global -v: add detection sites to error messages. */
 extern int cli_verbose;
+/* --parse-special: special-token strings in text become control ids. */
+extern int cli_parse_special;
+/* KV_TOK_* flags texts are read with: the tokenizer's BOS/EOS policy and
+ * --parse-special. */
+int cli_tok_flags(const struct kv_tokenizer *tok);
+/* "text" or "parsed": what special-token strings in text became. */
+const char *cli_special_mode(void);
 
 /* Progress on stderr: a redrawn bar on a TTY, otherwise a plain line at
  * each 10% step. quiet suppresses it. */
@@ -98,7 +109,6 @@ int cli_load_tokens(const struct kv_model *m, const char *text_path, const char 
 /* 0 when tok has a bos token (kvcal starts every text with one); else
  * prints an error naming the tokenizer's file (tok_path, or the model's
  * when the model holds it) and returns EXIT_ERR. */
-int cli_check_bos(const struct kv_tokenizer *tok, const char *model_path, const char *tok_path);
 
 /* The tokens verify scores, read window by window (t->src): --tokens in
  * memory (4 bytes a token), or --text tokenized as it streams, counted in
@@ -111,6 +121,7 @@ struct cli_tokens {
     int32_t *ids;               /* --tokens */
     struct kv_text_tokens *tt;  /* --text */
     size_t n_bytes;
+    int64_t specials;           /* special-token strings read as text (--text) */
 };
 int cli_open_tokens(const struct kv_model *m, const char *text_path, const char *tokens_path,
                     struct cli_tokens *t);

@@ -61,6 +61,7 @@ static const struct cli_opt collect_opts[] = {
     {"text", 't', OPT_LIST, &A.texts, "FILE",
      "calibration text: .txt, .gz, .jsonl or .jsonl.gz; repeat for more files"},
     {"output", 'o', OPT_STR, &A.output, "FILE", "statistics file to write (.kvstats)"},
+    CLI_OPT_PARSE_SPECIAL,
     {"seq-len", 0, OPT_INT, &A.seq_len, "N", "window length in tokens (default 256)"},
     {"samples", 'n', OPT_INT, &A.samples, "N", "windows to use (default: every window)"},
     {"seed", 0, OPT_INT, &A.seed, "S", "seed of the random window draw (default 0)"},
@@ -116,6 +117,9 @@ static const struct cli_cmd collect_cmd = {
     "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
     collect_opts, (int)(sizeof collect_opts / sizeof collect_opts[0]), 0};
 
+/* Special-token strings the inputs held that were read as text. */
+static int64_t C_specials;
+
 static int print_json(const struct collect_args *a, const struct kv_stats *s,
                       const struct kv_collect_opts *o) {
     struct kv_stats_info si = kv_stats_info(s);
@@ -131,6 +135,8 @@ static int print_json(const struct collect_args *a, const struct kv_stats *s,
         "threads", omp_get_max_threads(), "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
     if (out) {
         json_object_set_new(out, "fisher", json_boolean(si.has_fisher));
+        json_object_set_new(out, "tokenization", json_string(si.tokenization));
+        json_object_set_new(out, "special_strings", json_integer(C_specials));
         json_object_set_new(out, "mean_loss", si.has_fisher && o->run_windows > 0
                                                   ? cli_json_real(o->loss) : json_null());
     }
@@ -149,6 +155,11 @@ static void print_text(const struct collect_args *a, const struct kv_model *m,
                in->path, (unsigned long long)in->bytes, in->sha256, (long long)in->tokens,
                (long long)in->windows);
     }
+    printf("tokens    %s", si.tokenization);
+    if (C_specials)
+        printf("; %lld special-token string%s read as text (--parse-special reads them as "
+               "control tokens)", (long long)C_specials, C_specials == 1 ? "" : "s");
+    printf("\n");
     if (!strcmp(si.sampling, "random"))
         printf("plan      %lld windows of %lld, drawn at random (seed %llu)", (long long)si.plan_windows,
                (long long)a->seq_len, (unsigned long long)si.seed);
@@ -212,15 +223,17 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
         kv_model_close(m);
         return EXIT_ERR;
     }
-    if ((rc = cli_check_bos(tok, a->model, a->tokenizer))) {
-        kv_model_close(m);
-        return rc;
-    }
     if (!quiet)
         fprintf(stderr, "reading and tokenizing %d input%s\n", a->texts.n,
                 a->texts.n > 1 ? "s" : "");
-    if (!(rc = kv_calib_open(a->texts.v, a->texts.n, tok, o->data, &c, &err)))
+    if (!(rc = kv_calib_open(a->texts.v, a->texts.n, tok, o->data, &c, &err))) {
+        for (int64_t i = 0; i < kv_calib_n_inputs(c); i++) C_specials += kv_calib_input(c, i)->specials;
+        if (C_specials && !quiet)
+            fprintf(stderr, "kvcal: the text holds %lld special-token string%s (such as \"<s>\"); "
+                            "they are read as text (--parse-special reads them as control tokens)\n",
+                    (long long)C_specials, C_specials == 1 ? "" : "s");
         rc = kv_collect_start(m, a->resume, o, &s, &err);
+    }
     if (!rc && a->resume && !o->resume && !quiet)
         fprintf(stderr, "kvcal: %s: no checkpoint yet; starting from the first window\n", a->output);
     if (!rc && o->resume && !quiet)
@@ -251,7 +264,8 @@ int cmd_collect(int argc, char **argv) {
     if (!a->model) return cli_usage_error(cmd, "missing --model");
     if (a->texts.n == 0) return cli_usage_error(cmd, "missing --text");
     if (!a->output) return cli_usage_error(cmd, "missing --output");
-    struct kv_calib_opts copt = {a->seq_len, a->samples, a->sequential, (uint64_t)a->seed, 0, 1};
+    struct kv_calib_opts copt = {a->seq_len, a->samples, a->sequential, (uint64_t)a->seed, 0, 1,
+                                 cli_parse_special};
     struct kv_collect_opts o = {.out_path = a->output, .data = &copt, .fisher = a->fisher,
                                 .checkpoint_every = a->every};
     struct kv_err err;

@@ -66,6 +66,7 @@ static const struct cli_opt opts[] = {
      "layer-budget: largest normalised layer output error ‖y'−y‖/‖y‖ per layer"},
     {"text", 't', OPT_STR, &A.text, "FILE",
      "layer-budget: calibration text whose windows measure the layer outputs"},
+    CLI_OPT_PARSE_SPECIAL,
     {"seq-len", 0, OPT_INT, &A.o.seq_len, "N", "layer-budget: window length (default 256)"},
     {"windows", 0, OPT_INT, &A.o.calib_windows, "W", "layer-budget: windows measured (default 8)"},
     {"kv-bits", 0, OPT_INT, &A.o.kv_bits, "B",
@@ -208,8 +209,7 @@ static int load_inputs(struct inputs *in) {
     if (A.o.alloc == KV_ALLOC_LAYER_BUDGET) {
         int64_t n_ids = 0, seq = A.o.seq_len;
         size_t n_bytes = 0;
-        if ((rc = cli_check_bos(kv_model_tokenizer(in->m), A.model, A.tokenizer)) ||
-            (rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes)))
+        if ((rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes)))
             return rc;
         if (n_ids / seq < A.o.calib_windows) A.o.calib_windows = n_ids / seq;
         if (A.o.calib_windows < 1) {

@@ -66,10 +66,6 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvcal: the model has no tokenizer: pass --tokenizer FILE\n");
         return EXIT_ERR;
     }
-    if ((rc = cli_check_bos(tok, model, tokenizer))) {
-        kv_model_close(m);
-        return rc;
-    }
     struct gen_print p = {.ids = show_ids};
     struct kv_generate_result r;
     rc = kv_generate_greedy(m, tok, prompt, steps, print_token, &p, &r, &err);

@@ -139,6 +139,7 @@ static const struct cli_opt verify_opts[] = {
      "override the model's tokenizer (tokenizer.bin, tokenizer.json or .gguf)"},
     {"text", 't', OPT_STR, &A.text, "FILE",
      "evaluation text, .txt or .gz (one document; .jsonl as collect reads it)"},
+    CLI_OPT_PARSE_SPECIAL,
     {"tokens", 0, OPT_STR, &A.tokens, "FILE",
      "pre-tokenized ids (little-endian uint32) instead of --text; include BOS yourself"},
     {"compressed", 0, OPT_STR, &A.comp, "DIR",
@@ -201,6 +202,32 @@ static const char *latent_name(int bits) {
 }
 
 /* A compressed model's run against its base, as one JSON object or text. */
+/* Special-token strings the --text held that were read as text. */
+static int64_t V_specials;
+
+/* How the text became tokens, for the text report. */
+static const char *describe_tokens(const struct kv_model *m, char *buf, size_t cap) {
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    int n = snprintf(buf, cap, "%s", kv_tok_adds_bos(tok) ? "with BOS" : "without BOS");
+    if (kv_tok_adds_eos(tok)) n += snprintf(buf + n, cap - (size_t)n, " and EOS");
+    if (cli_parse_special)
+        snprintf(buf + n, cap - (size_t)n, ", special-token strings parsed");
+    else if (V_specials)
+        snprintf(buf + n, cap - (size_t)n, ", %lld special-token string%s read as text",
+                 (long long)V_specials, V_specials == 1 ? "" : "s");
+    return buf;
+}
+
+/* The same as JSON: {"bos", "eos", "special_tokens", "special_strings"}. */
+static void json_tokenization(json_t *o, const struct verify_args *a, const struct kv_model *m) {
+    if (!o || !a->text) return;
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    json_object_set_new(o, "tokenization",
+                        json_pack("{s:b, s:b, s:s, s:I}", "bos", kv_tok_adds_bos(tok), "eos",
+                                  kv_tok_adds_eos(tok), "special_tokens", cli_special_mode(),
+                                  "special_strings", (json_int_t)V_specials));
+}
+
 static int print_compressed(const struct verify_args *a, const char *src, size_t n_bytes,
                             const struct kv_model *m, const struct kv_lowrank *lr, int bits,
                             const struct device *dv, const struct kv_compare_result *r) {
@@ -224,16 +251,18 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
             (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
             "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
             "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        json_tokenization(o, a, m);
         if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);
         return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     }
-    char desc[512];
+    char desc[512], tdesc[160];
     cli_describe_config(c, desc, sizeof desc);
     printf("model       %s\n            %s\n", a->model, desc);
     printf("compressed  %s: %s, alloc %s, %s latents%s\n", a->comp, li.method, li.alloc,
            latent_name(bits), li.hadamard ? ", hadamard" : "");
     if (a->text)
-        printf("text        %s: %zu bytes, %lld tokens with BOS\n", a->text, n_bytes, (long long)r->comp.tokens);
+        printf("text        %s: %zu bytes, %lld tokens %s\n", a->text, n_bytes,
+               (long long)r->comp.tokens, describe_tokens(m, tdesc, sizeof tdesc));
     else
         printf("tokens      %s: %lld tokens\n", src, (long long)r->comp.tokens);
     printf("protocol    windows: seq-len %lld, non-overlapping, remainder dropped, positions "
@@ -290,16 +319,18 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
                               cli_json_real(r->nll), "ppl", cli_json_real(r->ppl), "tokens_per_s",
                               cli_json_real(tps), "seconds", cli_json_real(r->seconds), "threads",
                               nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        json_tokenization(o, a, m);
         if (o && dv->on) device_print(dv, cr, r, a->seq_len, o);
         return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     }
-    char desc[512], np[32];
+    char desc[512], np[32], tdesc[160];
     cli_describe_config(kv_model_config(m), desc, sizeof desc);
     cli_human_count((double)kv_model_n_params(m), np, sizeof np);
     printf("model     %s (%s, %s params)\n          %s\n", a->model,
            kv_format_name(kv_model_format(m)), np, desc);
     if (a->text)
-        printf("text      %s: %zu bytes, %lld tokens with BOS\n", a->text, n_bytes, (long long)r->tokens);
+        printf("text      %s: %zu bytes, %lld tokens %s\n", a->text, n_bytes, (long long)r->tokens,
+               describe_tokens(m, tdesc, sizeof tdesc));
     else
         printf("tokens    %s: %lld tokens\n", a->tokens, (long long)r->tokens);
     printf("protocol  windows: seq-len %lld, non-overlapping, remainder dropped, "
@@ -388,11 +419,8 @@ int cmd_verify(int argc, char **argv) {
     struct kv_model *m;
     if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
     struct cli_tokens t;
-    if (a->text && (rc = cli_check_bos(kv_model_tokenizer(m), a->model, a->tokenizer))) {
-        kv_model_close(m);
-        return rc;
-    }
     if (!(rc = cli_open_tokens(m, a->text, a->tokens, &t))) {
+        V_specials = t.specials;
         rc = a->comp ? verify_compressed(a, src, m, &t.src, t.n_bytes, &dv)
                      : verify_base(a, src, m, &t.src, t.n_bytes, &dv);
         cli_close_tokens(&t);

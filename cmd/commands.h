@@ -4,6 +4,7 @@
 
 int cmd_verify(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_collect(int argc, char **argv);
 int cmd_merge(int argc, char **argv);

@@ -12,6 +12,7 @@ static const struct {
     const char *summary;
 } commands[] = {
     {"verify", cmd_verify, "perplexity of a model on held-out text (windows protocol)"},
+    {"tokenize", cmd_tokenize, "the token ids and pieces of a text, to compare tokenizers"},
     {"generate", cmd_generate, "greedy decoding from a prompt, for eyeballing a model"},
     {"collect", cmd_collect, "float64 calibration statistics of a model into a .kvstats file"},
     {"merge", cmd_merge, "add .kvstats shards of the same model into one file"},

@@ -16,11 +16,11 @@ void kv_json_error_text(const json_error_t *je, char *out, size_t cap) {
     out[i] = 0;
 }
 
-int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_off,
-                  json_t **out, struct kv_err *err) {
+static int parse_flags(const char *buf, size_t len, const char *path, uint64_t base_off,
+                       size_t flags, json_t **out, struct kv_err *err) {
     json_error_t je;
     memset(&je, 0, sizeof je);
-    json_t *j = json_loadb(len ? buf : "", len, JSON_REJECT_DUPLICATES, &je);
+    json_t *j = json_loadb(len ? buf : "", len, JSON_REJECT_DUPLICATES | flags, &je);
     if (!j) {
         /* jansson capitalises some words (JSON_ALLOW_NUL); our lines are lowercase. */
         char text[sizeof je.text];
@@ -33,7 +33,12 @@ int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_o
     return KV_OK;
 }
 
-int kv_json_load(const char *path, json_t **out, struct kv_err *err) {
+int kv_json_parse(const char *buf, size_t len, const char *path, uint64_t base_off,
+                  json_t **out, struct kv_err *err) {
+    return parse_flags(buf, len, path, base_off, 0, out, err);
+}
+
+static int load_flags(const char *path, size_t flags, json_t **out, struct kv_err *err) {
     struct kv_map m;
     int rc = kv_map_open(path, &m, err);
     if (rc) return rc;
@@ -43,9 +48,17 @@ int kv_json_load(const char *path, json_t **out, struct kv_err *err) {
                        "file is %llu bytes, above the json limit of %llu",
                        (unsigned long long)m.len, (unsigned long long)KV_MAX_JSON_BYTES);
     }
-    rc = kv_json_parse((const char *)m.data, (size_t)m.len, path, 0, out, err);
+    rc = parse_flags((const char *)m.data, (size_t)m.len, path, 0, flags, out, err);
     kv_map_close(&m);
     return rc;
+}
+
+int kv_json_load(const char *path, json_t **out, struct kv_err *err) {
+    return load_flags(path, 0, out, err);
+}
+
+int kv_json_load_reals(const char *path, json_t **out, struct kv_err *err) {
+    return load_flags(path, JSON_DECODE_INT_AS_REAL, out, err);
 }
 
 const char *kv_json_type_name(const json_t *v) {

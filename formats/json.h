@@ -22,6 +22,10 @@
  * Errors: KV_EIO (cannot read), KV_EFORMAT (too large, syntax, duplicate
  * keys; the offset is where jansson stopped). */
 int kv_json_load(const char *path, json_t **out, struct kv_err *err);
+/* As kv_json_load, with every number read as a real: for files that hold
+ * integers past 64 bits (tokenizer_config.json's model_max_length of 1e30)
+ * where kvcal reads no number. */
+int kv_json_load_reals(const char *path, json_t **out, struct kv_err *err);
 
 /* Parse len bytes of buf (no NUL needed). path names the file in messages
  * and base_off is the offset of buf[0] in that file, so errors carry absolute

@@ -107,6 +107,9 @@ struct kv_stats_info {
     int64_t plan_windows;  /* windows in the plan */
     int64_t next_window;   /* plan entries done; < plan_windows in a checkpoint */
     int64_t n_inputs;
+    char tokenization[48]; /* how text became tokens: "bos=1 eos=0 special=text"
+                              (special=parsed with --parse-special); "" in files
+                              written before kvcal recorded it */
 };
 struct kv_stats_info kv_stats_info(const struct kv_stats *s);
 /* Input i (0 .. n_inputs-1), valid while s lives. */

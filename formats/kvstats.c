@@ -222,6 +222,8 @@ static uint32_t meta_crc(const struct kv_stats *s) {
                      (long long)i->shard_index, (long long)i->shard_count,
                      (long long)i->plan_windows, (long long)i->next_window);
     c = crc32(c, (const Bytef *)buf, (uInt)n);
+    if (i->tokenization[0]) /* files from before the key keep their checksum */
+        c = crc32(c, (const Bytef *)i->tokenization, (uInt)strlen(i->tokenization));
     for (int64_t k = 0; k < i->n_inputs; k++) {
         const struct kv_stats_input *in = &s->inputs[k];
         c = crc32(c, (const Bytef *)in->path, (uInt)strlen(in->path));
@@ -304,7 +306,9 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
         U64("kvcal.seed", s->info.seed) || U64("kvcal.samples", s->info.samples) ||
         U64("kvcal.shard.index", s->info.shard_index) || U64("kvcal.shard.count", s->info.shard_count) ||
         U64("kvcal.plan.windows", s->info.plan_windows) ||
-        U64("kvcal.plan.next_window", s->info.next_window))
+        U64("kvcal.plan.next_window", s->info.next_window) ||
+        (s->info.tokenization[0] &&
+         (rc = kv_ggufw_add_str(w, "kvcal.tokenization", s->info.tokenization, err))))
         goto done;
 #undef U64
     uint64_t ni = (uint64_t)s->info.n_inputs, *by = arr, *tk = arr + ni, *wn = arr + 2 * ni;
@@ -423,6 +427,10 @@ static int read_header(const struct kv_gguf_file *f, struct kv_stats *s, struct 
                        "kvcal.tokens is %lld but %lld windows of %lld tokens make %llu",
                        (long long)s->info.tokens, (long long)s->info.windows, (long long)s->info.seq_len,
                        (unsigned long long)total);
+    if (kv_gguf_find(f, "kvcal.tokenization") &&
+        (rc = get_string(f, "kvcal.tokenization", s->info.tokenization,
+                         sizeof s->info.tokenization, err)))
+        return rc;
     if (strcmp(s->info.sampling, "sequential") && strcmp(s->info.sampling, "random") &&
         strcmp(s->info.sampling, "merged"))
         return kv_fail(err, KV_EFORMAT, path, kv_gguf_find(f, "kvcal.sampling")->val_off,

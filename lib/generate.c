@@ -33,7 +33,14 @@ int kv_generate_greedy(const struct kv_model *m, const struct kv_tokenizer *tok,
     if (rc) return rc;
     int32_t *ids = NULL;
     int64_t n_prompt = 0;
-    if ((rc = kv_tok_encode(tok, prompt, strlen(prompt), 1, &ids, &n_prompt, err))) return rc;
+    if ((rc = kv_tok_encode(tok, prompt, strlen(prompt), kv_tok_adds_bos(tok) ? KV_TOK_ADD_BOS : 0,
+                            &ids, &n_prompt, err)))
+        return rc;
+    if (n_prompt == 0) {
+        free(ids);
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "the prompt is empty and the tokenizer adds no bos token: give a prompt");
+    }
     /* the whole sequence fits one buffer and one cache from the start */
     int64_t ctx_len = n_prompt + steps;
     int32_t *seq = realloc(ids, (size_t)ctx_len * sizeof *seq);

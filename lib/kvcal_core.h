@@ -169,26 +169,51 @@ void kv_tok_free(struct kv_tokenizer *tok);
 int32_t kv_tok_n_vocab(const struct kv_tokenizer *tok);
 int32_t kv_tok_bos(const struct kv_tokenizer *tok);
 int32_t kv_tok_eos(const struct kv_tokenizer *tok);
+/* The bytes of piece id (not NUL-terminated; raw bytes for byte-level
+ * vocabularies), or NULL for an id outside the vocabulary. */
+const char *kv_tok_piece(const struct kv_tokenizer *tok, int32_t id, size_t *len);
 
-/* Encode len bytes of UTF-8 text. *ids is malloc'd (caller frees), *n_ids set.
- * add_bos prepends the BOS id. Cost O(n log n) in the text length. */
-int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
+/* Encoding flags. KV_TOK_ADD_BOS prepends the BOS id, KV_TOK_ADD_EOS
+ * appends EOS; KV_TOK_PARSE_SPECIAL turns special-token strings in the text
+ * ("<s>", "<|endoftext|>") into their control ids. Without it they are
+ * encoded as the text they are (counted: kv_tok_stream_specials), so a
+ * document that holds "</s>" cannot end a sequence early. */
+#define KV_TOK_ADD_BOS 1
+#define KV_TOK_PARSE_SPECIAL 2
+#define KV_TOK_ADD_EOS 4
+
+/* The tokenizer's own policy (tokenizer_config.json's add_bos_token, the
+ * post-processor's template, GGUF's add_bos_token; llama2.c: BOS) as
+ * KV_TOK_ADD_BOS | KV_TOK_ADD_EOS flags, only those whose id exists. */
+int kv_tok_policy(const struct kv_tokenizer *tok);
+int kv_tok_adds_bos(const struct kv_tokenizer *tok);
+int kv_tok_adds_eos(const struct kv_tokenizer *tok);
+
+/* Encode len bytes of UTF-8 text with KV_TOK_* flags. *ids is malloc'd
+ * (caller frees), *n_ids set. Cost O(n log n) in the text length. */
+int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int flags,
                   int32_t **ids, int64_t *n_ids, struct kv_err *err);
 
 /* Streaming encoder: the text fed in pieces gives, concatenated over the
  * calls, exactly kv_tok_encode's tokens of the whole text, encoded in
  * slices of about `chunk` bytes (0: 64 KiB), in memory of that order
  * rather than of the text. It cuts where no merge can span and no
- * literal token does: before a ' ' that
- * follows another character (unless a vocabulary piece holds a space after
- * another character), or before an ASCII character without a piece of its
- * own (a byte-fallback '\n' in most SentencePiece vocabularies). Text
- * without such a place is gathered whole (up to eof). feed appends len
+ * literal token starts, ends or lies: for a pre-tokenizing (Hugging Face
+ * pipeline) tokenizer, before a ' ' between an ASCII letter or digit and an
+ * ASCII letter, where its pre-tokenizer was found to split when it was
+ * built; else before a ' ' that follows another character (unless a
+ * vocabulary piece holds a space after another character), or before an
+ * ASCII character without a piece of its own (a byte-fallback '\n' in most
+ * SentencePiece vocabularies). Text without such a place is gathered whole
+ * (up to eof). feed appends len
  * bytes (eof: the text ends with them) and sets *ids, *n_ids to the tokens
  * now settled, owned by the stream until its next call. */
 struct kv_tok_stream;
-int kv_tok_stream_new(const struct kv_tokenizer *tok, int add_bos, size_t chunk,
+int kv_tok_stream_new(const struct kv_tokenizer *tok, int flags, size_t chunk,
                       struct kv_tok_stream **out, struct kv_err *err);
+/* Special-token strings the text held so far that were encoded as text
+ * (without KV_TOK_PARSE_SPECIAL). */
+int64_t kv_tok_stream_specials(const struct kv_tok_stream *s);
 int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, int eof,
                        const int32_t **ids, int64_t *n_ids, struct kv_err *err);
 void kv_tok_stream_free(struct kv_tok_stream *s);

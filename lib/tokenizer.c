@@ -52,6 +52,7 @@
 
 #include "err.h"
 #include "limits.h"
+#include "pretok.h"
 
 enum { TOKF_SET = 1, TOKF_LITERAL = 2 };
 
@@ -117,6 +118,26 @@ struct kv_tokenizer {
     int32_t *lits;
     size_t n_lits, cap_lits;
     size_t lit_begin[257];
+    uint8_t *litf; /* KV_LIT_* of each id added as a literal */
+
+    /* Hugging Face pipelines (kv_tok_set_pretok): normalizers and
+     * pre-tokenizers run on each stretch between literals, and each piece is
+     * merged on its own. byte_level: initial symbols are bytes (the pieces
+     * are stored as raw bytes); else UTF-8 characters. */
+    struct kv_pretok *pt;
+    int byte_level, ignore_merges, fuse_unk;
+    char *cprefix, *eow; /* continuing_subword_prefix, end_of_word_suffix */
+    size_t cprefix_len, eow_len;
+    int pipe_cut; /* a stream may cut before ' ' between two ASCII letters */
+    size_t look;  /* bytes a cut decision reads past the cut */
+    /* Decoding of pipeline tokenizers: replacements in order, then up to
+     * dec_strip leading ' ' removed from the first token of a text. */
+    struct {
+        char *from, *to;
+        size_t nf, nt;
+    } dec[4];
+    int n_dec, dec_strip;
+    int add_bos, add_eos; /* the tokenizer's own policy */
 };
 
 /* ---------------------------------------------------------------- hashing */
@@ -279,6 +300,14 @@ void kv_tok_free(struct kv_tokenizer *tok) {
     free(tok->merges);
     free(tok->space);
     free(tok->lits);
+    free(tok->litf);
+    kv_pretok_free(tok->pt);
+    free(tok->cprefix);
+    free(tok->eow);
+    for (int i = 0; i < tok->n_dec; i++) {
+        free(tok->dec[i].from);
+        free(tok->dec[i].to);
+    }
     free(tok);
 }
 
@@ -293,15 +322,17 @@ int kv_tok_init(enum kv_tok_mode mode, int32_t n_vocab, struct kv_tokenizer **ou
     struct kv_tokenizer *t = calloc(1, sizeof *t);
     if (!t) goto oom;
     *t = (struct kv_tokenizer){.mode = mode, .n_vocab = n_vocab, .bos = -1, .eos = -1,
-                               .unk = 0, .dummy = 1, .lookup_dirty = 1};
+                               .unk = 0, .dummy = 1, .lookup_dirty = 1, .add_bos = 1};
     size_t n = (size_t)n_vocab;
     t->off = calloc(n, sizeof *t->off);
     t->len = calloc(n, sizeof *t->len);
     t->score = calloc(n, sizeof *t->score);
     t->type = calloc(n, sizeof *t->type);
     t->flags = calloc(n, sizeof *t->flags);
+    t->litf = calloc(n, sizeof *t->litf);
     t->space = malloc(1);
-    if (!t->off || !t->len || !t->score || !t->type || !t->flags || !t->space) goto oom;
+    if (!t->off || !t->len || !t->score || !t->type || !t->flags || !t->litf || !t->space)
+        goto oom;
     t->space[0] = ' ';
     t->space_len = 1;
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1;
@@ -366,6 +397,11 @@ int kv_tok_add_merge(struct kv_tokenizer *tok, const char *a, size_t alen, const
                        quote_piece(qab, sizeof qab, miss, mlen));
     }
     int32_t res = -1;
+    if (tok->cprefix_len && blen >= tok->cprefix_len &&
+        memcmp(b, tok->cprefix, tok->cprefix_len) == 0) {
+        b += tok->cprefix_len; /* a + b without b's prefix, as the merge's result */
+        blen -= tok->cprefix_len;
+    }
     if (alen + blen <= KV_MAX_PIECE) {
         char cat[2 * KV_MAX_PIECE];
         memcpy(cat, a, alen);
@@ -423,6 +459,11 @@ int kv_tok_set_normalizer(struct kv_tokenizer *tok, const char *space_piece,
 }
 
 int kv_tok_add_literal(struct kv_tokenizer *tok, int32_t id, struct kv_err *err) {
+    return kv_tok_add_literal_flags(tok, id, KV_LIT_SPECIAL, err);
+}
+
+int kv_tok_add_literal_flags(struct kv_tokenizer *tok, int32_t id, unsigned flags,
+                             struct kv_err *err) {
     KV_ASSERT(tok && !tok->finished);
     if (id < 0 || id >= tok->n_vocab)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
@@ -438,7 +479,80 @@ int kv_tok_add_literal(struct kv_tokenizer *tok, int32_t id, struct kv_err *err)
         tok->cap_lits = cap;
     }
     tok->lits[tok->n_lits++] = id;
+    tok->litf[id] = (uint8_t)flags;
     return KV_OK;
+}
+
+int kv_tok_set_pretok(struct kv_tokenizer *tok, struct kv_pretok *pt, int byte_level,
+                      struct kv_err *err) {
+    KV_ASSERT(tok && !tok->finished && pt);
+    kv_pretok_free(tok->pt);
+    tok->pt = pt;
+    tok->byte_level = byte_level != 0;
+    tok->dummy = 0;
+    return KV_OK;
+}
+
+void kv_tok_set_model_options(struct kv_tokenizer *tok, int ignore_merges, int fuse_unk) {
+    KV_ASSERT(tok && !tok->finished);
+    tok->ignore_merges = ignore_merges != 0;
+    tok->fuse_unk = fuse_unk != 0;
+}
+
+static int set_bytes(char **dst, size_t *dlen, const char *s, size_t n) {
+    free(*dst);
+    *dst = NULL;
+    *dlen = 0;
+    if (!n) return KV_OK;
+    if (!(*dst = malloc(n))) return KV_ENOMEM;
+    memcpy(*dst, s, n);
+    *dlen = n;
+    return KV_OK;
+}
+
+int kv_tok_set_affixes(struct kv_tokenizer *tok, const char *prefix, const char *suffix,
+                       struct kv_err *err) {
+    KV_ASSERT(tok && !tok->finished);
+    size_t pn = prefix ? strlen(prefix) : 0, sn = suffix ? strlen(suffix) : 0;
+    if (pn > 64 || sn > 64)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "a subword prefix or word suffix is limited to 64 bytes");
+    if (set_bytes(&tok->cprefix, &tok->cprefix_len, prefix, pn) ||
+        set_bytes(&tok->eow, &tok->eow_len, suffix, sn))
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    return KV_OK;
+}
+
+int kv_tok_add_decoder_replace(struct kv_tokenizer *tok, const char *from, size_t nf,
+                               const char *to, size_t nt, struct kv_err *err) {
+    KV_ASSERT(tok && !tok->finished);
+    if (tok->n_dec == (int)(sizeof tok->dec / sizeof tok->dec[0]))
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "more than %d replacing decoders", tok->n_dec);
+    if (nf == 0 || nf > 64 || nt > 64)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "a replacing decoder's pattern must be 1..64 bytes and its content at "
+                       "most 64");
+    int i = tok->n_dec;
+    tok->dec[i].from = tok->dec[i].to = NULL;
+    if (set_bytes(&tok->dec[i].from, &tok->dec[i].nf, from, nf) ||
+        set_bytes(&tok->dec[i].to, &tok->dec[i].nt, to, nt)) {
+        free(tok->dec[i].from);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    tok->n_dec++;
+    return KV_OK;
+}
+
+void kv_tok_set_decoder_strip(struct kv_tokenizer *tok, int n) {
+    KV_ASSERT(tok && !tok->finished);
+    tok->dec_strip = n < 0 ? 0 : n;
+}
+
+void kv_tok_set_policy(struct kv_tokenizer *tok, int add_bos, int add_eos) {
+    KV_ASSERT(tok && !tok->finished);
+    tok->add_bos = add_bos != 0;
+    tok->add_eos = add_eos != 0;
 }
 
 static int lit_cmp(const void *pa, const void *pb) {
@@ -471,6 +585,44 @@ static int build_literals(struct kv_tokenizer *t) {
     t->lit_begin[256] = k;
     free(v);
     return KV_OK;
+}
+
+/* Normalize and pre-tokenize s[0, n) (no literals) into out. */
+static int probe_pieces(const struct kv_tokenizer *t, const char *s, size_t n, unsigned where,
+                        struct kv_pt_buf *out) {
+    struct kv_pt_buf norm = {0};
+    int rc = kv_pretok_normalize(t->pt, s, n, where, &norm, NULL);
+    if (!rc) rc = kv_pretok_pieces(t->pt, norm.buf, norm.len, where, out, NULL);
+    kv_pt_buf_free(&norm);
+    return rc;
+}
+
+/* Whether a pipeline splits where a stream would cut (before a ' ' between
+ * ASCII letters or digits): on sample phrases, the pieces of the whole
+ * equal the pieces of the two sides, each side taken as a stream's slice. */
+static int probe_cut(const struct kv_tokenizer *t) {
+    static const char *const probes[] = {"ab cd",     "Hello world", "x y",     "it's me",
+                                         "a1 b",      "A B C",       "END Tail", "to be or"};
+    struct kv_pt_buf whole = {0}, l = {0}, r = {0};
+    int ok = 1;
+    for (size_t i = 0; ok && i < sizeof probes / sizeof probes[0]; i++) {
+        const char *s = probes[i];
+        size_t n = strlen(s);
+        for (size_t c = 1; ok && c + 1 < n; c++) {
+            if (s[c] != ' ') continue;
+            ok = !probe_pieces(t, s, n, KV_PT_START | KV_PT_END | KV_PT_INPUT, &whole) &&
+                 !probe_pieces(t, s, c, KV_PT_START | KV_PT_INPUT, &l) &&
+                 !probe_pieces(t, s + c, n - c, KV_PT_END, &r) && whole.n == l.n + r.n &&
+                 whole.len == l.len + r.len && memcmp(whole.buf, l.buf, l.len) == 0 &&
+                 memcmp(whole.buf + l.len, r.buf, r.len) == 0;
+            for (size_t k = 0; ok && k < whole.n; k++)
+                ok = whole.ends[k] == (k < l.n ? l.ends[k] : l.len + r.ends[k - l.n]);
+        }
+    }
+    kv_pt_buf_free(&whole);
+    kv_pt_buf_free(&l);
+    kv_pt_buf_free(&r);
+    return ok;
 }
 
 int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err) {
@@ -521,6 +673,8 @@ int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err
     tok->max_lit = 0;
     for (size_t i = 0; i < tok->n_lits; i++)
         if (tok->len[tok->lits[i]] > tok->max_lit) tok->max_lit = tok->len[tok->lits[i]];
+    tok->look = tok->max_lit > 2 ? tok->max_lit : 2;
+    tok->pipe_cut = tok->pt && probe_cut(tok);
     tok->finished = 1;
     return KV_OK;
 oom:
@@ -693,6 +847,27 @@ static size_t utf8_len(const unsigned char *s, size_t n) {
     return need;
 }
 
+/* Merge the symbols linked from offset 0 until no pair merges. */
+static int run_merges(const struct kv_tokenizer *t, struct tok_work *w) {
+    struct tok_sym *sym = w->sym;
+    w->n_heap = 0;
+    for (int64_t l = 0; l >= 0; l = sym[l].next)
+        if (push_pair(t, w, l) != KV_OK) return KV_ENOMEM;
+    while (w->n_heap) {
+        struct tok_cand c = heap_pop(w);
+        int64_t l = c.left, r = sym[l].next;
+        if (sym[l].len == 0 || r < 0 || (size_t)sym[l].len + sym[r].len != c.len) continue;
+        sym[l].len = c.len;
+        sym[l].id = c.id;
+        sym[l].next = sym[r].next;
+        if (sym[r].next >= 0) sym[sym[r].next].prev = l;
+        sym[r].len = 0;
+        if (sym[l].prev >= 0 && push_pair(t, w, sym[l].prev) != KV_OK) return KV_ENOMEM;
+        if (push_pair(t, w, l) != KV_OK) return KV_ENOMEM;
+    }
+    return KV_OK;
+}
+
 /* Encode src[0, n) as one segment, appending ids to out[*n_out...]. */
 static int encode_segment(const struct kv_tokenizer *t, struct tok_work *w, const char *src,
                           size_t n, int prefix, int32_t *out, int64_t *n_out,
@@ -745,62 +920,315 @@ static int encode_segment(const struct kv_tokenizer *t, struct tok_work *w, cons
         }
         i += cl;
     }
-
-    w->n_heap = 0;
-    for (int64_t l = 0; l >= 0; l = sym[l].next)
-        if (push_pair(t, w, l) != KV_OK) goto oom;
-    while (w->n_heap) {
-        struct tok_cand c = heap_pop(w);
-        int64_t l = c.left, r = sym[l].next;
-        if (sym[l].len == 0 || r < 0 || (size_t)sym[l].len + sym[r].len != c.len) continue;
-        sym[l].len = c.len;
-        sym[l].id = c.id;
-        sym[l].next = sym[r].next;
-        if (sym[r].next >= 0) sym[sym[r].next].prev = l;
-        sym[r].len = 0;
-        if (sym[l].prev >= 0 && push_pair(t, w, sym[l].prev) != KV_OK) goto oom;
-        if (push_pair(t, w, l) != KV_OK) goto oom;
-    }
+    if (run_merges(t, w) != KV_OK)
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
+                       "out of memory merging a text segment of %zu bytes", m);
     for (int64_t l = 0; l >= 0; l = sym[l].next) out[(*n_out)++] = sym[l].id;
     return KV_OK;
-oom:
-    return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
-                   "out of memory merging a text segment of %zu bytes", m);
 }
 
-/* Longest literal at text[pos, len), or -1. */
-static int32_t match_literal(const struct kv_tokenizer *t, const char *text, size_t pos,
-                             size_t len) {
+/* ---------------------------------------------------------------- literals */
+
+/* A "word" character for single_word literals: an ASCII letter, digit or
+ * '_', or any byte of a non-ASCII character. */
+static int word_byte(unsigned char c) {
+    return c >= 0x80 || c == '_' || (c >= '0' && c <= '9') || ((c | 32) >= 'a' && (c | 32) <= 'z');
+}
+
+static int space_byte(unsigned char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
+
+/* The literal matched at text[pos, len): the longest one there, or -1.
+ * kind: 0 any literal (the literal scan of streams), 1 those matched in raw
+ * text, 2 those matched after normalization (pipelines only). Specials are
+ * matched only with parse; one skipped that way counts in *seen (and
+ * *skip_len is its length) so the caller can step over it. */
+static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos, size_t len,
+                      int kind, int parse, size_t *skip_len) {
     unsigned char c = (unsigned char)text[pos];
+    *skip_len = 0;
     for (size_t k = t->lit_begin[c]; k < t->lit_begin[c + 1]; k++) {
         int32_t id = t->lits[k];
         size_t n = t->len[id];
-        if (n <= len - pos && memcmp(piece_bytes(t, id), text + pos, n) == 0) return id;
+        unsigned f = t->litf[id];
+        if (kind && t->pt && ((kind == 2) != ((f & KV_LIT_NORMALIZED) != 0))) continue;
+        if (n > len - pos || memcmp(piece_bytes(t, id), text + pos, n) != 0) continue;
+        if (kind && (f & KV_LIT_SINGLE_WORD) &&
+            ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
+             (pos + n < len && word_byte((unsigned char)text[pos + n]))))
+            continue;
+        if (kind && (f & KV_LIT_SPECIAL) && !parse) {
+            if (!*skip_len) *skip_len = n;
+            continue;
+        }
+        return id;
     }
     return -1;
 }
 
-/* The tokens of text[0, len). first: the text starts the input (the dummy
- * prefix applies); a later piece of a stream starts at a safe cut. */
-static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
-                       int first, int32_t **ids, int64_t *n_ids, struct kv_err *err) {
+/* ---------------------------------------------------------------- pipelines */
+
+struct idvec {
+    int32_t *v;
+    int64_t n, cap;
+};
+
+static int idvec_push(struct idvec *v, int32_t id) {
+    if (v->n == v->cap) {
+        int64_t cap = v->cap ? 2 * v->cap : 1024;
+        int32_t *p = realloc(v->v, (size_t)cap * sizeof *p);
+        if (!p) return KV_ENOMEM;
+        v->v = p;
+        v->cap = cap;
+    }
+    v->v[v->n++] = id;
+    return KV_OK;
+}
+
+struct pipe_work {
+    struct tok_work w;
+    size_t cap; /* bytes buf and sym hold */
+    struct kv_pt_buf norm, pieces;
+    int64_t specials;
+};
+
+static void pipe_work_free(struct pipe_work *pw) {
+    free(pw->w.buf);
+    free(pw->w.sym);
+    free(pw->w.heap);
+    kv_pt_buf_free(&pw->norm);
+    kv_pt_buf_free(&pw->pieces);
+}
+
+/* The mergeable id of s[0, n) with the model's affixes, or -1. */
+static int32_t char_id(const struct kv_tokenizer *t, const unsigned char *s, size_t n, int first,
+                       int last) {
+    if ((first || !t->cprefix_len) && (!last || !t->eow_len)) {
+        int32_t id = piece_find(t, s, n);
+        return id >= 0 && mergeable_type(t->type[id]) ? id : -1;
+    }
+    char tmp[64 + 4 + 64];
+    size_t k = 0;
+    if (!first && t->cprefix_len) {
+        memcpy(tmp, t->cprefix, t->cprefix_len);
+        k = t->cprefix_len;
+    }
+    memcpy(tmp + k, s, n);
+    k += n;
+    if (last && t->eow_len) {
+        memcpy(tmp + k, t->eow, t->eow_len);
+        k += t->eow_len;
+    }
+    int32_t id = piece_find(t, tmp, k);
+    return id >= 0 && mergeable_type(t->type[id]) ? id : -1;
+}
+
+/* BPE of one pre-tokenized word, as the tokenizers crate's BPE model does:
+ * ignore_merges takes a word that is a piece whole; a character without a
+ * piece becomes its byte tokens when all exist, else the unknown id (runs
+ * of them fused with fuse_unk). */
+static int bpe_word(const struct kv_tokenizer *t, struct pipe_work *pw, const char *word,
+                    size_t n, struct idvec *out, struct kv_err *err) {
+    if (!n) return KV_OK;
+    if (t->ignore_merges && n <= t->max_piece) {
+        int32_t id = piece_find(t, word, n);
+        if (id >= 0 && mergeable_type(t->type[id]))
+            return idvec_push(out, id) ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+                                       : KV_OK;
+    }
+    if (n > pw->cap) {
+        size_t cap = pw->cap ? pw->cap : 256;
+        while (cap < n) cap *= 2;
+        unsigned char *b = realloc(pw->w.buf, cap);
+        if (b) pw->w.buf = b;
+        struct tok_sym *y = b ? realloc(pw->w.sym, cap * sizeof *y) : NULL;
+        if (!y) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory encoding a "
+                                                                  "word of %zu bytes", n);
+        pw->w.sym = y;
+        pw->cap = cap;
+    }
+    memcpy(pw->w.buf, word, n);
+    const unsigned char *buf = pw->w.buf;
+    struct tok_sym *sym = pw->w.sym;
+    int64_t last = -1;
+    int last_unk = 0;
+    for (size_t i = 0; i < n;) {
+        size_t cl = t->byte_level ? 1 : utf8_len(buf + i, n - i);
+        int32_t id = char_id(t, buf + i, cl, i == 0, i + cl == n);
+        size_t nsym = 1;
+        int frozen = 0, unk = 0;
+        if (id < 0) {
+            frozen = 1;
+            int all = 1;
+            for (size_t k = 0; k < cl; k++) all &= t->byte_id[buf[i + k]] >= 0;
+            if (all) {
+                nsym = cl;
+            } else if (t->unk >= 0) {
+                unk = 1;
+                id = t->unk;
+            } else {
+                char q[64];
+                return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                               "character '%s' has no piece, no byte token and there is no "
+                               "unknown token",
+                               quote_piece(q, sizeof q, (const char *)buf + i, cl));
+            }
+        }
+        if (unk && last_unk && t->fuse_unk) {
+            sym[last].len += (unsigned)cl;
+            i += cl;
+            continue;
+        }
+        for (size_t k = 0; k < nsym; k++) {
+            int64_t at = (int64_t)(i + k);
+            sym[at].prev = last;
+            sym[at].next = -1;
+            sym[at].frozen = (unsigned)frozen;
+            sym[at].id = frozen && !unk ? t->byte_id[buf[i + k]] : id;
+            sym[at].len = frozen && !unk ? 1u : (unsigned)cl;
+            if (last >= 0) sym[last].next = at;
+            last = at;
+        }
+        last_unk = unk;
+        i += cl;
+    }
+    if (run_merges(t, &pw->w) != KV_OK)
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory merging a word");
+    for (int64_t l = 0; l >= 0; l = sym[l].next)
+        if (idvec_push(out, sym[l].id))
+            return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    return KV_OK;
+}
+
+/* Pre-tokenize and merge normalized text s[0, n). */
+static int pipe_words(const struct kv_tokenizer *t, struct pipe_work *pw, const char *s,
+                      size_t n, unsigned where, struct idvec *out, struct kv_err *err) {
+    if (!n) return KV_OK;
+    int rc = kv_pretok_pieces(t->pt, s, n, where, &pw->pieces, err);
+    for (size_t i = 0; !rc && i < pw->pieces.n; i++) {
+        size_t a = i ? pw->pieces.ends[i - 1] : 0;
+        rc = bpe_word(t, pw, pw->pieces.buf + a, pw->pieces.ends[i] - a, out, err);
+    }
+    return rc;
+}
+
+/* One stretch of raw text between literals: normalize it, split it at the
+ * literals matched after normalization, pre-tokenize and merge the rest. */
+static int pipe_stretch(const struct kv_tokenizer *t, struct pipe_work *pw, const char *s,
+                        size_t n, unsigned where, int parse, struct idvec *out,
+                        struct kv_err *err) {
+    int rc = kv_pretok_normalize(t->pt, s, n, where, &pw->norm, err);
+    if (rc) return rc;
+    /* pieces reuses its buffer, so the normalized text moves out first. */
+    char *ns = pw->norm.buf;
+    size_t nn = pw->norm.len;
+    pw->norm = (struct kv_pt_buf){0};
+    size_t seg = 0;
+    for (size_t pos = 0; pos < nn && !rc;) {
+        size_t skip;
+        int32_t lit = t->n_lits ? lit_at(t, ns, pos, nn, 2, parse, &skip) : -1;
+        if (lit < 0) {
+            if (skip) pw->specials++;
+            pos += skip ? skip : 1;
+            continue;
+        }
+        rc = pipe_words(t, pw, ns + seg, pos - seg, seg == 0 ? where : 0, out, err);
+        if (!rc && idvec_push(out, lit)) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        pos += t->len[lit];
+        seg = pos;
+    }
+    if (!rc) rc = pipe_words(t, pw, ns + seg, nn - seg, seg == 0 ? where : 0, out, err);
+    free(ns);
+    return rc;
+}
+
+/* Encode text[0, len) with a pipeline. first: it starts the input; last:
+ * it ends it. Literals in raw text split it; lstrip and rstrip literals
+ * take the whitespace beside them. */
+static int pipe_encode(const struct kv_tokenizer *t, const char *text, size_t len, int parse,
+                       int first, int last, struct idvec *out, int64_t *specials,
+                       struct kv_err *err) {
+    struct pipe_work pw = {0};
+    int rc = KV_OK;
+    size_t seg = 0;
+    for (size_t pos = 0; pos < len && !rc;) {
+        size_t skip;
+        int32_t lit = t->n_lits ? lit_at(t, text, pos, len, 1, parse, &skip) : -1;
+        if (lit < 0) {
+            if (skip) pw.specials++;
+            pos += skip ? skip : 1;
+            continue;
+        }
+        size_t a = pos, b = pos + t->len[lit];
+        if (t->litf[lit] & KV_LIT_LSTRIP)
+            while (a > seg && space_byte((unsigned char)text[a - 1])) a--;
+        if (t->litf[lit] & KV_LIT_RSTRIP)
+            while (b < len && space_byte((unsigned char)text[b])) b++;
+        unsigned where = (seg > 0 || first ? KV_PT_START : 0) | KV_PT_END |
+                         (seg == 0 && first ? KV_PT_INPUT : 0);
+        if (a > seg) rc = pipe_stretch(t, &pw, text + seg, a - seg, where, parse, out, err);
+        if (!rc && idvec_push(out, lit)) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        pos = seg = b;
+    }
+    if (!rc && len > seg) {
+        unsigned where = (seg > 0 || first ? KV_PT_START : 0) | (last ? KV_PT_END : 0) |
+                         (seg == 0 && first ? KV_PT_INPUT : 0);
+        rc = pipe_stretch(t, &pw, text + seg, len - seg, where, parse, out, err);
+    }
+    *specials += pw.specials;
+    pipe_work_free(&pw);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- encode */
+
+/* The tokens of text[0, len). first: the text starts the input (BOS and the
+ * dummy prefix apply); last: it ends it; a piece of a stream starts and
+ * ends at safe cuts. */
+static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t len, int flags,
+                       int first, int last, int32_t **ids, int64_t *n_ids, int64_t *specials,
+                       struct kv_err *err) {
     KV_ASSERT(tok && tok->finished && ids && n_ids);
     KV_ASSERT(text || len == 0);
     *ids = NULL;
     *n_ids = 0;
+    int add_bos = (flags & KV_TOK_ADD_BOS) && first, parse = (flags & KV_TOK_PARSE_SPECIAL) != 0;
+    int add_eos = (flags & KV_TOK_ADD_EOS) && last;
     if (add_bos && tok->bos < 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "bos requested but the tokenizer has no bos token");
+    if (add_eos && tok->eos < 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "eos requested but the tokenizer has no eos token");
+    if (tok->pt) {
+        struct idvec v = {0};
+        int rc = KV_OK;
+        if (add_bos && idvec_push(&v, tok->bos)) rc = KV_ENOMEM;
+        if (!rc) rc = pipe_encode(tok, text, len, parse, first, last, &v, specials, err);
+        else rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        if (!rc && add_eos && idvec_push(&v, tok->eos))
+            rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        if (rc) {
+            free(v.v);
+            return rc;
+        }
+        if (!v.v && !(v.v = malloc(sizeof *v.v)))
+            return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        *ids = v.v;
+        *n_ids = v.n;
+        return KV_OK;
+    }
 
     /* Upper bound on normalised bytes; every token covers at least one of
-     * them (or one raw byte for a literal), plus BOS. */
+     * them (or one raw byte for a literal), plus BOS and EOS. */
     size_t n_sp = 0;
     for (size_t i = 0; i < len; i++) n_sp += text[i] == ' ';
     size_t norm, cap;
     if (__builtin_mul_overflow(n_sp, tok->space_len - 1, &norm) ||
         __builtin_add_overflow(norm, len, &norm) ||
         __builtin_add_overflow(norm, tok->space_len, &norm) ||
-        __builtin_add_overflow(norm, 1, &cap) || cap > SIZE_MAX / sizeof(struct tok_sym))
+        __builtin_add_overflow(norm, 2, &cap) || cap > SIZE_MAX / sizeof(struct tok_sym))
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
                        "text of %zu bytes is too long to encode", len);
 
@@ -818,9 +1246,11 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
     if (add_bos) out[n_out++] = tok->bos;
     size_t seg = 0;
     for (size_t pos = 0; pos < len;) {
-        int32_t lit = tok->n_lits ? match_literal(tok, text, pos, len) : -1;
+        size_t skip;
+        int32_t lit = tok->n_lits ? lit_at(tok, text, pos, len, 1, parse, &skip) : -1;
         if (lit < 0) {
-            pos++;
+            if (skip) ++*specials;
+            pos += skip ? skip : 1;
             continue;
         }
         rc = encode_segment(tok, &w, text + seg, pos - seg,
@@ -833,6 +1263,7 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
     rc = encode_segment(tok, &w, text + seg, len - seg, first && tok->dummy && seg == 0 && len > 0,
                         out, &n_out, err);
     if (rc) goto done;
+    if (add_eos) out[n_out++] = tok->eos;
     KV_ASSERT((size_t)n_out <= cap);
     int32_t *shrunk = realloc(out, (n_out ? (size_t)n_out : 1) * sizeof *out);
     if (shrunk) out = shrunk;
@@ -847,33 +1278,52 @@ done:
     return rc;
 }
 
-int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int add_bos,
+int kv_tok_encode(const struct kv_tokenizer *tok, const char *text, size_t len, int flags,
                   int32_t **ids, int64_t *n_ids, struct kv_err *err) {
-    return encode_text(tok, text, len, add_bos, 1, ids, n_ids, err);
+    int64_t specials = 0;
+    return encode_text(tok, text, len, flags, 1, 1, ids, n_ids, &specials, err);
+}
+
+int kv_tok_adds_bos(const struct kv_tokenizer *tok) {
+    KV_ASSERT(tok);
+    return tok->add_bos && tok->bos >= 0;
+}
+
+int kv_tok_adds_eos(const struct kv_tokenizer *tok) {
+    KV_ASSERT(tok);
+    return tok->add_eos && tok->eos >= 0;
+}
+
+int kv_tok_policy(const struct kv_tokenizer *tok) {
+    return (kv_tok_adds_bos(tok) ? KV_TOK_ADD_BOS : 0) | (kv_tok_adds_eos(tok) ? KV_TOK_ADD_EOS : 0);
 }
 
 /* ---------------------------------------------------------------- streams */
 
 struct kv_tok_stream {
     const struct kv_tokenizer *tok;
-    int add_bos, started; /* started: BOS and the dummy prefix are out */
-    size_t chunk;         /* text gathered before a cut is looked for */
-    char *pend;           /* text not yet encoded */
+    int flags, started; /* started: BOS and the dummy prefix are out */
+    size_t chunk;       /* text gathered before a cut is looked for */
+    char *pend;         /* text not yet encoded */
     size_t n_pend, cap_pend, scanned;
-    int32_t *ids;         /* the last call's tokens */
+    int32_t *ids;       /* the last call's tokens */
+    int64_t specials;
 };
 
-int kv_tok_stream_new(const struct kv_tokenizer *tok, int add_bos, size_t chunk,
+int kv_tok_stream_new(const struct kv_tokenizer *tok, int flags, size_t chunk,
                       struct kv_tok_stream **out, struct kv_err *err) {
     KV_ASSERT(tok && tok->finished && out);
     *out = NULL;
-    if (add_bos && tok->bos < 0)
+    if ((flags & KV_TOK_ADD_BOS) && tok->bos < 0)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "bos requested but the tokenizer has no bos token");
+    if ((flags & KV_TOK_ADD_EOS) && tok->eos < 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "eos requested but the tokenizer has no eos token");
     struct kv_tok_stream *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     s->tok = tok;
-    s->add_bos = add_bos;
+    s->flags = flags;
     s->chunk = chunk ? chunk : KV_TOK_STREAM_CHUNK;
     *out = s;
     return KV_OK;
@@ -886,25 +1336,41 @@ void kv_tok_stream_free(struct kv_tok_stream *s) {
     free(s);
 }
 
-/* Whether text may be cut at c (0 < c < n). No merge may span c: text[c]
- * is an ASCII character whose symbol never merges, or (cut_space) a ' '
- * after a character that is neither ' ' nor ends in space_piece (an ASCII
- * byte always starts a character). And no literal starting before c may
- * end after it, so the whole text's literal scan also passes through c. */
+int64_t kv_tok_stream_specials(const struct kv_tok_stream *s) {
+    KV_ASSERT(s);
+    return s->specials;
+}
+
+static int ascii_letter(unsigned char c) { return (c | 32) >= 'a' && (c | 32) <= 'z'; }
+
+/* Whether text may be cut at c (0 < c < n). No merge may span c: for a
+ * pipeline, text[c] is a ' ' between an ASCII letter or digit and an ASCII
+ * letter, where its pre-tokenizer splits (probed when it was built); else
+ * text[c] is an ASCII character whose symbol never merges, or (cut_space) a
+ * ' ' after a character that is neither ' ' nor ends in space_piece (an
+ * ASCII byte always starts a character). And no literal may start at c,
+ * end at it, or span it, so the whole text's literal scan also passes
+ * through c and each stretch between literals keeps its ends. */
 static int cut_at(const struct kv_tokenizer *t, const char *text, size_t n, size_t c) {
     unsigned char b = (unsigned char)text[c];
     if (b >= 128) return 0;
-    if (b == ' ') {
+    if (t->pt) {
+        unsigned char p = (unsigned char)text[c - 1];
+        if (!t->pipe_cut || b != ' ' || c + 1 >= n || !ascii_letter((unsigned char)text[c + 1]) ||
+            !(ascii_letter(p) || (p >= '0' && p <= '9')))
+            return 0;
+    } else if (b == ' ') {
         if (!t->cut_space || text[c - 1] == ' ') return 0;
         if (c >= t->space_len && memcmp(text + c - t->space_len, t->space, t->space_len) == 0)
             return 0;
     } else if (!t->cut_byte[b]) {
         return 0;
     }
-    size_t q0 = t->max_lit && c >= t->max_lit ? c - t->max_lit + 1 : 0;
-    for (size_t q = q0; t->n_lits && q < c; q++) {
-        int32_t lit = match_literal(t, text, q, n);
-        if (lit >= 0 && q + t->len[lit] > c) return 0;
+    size_t q0 = t->max_lit && c >= t->max_lit ? c - t->max_lit : 0;
+    for (size_t q = q0; t->n_lits && q <= c; q++) {
+        size_t skip;
+        int32_t lit = lit_at(t, text, q, n, 0, 1, &skip);
+        if (lit >= 0 && q + t->len[lit] >= c) return 0;
     }
     return 1;
 }
@@ -932,11 +1398,11 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
     if (len) memcpy(s->pend + s->n_pend, text, len);
     s->n_pend += len;
     /* Encode slices of about `chunk` bytes, each ending at a cut: the last
-     * cut at or before start + chunk, else the first after it. The literal
-     * check reads up to max_lit bytes past a cut, so before eof cuts stop
-     * that far from the end; text up to `scanned` holds no cut (a verdict
-     * needs only that lookahead, so it stands across calls). */
-    size_t look = t->max_lit > 1 ? t->max_lit : 1, start = 0;
+     * cut at or before start + chunk, else the first after it. A cut
+     * decision reads up to t->look bytes past the cut, so before eof cuts
+     * stop that far from the end; text up to `scanned` holds no cut (a
+     * verdict needs only that lookahead, so it stands across calls). */
+    size_t look = t->look, start = 0;
     size_t limit = s->n_pend > look ? s->n_pend - look : 0;
     int64_t n_out = 0, cap_out = 0;
     int rc = KV_OK;
@@ -961,8 +1427,8 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
         }
         int32_t *part;
         int64_t n_part;
-        rc = encode_text(t, s->pend ? s->pend + start : "", cut - start,
-                         s->add_bos && !s->started, !s->started, &part, &n_part, err);
+        rc = encode_text(t, s->pend ? s->pend + start : "", cut - start, s->flags, !s->started,
+                         eof && cut == s->n_pend, &part, &n_part, &s->specials, err);
         if (rc) break;
         s->started = 1;
         start = cut;
@@ -994,6 +1460,40 @@ int kv_tok_stream_feed(struct kv_tok_stream *s, const char *text, size_t len, in
 
 /* ---------------------------------------------------------------- decode */
 
+/* A pipeline's token: its piece through the replacing decoders, less up to
+ * dec_strip leading spaces at the start of a text. */
+static size_t decode_pipe(const struct kv_tokenizer *t, int32_t prev, int32_t id, char *out,
+                          size_t cap) {
+    const char *p = piece_bytes(t, id);
+    size_t n = t->len[id];
+    char *cur = NULL;
+    for (int d = 0; d < t->n_dec; d++) {
+        size_t nf = t->dec[d].nf, nt = t->dec[d].nt, m = 0;
+        char *nx = malloc(n / nf * (nt > nf ? nt : nf) + n + 1);
+        if (!nx) break; /* decoding is best effort; the piece as it stands */
+        for (size_t i = 0; i < n;) {
+            if (n - i >= nf && memcmp(p + i, t->dec[d].from, nf) == 0) {
+                memcpy(nx + m, t->dec[d].to, nt);
+                m += nt;
+                i += nf;
+            } else {
+                nx[m++] = p[i++];
+            }
+        }
+        free(cur);
+        cur = nx;
+        p = cur;
+        n = m;
+    }
+    size_t skip = 0;
+    if ((prev < 0 || prev == t->bos) && !(t->flags[id] & TOKF_LITERAL))
+        while (skip < n && (int)skip < t->dec_strip && p[skip] == ' ') skip++;
+    size_t o = n - skip;
+    if (cap && o) memcpy(out, p + skip, o < cap ? o : cap);
+    free(cur);
+    return o;
+}
+
 size_t kv_tok_decode(const struct kv_tokenizer *tok, int32_t prev, int32_t id, char *out,
                      size_t cap) {
     KV_ASSERT(tok && tok->finished);
@@ -1011,6 +1511,7 @@ size_t kv_tok_decode(const struct kv_tokenizer *tok, int32_t prev, int32_t id, c
         if (cap && n) memcpy(out, p, n < cap ? n : cap);
         return n;
     }
+    if (tok->pt) return decode_pipe(tok, prev, id, out, cap);
     int strip = tok->dummy && prev >= 0 && prev == tok->bos && !(tok->flags[id] & TOKF_LITERAL);
     const char *sp = tok->space;
     size_t sl = tok->space_len;

@@ -58,8 +58,48 @@ void kv_tok_set_special(struct kv_tokenizer *tok, int32_t bos, int32_t eos, int3
 int kv_tok_set_normalizer(struct kv_tokenizer *tok, const char *space_piece,
                           int add_dummy_prefix, struct kv_err *err);
 
-/* Token id is matched verbatim in raw text (HF added/special tokens). */
+/* Token id is matched verbatim in raw text (HF added/special tokens).
+ * kv_tok_add_literal adds a special one. KV_LIT_SPECIAL: matched only when
+ * encoding with KV_TOK_PARSE_SPECIAL (else counted and encoded as text);
+ * LSTRIP / RSTRIP: the match takes the whitespace before / after it;
+ * SINGLE_WORD: matched only with no word character on either side;
+ * NORMALIZED: matched in the normalized text (pipelines only). */
+enum {
+    KV_LIT_SPECIAL = 1,
+    KV_LIT_LSTRIP = 2,
+    KV_LIT_RSTRIP = 4,
+    KV_LIT_SINGLE_WORD = 8,
+    KV_LIT_NORMALIZED = 16,
+};
 int kv_tok_add_literal(struct kv_tokenizer *tok, int32_t id, struct kv_err *err);
+int kv_tok_add_literal_flags(struct kv_tokenizer *tok, int32_t id, unsigned flags,
+                             struct kv_err *err);
+
+/* A Hugging Face pipeline (pretok.h), owned by the tokenizer from now on:
+ * text is normalized and pre-tokenized per stretch between literals and
+ * each piece merged on its own; the space normalizer is off. byte_level:
+ * the pieces are raw bytes (kv_bytelevel_unmap) and a word's initial
+ * symbols are its bytes. */
+struct kv_pretok;
+int kv_tok_set_pretok(struct kv_tokenizer *tok, struct kv_pretok *pt, int byte_level,
+                      struct kv_err *err);
+/* BPE model options of tokenizer.json: ignore_merges (a word that is a
+ * piece is that piece) and fuse_unk (a run of unknown characters is one
+ * unknown token). With a pipeline, unknown characters give one unknown
+ * token each rather than one per byte. */
+void kv_tok_set_model_options(struct kv_tokenizer *tok, int ignore_merges, int fuse_unk);
+/* continuing_subword_prefix and end_of_word_suffix (NULL: none); set them
+ * before the merges. */
+int kv_tok_set_affixes(struct kv_tokenizer *tok, const char *prefix, const char *suffix,
+                       struct kv_err *err);
+/* Pipeline decoding: replace `from` by `to` in each piece (in the order
+ * added, at most 4), then drop up to n leading spaces from the first token
+ * of a text (after BOS or with no previous token). */
+int kv_tok_add_decoder_replace(struct kv_tokenizer *tok, const char *from, size_t nf,
+                               const char *to, size_t nt, struct kv_err *err);
+void kv_tok_set_decoder_strip(struct kv_tokenizer *tok, int n);
+/* Whether texts get BOS / EOS (kv_tok_policy); default BOS yes, EOS no. */
+void kv_tok_set_policy(struct kv_tokenizer *tok, int add_bos, int add_eos);
 
 /* Build lookup tables; every id must have been set. Errors name path. */
 int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err);
@@ -72,8 +112,6 @@ int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err
  * when the text was encoded whole. */
 #define KV_TOK_STREAM_CHUNK ((size_t)64 << 10)
 
-/* Raw piece bytes of id (not NUL-terminated). */
-const char *kv_tok_piece(const struct kv_tokenizer *tok, int32_t id, size_t *len);
 float kv_tok_score(const struct kv_tokenizer *tok, int32_t id);
 int kv_tok_type(const struct kv_tokenizer *tok, int32_t id);
 enum kv_tok_mode kv_tok_mode(const struct kv_tokenizer *tok);

@@ -290,12 +290,16 @@ Test(tok_encode, literals_split_text_and_match_longest) {
     b.lit[b.nl++] = 1; /* <s> */
     struct kv_tokenizer *t = tb_build(&b);
     /* the prefix goes only on a segment that starts the text */
-    EXPECT_IDS(t, "hi<|x|> hi", 0, shi, x, shi);
-    EXPECT_IDS(t, "<|x|>hi", 0, x, hi);
-    EXPECT_IDS(t, "<|x|>!hi", 0, xl, hi);
-    EXPECT_IDS(t, "h<|x|>i", 0, sh, x, i);
-    EXPECT_IDS(t, "<s><|x|>", 1, 1, 1, x);
-    EXPECT_IDS(t, "<|x|", 0, 3, 0, 0, 0, 0); /* incomplete: text, and unknown chars */
+    const int PS = KV_TOK_PARSE_SPECIAL;
+    EXPECT_IDS(t, "hi<|x|> hi", PS, shi, x, shi);
+    EXPECT_IDS(t, "<|x|>hi", PS, x, hi);
+    EXPECT_IDS(t, "<|x|>!hi", PS, xl, hi);
+    EXPECT_IDS(t, "h<|x|>i", PS, sh, x, i);
+    EXPECT_IDS(t, "<s><|x|>", 1 | PS, 1, 1, x);
+    EXPECT_IDS(t, "<|x|", PS, 3, 0, 0, 0, 0); /* incomplete: text, and unknown chars */
+    /* without parsing, special literals are text (unknown characters here) */
+    EXPECT_IDS(t, "<|x|>hi", 0, 3, 0, 0, 0, 0, 0, hi);
+    EXPECT_IDS(t, "<s>", 1, 1, 3, 0, 0, 0);
     kv_tok_free(t);
     tb_free(&b);
 }

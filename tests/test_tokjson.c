@@ -65,7 +65,9 @@ static void check_hand_tokenizer(const struct kv_tokenizer *tok) {
     /* 'z' has neither a piece nor a byte piece: unknown. */
     expect_ids(tok, "z", 0, (const int32_t[]){3, 0}, 2);
     /* "</s>" is an added token matched verbatim; "a" alone is ▁+a (1). */
-    expect_ids(tok, "a</s>", 0, (const int32_t[]){7, 2}, 2);
+    expect_ids(tok, "a</s>", KV_TOK_PARSE_SPECIAL, (const int32_t[]){7, 2}, 2);
+    /* by default it is text: '<' and '/' are unknown, 's' has no piece */
+    expect_ids(tok, "</s>", 0, (const int32_t[]){3, 0, 0, 0, 0}, 5);
 }
 
 Test(hf_tokenizer, hand_worked_merges_as_strings) {
@@ -116,14 +118,14 @@ static void tok_fails(const char *text, int code, const char *tail) {
 }
 
 Test(hf_tokenizer, refuses_other_tokenizer_kinds) {
-    tok_fails("{\"pre_tokenizer\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false},"
+    tok_fails("{\"pre_tokenizer\": {\"type\": \"BertPreTokenizer\"},"
               " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}",
-              KV_EUNSUPPORTED, "pre_tokenizer 'ByteLevel' is not supported");
+              KV_EUNSUPPORTED, "pre_tokenizer 'BertPreTokenizer' is not supported");
     tok_fails("{\"model\": {\"type\": \"WordPiece\", \"vocab\": {\"a\": 0}}}", KV_EUNSUPPORTED,
               "tokenizer model type 'WordPiece' is not supported, expected 'BPE'");
-    tok_fails("{\"normalizer\": {\"type\": \"NFKC\"},"
+    tok_fails("{\"normalizer\": {\"type\": \"BertNormalizer\"},"
               " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}",
-              KV_EUNSUPPORTED, "normalizer 'NFKC' is not supported");
+              KV_EUNSUPPORTED, "normalizer 'BertNormalizer' is not supported");
     tok_fails("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"c\": 2}, \"merges\": []}}",
               KV_EFORMAT, "vocab has no piece for id 1 (ids go up to 2)");
     tok_fails("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b c\"]}}",
