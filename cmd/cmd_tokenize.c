@@ -13,48 +13,37 @@ struct tok_args {
     int json, ids_only, no_bos, eos;
 };
 
-/* A piece as printable text: bytes that are not printable ASCII or UTF-8
- * as \xHH, the backslash doubled. */
-static void put_piece(FILE *f, const char *p, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)p[i];
-        if (c == '\\') fputs("\\\\", f);
-        else if (c < 0x20 || c == 0x7f) fprintf(f, "\\x%02x", c);
-        else fputc(c, f);
-    }
-}
-
-/* A piece as a JSON string: valid UTF-8 as it is, every other byte as the
- * text "\xHH" (a byte-level piece may hold part of a character). */
-static json_t *json_piece(const char *p, size_t n) {
-    char *buf = malloc(4 * n + 1);
-    if (!buf) return NULL;
+/* A piece as printable UTF-8 in buf (4n + 1 bytes): valid characters as
+ * they are, control bytes and bytes that are not UTF-8 (a byte-level piece
+ * may hold part of a character) as the text "\xHH", '\' doubled. */
+static size_t piece_text(const char *p, size_t n, char *buf) {
     size_t o = 0;
     for (size_t i = 0; i < n;) {
         unsigned char c = (unsigned char)p[i];
         size_t k = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
                  : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
-        int ok = k > 0 && i + k <= n;
+        int ok = k > 0 && i + k <= n && c >= 0x20 && c != 0x7f && c != '\\';
         for (size_t j = 1; ok && j < k; j++) ok = ((unsigned char)p[i + j] & 0xc0) == 0x80;
-        if (ok && k == 3) {
+        if (ok && k >= 3) {
             unsigned c1 = (unsigned char)p[i + 1];
-            ok = !(c == 0xe0 && c1 < 0xa0) && !(c == 0xed && c1 > 0x9f);
-        } else if (ok && k == 4) {
-            unsigned c1 = (unsigned char)p[i + 1];
-            ok = !(c == 0xf0 && c1 < 0x90) && !(c == 0xf4 && c1 > 0x8f);
+            ok = !(c == 0xe0 && c1 < 0xa0) && !(c == 0xed && c1 > 0x9f) &&
+                 !(c == 0xf0 && c1 < 0x90) && !(c == 0xf4 && c1 > 0x8f);
         }
         if (ok) {
             memcpy(buf + o, p + i, k);
             o += k;
             i += k;
+        } else if (c == '\\') {
+            memcpy(buf + o, "\\\\", 2);
+            o += 2;
+            i++;
         } else {
             o += (size_t)snprintf(buf + o, 5, "\\x%02x", c);
             i++;
         }
     }
-    json_t *j = json_stringn(buf, o);
-    free(buf);
-    return j;
+    buf[o] = 0;
+    return o;
 }
 
 static int read_all(const char *path, char **text, size_t *len) {
@@ -184,7 +173,10 @@ int cmd_tokenize(int argc, char **argv) {
             size_t pl;
             const char *p = kv_tok_piece(tok, ids[i], &pl);
             json_array_append_new(ji, json_integer(ids[i]));
-            json_array_append_new(jp, json_piece(p ? p : "", p ? pl : 0));
+            char *buf = malloc(4 * pl + 1);
+            json_array_append_new(jp, buf ? json_stringn(buf, piece_text(p ? p : "", p ? pl : 0, buf))
+                                          : NULL);
+            free(buf);
         }
         if (o) {
             json_object_set_new(o, "tokens", json_integer(n));
@@ -205,9 +197,10 @@ int cmd_tokenize(int argc, char **argv) {
         for (int64_t i = 0; i < n; i++) {
             size_t pl;
             const char *p = kv_tok_piece(tok, ids[i], &pl);
-            printf("%8d  ", ids[i]);
-            put_piece(stdout, p ? p : "", p ? pl : 0);
-            printf("\n");
+            char *buf = malloc(4 * pl + 1);
+            if (buf) piece_text(p ? p : "", p ? pl : 0, buf);
+            printf("%8d  %s\n", ids[i], buf ? buf : "?");
+            free(buf);
         }
         printf("%lld tokens from %zu bytes (%s%s), special-token strings %s", (long long)n, len,
                flags & KV_TOK_ADD_BOS ? "with BOS" : "without BOS",

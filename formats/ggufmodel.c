@@ -1,6 +1,6 @@
-/* The llama mapping of a GGUF container: its SentencePiece tokenizer, its
- * hyper-parameters and tensor names, and the model loader. Keys and names are
- * listed in ggufmodel.h. */
+/* The llama mapping of a GGUF container: its tokenizers (SentencePiece and
+ * byte-level BPE), its hyper-parameters and tensor names, and the model
+ * loader. Keys and names are listed in ggufmodel.h. */
 #include "ggufmodel.h"
 
 #include <math.h>
@@ -12,6 +12,7 @@
 #include "err.h"
 #include "limits.h"
 #include "model.h"
+#include "pretok.h"
 #include "tokenizer.h"
 
 /* ------------------------------------------------------------ tokenizer */
@@ -23,7 +24,7 @@ static int special_id(const struct kv_gguf_file *f, const char *key, int32_t dfl
                       uint64_t n_vocab, int32_t *out, struct kv_err *err) {
     const struct kv_gguf_kv *kv = kv_gguf_find(f, key);
     if (!kv) {
-        *out = (uint64_t)dflt < n_vocab ? dflt : -1;
+        *out = dflt >= 0 && (uint64_t)dflt < n_vocab ? dflt : -1;
         return KV_OK;
     }
     uint32_t v;
@@ -41,86 +42,342 @@ static int special_id(const struct kv_gguf_file *f, const char *key, int32_t dfl
     return KV_OK;
 }
 
-int kv_gguf_build_tokenizer(const struct kv_gguf_file *f, struct kv_tokenizer **out,
-                            struct kv_err *err) {
-    struct kv_gguf_str model;
-    int rc = kv_gguf_get_str(f, "tokenizer.ggml.model", &model, err);
+/* Optional bool: dflt when absent. */
+static int opt_bool(const struct kv_gguf_file *f, const char *key, int dflt, int *out,
+                    struct kv_err *err) {
+    *out = dflt;
+    return kv_gguf_find(f, key) ? kv_gguf_get_bool(f, key, out, err) : KV_OK;
+}
+
+/* Where string element s of an array starts in the file: its u64 length. */
+static uint64_t str_off(const struct kv_gguf_file *f, struct kv_gguf_str s) {
+    return (uint64_t)((const uint8_t *)s.p - f->buf) - 8;
+}
+
+/* What both vocabulary models share: the pieces, their optional scores and
+ * types, the special ids and whether texts get BOS and EOS. */
+struct gguf_vocab {
+    struct kv_gguf_str *pieces;
+    uint64_t n;
+    float *scores;  /* NULL when absent */
+    int32_t *types; /* NULL when absent */
+    int32_t bos, eos, unk;
+    int add_bos, add_eos;
+};
+
+static void vocab_free(struct gguf_vocab *v) {
+    free(v->pieces);
+    free(v->scores);
+    free(v->types);
+}
+
+/* Read the keys of the vocabulary; want_scores reads tokenizer.ggml.scores.
+ * dflt holds the default special ids and policy. */
+static int read_vocab(const struct kv_gguf_file *f, int want_scores, const struct gguf_vocab *dflt,
+                      struct gguf_vocab *v, struct kv_err *err) {
+    memset(v, 0, sizeof *v);
+    int rc = kv_gguf_get_arr_str(f, "tokenizer.ggml.tokens", &v->pieces, &v->n, err);
     if (rc) return rc;
-    if (!kv_gguf_str_eq(model, "llama")) {
-        char mb[128];
-        return kv_fail(err, KV_EUNSUPPORTED, f->path, kv_gguf_find(f, "tokenizer.ggml.model")->val_off,
-                       "tokenizer model '%s' is not supported; kvcal reads only 'llama' "
-                       "(sentencepiece) vocabularies",
-                       kv_gguf_excerpt(model.p, model.len, mb, sizeof mb));
-    }
-    struct kv_gguf_str *pieces = NULL;
-    float *scores = NULL;
-    int32_t *types = NULL;
-    struct kv_tokenizer *tok = NULL;
-    uint64_t n = 0, ns = 0, nt = 0;
-    rc = kv_gguf_get_arr_str(f, "tokenizer.ggml.tokens", &pieces, &n, err);
-    if (rc) goto done;
-    const struct kv_gguf_kv *tkv = kv_gguf_find(f, "tokenizer.ggml.tokens");
-    if (n < 1 || n > KV_MAX_VOCAB) {
-        rc = kv_fail(err, KV_EFORMAT, f->path, tkv->val_off,
-                     "key 'tokenizer.ggml.tokens' has %llu entries, expected 1..%d",
-                     (unsigned long long)n, KV_MAX_VOCAB);
-        goto done;
-    }
+    uint64_t n = v->n;
+    if (n < 1 || n > KV_MAX_VOCAB)
+        return kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "tokenizer.ggml.tokens")->val_off,
+                       "key 'tokenizer.ggml.tokens' has %llu entries, expected 1..%d",
+                       (unsigned long long)n, KV_MAX_VOCAB);
+    for (uint64_t i = 0; i < n; i++)
+        if (v->pieces[i].len > KV_MAX_PIECE)
+            return kv_fail(err, KV_EFORMAT, f->path, str_off(f, v->pieces[i]),
+                           "token %llu of 'tokenizer.ggml.tokens' is %llu bytes, limit %d",
+                           (unsigned long long)i, (unsigned long long)v->pieces[i].len,
+                           KV_MAX_PIECE);
     const char *opt[2] = {"tokenizer.ggml.scores", "tokenizer.ggml.token_type"};
-    for (int k = 0; k < 2; k++) {
+    for (int k = !want_scores; k < 2; k++) {
         const struct kv_gguf_kv *kv = kv_gguf_find(f, opt[k]);
         if (!kv) continue;
-        uint64_t *cnt = k ? &nt : &ns;
-        rc = k ? kv_gguf_get_arr_i32(f, opt[k], &types, cnt, err)
-               : kv_gguf_get_arr_f32(f, opt[k], &scores, cnt, err);
-        if (rc) goto done;
-        if (*cnt != n) {
-            rc = kv_fail(err, KV_EFORMAT, f->path, kv->val_off,
-                         "key '%s' has %llu entries but 'tokenizer.ggml.tokens' has %llu", opt[k],
-                         (unsigned long long)*cnt, (unsigned long long)n);
-            goto done;
-        }
+        uint64_t cnt = 0;
+        rc = k ? kv_gguf_get_arr_i32(f, opt[k], &v->types, &cnt, err)
+               : kv_gguf_get_arr_f32(f, opt[k], &v->scores, &cnt, err);
+        if (rc) return rc;
+        if (cnt != n)
+            return kv_fail(err, KV_EFORMAT, f->path, kv->val_off,
+                           "key '%s' has %llu entries but 'tokenizer.ggml.tokens' has %llu", opt[k],
+                           (unsigned long long)cnt, (unsigned long long)n);
     }
-    int32_t bos, eos, unk;
-    if ((rc = special_id(f, "tokenizer.ggml.bos_token_id", 1, n, &bos, err))) goto done;
-    if ((rc = special_id(f, "tokenizer.ggml.eos_token_id", 2, n, &eos, err))) goto done;
-    if ((rc = special_id(f, "tokenizer.ggml.unknown_token_id", 0, n, &unk, err))) goto done;
-    int add_prefix = 1;
-    if (kv_gguf_find(f, "tokenizer.ggml.add_space_prefix") &&
-        (rc = kv_gguf_get_bool(f, "tokenizer.ggml.add_space_prefix", &add_prefix, err)))
-        goto done;
+    if ((rc = special_id(f, "tokenizer.ggml.bos_token_id", dflt->bos, n, &v->bos, err)) ||
+        (rc = special_id(f, "tokenizer.ggml.eos_token_id", dflt->eos, n, &v->eos, err)) ||
+        (rc = special_id(f, "tokenizer.ggml.unknown_token_id", dflt->unk, n, &v->unk, err)) ||
+        (rc = opt_bool(f, "tokenizer.ggml.add_bos_token", dflt->add_bos, &v->add_bos, err)) ||
+        (rc = opt_bool(f, "tokenizer.ggml.add_eos_token", dflt->add_eos, &v->add_eos, err)))
+        return rc;
+    return KV_OK;
+}
 
-    if ((rc = kv_tok_init(KV_TOK_SCORE, (int32_t)n, &tok, err))) goto done;
-    for (uint64_t i = 0; i < n; i++) {
-        if (pieces[i].len > KV_MAX_PIECE) {
-            rc = kv_fail(err, KV_EFORMAT, f->path, (uint64_t)((const uint8_t *)pieces[i].p - f->buf) - 8,
-                         "token %llu of 'tokenizer.ggml.tokens' is %llu bytes, limit %d",
-                         (unsigned long long)i, (unsigned long long)pieces[i].len, KV_MAX_PIECE);
-            goto done;
-        }
-        float sc = scores ? scores[i] : 0.0f;
+/* "llama": SentencePiece pieces merged by score. */
+static int build_llama(const struct kv_gguf_file *f, struct kv_tokenizer **out,
+                       struct kv_err *err) {
+    static const struct gguf_vocab dflt = {.bos = 1, .eos = 2, .unk = 0, .add_bos = 1};
+    struct gguf_vocab v;
+    struct kv_tokenizer *tok = NULL;
+    int rc = read_vocab(f, 1, &dflt, &v, err);
+    if (rc) goto done;
+    int add_prefix = 1;
+    if ((rc = opt_bool(f, "tokenizer.ggml.add_space_prefix", 1, &add_prefix, err))) goto done;
+
+    if ((rc = kv_tok_init(KV_TOK_SCORE, (int32_t)v.n, &tok, err))) goto done;
+    for (uint64_t i = 0; i < v.n; i++) {
+        float sc = v.scores ? v.scores[i] : 0.0f;
         if (!isfinite(sc)) {
-            rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_elem_off(kv_gguf_find(f, opt[0]), i),
+            rc = kv_fail(err, KV_EFORMAT, f->path,
+                         kv_gguf_elem_off(kv_gguf_find(f, "tokenizer.ggml.scores"), i),
                          "score of token %llu is %g, expected a finite number",
                          (unsigned long long)i, (double)sc);
             goto done;
         }
-        int ty = types ? types[i] : KV_TOKT_NORMAL;
-        rc = kv_tok_set_piece(tok, (int32_t)i, pieces[i].p, (size_t)pieces[i].len, sc, ty, err);
+        int ty = v.types ? v.types[i] : KV_TOKT_NORMAL;
+        rc = kv_tok_set_piece(tok, (int32_t)i, v.pieces[i].p, (size_t)v.pieces[i].len, sc, ty, err);
         if (rc) goto done;
     }
-    kv_tok_set_special(tok, bos, eos, unk);
+    kv_tok_set_special(tok, v.bos, v.eos, v.unk);
+    kv_tok_set_policy(tok, v.add_bos, v.add_eos);
     if ((rc = kv_tok_set_normalizer(tok, SPACE_PIECE, add_prefix, err))) goto done;
     if ((rc = kv_tok_finish(tok, f->path, err))) goto done;
     *out = tok;
     tok = NULL;
 done:
     kv_tok_free(tok);
-    free(pieces);
-    free(scores);
-    free(types);
+    vocab_free(&v);
     return rc;
+}
+
+/* The pre-tokenizers of "gpt2" vocabularies: llama.cpp's regex lists for
+ * each tokenizer.ggml.pre value (the regex_exprs of llm_tokenizer_bpe in
+ * llama.cpp's src/llama-vocab.cpp, and which names share a list from its
+ * tokenizer_pre table in the same file), as PCRE2 patterns. Each regex of
+ * a list splits every piece the previous one left (the matches and the
+ * gaps between them kept), in order. */
+
+/* GPT-2's regex without its final "|\s+": a whitespace that ends up in no
+ * match is a gap, kept as a piece all the same. */
+#define RX_GPT2 "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+#define RX_PUNCT "[\\p{P}\\$\\+<=>\\^~\\|`]+"
+/* The Llama 3 tokenizer.json regex with its "(?i:'s|'t|...)" spelled out
+ * case by case, as llama.cpp writes it. */
+#define RX_CONTRACTIONS "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+#define RX_LLAMA3                                                                                \
+    RX_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|" \
+                    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define RX_QWEN2                                                                                 \
+    RX_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"      \
+                    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+/* CJK ideographs, U+0800..U+4E00 and Hangul, as DeepSeek writes them. */
+#define RX_CJK "[\\x{4e00}-\\x{9fa5}\\x{0800}-\\x{4e00}\\x{ac00}-\\x{d7ff}]+"
+
+static const char *const rx_default[] = {RX_PUNCT, RX_GPT2, "\\p{N}+", "[0-9][0-9][0-9]", NULL};
+static const char *const rx_gpt2[] = {RX_GPT2, NULL};
+static const char *const rx_llama3[] = {RX_LLAMA3, NULL};
+static const char *const rx_qwen2[] = {RX_QWEN2, NULL};
+static const char *const rx_falcon[] = {RX_PUNCT, RX_GPT2, "[0-9][0-9][0-9]", NULL};
+static const char *const rx_starcoder[] = {"\\p{N}", RX_GPT2, NULL};
+static const char *const rx_deepseek_coder[] = {"[\\r\\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", RX_CJK,
+                                                "\\p{N}", NULL};
+static const char *const rx_deepseek_llm[] = {
+    "[\\r\\n]",
+    /* cased letters, listed range by range */
+    "\\s?[A-Za-z\\x{b5}\\x{c0}-\\x{d6}\\x{d8}-\\x{f6}\\x{f8}-\\x{1ba}\\x{1bc}-\\x{1bf}"
+    "\\x{1c4}-\\x{293}\\x{295}-\\x{2af}\\x{370}-\\x{373}\\x{376}\\x{377}\\x{37b}-\\x{37d}"
+    "\\x{37f}\\x{386}\\x{388}-\\x{38a}\\x{38c}\\x{38e}-\\x{3a1}\\x{3a3}-\\x{3f5}"
+    "\\x{3f7}-\\x{481}\\x{48a}-\\x{52f}\\x{531}-\\x{556}\\x{10a0}-\\x{10c5}\\x{13a0}-\\x{13f5}"
+    "\\x{13f8}-\\x{13fd}\\x{1c90}-\\x{1cba}\\x{1cbd}-\\x{1cbf}\\x{1d00}-\\x{1d2b}"
+    "\\x{1d6b}-\\x{1d77}\\x{1d79}-\\x{1d9a}\\x{1e00}-\\x{1f15}\\x{1f18}-\\x{1f1d}"
+    "\\x{1f20}-\\x{1f45}\\x{1f48}-\\x{1f4d}\\x{1f50}-\\x{1f57}\\x{1f59}\\x{1f5b}\\x{1f5d}"
+    "\\x{1f5f}-\\x{1f7d}\\x{1f80}-\\x{1fb4}\\x{1fb6}-\\x{1fbc}\\x{1fbe}\\x{1fc2}-\\x{1fc4}"
+    "\\x{1fc6}-\\x{1fcc}\\x{1fd0}-\\x{1fd3}\\x{1fd6}-\\x{1fdb}\\x{1fe0}-\\x{1fec}"
+    "\\x{1ff2}-\\x{1ff4}\\x{1ff6}-\\x{1ffc}\\x{2102}\\x{2107}\\x{210a}-\\x{2113}\\x{2115}"
+    "\\x{2119}-\\x{211d}\\x{2124}\\x{2126}\\x{2128}\\x{212a}-\\x{212d}\\x{212f}-\\x{2134}"
+    "\\x{2139}\\x{213c}-\\x{213f}\\x{2145}-\\x{2149}\\x{214e}\\x{2183}\\x{2184}"
+    "\\x{2c00}-\\x{2c7b}\\x{2c7e}-\\x{2ce4}\\x{2ceb}-\\x{2cee}\\x{2cf2}\\x{2cf3}"
+    "\\x{a640}-\\x{a66d}\\x{a680}-\\x{a69b}\\x{a722}-\\x{a76f}\\x{a771}-\\x{a787}"
+    "\\x{a78b}-\\x{a78e}\\x{ab70}-\\x{abbf}\\x{fb00}-\\x{fb06}\\x{fb13}-\\x{fb17}"
+    "\\x{ff21}-\\x{ff3a}\\x{ff41}-\\x{ff5a}\\x{10400}-\\x{1044f}\\x{104b0}-\\x{104d3}"
+    "\\x{104d8}-\\x{104fb}\\x{10c80}-\\x{10cb2}\\x{10cc0}-\\x{10cf2}\\x{118a0}-\\x{118df}"
+    "\\x{1e900}-\\x{1e943}]+",
+    /* ASCII and full-width punctuation, quotation marks, CJK punctuation */
+    "\\s?[!-/:-~\\x{ff01}-\\x{ff0f}\\x{ff1a}-\\x{ff5e}\\x{2018}-\\x{201f}\\x{3000}-\\x{3002}]+",
+    "\\s+$",
+    RX_CJK,
+    "\\p{N}+",
+    NULL,
+};
+
+/* A tokenizer.ggml.pre value. ignore_merges: a word that is a piece is that
+ * piece; add_bos: the default of tokenizer.ggml.add_bos_token. llama.cpp
+ * sets both for its Llama 3 pre-tokenizer, whose files often lack the key;
+ * every other gpt2 vocabulary gets no BOS unless the file says so. */
+struct gguf_pre {
+    const char *name;
+    const char *const *regex;
+    int ignore_merges, add_bos;
+};
+
+static const struct gguf_pre gguf_pres[] = {
+    {"default", rx_default, 0, 0},
+    {"gpt-2", rx_gpt2, 0, 0},
+    {"phi-2", rx_gpt2, 0, 0},
+    {"gpt-neox", rx_gpt2, 0, 0},
+    {"mpt", rx_gpt2, 0, 0},
+    {"olmo", rx_gpt2, 0, 0},
+    {"llama-bpe", rx_llama3, 1, 1},
+    {"llama3", rx_llama3, 1, 1},
+    {"llama-v3", rx_llama3, 1, 1},
+    {"smaug-bpe", rx_llama3, 0, 0},
+    {"dbrx", rx_llama3, 0, 0},
+    {"qwen2", rx_qwen2, 0, 0},
+    {"stablelm2", rx_qwen2, 0, 0},
+    {"falcon", rx_falcon, 0, 0},
+    {"starcoder", rx_starcoder, 0, 0},
+    {"refact", rx_starcoder, 0, 0},
+    {"smollm", rx_starcoder, 0, 0},
+    {"command-r", rx_starcoder, 0, 0},
+    {"deepseek-llm", rx_deepseek_llm, 0, 0},
+    {"deepseek-coder", rx_deepseek_coder, 0, 0},
+};
+
+/* The entry of tokenizer.ggml.pre ("default" when absent). */
+static int find_pre(const struct kv_gguf_file *f, const struct gguf_pre **out,
+                    struct kv_err *err) {
+    const char *key = "tokenizer.ggml.pre";
+    struct kv_gguf_str name = {"default", 7};
+    if (kv_gguf_find(f, key)) {
+        int rc = kv_gguf_get_str(f, key, &name, err);
+        if (rc) return rc;
+    }
+    size_t n_pres = sizeof gguf_pres / sizeof gguf_pres[0];
+    for (size_t i = 0; i < n_pres; i++)
+        if (kv_gguf_str_eq(name, gguf_pres[i].name)) {
+            *out = &gguf_pres[i];
+            return KV_OK;
+        }
+    char known[512], nb[128];
+    size_t o = 0;
+    for (size_t i = 0; i < n_pres && o < sizeof known; i++)
+        o += (size_t)snprintf(known + o, sizeof known - o, "%s%s", i ? ", " : "",
+                              gguf_pres[i].name);
+    return kv_fail(err, KV_EUNSUPPORTED, f->path, kv_gguf_find(f, key)->val_off,
+                   "key '%s' is '%s', which kvcal does not know; known: %s", key,
+                   kv_gguf_excerpt(name.p, name.len, nb, sizeof nb), known);
+}
+
+/* Add merge i of the file ("a b", both pieces in GPT-2's mapped form). */
+static int add_gpt2_merge(const struct kv_gguf_file *f, struct kv_tokenizer *tok,
+                          struct kv_gguf_str m, uint64_t i, struct kv_err *err) {
+    const char *key = "tokenizer.ggml.merges";
+    const char *sp = memchr(m.p, ' ', (size_t)m.len);
+    size_t alen = sp ? (size_t)(sp - m.p) : 0, blen = sp ? (size_t)m.len - alen - 1 : 0;
+    char eb[128];
+    if (!sp || !alen || !blen || memchr(sp + 1, ' ', blen))
+        return kv_fail(err, KV_EFORMAT, f->path, str_off(f, m),
+                       "entry %llu of key '%s' is '%s', expected two pieces joined by one space",
+                       (unsigned long long)i, key, kv_gguf_excerpt(m.p, m.len, eb, sizeof eb));
+    const char *a = m.p, *b = sp + 1;
+    char ua[KV_MAX_PIECE], ub[KV_MAX_PIECE];
+    int mapped;
+    if (alen <= KV_MAX_PIECE && blen <= KV_MAX_PIECE) {
+        alen = kv_bytelevel_unmap(a, alen, ua, &mapped);
+        blen = kv_bytelevel_unmap(b, blen, ub, &mapped);
+        a = ua;
+        b = ub;
+    }
+    struct kv_err e;
+    kv_err_clear(&e);
+    int rc = kv_tok_add_merge(tok, a, alen, b, blen, (int32_t)i, f->path, &e);
+    if (rc == KV_OK) return KV_OK;
+    if (rc != KV_EFORMAT) {
+        if (err) *err = e;
+        return rc;
+    }
+    /* "merge rank R 'a' + 'b': what is missing": keep what is missing (the
+     * quotes escape every "'", so the first "': " ends the pair) */
+    const char *why = strstr(e.msg, "': ");
+    why = why ? why + 3 : e.msg;
+    return kv_fail(err, KV_EFORMAT, f->path, str_off(f, m), "entry %llu of key '%s', '%s': %s",
+                   (unsigned long long)i, key, kv_gguf_excerpt(m.p, m.len, eb, sizeof eb), why);
+}
+
+/* "gpt2": byte-level BPE, pieces in GPT-2's byte-to-unicode form merged by
+ * rank, text split by the named pre-tokenizer's regexes. */
+static int build_gpt2(const struct kv_gguf_file *f, struct kv_tokenizer **out,
+                      struct kv_err *err) {
+    const struct gguf_pre *pre = NULL;
+    int rc = find_pre(f, &pre, err);
+    if (rc) return rc;
+    const struct gguf_vocab dflt = {.bos = -1, .eos = -1, .unk = -1, .add_bos = pre->add_bos};
+    struct gguf_vocab v;
+    struct kv_gguf_str *merges = NULL;
+    uint64_t n_merges = 0;
+    struct kv_tokenizer *tok = NULL;
+    struct kv_pretok *pt = NULL;
+    if ((rc = read_vocab(f, 0, &dflt, &v, err))) goto done;
+    if ((rc = kv_gguf_get_arr_str(f, "tokenizer.ggml.merges", &merges, &n_merges, err))) goto done;
+    if (n_merges > KV_MAX_VOCAB) {
+        rc = kv_fail(err, KV_EFORMAT, f->path, kv_gguf_find(f, "tokenizer.ggml.merges")->val_off,
+                     "key 'tokenizer.ggml.merges' has %llu entries, above the limit %d",
+                     (unsigned long long)n_merges, KV_MAX_VOCAB);
+        goto done;
+    }
+
+    if ((rc = kv_tok_init(KV_TOK_RANK, (int32_t)v.n, &tok, err))) goto done;
+    for (uint64_t i = 0; i < v.n; i++) {
+        int ty = v.types ? v.types[i] : KV_TOKT_NORMAL;
+        const char *p = v.pieces[i].p;
+        size_t len = (size_t)v.pieces[i].len;
+        char raw[KV_MAX_PIECE];
+        if (ty != KV_TOKT_CONTROL && ty != KV_TOKT_USER) { /* those are text as it is */
+            int mapped;
+            len = kv_bytelevel_unmap(p, len, raw, &mapped);
+            p = raw;
+        }
+        if ((rc = kv_tok_set_piece(tok, (int32_t)i, p, len, 0.0f, ty, err))) goto done;
+    }
+    for (uint64_t i = 0; i < n_merges; i++)
+        if ((rc = add_gpt2_merge(f, tok, merges[i], i, err))) goto done;
+    kv_tok_set_special(tok, v.bos, v.eos, v.unk);
+    kv_tok_set_policy(tok, v.add_bos, v.add_eos);
+    kv_tok_set_model_options(tok, pre->ignore_merges, 0);
+    if ((rc = kv_pretok_new(&pt, err))) goto done;
+    for (const char *const *rx = pre->regex; *rx; rx++)
+        if ((rc = kv_pretok_split(pt, *rx, strlen(*rx), 1, KV_PT_ISOLATED, 0, err))) goto done;
+    if ((rc = kv_pretok_bytelevel(pt, 0, 0, err))) goto done;
+    if ((rc = kv_tok_set_pretok(tok, pt, 1, err))) goto done;
+    pt = NULL;
+    /* control tokens match in text only when parsing special tokens;
+     * user-defined ones always (as llama.cpp does) */
+    for (uint64_t i = 0; v.types && i < v.n; i++) {
+        if (v.types[i] != KV_TOKT_CONTROL && v.types[i] != KV_TOKT_USER) continue;
+        unsigned fl = v.types[i] == KV_TOKT_CONTROL ? KV_LIT_SPECIAL : 0;
+        if ((rc = kv_tok_add_literal_flags(tok, (int32_t)i, fl, err))) goto done;
+    }
+    if ((rc = kv_tok_finish(tok, f->path, err))) goto done;
+    *out = tok;
+    tok = NULL;
+done:
+    kv_pretok_free(pt);
+    kv_tok_free(tok);
+    free(merges);
+    vocab_free(&v);
+    return rc;
+}
+
+int kv_gguf_build_tokenizer(const struct kv_gguf_file *f, struct kv_tokenizer **out,
+                            struct kv_err *err) {
+    struct kv_gguf_str model;
+    int rc = kv_gguf_get_str(f, "tokenizer.ggml.model", &model, err);
+    if (rc) return rc;
+    if (kv_gguf_str_eq(model, "llama")) return build_llama(f, out, err);
+    if (kv_gguf_str_eq(model, "gpt2")) return build_gpt2(f, out, err);
+    char mb[128];
+    return kv_fail(err, KV_EUNSUPPORTED, f->path, kv_gguf_find(f, "tokenizer.ggml.model")->val_off,
+                   "tokenizer model '%s' is not supported; kvcal reads 'llama' (sentencepiece) "
+                   "and 'gpt2' (byte-level bpe) vocabularies",
+                   kv_gguf_excerpt(model.p, model.len, mb, sizeof mb));
 }
 
 int kv_gguf_load_tokenizer(const char *path, struct kv_tokenizer **out, struct kv_err *err) {

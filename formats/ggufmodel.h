@@ -1,4 +1,4 @@
-/* A llama model and its SentencePiece vocabulary read from a GGUF container
+/* A llama model and its vocabulary read from a GGUF container
  * (internal). The container itself (layout, parsing, getters) is gguf.h; this
  * module says what a llama file means.
  *
@@ -20,13 +20,42 @@
  *   llama.rope.scale_linear ?           float32, only 1
  *   llama.vocab_size ?                  (default: token_embd's row count)
  *
- *   tokenizer.ggml.model                string; only "llama" builds a tokenizer
+ *   tokenizer.ggml.model                string, "llama" or "gpt2"
  *   tokenizer.ggml.tokens               array of string, the pieces
+ *   tokenizer.ggml.token_type ?         array of int32, one per piece (enum
+ *                                       kv_tok_type; default all normal)
+ *   tokenizer.ggml.{bos,eos,unknown}_token_id ?  (llama: defaults 1, 2, 0;
+ *                                       gpt2: none; 0xffffffff for none)
+ *   tokenizer.ggml.add_bos_token ?      bool (llama: default true; gpt2: see
+ *                                       tokenizer.ggml.pre)
+ *   tokenizer.ggml.add_eos_token ?      bool (default false)
+ *
+ * "llama" (SentencePiece, merged by score) also reads:
+ *
  *   tokenizer.ggml.scores ?             array of float32, one per piece
- *   tokenizer.ggml.token_type ?         array of int32, one per piece
- *   tokenizer.ggml.{bos,eos,unknown}_token_id ?  (defaults 1, 2, 0;
- *                                       0xffffffff for none)
  *   tokenizer.ggml.add_space_prefix ?   bool (default true)
+ *
+ * "gpt2" (byte-level BPE, merged by rank; pieces in GPT-2's byte-to-unicode
+ * form, where ' ' is U+0120: "\u0120the" for " the") also reads:
+ *
+ *   tokenizer.ggml.merges               array of string "a b" (mapped form),
+ *                                       in rank order
+ *   tokenizer.ggml.pre ?                string, the pre-tokenizer (default
+ *                                       "default"): llama.cpp's name for a
+ *                                       list of split regexes (default, gpt-2,
+ *                                       llama-bpe, qwen2, falcon, starcoder,
+ *                                       deepseek-llm, deepseek-coder, ... and
+ *                                       aliases; see ggufmodel.c). An unknown
+ *                                       name is KV_EUNSUPPORTED. The Llama 3
+ *                                       names (llama-bpe, llama3, llama-v3)
+ *                                       default add_bos_token to true and
+ *                                       let a word that is a piece be that
+ *                                       piece, as llama.cpp does; the others
+ *                                       default it to false.
+ *
+ * Control pieces (type 3) of a gpt2 vocabulary match in text only with
+ * KV_TOK_PARSE_SPECIAL; user-defined ones (type 4) always. Both are stored
+ * as text, not in the mapped form.
  *
  * Tensor names (F32, F16 or BF16; rope is interleaved):
  *
@@ -46,11 +75,13 @@ struct kv_model;
 
 /* Load a llama-architecture GGUF file (F32/F16/BF16 weights) as a model. The
  * model keeps the mapping alive and owns the tokenizer built from the
- * metadata when tokenizer.ggml.model is "llama" (else it has none). */
+ * metadata when tokenizer.ggml.model is "llama" (else it has none; a "gpt2"
+ * vocabulary is read by kv_gguf_load_tokenizer, kv_tok_open). */
 int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err);
 
-/* Build the tokenizer described by a parsed file's metadata. Only the "llama"
- * (SentencePiece) model is supported; others are KV_EUNSUPPORTED. */
+/* Build the tokenizer described by a parsed file's metadata: the "llama"
+ * (SentencePiece) and "gpt2" (byte-level BPE) models; others are
+ * KV_EUNSUPPORTED. */
 int kv_gguf_build_tokenizer(const struct kv_gguf_file *f, struct kv_tokenizer **out,
                             struct kv_err *err);
 /* Open path and build its tokenizer; the mapping is released before return. */
