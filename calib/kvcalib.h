@@ -505,4 +505,25 @@ int kv_decompose_write(const struct kv_model *m, const struct kv_lowrank *lr,
 #ifdef __cplusplus
 }
 #endif
+/* ---------------------------------------------------------------- train-tokenizer */
+
+/* Learn a byte-level BPE vocabulary of vocab_size ids (256 bytes, merges,
+ * then <|begin_of_text|> and <|end_of_text|>) from the texts, pre-tokenized
+ * by GPT-2's regex (regex NULL) or by regex then byte level, and write it as
+ * an HF tokenizer.json at out_path (atomically). Fewer ids when no pair
+ * occurs twice. progress (may be NULL) is called after each merge. */
+struct kv_bpe_opts {
+    int32_t vocab_size;
+    const char *regex;
+};
+struct kv_bpe_result {
+    int64_t bytes, words, distinct_words;
+    int32_t merges, vocab;
+    double seconds;
+};
+typedef void (*kv_bpe_progress_fn)(void *ctx, int32_t pieces, int32_t target);
+int kv_bpe_train(const char *const *paths, int n_paths, const struct kv_bpe_opts *o,
+                 const char *out_path, kv_bpe_progress_fn progress, void *ctx,
+                 struct kv_bpe_result *r, struct kv_err *err);
+
 #endif

@@ -11,6 +11,7 @@ int cmd_merge(int argc, char **argv);
 int cmd_decompose(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_train_tokenizer(int argc, char **argv);
 int cmd_bench_attn(int argc, char **argv);
 
 #endif

@@ -20,6 +20,7 @@ static const struct {
     {"export", cmd_export, "a compressed model back as an ordinary dense model (a quality proxy)"},
     {"inspect", cmd_inspect, "a model, a .kvstats file's spectra, or a compressed model's ranks"},
     {"train", cmd_train, "a small model from scratch (maintainers: the fixture models)"},
+    {"train-tokenizer", cmd_train_tokenizer, "learn a byte-level BPE tokenizer.json from text"},
     {"bench-attn", cmd_bench_attn, "time one decode-attention step over a latent KV cache (runtime benchmark)"},
 };
 #define N_COMMANDS (int)(sizeof commands / sizeof commands[0])

@@ -75,6 +75,17 @@ int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
  * (eos): 258 ids, every byte string encodes. Errors: KV_EIO naming path. */
 int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err);
 
+/* Write (atomically) an HF tokenizer.json of a byte-level BPE vocabulary as
+ * GPT-2 and Llama 3 have them: pieces[i] (raw bytes, plen[i] long) is id i
+ * for i < n (written in GPT-2's mapped form), merges[2k], merges[2k+1] the
+ * ids merged at rank k (as ["a", "b"] pairs), then the special tokens
+ * "<|begin_of_text|>" = n (BOS, added by the post-processor's template) and
+ * "<|end_of_text|>" = n + 1 (EOS); pre-tokenizer ByteLevel with
+ * GPT-2's regex, or with regex given, Split(regex) then ByteLevel. */
+int kv_hf_write_bpe_tokenizer(const char *path, const char *const *pieces, const size_t *plen,
+                              int32_t n, const int32_t *merges, int32_t n_merges,
+                              const char *regex, struct kv_err *err);
+
 /* ---------------------------------------------------------------- statistics */
 
 /* Calibration statistics (opaque): per-layer float64 sums over tokens of

@@ -182,6 +182,9 @@ static int add_normalizer(struct kv_pretok *pt, const json_t *n, const char *pat
     if (strcmp(type, "Prepend") == 0) {
         size_t len;
         const char *s = need_str(n, "prepend", "normalizer Prepend", path, &len, err);
+        if (s && len > KV_MAX_PIECE)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "normalizer Prepend's text is over %d bytes", KV_MAX_PIECE);
         return s ? at_path(kv_pretok_norm_prepend(pt, s, len, err), path, err) : KV_EFORMAT;
     }
     if (strcmp(type, "Replace") == 0) {
@@ -193,6 +196,10 @@ static int add_normalizer(struct kv_pretok *pt, const json_t *n, const char *pat
         if (!content) return KV_EFORMAT;
         if (plen == 0)
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "normalizer Replace has an empty pattern");
+        if (clen > KV_MAX_PIECE || plen > KV_MAX_PIECE)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "normalizer Replace's pattern or content is over %d bytes",
+                           KV_MAX_PIECE);
         return at_path(kv_pretok_norm_replace(pt, pat, plen, regex, content, clen, err), path, err);
     }
     if (strcmp(type, "Strip") == 0)
@@ -294,6 +301,11 @@ static int add_pre_tokenizer(struct kv_pretok *pt, const json_t *p, const char *
         if (n == 0)
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                            "pre_tokenizer Metaspace has an empty 'replacement'");
+        if (n > KV_MAX_PIECE)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "the replacement for ' ' (pre_tokenizer Metaspace or normalizer "
+                           "Replace) is %zu bytes, more than a piece may hold (%d)",
+                           n, KV_MAX_PIECE);
         enum kv_pt_scheme scheme = bool_opt(p, "add_prefix_space", 1) ? KV_PT_ALWAYS : KV_PT_NEVER;
         const char *sc = json_string_value(json_object_get(p, "prepend_scheme"));
         if (sc) {
@@ -695,9 +707,10 @@ static int tok_from_json(const json_t *root, const char *path, int32_t bos_ovr, 
         const char *names[2] = {config_token(cfg, "bos_token"), config_token(cfg, "eos_token")};
         int32_t *ids[2] = {&bos, &eos};
         for (int k = 0; k < 2; k++) {
-            if (!names[k] || *ids[k] >= 0) continue;
-            *ids[k] = piece_id(vocab, added, names[k]);
-            if (*ids[k] < 0) {
+            if (!names[k]) continue;
+            int32_t id = piece_id(vocab, added, names[k]);
+            if (*ids[k] < 0) *ids[k] = id;
+            if (id < 0) {
                 rc = kv_fail(err, KV_EFORMAT, cpath, KV_NO_OFFSET,
                              "%s '%.64s' is not in the tokenizer's vocab",
                              k ? "eos_token" : "bos_token", names[k]);

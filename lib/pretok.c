@@ -592,14 +592,16 @@ static int stage(const struct kv_pretok *p, const struct pt_op *o, const struct 
             }
             /* Split before each replacement (MergedWithNext). */
             size_t from = 0;
-            for (size_t k = 1; k + o->sn <= tmp.len; k++) {
-                if (memcmp(tmp.buf + k, o->s, o->sn) != 0) continue;
+            for (size_t k = 1; k + o->sn <= tmp.len;) {
+                const char *hit = memmem(tmp.buf + k, tmp.len - k, o->s, o->sn);
+                if (!hit) break;
+                k = (size_t)(hit - tmp.buf);
                 if (buf_put(out, tmp.buf + from, k - from) || buf_cut(out)) {
                     rc = oom(err);
                     break;
                 }
                 from = k;
-                k += o->sn - 1;
+                k += o->sn;
             }
             if (!rc && (buf_put(out, tmp.buf + from, tmp.len - from) || buf_cut(out)))
                 rc = oom(err);
@@ -644,6 +646,22 @@ static int byte_of_cp(utf8proc_int32_t cp) {
     int k = (int)cp - 0x100;
     if (k < 0 || k >= 68) return -1;
     return k < 33 ? k : k < 67 ? 0x7f + (k - 33) : 0xad;
+}
+
+size_t kv_bytelevel_map(const char *s, size_t n, char *out) {
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        int b = (unsigned char)s[i], c;
+        if ((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae) c = b;
+        else c = 0x100 + (b <= 0x20 ? b : b < 0xad ? 33 + (b - 0x7f) : 67);
+        if (c < 0x80) {
+            out[o++] = (char)c;
+        } else {
+            out[o++] = (char)(0xc0 | (c >> 6));
+            out[o++] = (char)(0x80 | (c & 0x3f));
+        }
+    }
+    return o;
 }
 
 size_t kv_bytelevel_unmap(const char *s, size_t n, char *out, int *mapped) {

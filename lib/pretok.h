@@ -97,5 +97,8 @@ int kv_pretok_pieces(const struct kv_pretok *p, const char *text, size_t len, un
  * raw bytes in out (at most n bytes). A character outside the map is kept
  * as its own UTF-8 bytes; *mapped says whether every character was in it. */
 size_t kv_bytelevel_unmap(const char *s, size_t n, char *out, int *mapped);
+/* The other way: raw bytes s[0, n) as GPT-2's mapped characters in out (at
+ * most 2n bytes); returns the length. */
+size_t kv_bytelevel_map(const char *s, size_t n, char *out);
 
 #endif

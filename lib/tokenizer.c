@@ -1133,10 +1133,14 @@ static int pipe_stretch(const struct kv_tokenizer *t, struct pipe_work *pw, cons
             pos += skip ? skip : 1;
             continue;
         }
-        rc = pipe_words(t, pw, ns + seg, pos - seg, seg == 0 ? where : 0, out, err);
+        size_t a = pos, b = pos + t->len[lit];
+        if (t->litf[lit] & KV_LIT_LSTRIP)
+            while (a > seg && space_byte((unsigned char)ns[a - 1])) a--;
+        if (t->litf[lit] & KV_LIT_RSTRIP)
+            while (b < nn && space_byte((unsigned char)ns[b])) b++;
+        rc = pipe_words(t, pw, ns + seg, a - seg, seg == 0 ? where : 0, out, err);
         if (!rc && idvec_push(out, lit)) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-        pos += t->len[lit];
-        seg = pos;
+        pos = seg = b;
     }
     if (!rc) rc = pipe_words(t, pw, ns + seg, nn - seg, seg == 0 ? where : 0, out, err);
     free(ns);

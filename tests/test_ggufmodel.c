@@ -299,8 +299,8 @@ Test(gguf_load, other_tokenizer_models_are_unsupported) {
     struct kv_tokenizer *tok;
     struct kv_err err;
     cr_assert_eq(kv_gguf_load_tokenizer(path, &tok, &err), KV_EUNSUPPORTED);
-    cr_assert_str_eq(err.msg, "tokenizer model 'gpt2x' is not supported; kvcal reads only "
-                              "'llama' (sentencepiece) vocabularies");
+    cr_assert_str_eq(err.msg, "tokenizer model 'gpt2x' is not supported; kvcal reads 'llama' "
+                              "(sentencepiece) and 'gpt2' (byte-level bpe) vocabularies");
     /* the model itself still loads, without a tokenizer */
     struct kv_model *m;
     cr_assert_eq(kv_gguf_load(path, &m, &err), KV_OK, "%s", fmt_err(&err));

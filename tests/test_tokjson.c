@@ -182,3 +182,190 @@ Test(hf_tokenizer, tinystories_round_trip_on_20kb_of_stories) {
     free(text);
     free(tok_path);
 }
+
+/* ---------------------------------------------------------------- pipelines */
+
+/* A byte-level vocabulary of 256 byte pieces (GPT-2's mapped characters)
+ * plus the given merged pieces and merges, around the given pipeline. */
+static char *bytelevel_json(const char *pre, const char *norm, const char *extra_vocab,
+                            const char *merges, const char *added, const char *model_opts) {
+    size_t cap = 64 << 10;
+    char *s = malloc(cap);
+    cr_assert_not_null(s);
+    size_t o = (size_t)snprintf(s, cap, "{\"added_tokens\": [%s], \"normalizer\": %s, "
+                                        "\"pre_tokenizer\": %s, \"decoder\": {\"type\": \"ByteLevel\"},"
+                                        " \"model\": {\"type\": \"BPE\"%s, \"vocab\": {",
+                                added, norm, pre, model_opts);
+    int k = 0;
+    for (int b = 0; b < 256; b++) {
+        int self = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+        int c = self ? b : 256 + k++;
+        char u[4];
+        if (c < 0x80) u[0] = (char)c, u[1] = 0;
+        else u[0] = (char)(0xc0 | (c >> 6)), u[1] = (char)(0x80 | (c & 0x3f)), u[2] = 0;
+        o += (size_t)snprintf(s + o, cap - o, "%s\"%s%s\": %d", b ? ", " : "",
+                              c == '"' || c == '\\' ? "\\" : "", u, b);
+    }
+    o += (size_t)snprintf(s + o, cap - o, "%s%s}, \"merges\": [%s]}}", *extra_vocab ? ", " : "",
+                          extra_vocab, merges);
+    return s;
+}
+
+static const char BL_PRE[] =
+    "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": true}";
+
+Test(hf_tokenizer, bytelevel_bpe_by_hand) {
+    /* "Ġ" is ' ' (U+0120); merges: "h i" -> "hi" (256), "Ġ hi" -> "Ġhi" (257) */
+    char *j = bytelevel_json(BL_PRE, "null", "\"hi\": 256, \"\xc4\xa0hi\": 257",
+                             "\"h i\", \"\xc4\xa0 hi\"",
+                             "{\"id\": 258, \"content\": \"<|e|>\", \"special\": true}", "");
+    struct kv_tokenizer *tok = tok_load_text(j);
+    /* "hi hi!" -> "hi", " hi", "!": the regex keeps the space with the word */
+    expect_ids(tok, "hi hi!", 0, (const int32_t[]){256, 257, '!'}, 3);
+    /* the merge never spans two pre-tokens: "h" + "i" across "h|!i" */
+    expect_ids(tok, "h!i", 0, (const int32_t[]){'h', '!', 'i'}, 3);
+    /* a special string is text unless parsed */
+    expect_ids(tok, "<|e|>", 0, (const int32_t[]){'<', '|', 'e', '|', '>'}, 5);
+    expect_ids(tok, "hi<|e|>", KV_TOK_PARSE_SPECIAL, (const int32_t[]){256, 258}, 2);
+    /* any bytes at all, decoded back exactly */
+    expect_ids(tok, "\xff\xfe", 0, (const int32_t[]){0xff, 0xfe}, 2);
+    cr_assert_eq(kv_tok_policy(tok), 0, "no template, no config: no BOS");
+    kv_tok_free(tok);
+    free(j);
+}
+
+Test(hf_tokenizer, added_token_flags) {
+    const char *added =
+        "{\"id\": 256, \"content\": \"<L>\", \"special\": false, \"lstrip\": true, \"normalized\": false},"
+        "{\"id\": 257, \"content\": \"<r>\", \"special\": false, \"rstrip\": true},"
+        "{\"id\": 258, \"content\": \"ab\", \"special\": false, \"single_word\": true},"
+        "{\"id\": 259, \"content\": \"kv\", \"special\": false, \"normalized\": true}";
+    const char *norm = "{\"type\": \"Lowercase\"}";
+    const char *pre = "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", "
+                      "\"pattern\": {\"String\": \" \"}, \"behavior\": \"Isolated\"}, {\"type\": "
+                      "\"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]}";
+    char *j = bytelevel_json(pre, norm, "", "", added, "");
+    struct kv_tokenizer *tok = tok_load_text(j);
+    expect_ids(tok, "x  <L>", 0, (const int32_t[]){'x', 256}, 2);
+    expect_ids(tok, "<R>  x", 0, (const int32_t[]){257, 'x'}, 2); /* matched as "<r>" */
+    expect_ids(tok, "ab xab", 0, (const int32_t[]){258, ' ', 'x', 'a', 'b'}, 5);
+    expect_ids(tok, "KV", 0, (const int32_t[]){259}, 1); /* matched after Lowercase */
+    kv_tok_free(tok);
+    free(j);
+}
+
+Test(hf_tokenizer, model_options_by_hand) {
+    /* ignore_merges: a word that is a piece is taken whole even with no
+     * merge path to it ("abc" has no merges) */
+    char *j = bytelevel_json(BL_PRE, "null", "\"abc\": 256", "", "",
+                             ", \"ignore_merges\": true");
+    struct kv_tokenizer *tok = tok_load_text(j);
+    expect_ids(tok, "abc abcd", 0, (const int32_t[]){256, ' ', 'a', 'b', 'c', 'd'}, 6);
+    kv_tok_free(tok);
+    free(j);
+    /* continuing_subword_prefix "##": later characters are looked up as
+     * "##x", and "a ##b" merges to "ab" */
+    const char *v = "{\"model\": {\"type\": \"BPE\", \"continuing_subword_prefix\": \"##\", "
+                    "\"unk_token\": \"?\", \"fuse_unk\": true, \"vocab\": {\"?\": 0, \"a\": 1, "
+                    "\"##b\": 2, \"ab\": 3, \"##a\": 4}, \"merges\": [\"a ##b\"]}, "
+                    "\"pre_tokenizer\": {\"type\": \"WhitespaceSplit\"}}";
+    tok = tok_load_text(v);
+    expect_ids(tok, "ab aa", 0, (const int32_t[]){3, 1, 4}, 3);
+    /* fuse_unk: a run of unknown characters is one unknown token */
+    expect_ids(tok, "xyz a", 0, (const int32_t[]){0, 1}, 2);
+    kv_tok_free(tok);
+    tok_fails("{\"model\": {\"type\": \"BPE\", \"dropout\": 0.1, \"vocab\": {\"a\": 0}, \"merges\": []}}",
+              KV_EUNSUPPORTED,
+              "tokenizer model option dropout must be null: kvcal tokenizes deterministically");
+}
+
+Test(hf_tokenizer, hostile_files_fail_cleanly_or_finish, .timeout = 60) {
+    /* a regex that backtracks catastrophically: loading works, encoding
+     * stops at PCRE2's match limit with an error */
+    char *j = bytelevel_json("{\"type\": \"Split\", \"pattern\": {\"Regex\": \"(a+)+$\"}, "
+                             "\"behavior\": \"Isolated\"}", "null", "", "", "", "");
+    struct kv_tokenizer *tok = tok_load_text(j);
+    char text[64];
+    memset(text, 'a', 40);
+    text[40] = '!';
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct kv_err e;
+    kv_err_clear(&e);
+    cr_assert_eq(kv_tok_encode(tok, text, 41, 0, &ids, &n, &e), KV_EINVAL);
+    cr_assert_str_eq(e.msg, "a pre-tokenizer regex failed 0 bytes into a piece of 41: match limit "
+                            "exceeded");
+    kv_tok_free(tok);
+    free(j);
+    tok_fails("{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"a(b\"}},"
+              " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}",
+              KV_EFORMAT, "regex 'a(b' does not compile at offset 3: missing closing parenthesis");
+    /* 100,000 nested arrays: jansson's depth limit, one line */
+    size_t depth = 100000;
+    char *deep = malloc(2 * depth + 64);
+    size_t o = (size_t)sprintf(deep, "{\"normalizer\": ");
+    memset(deep + o, '[', depth), o += depth;
+    memset(deep + o, ']', depth), o += depth;
+    strcpy(deep + o, "}");
+    char *path = kvt_write_temp(deep, strlen(deep), ".json");
+    kv_err_clear(&e);
+    cr_assert_eq(kv_hf_load_tokenizer(path, &tok, &e), KV_EFORMAT);
+    cr_assert(strstr(e.msg, "invalid json: maximum parsing depth reached"), "%s", e.msg);
+    unlink(path);
+    free(path);
+    free(deep);
+    /* 10^6 merges (the one pair, listed again and again): loads in bounded
+     * time and merges as listed once */
+    size_t nm = 1000000, cap = nm * 8 + 4096;
+    char *big = malloc(cap);
+    o = (size_t)sprintf(big, "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, "
+                             "\"ab\": 2}, \"merges\": [");
+    for (size_t i = 0; i < nm; i++) o += (size_t)sprintf(big + o, "%s\"a b\"", i ? "," : "");
+    strcpy(big + o, "]}}");
+    tok = tok_load_text(big);
+    expect_ids(tok, "abab", 0, (const int32_t[]){2, 2}, 2);
+    kv_tok_free(tok);
+    free(big);
+}
+
+Test(hf_tokenizer, bos_policy_from_template_and_config) {
+    char *dir = kvt_temp_dir(), *p = kvt_path(dir, "tokenizer.json");
+    const char *tj = "{\"added_tokens\": [{\"id\": 2, \"content\": \"<s>\", \"special\": true}],"
+                     " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
+                     "[{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}}, {\"Sequence\": "
+                     "{\"id\": \"A\", \"type_id\": 0}}], \"special_tokens\": {\"<s>\": {\"id\": "
+                     "\"<s>\", \"ids\": [2]}}},"
+                     " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}}";
+    FILE *f = fopen(p, "w");
+    fputs(tj, f);
+    fclose(f);
+    struct kv_tokenizer *tok = NULL;
+    struct kv_err e;
+    kv_err_clear(&e);
+    cr_assert_eq(kv_hf_load_tokenizer(p, &tok, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_tok_policy(tok), KV_TOK_ADD_BOS, "the template adds BOS");
+    kv_tok_free(tok);
+    /* tokenizer_config.json's add_bos_token false wins; add_eos_token adds EOS
+     * (and a number past 64 bits, as in real files, does not stop the read) */
+    char *c = kvt_path(dir, "tokenizer_config.json");
+    f = fopen(c, "w");
+    fputs("{\"add_bos_token\": false, \"add_eos_token\": true, \"eos_token\": {\"content\": \"b\"},"
+          " \"model_max_length\": 1000000000000000019884624838656}", f);
+    fclose(f);
+    cr_assert_eq(kv_hf_load_tokenizer(p, &tok, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_tok_policy(tok), KV_TOK_ADD_EOS);
+    cr_assert_eq(kv_tok_eos(tok), 1);
+    expect_ids(tok, "a", kv_tok_policy(tok), (const int32_t[]){0, 1}, 2);
+    kv_tok_free(tok);
+    f = fopen(c, "w");
+    fputs("{\"add_bos_token\": true, \"bos_token\": \"<x>\"}", f);
+    fclose(f);
+    cr_assert_eq(kv_hf_load_tokenizer(p, &tok, &e), KV_EFORMAT);
+    cr_assert_str_eq(e.msg, "bos_token '<x>' is not in the tokenizer's vocab");
+    unlink(c);
+    unlink(p);
+    free(c);
+    free(p);
+    rmdir(dir);
+    free(dir);
+}
