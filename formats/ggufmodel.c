@@ -607,7 +607,8 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
         if ((rc = kv_model_bind(m, kind, layer, &f->tensors[i].t, path, err))) goto fail;
     }
     const struct kv_gguf_kv *tm = kv_gguf_find(f, "tokenizer.ggml.model");
-    if (tm && tm->type == KV_GGUF_STRING && kv_gguf_str_eq(tm->str, "llama") &&
+    if (tm && tm->type == KV_GGUF_STRING &&
+        (kv_gguf_str_eq(tm->str, "llama") || kv_gguf_str_eq(tm->str, "gpt2")) &&
         (rc = kv_gguf_build_tokenizer(f, &m->tok, err)))
         goto fail;
     if ((rc = kv_model_finish(m, path, err))) goto fail;
