@@ -772,8 +772,8 @@ static int tok_from_json(const json_t *root, const char *path, int32_t bos_ovr, 
         kv_tok_set_policy(tok, add_bos, add_eos);
         rc = kv_tok_set_normalizer(tok, sp.space_piece, sp.dummy, err);
     }
+    if (!rc) kv_tok_set_model_options(tok, ignore_merges, bool_opt(model, "fuse_unk", 0));
     if (!rc && pt) {
-        kv_tok_set_model_options(tok, ignore_merges, bool_opt(model, "fuse_unk", 0));
         rc = add_decoder(tok, json_object_get(root, "decoder"), path, 0, 1, err);
         if (!rc) rc = kv_tok_set_pretok(tok, pt, byte_level, err);
         if (!rc) pt = NULL;

@@ -119,13 +119,23 @@ struct kv_tokenizer {
     size_t n_lits, cap_lits;
     size_t lit_begin[257];
     uint8_t *litf; /* KV_LIT_* of each id added as a literal */
+    /* Pipelines: the literals matched after normalization, by their content
+     * normalized as a text of its own (as the tokenizers crate does), sorted
+     * by (first byte, length descending, id); [nl_begin[c], nl_begin[c+1])
+     * start with byte c. */
+    struct tok_nlit {
+        int32_t id;
+        uint32_t len;
+        char *s;
+    } *nl;
+    size_t n_nl, nl_begin[257];
 
     /* Hugging Face pipelines (kv_tok_set_pretok): normalizers and
      * pre-tokenizers run on each stretch between literals, and each piece is
      * merged on its own. byte_level: initial symbols are bytes (the pieces
      * are stored as raw bytes); else UTF-8 characters. */
     struct kv_pretok *pt;
-    int byte_level, ignore_merges, fuse_unk;
+    int byte_level, ignore_merges, fuse_unk, hf_unk;
     char *cprefix, *eow; /* continuing_subword_prefix, end_of_word_suffix */
     size_t cprefix_len, eow_len;
     int pipe_cut; /* a stream may cut before ' ' between two ASCII letters */
@@ -301,6 +311,8 @@ void kv_tok_free(struct kv_tokenizer *tok) {
     free(tok->space);
     free(tok->lits);
     free(tok->litf);
+    for (size_t i = 0; i < tok->n_nl; i++) free(tok->nl[i].s);
+    free(tok->nl);
     kv_pretok_free(tok->pt);
     free(tok->cprefix);
     free(tok->eow);
@@ -497,6 +509,7 @@ void kv_tok_set_model_options(struct kv_tokenizer *tok, int ignore_merges, int f
     KV_ASSERT(tok && !tok->finished);
     tok->ignore_merges = ignore_merges != 0;
     tok->fuse_unk = fuse_unk != 0;
+    tok->hf_unk = 1;
 }
 
 static int set_bytes(char **dst, size_t *dlen, const char *s, size_t n) {
@@ -587,6 +600,52 @@ static int build_literals(struct kv_tokenizer *t) {
     return KV_OK;
 }
 
+static int nlit_cmp(const void *pa, const void *pb) {
+    const struct tok_nlit *a = pa, *b = pb;
+    unsigned char ca = (unsigned char)a->s[0], cb = (unsigned char)b->s[0];
+    if (ca != cb) return ca < cb ? -1 : 1;
+    if (a->len != b->len) return a->len > b->len ? -1 : 1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+/* The normalized contents of a pipeline's normalized literals. */
+static int build_nlits(struct kv_tokenizer *t) {
+    size_t n = 0;
+    for (size_t i = 0; i < t->n_lits; i++) n += (t->litf[t->lits[i]] & KV_LIT_NORMALIZED) != 0;
+    t->nl = calloc(n ? n : 1, sizeof *t->nl);
+    if (!t->nl) return KV_ENOMEM;
+    struct kv_pt_buf b = {0};
+    for (size_t i = 0; i < t->n_lits; i++) {
+        int32_t id = t->lits[i];
+        if (!(t->litf[id] & KV_LIT_NORMALIZED)) continue;
+        if (kv_pretok_normalize(t->pt, piece_bytes(t, id), t->len[id],
+                                KV_PT_START | KV_PT_END | KV_PT_INPUT, &b, NULL)) {
+            kv_pt_buf_free(&b);
+            return KV_ENOMEM;
+        }
+        if (!b.len) continue; /* normalized away: it can never match */
+        struct tok_nlit *e = &t->nl[t->n_nl];
+        if (!(e->s = malloc(b.len))) {
+            kv_pt_buf_free(&b);
+            return KV_ENOMEM;
+        }
+        memcpy(e->s, b.buf, b.len);
+        e->len = (uint32_t)b.len;
+        e->id = id;
+        t->n_nl++;
+        if (b.len > t->max_lit) t->max_lit = b.len;
+    }
+    kv_pt_buf_free(&b);
+    qsort(t->nl, t->n_nl, sizeof *t->nl, nlit_cmp);
+    size_t j = 0;
+    for (int c = 0; c < 256; c++) {
+        t->nl_begin[c] = j;
+        while (j < t->n_nl && (unsigned char)t->nl[j].s[0] == c) j++;
+    }
+    t->nl_begin[256] = t->n_nl;
+    return KV_OK;
+}
+
 /* Normalize and pre-tokenize s[0, n) (no literals) into out. */
 static int probe_pieces(const struct kv_tokenizer *t, const char *s, size_t n, unsigned where,
                         struct kv_pt_buf *out) {
@@ -669,10 +728,13 @@ int kv_tok_finish(struct kv_tokenizer *tok, const char *path, struct kv_err *err
         char c = (char)b;
         int32_t id = piece_find(tok, &c, 1);
         tok->cut_byte[b] = b != ' ' && (id < 0 || !mergeable_type(tok->type[id]));
+        /* with fuse_unk an unknown character joins the unknown before it */
+        if (tok->hf_unk && tok->fuse_unk && tok->byte_id[b] < 0) tok->cut_byte[b] = 0;
     }
     tok->max_lit = 0;
     for (size_t i = 0; i < tok->n_lits; i++)
         if (tok->len[tok->lits[i]] > tok->max_lit) tok->max_lit = tok->len[tok->lits[i]];
+    if (tok->pt && build_nlits(tok) != KV_OK) goto oom;
     tok->look = tok->max_lit > 2 ? tok->max_lit : 2;
     tok->pipe_cut = tok->pt && probe_cut(tok);
     tok->finished = 1;
@@ -890,10 +952,39 @@ static int encode_segment(const struct kv_tokenizer *t, struct tok_work *w, cons
 
     struct tok_sym *sym = w->sym;
     int64_t last = -1;
+    int last_unk = 0;
     for (size_t i = 0; i < m;) {
         size_t cl = utf8_len(buf + i, m - i);
         int32_t id = piece_find(t, buf + i, cl);
         int frozen = id < 0 || !mergeable_type(t->type[id]);
+        if (frozen && t->hf_unk) {
+            /* the tokenizers crate: all byte tokens, else one unknown for
+             * the character, fused with the one before under fuse_unk */
+            int all = 1;
+            for (size_t k = 0; k < cl; k++) all &= t->byte_id[buf[i + k]] >= 0;
+            if (!all) {
+                if (t->unk < 0) {
+                    char q[64];
+                    return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                                   "character '%s' has no piece, no byte token and there is no "
+                                   "unknown token",
+                                   quote_piece(q, sizeof q, (const char *)buf + i, cl));
+                }
+                if (last_unk && t->fuse_unk) {
+                    sym[last].len += (unsigned)cl;
+                } else {
+                    int64_t at = (int64_t)i;
+                    sym[at] = (struct tok_sym){.prev = last, .next = -1, .id = t->unk,
+                                               .len = (unsigned)cl, .frozen = 1};
+                    if (last >= 0) sym[last].next = at;
+                    last = at;
+                }
+                last_unk = 1;
+                i += cl;
+                continue;
+            }
+        }
+        last_unk = 0;
         /* A character without a mergeable piece falls back byte by byte: each
          * byte becomes its <0xXX> token, or the unknown id when the vocabulary
          * lacks that byte token (one unknown per byte, as the reference
@@ -941,19 +1032,43 @@ static int space_byte(unsigned char c) {
 
 /* The literal matched at text[pos, len): the longest one there, or -1.
  * kind: 0 any literal (the literal scan of streams), 1 those matched in raw
- * text, 2 those matched after normalization (pipelines only). Specials are
+ * text, 3 the same where pos starts the input, 2 those matched after
+ * normalization (pipelines only, by normalized content). Specials are
  * matched only with parse; one skipped that way counts in *seen (and
  * *skip_len is its length) so the caller can step over it. */
 static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos, size_t len,
                       int kind, int parse, size_t *skip_len) {
     unsigned char c = (unsigned char)text[pos];
     *skip_len = 0;
+    if (kind == 2) {
+        for (size_t k = t->nl_begin[c]; k < t->nl_begin[c + 1]; k++) {
+            const struct tok_nlit *e = &t->nl[k];
+            unsigned f = t->litf[e->id];
+            if (e->len > len - pos || memcmp(e->s, text + pos, e->len) != 0) continue;
+            if ((f & KV_LIT_SINGLE_WORD) &&
+                ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
+                 (pos + e->len < len && word_byte((unsigned char)text[pos + e->len]))))
+                continue;
+            if ((f & KV_LIT_SPECIAL) && !parse) {
+                if (!*skip_len) *skip_len = e->len;
+                continue;
+            }
+            return e->id;
+        }
+        return -1;
+    }
     for (size_t k = t->lit_begin[c]; k < t->lit_begin[c + 1]; k++) {
         int32_t id = t->lits[k];
         size_t n = t->len[id];
         unsigned f = t->litf[id];
-        if (kind && t->pt && ((kind == 2) != ((f & KV_LIT_NORMALIZED) != 0))) continue;
+        if (kind && t->pt && (f & KV_LIT_NORMALIZED)) continue;
         if (n > len - pos || memcmp(piece_bytes(t, id), text + pos, n) != 0) continue;
+        /* a SentencePiece form's normalized literal is "▁" + content: it
+         * takes the ' ' before it, or the dummy prefix at the input's start
+         * (kind 3) */
+        if (kind && !t->pt && t->dummy && (f & KV_LIT_NORMALIZED) &&
+            !(pos > 0 && text[pos - 1] == ' ') && !(pos == 0 && kind == 3))
+            continue;
         if (kind && (f & KV_LIT_SINGLE_WORD) &&
             ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
              (pos + n < len && word_byte((unsigned char)text[pos + n]))))
@@ -1251,14 +1366,18 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
     size_t seg = 0;
     for (size_t pos = 0; pos < len;) {
         size_t skip;
-        int32_t lit = tok->n_lits ? lit_at(tok, text, pos, len, 1, parse, &skip) : -1;
+        int32_t lit = tok->n_lits ? lit_at(tok, text, pos, len, first && pos == 0 ? 3 : 1, parse,
+                                           &skip)
+                                  : -1;
         if (lit < 0) {
             if (skip) ++*specials;
             pos += skip ? skip : 1;
             continue;
         }
-        rc = encode_segment(tok, &w, text + seg, pos - seg,
-                            first && tok->dummy && seg == 0 && pos > 0, out, &n_out, err);
+        /* a normalized literal took the space before it */
+        size_t end = pos - (pos > seg && tok->dummy && (tok->litf[lit] & KV_LIT_NORMALIZED));
+        rc = encode_segment(tok, &w, text + seg, end - seg,
+                            first && tok->dummy && seg == 0 && end > 0, out, &n_out, err);
         if (rc) goto done;
         out[n_out++] = lit;
         pos += tok->len[lit];

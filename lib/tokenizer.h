@@ -83,10 +83,12 @@ int kv_tok_add_literal_flags(struct kv_tokenizer *tok, int32_t id, unsigned flag
 struct kv_pretok;
 int kv_tok_set_pretok(struct kv_tokenizer *tok, struct kv_pretok *pt, int byte_level,
                       struct kv_err *err);
-/* BPE model options of tokenizer.json: ignore_merges (a word that is a
- * piece is that piece) and fuse_unk (a run of unknown characters is one
- * unknown token). With a pipeline, unknown characters give one unknown
- * token each rather than one per byte. */
+/* BPE model options of tokenizer.json, as the tokenizers crate runs them:
+ * ignore_merges (a word that is a piece is that piece) and fuse_unk (a run
+ * of unknown characters is one unknown token). Calling it also switches
+ * byte fallback to the crate's rule: a character without a piece becomes
+ * its byte tokens when all of them exist, else one unknown token (not one
+ * per byte, llama.cpp's rule for the score mode). */
 void kv_tok_set_model_options(struct kv_tokenizer *tok, int ignore_merges, int fuse_unk);
 /* continuing_subword_prefix and end_of_word_suffix (NULL: none); set them
  * before the merges. */
