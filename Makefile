@@ -209,15 +209,22 @@ $(KJV)/%.txt:
 # The committed fixture models data/kjv-llama and data/kjv-gpt2, trained by
 # kvcal itself (one thread each, so the two can run side by side: make -j2).
 FIXTURE_ARGS := --text $(KJV)/train.txt --eval $(KJV)/gospels.txt --threads 1 --log-every 25
-fixtures: data/kjv-llama/model.safetensors data/kjv-gpt2/model.safetensors
+fixtures: data/kjv-llama/model.safetensors data/kjv-gpt2/model.safetensors \
+          data/kjv-bpe-llama/model.safetensors
 data/kjv-llama/model.safetensors: | data $(BUILD)/kvcal
 	$(BUILD)/kvcal train --arch llama --steps 1500 $(FIXTURE_ARGS) -o data/kjv-llama --checkpoint $(BUILD)/kjv-llama.ckpt
+# kjv-bpe-llama: the same Llama on a 4,096-id byte-level BPE vocabulary that
+# kvcal learns from the training text first.
+data/kjv-bpe-llama/model.safetensors: | data $(BUILD)/kvcal
+	$(BUILD)/kvcal train-tokenizer -t $(KJV)/train.txt --vocab-size 4096 -o $(BUILD)/kjv-bpe.json
+	$(BUILD)/kvcal train --arch llama --steps 500 $(FIXTURE_ARGS) --tokenizer $(BUILD)/kjv-bpe.json -o data/kjv-bpe-llama --checkpoint $(BUILD)/kjv-bpe-llama.ckpt
 data/kjv-gpt2/model.safetensors: | data $(BUILD)/kvcal
 	$(BUILD)/kvcal train --arch gpt2 --steps 1000 $(FIXTURE_ARGS) -o data/kjv-gpt2 --checkpoint $(BUILD)/kjv-gpt2.ckpt
 
 # The main job on the embedded model: collect, decompose --eps 0.9, verify.
+DEMO_MODEL ?= data/kjv-llama
 demo: all data
-	@bash tests/demo.sh $(BUILD)/kvcal
+	@DEMO_MODEL=$(DEMO_MODEL) bash tests/demo.sh $(BUILD)/kvcal
 
 # Coverage-guided fuzzing of one target with clang's libFuzzer, ASan and UBSan:
 #   make fuzz FUZZ=safetensors|model|tokenizer|kvstats|manifest [FUZZ_SECONDS=300]

@@ -13,11 +13,12 @@ static void exercise(struct kv_tokenizer *t) {
     int32_t *ids;
     int64_t n;
     struct kv_err err;
-    if (kv_tok_encode(t, text, sizeof text - 1, 1, &ids, &n, &err) == KV_OK) {
-        char out[64];
-        for (int64_t i = 1; i < n; i++) kv_tok_decode(t, ids[i - 1], ids[i], out, sizeof out);
-        free(ids);
-    }
+    for (int flags = 0; flags < 4; flags++) /* with and without BOS and special tokens */
+        if (kv_tok_encode(t, text, sizeof text - 1, flags, &ids, &n, &err) == KV_OK) {
+            char out[64];
+            for (int64_t i = 1; i < n; i++) kv_tok_decode(t, ids[i - 1], ids[i], out, sizeof out);
+            free(ids);
+        }
     kv_tok_free(t);
 }
 

@@ -93,6 +93,8 @@ function corpora() {
     { name: 'wiki', file: path.join(shared, 'text', 'wikitext-2-raw', 'wiki.test.raw') },
     { name: 'tiny', file: path.join(shared, 'text', 'tinystories', 'val1k.txt') },
     { name: 'hard', file: path.join(HERE, 'hard.txt') },
+    // the held-out text of the fixtures (make data), for kjvbpe only
+    { name: 'gospels', file: path.join(REPO, 'data', 'kjv', 'gospels.txt') },
   ];
 }
 

@@ -56,6 +56,10 @@ const TOKENIZERS = [
   { name: 'gpt2mix', roundTrip: null },
   { name: 'tinystories', roundTrip: null },
   { name: 'metaspace', roundTrip: null },
+  // kvcal's own fixture tokenizer (kvcal train-tokenizer), committed with
+  // data/kjv-bpe-llama, on its held-out Gospels and the hard cases
+  { name: 'kjvbpe', roundTrip: 'exact', dir: path.join(C.REPO, 'data', 'kjv-bpe-llama'),
+    corpora: ['gospels', 'hard'] },
 ];
 
 const sha256 = (buf) => crypto.createHash('sha256').update(buf).digest('hex');
@@ -174,7 +178,7 @@ console.log('tokenizer    corpus mode      ids      encode_ms  round_trip  gz_by
 
 for (const spec of TOKENIZERS) {
   if (only && !only.has(spec.name)) continue;
-  const dir = path.join(tokDir, spec.name);
+  const dir = spec.dir || path.join(tokDir, spec.name);
   const tjFile = path.join(dir, 'tokenizer.json');
   if (!fs.existsSync(tjFile)) { console.log(`${spec.name}: skipped, ${tjFile} is missing (run build.js)`); continue; }
   const tjBytes = fs.readFileSync(tjFile);
@@ -184,6 +188,7 @@ for (const spec of TOKENIZERS) {
   manifest.set(`tokenizer ${spec.name}`, `tokenizer ${spec.name} ${sha256(tjBytes)} tokenizer.json`);
 
   for (const c of corpora) {
+    if (spec.corpora ? !spec.corpora.includes(c.name) : c.name === 'gospels') continue;
     const modes = c.name === 'hard' ? ['plain', 'special'] : ['plain'];
     for (const mode of modes) {
       const json = mode === 'plain' ? plainCopy(tok) : tok;
