@@ -1241,7 +1241,7 @@ static int pipe_stretch(const struct kv_tokenizer *t, struct pipe_work *pw, cons
     pw->norm = (struct kv_pt_buf){0};
     size_t seg = 0;
     for (size_t pos = 0; pos < nn && !rc;) {
-        size_t skip;
+        size_t skip = 0;
         int32_t lit = t->n_lits ? lit_at(t, ns, pos, nn, 2, parse, &skip) : -1;
         if (lit < 0) {
             if (skip) pw->specials++;
@@ -1272,7 +1272,7 @@ static int pipe_encode(const struct kv_tokenizer *t, const char *text, size_t le
     int rc = KV_OK;
     size_t seg = 0;
     for (size_t pos = 0; pos < len && !rc;) {
-        size_t skip;
+        size_t skip = 0;
         int32_t lit = t->n_lits ? lit_at(t, text, pos, len, 1, parse, &skip) : -1;
         if (lit < 0) {
             if (skip) pw.specials++;
@@ -1365,7 +1365,7 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
     if (add_bos) out[n_out++] = tok->bos;
     size_t seg = 0;
     for (size_t pos = 0; pos < len;) {
-        size_t skip;
+        size_t skip = 0;
         int32_t lit = tok->n_lits ? lit_at(tok, text, pos, len, first && pos == 0 ? 3 : 1, parse,
                                            &skip)
                                   : -1;
@@ -1491,7 +1491,7 @@ static int cut_at(const struct kv_tokenizer *t, const char *text, size_t n, size
     }
     size_t q0 = t->max_lit && c >= t->max_lit ? c - t->max_lit : 0;
     for (size_t q = q0; t->n_lits && q <= c; q++) {
-        size_t skip;
+        size_t skip = 0;
         int32_t lit = lit_at(t, text, q, n, 0, 1, &skip);
         if (lit >= 0 && q + t->len[lit] >= c) return 0;
     }
