@@ -300,6 +300,19 @@ Test(tok_encode, literals_split_text_and_match_longest) {
     /* without parsing, special literals are text (unknown characters here) */
     EXPECT_IDS(t, "<|x|>hi", 0, 3, 0, 0, 0, 0, 0, hi);
     EXPECT_IDS(t, "<s>", 1, 1, 3, 0, 0, 0);
+    /* a stream counts the special strings it read as text */
+    const char *two = "<s>hi<|x|>!";
+    for (int parse = 0; parse < 2; parse++) {
+        struct kv_tok_stream *s;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_tok_stream_new(t, parse ? PS : 0, 0, &s, &err), KV_OK);
+        const int32_t *ids;
+        int64_t n;
+        cr_assert_eq(kv_tok_stream_feed(s, two, strlen(two), 1, &ids, &n, &err), KV_OK);
+        cr_assert_eq(kv_tok_stream_specials(s), parse ? 0 : 2);
+        kv_tok_stream_free(s);
+    }
     kv_tok_free(t);
     tb_free(&b);
 }
