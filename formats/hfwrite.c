@@ -201,124 +201,41 @@ int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
     return rc;
 }
 
-/* ================================================================ byte-level BPE */
+/* ================================================================ tokenizer.json */
 
-int kv_hf_write_bpe_tokenizer(const char *path, const char *const *pieces, const size_t *plen,
-                              int32_t n, const int32_t *merges, int32_t n_merges,
-                              const char *regex, struct kv_err *err) {
-    json_t *root = json_object(), *model = json_object(), *vocab = json_object();
-    json_t *added = json_array(), *mj = json_array(), *pp = json_object();
-    int bad = !root || !model || !vocab || !added || !mj || !pp;
-    char **mapped = calloc((size_t)n, sizeof *mapped);
-    bad |= !mapped;
-    for (int32_t i = 0; !bad && i < n; i++) {
-        mapped[i] = malloc(2 * plen[i] + 1);
-        if (!mapped[i]) {
-            bad = 1;
-            break;
-        }
-        mapped[i][kv_bytelevel_map(pieces[i], plen[i], mapped[i])] = 0;
-        bad |= jset(vocab, mapped[i], json_integer(i));
-    }
-    for (int32_t k = 0; !bad && k < n_merges; k++)
-        bad |= json_array_append_new(mj, json_pack("[s, s]", mapped[merges[2 * k]],
-                                                   mapped[merges[2 * k + 1]]));
-    static const char *const specials[] = {"<|begin_of_text|>", "<|end_of_text|>"};
-    for (int i = 0; !bad && i < 2; i++)
-        bad |= json_array_append_new(added, json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id",
-                                                      n + i, "content", specials[i], "single_word",
-                                                      0, "lstrip", 0, "rstrip", 0, "normalized", 0,
-                                                      "special", 1));
-    json_t *bl = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 0,
-                           "trim_offsets", 1, "use_regex", regex == NULL);
-    json_t *pre = regex ? json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, o]}", "type", "Sequence",
-                                    "pretokenizers", "type", "Split", "pattern", "Regex", regex,
-                                    "behavior", "Isolated", "invert", 0, bl)
-                        : bl;
-    bad |= !pre;
+/* Write the tokenizer.json both writers make: a BPE model of vocab and
+ * merges, added tokens, a pre-tokenizer and decoder, and the template that
+ * puts bos (id bos_id) before the text. Takes the references it is given
+ * (any NULL: out of memory). */
+static int write_tokenizer(const char *path, json_t *vocab, json_t *merges, int byte_fallback,
+                           json_t *added, json_t *pre, json_t *dec, const char *bos, int bos_id,
+                           struct kv_err *err) {
+    json_t *root = json_object(), *model = json_object(), *pp = json_object();
+    int bad = !root || !model || !pp || !vocab || !merges || !added || !dec;
     bad |= jset(pp, "type", json_string("TemplateProcessing"));
     bad |= jset(pp, "single", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}]", "SpecialToken", "id",
-                                        specials[0], "type_id", 0, "Sequence", "id", "A", "type_id", 0));
+                                        bos, "type_id", 0, "Sequence", "id", "A", "type_id", 0));
     bad |= jset(pp, "pair", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}, {s:{s:s, s:i}}]",
-                                      "SpecialToken", "id", specials[0], "type_id", 0, "Sequence",
-                                      "id", "A", "type_id", 0, "Sequence", "id", "B", "type_id", 1));
-    bad |= jset(pp, "special_tokens", json_pack("{s:{s:s, s:[i], s:[s]}}", specials[0], "id",
-                                                specials[0], "ids", n, "tokens", specials[0]));
-    bad |= jset(model, "type", json_string("BPE"));
-    bad |= jset(model, "dropout", json_null());
-    bad |= jset(model, "unk_token", json_null());
-    bad |= jset(model, "continuing_subword_prefix", json_null());
-    bad |= jset(model, "end_of_word_suffix", json_null());
-    bad |= jset(model, "fuse_unk", json_false());
-    bad |= jset(model, "byte_fallback", json_false());
-    bad |= jset(model, "ignore_merges", json_false());
-    bad |= jset(model, "vocab", vocab);
-    bad |= jset(model, "merges", mj);
-    bad |= jset(root, "version", json_string("1.0"));
-    bad |= jset(root, "truncation", json_null());
-    bad |= jset(root, "padding", json_null());
-    bad |= jset(root, "added_tokens", added);
-    bad |= jset(root, "normalizer", json_null());
-    bad |= jset(root, "pre_tokenizer", pre);
-    bad |= jset(root, "post_processor", pp);
-    bad |= jset(root, "decoder", json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel",
-                                           "add_prefix_space", 1, "trim_offsets", 1, "use_regex", 1));
-    bad |= jset(root, "model", model);
-    for (int32_t i = 0; mapped && i < n; i++) free(mapped[i]);
-    free(mapped);
-    char *text = bad ? NULL : json_dumps(root, JSON_INDENT(2));
-    json_decref(root);
-    if (!text) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    int rc = kv_write_atomic(path, fill_text, text, err);
-    free(text);
-    return rc;
-}
-
-/* ================================================================ byte tokenizer */
-
-int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err) {
-    json_t *root = json_object(), *model = json_object(), *vocab = json_object();
-    json_t *added = json_array(), *pp = json_object(), *dec = json_object();
-    int bad = !root || !model || !vocab || !added || !pp || !dec;
-    char piece[8];
-    for (int b = 0; !bad && b < 256; b++) {
-        snprintf(piece, sizeof piece, "<0x%02X>", b);
-        bad |= jset(vocab, piece, json_integer(b));
-    }
-    static const char *const specials[] = {"<s>", "</s>"};
-    for (int i = 0; !bad && i < 2; i++)
-        bad |= json_array_append_new(added, json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id",
-                                                      256 + i, "content", specials[i], "single_word",
-                                                      0, "lstrip", 0, "rstrip", 0, "normalized", 0,
-                                                      "special", 1));
-    /* HF adds BOS on encode, as kvcal's windows expect */
-    bad |= jset(pp, "type", json_string("TemplateProcessing"));
-    bad |= jset(pp, "single", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}]", "SpecialToken", "id",
-                                        "<s>", "type_id", 0, "Sequence", "id", "A", "type_id", 0));
-    bad |= jset(pp, "pair", json_pack("[{s:{s:s, s:i}}, {s:{s:s, s:i}}, {s:{s:s, s:i}}]",
-                                      "SpecialToken", "id", "<s>", "type_id", 0, "Sequence", "id",
+                                      "SpecialToken", "id", bos, "type_id", 0, "Sequence", "id",
                                       "A", "type_id", 0, "Sequence", "id", "B", "type_id", 1));
     bad |= jset(pp, "special_tokens",
-                json_pack("{s:{s:s, s:[i], s:[s]}}", "<s>", "id", "<s>", "ids", 256, "tokens", "<s>"));
-    bad |= jset(dec, "type", json_string("Sequence"));
-    bad |= jset(dec, "decoders",
-                json_pack("[{s:s}, {s:s}]", "type", "ByteFallback", "type", "Fuse"));
+                json_pack("{s:{s:s, s:[i], s:[s]}}", bos, "id", bos, "ids", bos_id, "tokens", bos));
     bad |= jset(model, "type", json_string("BPE"));
     bad |= jset(model, "dropout", json_null());
     bad |= jset(model, "unk_token", json_null());
     bad |= jset(model, "continuing_subword_prefix", json_null());
     bad |= jset(model, "end_of_word_suffix", json_null());
     bad |= jset(model, "fuse_unk", json_false());
-    bad |= jset(model, "byte_fallback", json_true());
+    bad |= jset(model, "byte_fallback", json_boolean(byte_fallback));
     bad |= jset(model, "ignore_merges", json_false());
     bad |= jset(model, "vocab", vocab);
-    bad |= jset(model, "merges", json_array());
+    bad |= jset(model, "merges", merges);
     bad |= jset(root, "version", json_string("1.0"));
     bad |= jset(root, "truncation", json_null());
     bad |= jset(root, "padding", json_null());
     bad |= jset(root, "added_tokens", added);
     bad |= jset(root, "normalizer", json_null());
-    bad |= jset(root, "pre_tokenizer", json_null());
+    bad |= jset(root, "pre_tokenizer", pre ? pre : json_null());
     bad |= jset(root, "post_processor", pp);
     bad |= jset(root, "decoder", dec);
     bad |= jset(root, "model", model);
@@ -328,4 +245,67 @@ int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err) {
     int rc = kv_write_atomic(path, fill_text, text, err);
     free(text);
     return rc;
+}
+
+static json_t *added_token(int id, const char *content) {
+    return json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id", id, "content", content,
+                     "single_word", 0, "lstrip", 0, "rstrip", 0, "normalized", 0, "special", 1);
+}
+
+int kv_hf_write_bpe_tokenizer(const char *path, const char *const *pieces, const size_t *plen,
+                              int32_t n, const int32_t *merges, int32_t n_merges,
+                              const char *regex, struct kv_err *err) {
+    json_t *vocab = json_object(), *added = json_array(), *mj = json_array();
+    int bad = !vocab || !added || !mj;
+    char **mapped = calloc((size_t)n, sizeof *mapped);
+    bad |= !mapped;
+    for (int32_t i = 0; !bad && i < n; i++) {
+        if (!(mapped[i] = malloc(2 * plen[i] + 1))) {
+            bad = 1;
+            break;
+        }
+        mapped[i][kv_bytelevel_map(pieces[i], plen[i], mapped[i])] = 0;
+        bad |= jset(vocab, mapped[i], json_integer(i));
+    }
+    for (int32_t k = 0; !bad && k < n_merges; k++)
+        bad |= json_array_append_new(mj, json_pack("[s, s]", mapped[merges[2 * k]],
+                                                   mapped[merges[2 * k + 1]]));
+    for (int32_t i = 0; mapped && i < n; i++) free(mapped[i]);
+    free(mapped);
+    bad |= json_array_append_new(added, added_token(n, "<|begin_of_text|>"));
+    bad |= json_array_append_new(added, added_token(n + 1, "<|end_of_text|>"));
+    json_t *bl = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 0,
+                           "trim_offsets", 1, "use_regex", regex == NULL);
+    json_t *pre = regex ? json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, o]}", "type", "Sequence",
+                                    "pretokenizers", "type", "Split", "pattern", "Regex", regex,
+                                    "behavior", "Isolated", "invert", 0, bl)
+                        : bl;
+    json_t *dec = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 1,
+                            "trim_offsets", 1, "use_regex", 1);
+    if (bad || !pre) {
+        json_decref(vocab), json_decref(added), json_decref(mj), json_decref(pre), json_decref(dec);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    return write_tokenizer(path, vocab, mj, 0, added, pre, dec, "<|begin_of_text|>", n, err);
+}
+
+int kv_hf_write_byte_tokenizer(const char *path, struct kv_err *err) {
+    json_t *vocab = json_object(), *added = json_array();
+    int bad = !vocab || !added;
+    char piece[8];
+    for (int b = 0; !bad && b < 256; b++) {
+        snprintf(piece, sizeof piece, "<0x%02X>", b);
+        bad |= jset(vocab, piece, json_integer(b));
+    }
+    bad |= added && json_array_append_new(added, added_token(256, "<s>"));
+    bad |= added && json_array_append_new(added, added_token(257, "</s>"));
+    if (bad) {
+        json_decref(vocab), json_decref(added);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    /* HF adds BOS on encode, as kvcal's windows expect */
+    return write_tokenizer(path, vocab, json_array(), 1, added, NULL,
+                           json_pack("{s:s, s:[{s:s}, {s:s}]}", "type", "Sequence", "decoders",
+                                     "type", "ByteFallback", "type", "Fuse"),
+                           "<s>", 256, err);
 }

@@ -1034,10 +1034,11 @@ static int space_byte(unsigned char c) {
  * kind: 0 any literal (the literal scan of streams), 1 those matched in raw
  * text, 3 the same where pos starts the input, 2 those matched after
  * normalization (pipelines only, by normalized content). Specials are
- * matched only with parse; one skipped that way counts in *seen (and
- * *skip_len is its length) so the caller can step over it. */
+ * matched only with parse; one skipped that way has its length in
+ * *skip_len, so the caller can count it and step over it. A match's length
+ * is *match_len. */
 static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos, size_t len,
-                      int kind, int parse, size_t *skip_len) {
+                      int kind, int parse, size_t *skip_len, size_t *match_len) {
     unsigned char c = (unsigned char)text[pos];
     *skip_len = 0;
     if (kind == 2) {
@@ -1053,6 +1054,7 @@ static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos
                 if (!*skip_len) *skip_len = e->len;
                 continue;
             }
+            *match_len = e->len;
             return e->id;
         }
         return -1;
@@ -1077,9 +1079,23 @@ static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos
             if (!*skip_len) *skip_len = n;
             continue;
         }
+        *match_len = n;
         return id;
     }
     return -1;
+}
+
+/* The span [*a, *b) literal lit takes when matched at s[pos, pos + mlen):
+ * with lstrip the whitespace back to from, with rstrip the whitespace
+ * after it. */
+static void lit_span(const struct kv_tokenizer *t, int32_t lit, const char *s, size_t from,
+                     size_t pos, size_t mlen, size_t len, size_t *a, size_t *b) {
+    *a = pos;
+    *b = pos + mlen;
+    if (t->litf[lit] & KV_LIT_LSTRIP)
+        while (*a > from && space_byte((unsigned char)s[*a - 1])) --*a;
+    if (t->litf[lit] & KV_LIT_RSTRIP)
+        while (*b < len && space_byte((unsigned char)s[*b])) ++*b;
 }
 
 /* ---------------------------------------------------------------- pipelines */
@@ -1241,18 +1257,14 @@ static int pipe_stretch(const struct kv_tokenizer *t, struct pipe_work *pw, cons
     pw->norm = (struct kv_pt_buf){0};
     size_t seg = 0;
     for (size_t pos = 0; pos < nn && !rc;) {
-        size_t skip = 0;
-        int32_t lit = t->n_lits ? lit_at(t, ns, pos, nn, 2, parse, &skip) : -1;
+        size_t skip = 0, mlen = 0, a, b;
+        int32_t lit = t->n_nl ? lit_at(t, ns, pos, nn, 2, parse, &skip, &mlen) : -1;
         if (lit < 0) {
             if (skip) pw->specials++;
             pos += skip ? skip : 1;
             continue;
         }
-        size_t a = pos, b = pos + t->len[lit];
-        if (t->litf[lit] & KV_LIT_LSTRIP)
-            while (a > seg && space_byte((unsigned char)ns[a - 1])) a--;
-        if (t->litf[lit] & KV_LIT_RSTRIP)
-            while (b < nn && space_byte((unsigned char)ns[b])) b++;
+        lit_span(t, lit, ns, seg, pos, mlen, nn, &a, &b);
         rc = pipe_words(t, pw, ns + seg, a - seg, seg == 0 ? where : 0, out, err);
         if (!rc && idvec_push(out, lit)) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
         pos = seg = b;
@@ -1272,18 +1284,14 @@ static int pipe_encode(const struct kv_tokenizer *t, const char *text, size_t le
     int rc = KV_OK;
     size_t seg = 0;
     for (size_t pos = 0; pos < len && !rc;) {
-        size_t skip = 0;
-        int32_t lit = t->n_lits ? lit_at(t, text, pos, len, 1, parse, &skip) : -1;
+        size_t skip = 0, mlen = 0, a, b;
+        int32_t lit = t->n_lits ? lit_at(t, text, pos, len, 1, parse, &skip, &mlen) : -1;
         if (lit < 0) {
             if (skip) pw.specials++;
             pos += skip ? skip : 1;
             continue;
         }
-        size_t a = pos, b = pos + t->len[lit];
-        if (t->litf[lit] & KV_LIT_LSTRIP)
-            while (a > seg && space_byte((unsigned char)text[a - 1])) a--;
-        if (t->litf[lit] & KV_LIT_RSTRIP)
-            while (b < len && space_byte((unsigned char)text[b])) b++;
+        lit_span(t, lit, text, seg, pos, mlen, len, &a, &b);
         unsigned where = (seg > 0 || first ? KV_PT_START : 0) | KV_PT_END |
                          (seg == 0 && first ? KV_PT_INPUT : 0);
         if (a > seg) rc = pipe_stretch(t, &pw, text + seg, a - seg, where, parse, out, err);
@@ -1365,9 +1373,9 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
     if (add_bos) out[n_out++] = tok->bos;
     size_t seg = 0;
     for (size_t pos = 0; pos < len;) {
-        size_t skip = 0;
+        size_t skip = 0, mlen = 0;
         int32_t lit = tok->n_lits ? lit_at(tok, text, pos, len, first && pos == 0 ? 3 : 1, parse,
-                                           &skip)
+                                           &skip, &mlen)
                                   : -1;
         if (lit < 0) {
             if (skip) ++*specials;
@@ -1380,7 +1388,7 @@ static int encode_text(const struct kv_tokenizer *tok, const char *text, size_t 
                             first && tok->dummy && seg == 0 && end > 0, out, &n_out, err);
         if (rc) goto done;
         out[n_out++] = lit;
-        pos += tok->len[lit];
+        pos += mlen;
         seg = pos;
     }
     rc = encode_segment(tok, &w, text + seg, len - seg, first && tok->dummy && seg == 0 && len > 0,
@@ -1491,9 +1499,9 @@ static int cut_at(const struct kv_tokenizer *t, const char *text, size_t n, size
     }
     size_t q0 = t->max_lit && c >= t->max_lit ? c - t->max_lit : 0;
     for (size_t q = q0; t->n_lits && q <= c; q++) {
-        size_t skip = 0;
-        int32_t lit = lit_at(t, text, q, n, 0, 1, &skip);
-        if (lit >= 0 && q + t->len[lit] >= c) return 0;
+        size_t skip = 0, mlen = 0;
+        int32_t lit = lit_at(t, text, q, n, 0, 1, &skip, &mlen);
+        if (lit >= 0 && q + mlen >= c) return 0;
     }
     return 1;
 }

@@ -64,10 +64,16 @@ Test(hf_write, byte_tokenizer_special_tokens_match_as_literals) {
     int32_t *ids;
     int64_t n;
     struct kv_err e;
-    cr_assert_eq(kv_tok_encode(tok, "a</s>", 5, 0, &ids, &n, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_tok_encode(tok, "a</s>", 5, KV_TOK_PARSE_SPECIAL, &ids, &n, &e), KV_OK, "%s",
+                 e.msg);
     cr_assert_eq(n, 2);
     cr_assert_eq(ids[0], 'a');
     cr_assert_eq(ids[1], 257);
+    free(ids);
+    /* by default the string is text: its bytes */
+    cr_assert_eq(kv_tok_encode(tok, "a</s>", 5, 0, &ids, &n, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(n, 5);
+    cr_assert_eq(ids[1], '<');
     free(ids);
     kv_tok_free(tok);
     kvt_rm_dir(dir);

@@ -239,7 +239,8 @@ Test(hf_tokenizer, added_token_flags) {
         "{\"id\": 256, \"content\": \"<L>\", \"special\": false, \"lstrip\": true, \"normalized\": false},"
         "{\"id\": 257, \"content\": \"<r>\", \"special\": false, \"rstrip\": true},"
         "{\"id\": 258, \"content\": \"ab\", \"special\": false, \"single_word\": true},"
-        "{\"id\": 259, \"content\": \"kv\", \"special\": false, \"normalized\": true}";
+        "{\"id\": 259, \"content\": \"kv\", \"special\": false, \"normalized\": true},"
+        "{\"id\": 260, \"content\": \"\xc4\xb0x\", \"special\": false}";
     const char *norm = "{\"type\": \"Lowercase\"}";
     const char *pre = "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", "
                       "\"pattern\": {\"String\": \" \"}, \"behavior\": \"Isolated\"}, {\"type\": "
@@ -250,6 +251,9 @@ Test(hf_tokenizer, added_token_flags) {
     expect_ids(tok, "<R>  x", 0, (const int32_t[]){257, 'x'}, 2); /* matched as "<r>" */
     expect_ids(tok, "ab xab", 0, (const int32_t[]){258, ' ', 'x', 'a', 'b'}, 5);
     expect_ids(tok, "KV", 0, (const int32_t[]){259}, 1); /* matched after Lowercase */
+    /* "İx" lower-cases to "i" U+0307 "x", a byte longer: the match is as
+     * long as the normalized content */
+    expect_ids(tok, "a\xc4\xb0xb", 0, (const int32_t[]){'a', 260, 'b'}, 3);
     kv_tok_free(tok);
     free(j);
 }
