@@ -78,6 +78,11 @@ Test(pretok, split_behaviours_fold_matches_as_the_tokenizers_crate) {
     struct kv_pretok *p = split_of("\\s+", 1, KV_PT_ISOLATED, 0);
     expect_pieces(p, " a  b ", 0, " |a|  |b| ");
     kv_pretok_free(p);
+    /* the Whitespace pre-tokenizer's form (tokenizer.json): \w+|[^\w\s]+
+     * kept, the rest removed */
+    p = split_of("\\w+|[^\\w\\s]+", 1, KV_PT_REMOVED, 1);
+    expect_pieces(p, "Hello,  world!!", 0, "Hello|,|world|!!");
+    kv_pretok_free(p);
     /* an empty match splits the text where it is found */
     p = split_of("\\b", 1, KV_PT_ISOLATED, 0);
     expect_pieces(p, "ab cd", 0, "ab| |cd");
