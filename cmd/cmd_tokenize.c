@@ -75,7 +75,8 @@ int cmd_tokenize(int argc, char **argv) {
         "with another tokenizer. BOS and EOS follow the tokenizer's own policy (the text\n"
         "report says which); special-token strings in the text are ordinary text unless\n"
         "--parse-special. The text is encoded in the streamed chunks collect and verify\n"
-        "use (a file is read as they read it). The summary line says whether decoding the ids gives the text back.",
+        "use (a file is read as they read it). The summary line says whether decoding\n"
+        "the ids gives the text back. Pieces print as UTF-8, other bytes as \\xHH.",
         "examples:\n"
         "  kvcal tokenize --tokenizer tokenizer.json \"Hello world\"\n"
         "  kvcal tokenize -m data/kjv-llama --text data/kjv/gospels.txt --ids > ids.txt\n",
