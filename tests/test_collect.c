@@ -445,7 +445,7 @@ static const char *const collect_flags[KV_COLLECT_OPT_COUNT] = {
     [KV_COLLECT_OPT_RESUME] = "--resume"};
 
 Test(collect_check, options_in_the_library_words_or_the_callers) {
-    struct kv_calib_opts d = {256, 0, 0, 0, 0, 1};
+    struct kv_calib_opts d = {256, 0, 0, 0, 0, 1, 0};
     struct kv_collect_opts o = {.data = &d, .checkpoint_every = 0};
     struct kv_err err;
     kv_err_clear(&err);
@@ -467,7 +467,7 @@ Test(collect_check, where_a_run_may_write) {
     cr_assert_not_null(f);
     fputs("Once upon a time.\n", f);
     fclose(f);
-    struct kv_calib_opts d = {16, 0, 0, 0, 0, 1};
+    struct kv_calib_opts d = {16, 0, 0, 0, 0, 1, 0};
     struct kv_collect_opts o = {.out_path = out, .data = &d};
     const char *inputs[1] = {in};
     struct kv_err err;
@@ -524,7 +524,7 @@ Test(collect_check, start_fresh_or_from_the_checkpoint, .timeout = 120) {
     for (int i = 0; i < 100; i++) fputs("Once upon a time there was a cat. ", f);
     fclose(f);
     const char *inputs[1] = {txt};
-    struct kv_calib_opts d = {16, 8, 1, 0, 0, 1};
+    struct kv_calib_opts d = {16, 8, 1, 0, 0, 1, 0};
     struct kv_calib *c;
     cr_assert_eq(kv_calib_open(inputs, 1, kv_model_tokenizer(m), &d, &c, &err), KV_OK, "%s", err.msg);
     struct kv_collect_opts o = {.out_path = out, .data = &d, .progress = stop_at_3};

@@ -57,7 +57,7 @@ static void collect(const struct kv_model *m, const char *const *paths, int64_t 
 
 static struct kv_calib_opts calib_opts(int64_t seq_len, int64_t samples, int sequential,
                                        uint64_t seed, int64_t shard_index, int64_t shard_count) {
-    struct kv_calib_opts o = {seq_len, samples, sequential, seed, shard_index, shard_count};
+    struct kv_calib_opts o = {seq_len, samples, sequential, seed, shard_index, shard_count, 0};
     return o;
 }
 

@@ -107,7 +107,7 @@ int main(void) {
     }
     if (kv_model_open(ts, NULL, &m, &err)) return die(&err);
     seq = 256, nw = 256;
-    struct kv_calib_opts co = {seq, nw, 1, 0, 0, 1};
+    struct kv_calib_opts co = {seq, nw, 1, 0, 0, 1, 0};
     struct kv_calib *cal;
     const char *paths[1] = {wiki};
     if (kv_calib_open(paths, 1, kv_model_tokenizer(m), &co, &cal, &err)) return die(&err);
