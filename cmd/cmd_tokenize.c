@@ -126,18 +126,13 @@ int cmd_tokenize(int argc, char **argv) {
     }
     struct kv_tok_stream *ts = NULL;
     const int32_t *part;
-    int64_t n_part, n = 0, cap = 0;
+    int64_t n_part = 0, n = 0;
     int32_t *ids = NULL;
     if (!kv_tok_stream_new(tok, flags, 0, &ts, &err) &&
-        !kv_tok_stream_feed(ts, text, len, 1, &part, &n_part, &err)) {
-        if (n_part > cap) {
-            ids = malloc((size_t)(n_part ? n_part : 1) * sizeof *ids);
-            cap = n_part;
-        }
-        if (ids || !n_part) {
-            if (n_part) memcpy(ids, part, (size_t)n_part * sizeof *ids);
-            n = n_part;
-        }
+        !kv_tok_stream_feed(ts, text, len, 1, &part, &n_part, &err) &&
+        (ids = malloc((size_t)(n_part ? n_part : 1) * sizeof *ids))) {
+        if (n_part) memcpy(ids, part, (size_t)n_part * sizeof *ids);
+        n = n_part;
     }
     int64_t specials = ts ? kv_tok_stream_specials(ts) : 0;
     kv_tok_stream_free(ts);
@@ -146,7 +141,7 @@ int cmd_tokenize(int argc, char **argv) {
         rc = cli_report(&err);
         goto done;
     }
-    if (n_part && !ids) {
+    if (!ids) {
         fprintf(stderr, "kvcal: out of memory\n");
         rc = EXIT_ERR;
         goto done;

@@ -1037,6 +1037,23 @@ static int space_byte(unsigned char c) {
  * matched only with parse; one skipped that way has its length in
  * *skip_len, so the caller can count it and step over it. A match's length
  * is *match_len. */
+/* Whether literal id, whose text matched text[pos, pos + n), counts there:
+ * a single_word one needs no word character beside it; a special one
+ * counts only with parse (else *skip_len takes the first such length). */
+static int lit_takes(const struct kv_tokenizer *t, int32_t id, const char *text, size_t pos,
+                     size_t n, size_t len, int parse, size_t *skip_len) {
+    unsigned f = t->litf[id];
+    if ((f & KV_LIT_SINGLE_WORD) &&
+        ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
+         (pos + n < len && word_byte((unsigned char)text[pos + n]))))
+        return 0;
+    if ((f & KV_LIT_SPECIAL) && !parse) {
+        if (!*skip_len) *skip_len = n;
+        return 0;
+    }
+    return 1;
+}
+
 static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos, size_t len,
                       int kind, int parse, size_t *skip_len, size_t *match_len) {
     unsigned char c = (unsigned char)text[pos];
@@ -1044,16 +1061,9 @@ static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos
     if (kind == 2) {
         for (size_t k = t->nl_begin[c]; k < t->nl_begin[c + 1]; k++) {
             const struct tok_nlit *e = &t->nl[k];
-            unsigned f = t->litf[e->id];
-            if (e->len > len - pos || memcmp(e->s, text + pos, e->len) != 0) continue;
-            if ((f & KV_LIT_SINGLE_WORD) &&
-                ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
-                 (pos + e->len < len && word_byte((unsigned char)text[pos + e->len]))))
+            if (e->len > len - pos || memcmp(e->s, text + pos, e->len) != 0 ||
+                !lit_takes(t, e->id, text, pos, e->len, len, parse, skip_len))
                 continue;
-            if ((f & KV_LIT_SPECIAL) && !parse) {
-                if (!*skip_len) *skip_len = e->len;
-                continue;
-            }
             *match_len = e->len;
             return e->id;
         }
@@ -1071,14 +1081,7 @@ static int32_t lit_at(const struct kv_tokenizer *t, const char *text, size_t pos
         if (kind && !t->pt && t->dummy && (f & KV_LIT_NORMALIZED) &&
             !(pos > 0 && text[pos - 1] == ' ') && !(pos == 0 && kind == 3))
             continue;
-        if (kind && (f & KV_LIT_SINGLE_WORD) &&
-            ((pos > 0 && word_byte((unsigned char)text[pos - 1])) ||
-             (pos + n < len && word_byte((unsigned char)text[pos + n]))))
-            continue;
-        if (kind && (f & KV_LIT_SPECIAL) && !parse) {
-            if (!*skip_len) *skip_len = n;
-            continue;
-        }
+        if (kind && !lit_takes(t, id, text, pos, n, len, parse, skip_len)) continue;
         *match_len = n;
         return id;
     }
