@@ -1142,3 +1142,38 @@ Test(cli, verify_device_cuda_without_a_gpu_is_an_error, .timeout = 60) {
     kvt_rm_dir(dir);
     free(t);
 }
+
+/* kvcal tokenize and train-tokenizer: their usage errors, word for word, and
+ * tokenize's JSON on a fixture (ids a by-hand count can follow: the byte
+ * tokenizer gives BOS then one id per byte). */
+Test(cli, tokenize_and_train_tokenizer_usage_and_output) {
+    const char *tu = "usage: kvcal tokenize (--tokenizer FILE | --model PATH) (TEXT | --text FILE) "
+                     "[options] (see 'kvcal tokenize --help')\n";
+    char want[1024];
+    snprintf(want, sizeof want, "kvcal tokenize: give --tokenizer FILE or --model PATH\n%s", tu);
+    expect_cli("tokenize hi", 2, want);
+    snprintf(want, sizeof want, "kvcal tokenize: give TEXT or --text FILE\n%s", tu);
+    expect_cli("tokenize -m data/kjv-llama", 2, want);
+    snprintf(want, sizeof want, "kvcal tokenize: --json and --ids exclude each other\n%s", tu);
+    expect_cli("tokenize -m data/kjv-llama --json --ids hi", 2, want);
+    expect_cli("tokenize --tokenizer /nonexistent.json hi", 1,
+               "kvcal: /nonexistent.json: no such file\n");
+    expect_cli("train-tokenizer -t x.txt -o y.json --vocab-size 100", 2,
+               "kvcal train-tokenizer: --vocab-size must be 258..1048576, got 100\n"
+               "usage: kvcal train-tokenizer --text FILE -o tokenizer.json [--vocab-size N] "
+               "(see 'kvcal train-tokenizer --help')\n");
+    char *out, *err;
+    cr_assert_eq(kvt_run_cli("tokenize -m data/kjv-llama --json 'a<s>'", &out, &err), 0, "%s", err);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    cr_assert_not_null(o, "%s: %s", je.text, out);
+    json_t *ids = json_object_get(o, "ids");
+    cr_assert_eq(json_array_size(ids), 5, "%s", out);
+    static const int want_ids[] = {256, 'a', '<', 's', '>'};
+    for (int i = 0; i < 5; i++) cr_assert_eq(json_integer_value(json_array_get(ids, i)), want_ids[i]);
+    cr_assert_eq(json_integer_value(json_object_get(o, "special_strings")), 1);
+    cr_assert(json_is_true(json_object_get(o, "roundtrip")));
+    cr_assert_str_eq(json_string_value(json_array_get(json_object_get(o, "pieces"), 1)), "<0x61>");
+    json_decref(o);
+    free(out), free(err);
+}
