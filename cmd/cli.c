@@ -356,13 +356,21 @@ void cli_human_count(double v, char *buf, size_t cap) {
 }
 
 void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
-    char pos[64];
+    char pos[128], sc[64] = "";
+    const struct kv_rope_scaling_cfg *rs = &c->rope_scaling;
+    if (rs->type == KV_ROPE_SCALING_FREQS)
+        snprintf(sc, sizeof sc, " scaled by per-pair factors");
+    else if (rs->type != KV_ROPE_SCALING_NONE && rs->original_ctx > 0)
+        snprintf(sc, sizeof sc, " %s x%g from %lld", kv_rope_scaling_name(rs->type), rs->factor,
+                 (long long)rs->original_ctx);
+    else if (rs->type != KV_ROPE_SCALING_NONE)
+        snprintf(sc, sizeof sc, " %s x%g", kv_rope_scaling_name(rs->type), rs->factor);
     if (!kv_arch_has_rope(c->arch))
         snprintf(pos, sizeof pos, "%lld learned positions", (long long)c->max_seq_len);
     else
-        snprintf(pos, sizeof pos, "rope %s theta %g",
+        snprintf(pos, sizeof pos, "rope %s theta %g%s",
                  c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
-                 (double)c->rope_theta);
+                 (double)c->rope_theta, sc);
     snprintf(buf, cap,
              "%s, dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld, ffn %lld, "
              "vocab %lld, %s, %s head",

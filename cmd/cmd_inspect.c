@@ -462,6 +462,11 @@ int cmd_inspect(int argc, char **argv) {
             c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
             "tied_embeddings", c->tied_embeddings, "qkv_bias", c->has_qkv_bias, "bos_id",
             c->bos_id, "eos_id", c->eos_id);
+        if (cfg && kv_arch_has_rope(c->arch))
+            json_object_set_new(cfg, "rope_scaling",
+                                c->rope_scaling.type == KV_ROPE_SCALING_NONE
+                                    ? json_null()
+                                    : json_string(kv_rope_scaling_name(c->rope_scaling.type)));
         json_t *o = json_pack("{s:o, s:s, s:o, s:I, s:o}", "path", cli_json_text(pos[0]), "format",
                               kv_format_name(kv_model_format(m)), "config", cfg, "params",
                               (json_int_t)kv_model_n_params(m), "tensors", ts);

@@ -442,6 +442,60 @@ static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_w
     return 0;
 }
 
+/* GGUF's rope scaling: rope.scaling.type none or linear with
+ * rope.scaling.factor (or the older rope.scale_linear), and the per-pair
+ * frequency divisors of a rope_freqs.weight tensor (Llama 3's scaling, as
+ * llama.cpp's converter writes it). */
+static int read_rope_scaling(const struct kv_gguf_file *f, struct kv_config *cfg,
+                             struct kv_err *err) {
+    struct kv_rope_scaling_cfg *sc = &cfg->rope_scaling;
+    struct kv_gguf_str s;
+    char sb[128];
+    int rc;
+    const struct kv_gguf_kv *rs = kv_gguf_find(f, "llama.rope.scaling.type");
+    if (rs) {
+        if ((rc = kv_gguf_get_str(f, "llama.rope.scaling.type", &s, err))) return rc;
+        if (kv_gguf_str_eq(s, "linear")) {
+            float v = 1;
+            if ((rc = kv_gguf_get_f32(f, "llama.rope.scaling.factor", &v, err))) return rc;
+            sc->type = KV_ROPE_SCALING_LINEAR, sc->factor = v;
+        } else if (!kv_gguf_str_eq(s, "none")) {
+            return kv_fail(err, KV_EUNSUPPORTED, f->path, rs->val_off,
+                           "rope scaling '%s' is not supported, expected none or linear",
+                           kv_gguf_excerpt(s.p, s.len, sb, sizeof sb));
+        }
+    }
+    const struct kv_gguf_kv *sl = kv_gguf_find(f, "llama.rope.scale_linear");
+    if (sl) {
+        float v;
+        if ((rc = kv_gguf_get_f32(f, "llama.rope.scale_linear", &v, err))) return rc;
+        if (v != 1.0f) {
+            if (sc->type == KV_ROPE_SCALING_LINEAR && sc->factor != v)
+                return kv_fail(err, KV_EFORMAT, f->path, sl->val_off,
+                               "llama.rope.scale_linear %g disagrees with llama.rope.scaling.factor %g",
+                               (double)v, sc->factor);
+            sc->type = KV_ROPE_SCALING_LINEAR, sc->factor = v;
+        }
+    }
+    const struct kv_gguf_tensor *rf = kv_gguf_find_tensor(f, "rope_freqs.weight");
+    if (!rf) return KV_OK;
+    int64_t half = cfg->head_dim / 2;
+    if (sc->type != KV_ROPE_SCALING_NONE)
+        return kv_fail(err, KV_EUNSUPPORTED, f->path, rf->info_off,
+                       "tensor 'rope_freqs.weight' together with rope scaling '%s' is not supported",
+                       kv_rope_scaling_name(sc->type));
+    if ((rf->ggml_type != KV_GGML_F32 && rf->ggml_type != KV_GGML_F16) ||
+        kv_tensor_numel(&rf->t) != half || half > KV_MAX_ROPE_FACTORS)
+        return kv_fail(err, KV_EFORMAT, f->path, rf->info_off,
+                       "tensor 'rope_freqs.weight' must hold %lld F32 or F16 values, one per "
+                       "rotated pair, found %lld of type %s",
+                       (long long)half, (long long)kv_tensor_numel(&rf->t),
+                       kv_ggml_type_name(rf->ggml_type));
+    kv_convert_to_f32(rf->t.dtype, rf->t.data, sc->short_factor, half);
+    sc->type = KV_ROPE_SCALING_FREQS, sc->n_factors = half;
+    return KV_OK; /* values checked by kv_model_create */
+}
+
 static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, struct kv_err *err) {
     struct kv_gguf_str s;
     char sb[128];
@@ -501,22 +555,7 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
                            "partial rotary embeddings are not supported",
                            v, (long long)cfg->head_dim);
     }
-    const struct kv_gguf_kv *rs = kv_gguf_find(f, "llama.rope.scaling.type");
-    if (rs) {
-        if ((rc = kv_gguf_get_str(f, "llama.rope.scaling.type", &s, err))) return rc;
-        if (!kv_gguf_str_eq(s, "none"))
-            return kv_fail(err, KV_EUNSUPPORTED, f->path, rs->val_off,
-                           "rope scaling '%s' is not supported",
-                           kv_gguf_excerpt(s.p, s.len, sb, sizeof sb));
-    }
-    const struct kv_gguf_kv *sl = kv_gguf_find(f, "llama.rope.scale_linear");
-    if (sl) {
-        float v;
-        if ((rc = kv_gguf_get_f32(f, "llama.rope.scale_linear", &v, err))) return rc;
-        if (v != 1.0f)
-            return kv_fail(err, KV_EUNSUPPORTED, f->path, sl->val_off,
-                           "linear rope scaling %g is not supported", (double)v);
-    }
+    if ((rc = read_rope_scaling(f, cfg, err))) return rc;
 
     const struct kv_gguf_tensor *emb = kv_gguf_find_tensor(f, "token_embd.weight");
     if (!emb)
@@ -558,10 +597,7 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
         enum kv_wkind kind;
         int64_t layer;
         if (!name_kind(&kv_arch_desc(cfg->arch)->gguf, ti->t.name, &kind, &layer)) {
-            if (!strcmp(ti->t.name, "rope_freqs.weight"))
-                return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->info_off,
-                               "tensor 'rope_freqs.weight' (rope frequency scaling) is not "
-                               "supported");
+            if (!strcmp(ti->t.name, "rope_freqs.weight")) continue; /* read_rope_scaling */
             return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->info_off,
                            "tensor '%s' is not part of the llama architecture kvcal implements",
                            ti->t.name);
@@ -603,7 +639,7 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
     for (int64_t i = 0; i < f->n_tensors; i++) {
         enum kv_wkind kind;
         int64_t layer;
-        KV_ASSERT(name_kind(nm, f->tensors[i].t.name, &kind, &layer)); /* by check_tensors */
+        if (!name_kind(nm, f->tensors[i].t.name, &kind, &layer)) continue; /* rope_freqs */
         if ((rc = kv_model_bind(m, kind, layer, &f->tensors[i].t, path, err))) goto fail;
     }
     const struct kv_gguf_kv *tm = kv_gguf_find(f, "tokenizer.ggml.model");

@@ -12,6 +12,7 @@
 #include "json.h"
 #include "limits.h"
 #include "mapfile.h"
+#include "ropejson.h"
 #include "model.h"
 #include "safetensors.h"
 #include "tokenizer.h"
@@ -162,11 +163,10 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
                            (long long)dim, (long long)heads);
         head_dim = dim / heads;
     }
-    double eps = 1e-6, theta = 10000.0;
+    double eps = 1e-6;
     if ((rc = kv_json_get_num(root, "rms_norm_eps", path, 1, 0, &eps, err)) ||
-        (rc = kv_json_get_num(root, "rope_theta", path, 1, 0, &theta, err)) ||
         (rc = as_float(eps, "rms_norm_eps", path, &cfg->norm_eps, err)) ||
-        (rc = as_float(theta, "rope_theta", path, &cfg->rope_theta, err)))
+        (rc = kv_rope_json_read(root, path, ctx, cfg, err)))
         return rc;
     int tied = 0, attn_bias = 0, mlp_bias = 0;
     if ((rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
@@ -176,23 +176,6 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (mlp_bias)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
 
-    json_t *rs = json_object_get(root, "rope_scaling");
-    if (rs && !json_is_null(rs)) {
-        if (!json_is_object(rs)) {
-            char found[64];
-            kv_json_repr(rs, found, sizeof found);
-            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                           "key 'rope_scaling' must be an object or null, found %s", found);
-        }
-        json_t *ty = json_object_get(rs, "rope_type");
-        if (!ty) ty = json_object_get(rs, "type");
-        if (!json_is_string(ty))
-            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                           "rope_scaling has no string 'type' or 'rope_type'");
-        if (strcmp(json_string_value(ty), "default") != 0)
-            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                           "rope_scaling type '%.64s' is not supported", json_string_value(ty));
-    }
     if ((rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
         (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
         return rc;

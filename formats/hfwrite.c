@@ -14,6 +14,7 @@
 #include "mapfile.h"
 #include "model.h"
 #include "pretok.h"
+#include "ropejson.h"
 #include "stwrite.h"
 
 /* ================================================================ config.json */
@@ -65,7 +66,13 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
             bad |= jset(o, "max_position_embeddings", json_integer(c->max_seq_len));
         bad |= jset(o, "rms_norm_eps", json_real(short_float(c->norm_eps)));
         bad |= jset(o, "rope_theta", json_real(short_float(c->rope_theta)));
-        bad |= jset(o, "rope_scaling", json_null());
+        if (c->rope_scaling.type == KV_ROPE_SCALING_FREQS) {
+            json_decref(o);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "rope scaling by per-pair divisors (a GGUF rope_freqs tensor) has no "
+                           "config.json form");
+        }
+        bad |= jset(o, "rope_scaling", kv_rope_json_write(&c->rope_scaling));
         bad |= jset(o, "hidden_act", json_string("silu"));
         bad |= jset(o, "attention_bias", json_boolean(c->has_qkv_bias));
         bad |= jset(o, "mlp_bias", json_false());

@@ -322,6 +322,14 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
                      pairs[r->rope_layout == KV_ROPE_HALF], pairs[rope_model == KV_ROPE_HALF]);
         goto done;
     }
+    if (kv_lrl_has_rope(c->arch) && !kv_rope_same(r, c)) {
+        rc = kv_fail(err, KV_EINVAL, mpath, KV_NO_OFFSET,
+                     "made from a model with rope scaling '%s', but the given model's rope scaling "
+                     "('%s') gives other frequencies",
+                     kv_rope_scaling_name(r->rope_scaling.type),
+                     kv_rope_scaling_name(c->rope_scaling.type));
+        goto done;
+    }
     char fp[65];
     if ((rc = kv_model_fingerprint(m, fp, err))) goto done;
     if (strcmp(fp, mf.fingerprint) != 0) {

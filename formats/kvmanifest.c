@@ -15,6 +15,7 @@
 #include "lrmodel.h"
 #include "mapfile.h"
 #include "model.h"
+#include "ropejson.h"
 
 #define MANIFEST_FORMAT "kvcal.manifest"
 #define MANIFEST_VERSION 1
@@ -261,7 +262,19 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
         jset(&b, ro, "layout", json_string(half ? "half" : "interleaved"));
         jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
         jset(&b, ro, "theta", json_float(c->rope_theta));
-        jset(&b, ro, "scaling", json_null());
+        jset(&b, ro, "scaling", kv_rope_json_write(&c->rope_scaling));
+        /* the frequencies every scaling comes to, for engines: pair i turns
+         * by position·inv_freq[i], and cos and sin are multiplied by
+         * attention_factor (sequences up to the original context when the
+         * scaling depends on the length) */
+        if (c->rope_scaling.type != KV_ROPE_SCALING_NONE) {
+        double inv[KV_MAX_ROPE_FACTORS];
+        int64_t seq = kv_rope_depends_on_length(c) ? c->rope_scaling.original_ctx : 1;
+        double af = kv_rope_freqs(c, seq, inv);
+        json_t *fr = jset(&b, ro, "inv_freq", json_array());
+        for (int64_t i = 0; i < c->head_dim / 2; i++) jappend(&b, fr, json_real(inv[i]));
+        jset(&b, ro, "attention_factor", json_real(af));
+        }
     } else {
         jset(&b, root, "rope", json_null());
     }
@@ -337,18 +350,6 @@ int kv_mf_format(const struct kv_model *m, const struct kv_lowrank *lr, const ch
 /* ================================================================ read */
 
 /* Prefix err's message with ctx ("layer 3 k unit 1"); returns rc. */
-static int in_ctx(int rc, struct kv_err *err, const char *ctx) {
-    size_t a = ctx ? strlen(ctx) : 0, cap = sizeof err->msg;
-    if (rc && a && a + 3 < cap) {
-        size_t n = strlen(err->msg);
-        if (a + 2 + n >= cap) n = cap - 1 - a - 2;
-        memmove(err->msg + a + 2, err->msg, n);
-        memcpy(err->msg, ctx, a);
-        err->msg[a] = ':', err->msg[a + 1] = ' ', err->msg[a + 2 + n] = 0;
-    }
-    return rc;
-}
-
 static int get_obj(const json_t *o, const char *key, const char *path, json_t **out,
                    struct kv_err *err) {
     json_t *v = json_object_get(o, key);
@@ -441,7 +442,7 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
     double theta = 0;
     if ((rc = kv_json_get_str(ro, "layout", path, 1, &layout, err)) ||
         (rc = kv_json_get_num(ro, "theta", path, 1, 1, &theta, err)))
-        return in_ctx(rc, err, "rope");
+        return kv_err_in(rc, err, "rope");
     if (!strcmp(layout, "half"))
         c->rope_layout = KV_ROPE_HALF;
     else if (!strcmp(layout, "interleaved"))
@@ -450,10 +451,18 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "rope: layout '%.64s' is not 'half' or 'interleaved'", layout);
     json_t *sc = json_object_get(ro, "scaling");
-    if (sc && !json_is_null(sc))
-        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "rope: scaling is not supported, expected null");
     c->rope_theta = (float)theta;
+    if (sc && !json_is_null(sc)) {
+        if (!json_is_object(sc)) {
+            char found[64];
+            kv_json_repr(sc, found, sizeof found);
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "rope: key 'scaling' must be an object or null, found %s", found);
+        }
+        rc = kv_rope_json_scaling(sc, path, c->max_seq_len, 0, 2, &c->rope_scaling, err);
+        if (!rc) rc = kv_rope_check(c, path, err);
+        if (rc) return kv_err_in(rc, err, "rope: scaling");
+    }
     return KV_OK;
 }
 
@@ -463,7 +472,7 @@ static int check_word(const json_t *o, const char *key, const char *want, const 
                       const char *path, struct kv_err *err) {
     const char *v = NULL;
     int rc = kv_json_get_str(o, key, path, 0, &v, err);
-    if (rc) return in_ctx(rc, err, "model");
+    if (rc) return kv_err_in(rc, err, "model");
     if (v && strcmp(v, want) != 0)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "model: %s '%.64s' does not match arch '%s', which has '%s'", key, v, arch,
@@ -513,7 +522,7 @@ static int check_layer_name(const json_t *yo, const char *key, const char *want,
                             const char *path, const char *ctx, struct kv_err *err) {
     const char *v;
     int rc = get_name(yo, key, path, 0, &v, err);
-    if (rc) return in_ctx(rc, err, ctx);
+    if (rc) return kv_err_in(rc, err, ctx);
     if (!v == !want && (!v || !strcmp(v, want))) return KV_OK;
     return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: %s is %s%.200s%s, expected %s%s%s",
                    ctx, key, v ? "'" : "", v ? v : "null", v ? "'" : "", want ? "'" : "",
@@ -555,14 +564,14 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
     memset(c, 0, sizeof *c);
     const char *fp, *arch;
     if ((rc = kv_json_get_str(mo, "fingerprint", path, 1, &fp, err)))
-        return in_ctx(rc, err, "model");
+        return kv_err_in(rc, err, "model");
     size_t n = strlen(fp);
     if (n != 64 || strspn(fp, "0123456789abcdef") != 64)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "model: key 'fingerprint' must be 64 lowercase hex digits, found '%.80s'",
                        fp);
     memcpy(mf->fingerprint, fp, 65);
-    if ((rc = kv_json_get_str(mo, "arch", path, 1, &arch, err))) return in_ctx(rc, err, "model");
+    if ((rc = kv_json_get_str(mo, "arch", path, 1, &arch, err))) return kv_err_in(rc, err, "model");
     const struct kv_arch_desc *ad = kv_arch_by_name(arch);
     if (!ad)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
@@ -579,7 +588,7 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
         (rc = kv_json_get_num(mo, "norm_eps", path, 1, 1, &eps, err)) ||
         (rc = kv_json_get_bool(mo, "tied_embeddings", path, 1, &c->tied_embeddings, err)) ||
         (rc = kv_json_get_bool(mo, "qkv_bias", path, 1, &c->has_qkv_bias, err)))
-        return in_ctx(rc, err, "model");
+        return kv_err_in(rc, err, "model");
     c->norm_eps = (float)eps;
     /* checked for type and range (an engine reads them); the reader compares
      * max_seq_len with the base model, bos and eos are the tokenizer's */
@@ -587,7 +596,7 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
     if ((rc = kv_json_get_int(mo, "max_seq_len", path, 1, KV_MAX_CTX, 0, &c->max_seq_len, err)) ||
         (rc = kv_json_get_int(mo, "bos_id", path, -1, KV_MAX_VOCAB, 0, &bos, err)) ||
         (rc = kv_json_get_int(mo, "eos_id", path, -1, KV_MAX_VOCAB, 0, &eos, err)))
-        return in_ctx(rc, err, "model");
+        return kv_err_in(rc, err, "model");
     c->bos_id = (int32_t)bos, c->eos_id = (int32_t)eos;
     if (c->n_heads % c->n_kv_heads)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
@@ -622,7 +631,7 @@ static int parse_latent(const json_t *root, const char *path, struct kv_lowrank 
     if ((rc = kv_json_get_int(lo, "bits", path, 1, 16, 1, &bits, err)) ||
         (rc = kv_json_get_str(lo, "dtype", path, 1, &dtype, err)) ||
         (rc = kv_json_get_bool(lo, "hadamard", path, 1, &lr->info.hadamard, err)))
-        return in_ctx(rc, err, "latent");
+        return kv_err_in(rc, err, "latent");
     if (!kv_lr_bits_valid(bits))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "latent: bits %lld is not one of " KV_LR_BITS_LIST, (long long)bits);
@@ -661,7 +670,7 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
                        "%s: unit must be an object, found a %s", ctx, kv_json_type_name(uo));
     json_t *heads;
     int rc = get_arr(uo, "heads", path, &heads, err);
-    if (rc) return in_ctx(rc, err, ctx);
+    if (rc) return kv_err_in(rc, err, ctx);
     size_t nh = json_array_size(heads);
     int64_t g = lr->info.n_kv_heads;
     for (size_t j = 0; j < nh; j++) {
@@ -685,7 +694,7 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
         (rc = kv_json_get_int(uo, "latent_offset", path, 0, INT64_MAX, 1, &lat, err)) ||
         (rc = kv_json_get_num(uo, "energy", path, 0, 1, &x->energy, err)) ||
         (rc = kv_json_get_num(uo, "dropped", path, 0, 1, &x->dropped, err)))
-        return in_ctx(rc, err, ctx);
+        return kv_err_in(rc, err, ctx);
     if (x->rank > x->n_heads * lr->info.head_dim)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: rank %lld is not within 1..%lld",
                        ctx, (long long)x->rank, (long long)(x->n_heads * lr->info.head_dim));
@@ -697,11 +706,11 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
     if (mode == KV_LR_POSTROPE_ROTATION) {
         if ((rc = get_name(uo, "rot", path, 1, name, err)) ||
             (rc = want_null(uo, "up", mn, path, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
     } else {
         if ((rc = get_name(uo, "up", path, 1, name, err)) ||
             (rc = want_null(uo, "rot", mn, path, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
     }
     return KV_OK;
 }
@@ -719,13 +728,13 @@ static int parse_fused_query(const json_t *so, int64_t l, const struct kv_config
         if ((rc = want_null(so, "q_proj", mn, path, err)) ||
             (rc = want_null(so, "q_proj_bias", mn, path, err)) ||
             (rc = want_null(so, "q_cols", mn, path, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
         return KV_OK;
     }
     if ((rc = kv_lrl_check_fused_query_arch(c->arch, l, KV_EFORMAT, path, err))) return rc;
     if ((rc = get_name(so, "q_proj", path, 1, &nm->q_proj, err)) ||
         (rc = get_name(so, "q_proj_bias", path, 0, &nm->q_proj_bias, err)))
-        return in_ctx(rc, err, ctx);
+        return kv_err_in(rc, err, ctx);
     if (!nm->q_proj_bias != !c->has_qkv_bias)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: key 'q_proj_bias' is %s, but the model has %s", ctx,
@@ -733,7 +742,7 @@ static int parse_fused_query(const json_t *so, int64_t l, const struct kv_config
                        c->has_qkv_bias ? "q biases" : "none");
     int64_t cols = 0, want = kv_lrl_fused_cols(lr, &y->k);
     if ((rc = kv_json_get_int(so, "q_cols", path, 1, INT64_MAX, 1, &cols, err)))
-        return in_ctx(rc, err, ctx);
+        return kv_err_in(rc, err, ctx);
     if (cols != want)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: q_cols is %lld, expected %lld (each query head's unit rank)", ctx,
@@ -751,27 +760,27 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
     char key[2] = {kv_lrl_side_char(which), 0};
     json_t *so;
     int rc = get_obj(yo, key, path, &so, err);
-    if (rc) return in_ctx(rc, err, ctx);
+    if (rc) return kv_err_in(rc, err, ctx);
     struct kv_lr_side *s = kv_lr_side(lr, l, which);
     const char *ms;
-    if ((rc = kv_json_get_str(so, "mode", path, 1, &ms, err))) return in_ctx(rc, err, ctx);
+    if ((rc = kv_json_get_str(so, "mode", path, 1, &ms, err))) return kv_err_in(rc, err, ctx);
     if ((rc = parse_mode(ms, which, path, ctx, &s->mode, err))) return rc;
     const char *mn = kv_lr_mode_name(s->mode);
     if (kv_lrl_has_down(s->mode)) {
         if ((rc = get_name(so, "down", path, 1, &nm->down, err)) ||
             (rc = get_name(so, "down_bias", path, 0, &nm->down_bias, err)) ||
             (rc = want_null(so, "proj", mn, path, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
     } else {
         if ((rc = get_name(so, "proj", path, 1, &nm->proj, err)) ||
             (rc = want_null(so, "down", mn, path, err)) ||
             (rc = want_null(so, "down_bias", mn, path, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
     }
     if (which && (rc = get_name(so, "o_proj", path, 1, &nm->o_proj, err)))
-        return in_ctx(rc, err, ctx);
+        return kv_err_in(rc, err, ctx);
     json_t *units;
-    if ((rc = get_arr(so, "units", path, &units, err))) return in_ctx(rc, err, ctx);
+    if ((rc = get_arr(so, "units", path, &units, err))) return kv_err_in(rc, err, ctx);
     size_t nu = json_array_size(units);
     if (s->mode == KV_LR_FULL && nu)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
@@ -796,7 +805,7 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
     if ((rc = kv_lrl_check_side(lr, l, which, 0, KV_EFORMAT, path, err))) return rc;
     int64_t rank = 0;
     if ((rc = kv_json_get_int(so, "rank", path, 0, INT64_MAX, 1, &rank, err)))
-        return in_ctx(rc, err, ctx);
+        return kv_err_in(rc, err, ctx);
     if (rank != off)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: rank is %lld but its units' ranks add up to %lld", ctx,
@@ -804,7 +813,7 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
     if (which && s->mode == KV_LR_FUSED_OUTPUT) {
         int64_t cols = 0, want = kv_lrl_fused_cols(lr, s);
         if ((rc = kv_json_get_int(so, "o_cols", path, 1, INT64_MAX, 1, &cols, err)))
-            return in_ctx(rc, err, ctx);
+            return kv_err_in(rc, err, ctx);
         if (cols != want)
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                            "%s: o_cols is %lld, expected %lld (each query head's unit rank)", ctx,
@@ -869,7 +878,7 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
                          ctx, kv_json_type_name(yo));
             goto fail;
         }
-        if ((rc = in_ctx(kv_json_get_int(yo, "index", path, 0, KV_MAX_LAYERS, 1, &index, err),
+        if ((rc = kv_err_in(kv_json_get_int(yo, "index", path, 0, KV_MAX_LAYERS, 1, &index, err),
                          err, ctx)))
             goto fail;
         if (index != l) {
@@ -891,7 +900,7 @@ static int parse_manifest(const json_t *root, const char *path, struct kv_lowran
     if ((rc = kv_json_get_int(bo, "base", path, 1, INT64_MAX, 1, &base, err)) ||
         (rc = kv_json_get_int(bo, "compressed", path, 1, INT64_MAX, 1, &comp, err)) ||
         (rc = kv_json_get_num(bo, "ratio", path, 1, 1, &ratio, err))) {
-        in_ctx(rc, err, "kv_bytes_per_token");
+        kv_err_in(rc, err, "kv_bytes_per_token");
         goto fail;
     }
     int64_t want_base = kv_lr_base_bytes(c), want_comp = kv_lr_bytes(lr, lr->info.kv_bits);

@@ -311,6 +311,10 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
     if (o->max_ctx < 1 || o->max_ctx > KV_MAX_CTX)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "context length %lld is outside 1..%d",
                        (long long)o->max_ctx, KV_MAX_CTX);
+    if (kv_arch_desc(c->arch)->rope) {
+        int rc = kv_rope_check_length(c, o->max_ctx, err);
+        if (rc) return rc;
+    }
     p->n_layers = c->n_layers, p->dim = c->dim, p->n_heads = c->n_heads;
     p->n_kv_heads = c->n_kv_heads, p->head_dim = c->head_dim, p->grp = c->n_heads / c->n_kv_heads;
     p->max_ctx = o->max_ctx;
@@ -327,7 +331,7 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
         p->rope_cos = malloc((size_t)(p->max_ctx * half) * sizeof(float));
         p->rope_sin = malloc((size_t)(p->max_ctx * half) * sizeof(float));
         if (!p->rope_cos || !p->rope_sin) return plan_fail(p, err, KV_ENOMEM, -1, "out of memory for the rope table");
-        kv_rope_table(c->rope_theta, c->head_dim, p->max_ctx, p->rope_cos, p->rope_sin);
+        kv_rope_table(c, p->max_ctx, p->max_ctx, p->rope_cos, p->rope_sin);
     }
     if (!(p->layers = calloc((size_t)p->n_layers, sizeof *p->layers)))
         return plan_fail(p, err, KV_ENOMEM, -1, "out of memory for the runtime plan");

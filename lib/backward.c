@@ -83,6 +83,10 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
     if (max_n <= 0 || max_n > lim)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "window of %lld tokens is outside 1..%lld",
                        (long long)max_n, (long long)lim);
+    if (kv_arch_desc(c->arch)->rope) {
+        int rc = kv_rope_check_length(c, max_n, err);
+        if (rc) return rc;
+    }
     struct kv_grad *g = calloc(1, sizeof *g);
     if (!g) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     g->m = m, g->max_n = max_n;
@@ -142,12 +146,7 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
     int64_t off = 0;
     for (int64_t i = 0; i < g->n_t; i++) g->t[i].grad = g->gbuf + off, off += g->t[i].count;
     if (kv_arch_desc(c->arch)->rope) /* the same angles as the inference forward */
-        for (int64_t p = 0; p < n; p++)
-            for (int64_t i = 0; i < dh / 2; i++) {
-                double ang = (double)p * pow((double)c->rope_theta, -2.0 * (double)i / (double)dh);
-                g->rope_cos[p * (dh / 2) + i] = (float)cos(ang);
-                g->rope_sin[p * (dh / 2) + i] = (float)sin(ang);
-            }
+        kv_rope_table(c, n, n, g->rope_cos, g->rope_sin);
     *out = g;
     return KV_OK;
 }

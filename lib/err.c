@@ -71,3 +71,15 @@ static const char *shortest(char *buf, size_t cap, double v, int as_float, int p
 const char *kv_num_str(char *buf, size_t cap, double v) { return shortest(buf, cap, v, 0, 1); }
 
 const char *kv_float_str(char *buf, size_t cap, float v) { return shortest(buf, cap, (double)v, 1, 6); }
+
+int kv_err_in(int rc, struct kv_err *err, const char *ctx) {
+    size_t a = ctx ? strlen(ctx) : 0, cap = sizeof err->msg;
+    if (rc && err && a && a + 3 < cap) {
+        size_t n = strlen(err->msg);
+        if (a + 2 + n >= cap) n = cap - 1 - a - 2;
+        memmove(err->msg + a + 2, err->msg, n);
+        memcpy(err->msg, ctx, a);
+        err->msg[a] = ':', err->msg[a + 1] = ' ', err->msg[a + 2 + n] = 0;
+    }
+    return rc;
+}

@@ -10,6 +10,9 @@ extern "C" {
 #define KV_NORETURN _Noreturn
 #endif
 
+/* Prefix err's message with "ctx: " when rc is an error; returns rc. */
+int kv_err_in(int rc, struct kv_err *err, const char *ctx);
+
 /* Record an error; returns code so callers can `return kv_fail(...)`. */
 int kv_fail_at(struct kv_err *err, int code, const char *path, uint64_t off,
                const char *src_file, int src_line, const char *fmt, ...)

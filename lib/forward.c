@@ -120,6 +120,10 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "context length %lld exceeds the %lld learned positions of this %s model",
                        (long long)max_ctx, (long long)c->max_seq_len, kv_arch_name(c->arch));
+    if (arch->rope) {
+        int rc = kv_rope_check_length(c, max_ctx, err);
+        if (rc) return rc;
+    }
     struct kv_fwd *f = calloc(1, sizeof *f);
     if (!f) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     f->m = m;
@@ -163,20 +167,9 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
             bd->kw[i] = bd->vw[i] = dh;
         }
     }
-    if (half) kv_rope_table(c->rope_theta, c->head_dim, max_ctx, f->rope_cos, f->rope_sin);
+    if (half) kv_rope_table(c, max_ctx, max_ctx, f->rope_cos, f->rope_sin);
     *out = f;
     return KV_OK;
-}
-
-void kv_rope_table(float theta, int64_t head_dim, int64_t n_pos, float *cos_out, float *sin_out) {
-    int64_t half = head_dim / 2;
-    for (int64_t p = 0; p < n_pos; p++)
-        for (int64_t i = 0; i < half; i++) {
-            double freq = pow((double)theta, -2.0 * (double)i / (double)head_dim);
-            double ang = (double)p * freq;
-            cos_out[p * half + i] = (float)cos(ang);
-            sin_out[p * half + i] = (float)sin(ang);
-        }
 }
 
 void kv_fwd_set_hooks(struct kv_fwd *f, const struct kv_fwd_hooks *hooks) {

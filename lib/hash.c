@@ -84,6 +84,21 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
     put_u64(&ctx, (uint64_t)c->rope_layout);
     put_u64(&ctx, (uint64_t)c->tied_embeddings);
     put_u64(&ctx, (uint64_t)c->has_qkv_bias);
+    const struct kv_rope_scaling_cfg *rs = &c->rope_scaling;
+    if (rs->type != KV_ROPE_SCALING_NONE) { /* absent from fingerprints made before scaling */
+        put_str(&ctx, "rope_scaling");
+        put_u64(&ctx, (uint64_t)rs->type);
+        put_u64(&ctx, (uint64_t)rs->original_ctx);
+        put_u64(&ctx, (uint64_t)rs->truncate);
+        put_u64(&ctx, (uint64_t)rs->n_factors);
+        const double p[] = {rs->factor,    rs->low_freq_factor, rs->high_freq_factor,
+                            rs->beta_fast, rs->beta_slow,       rs->attention_factor};
+        for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) put_f32(&ctx, (float)p[i]);
+        for (int64_t i = 0; i < rs->n_factors; i++) {
+            put_f32(&ctx, rs->short_factor[i]);
+            put_f32(&ctx, rs->long_factor[i]);
+        }
+    }
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
         for (int64_t l = 0; l < nl; l++) {

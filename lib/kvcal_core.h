@@ -118,6 +118,40 @@ enum kv_rope_layout {
 
 enum kv_format { KV_FORMAT_HF = 0, KV_FORMAT_GGUF, KV_FORMAT_LLAMA2C, KV_FORMAT_SYNTHETIC };
 
+/* How RoPE's frequencies are scaled for a context longer than the one the
+ * model was trained with (config.json rope_scaling or rope_parameters, GGUF
+ * rope.scaling.* and rope_freqs.weight). kv_rope_freqs (model.h) computes
+ * them as the reference implementations do; docs/design.md has the
+ * formulas. */
+enum kv_rope_scaling {
+    KV_ROPE_SCALING_NONE = 0, /* theta^(-2i/d) */
+    KV_ROPE_SCALING_LINEAR,   /* every frequency / factor */
+    KV_ROPE_SCALING_DYNAMIC,  /* NTK: theta raised once a sequence passes original_ctx */
+    KV_ROPE_SCALING_LLAMA3,   /* low frequencies / factor, high kept, a smooth band between */
+    KV_ROPE_SCALING_YARN,     /* NTK-by-parts ramp between interpolation and extrapolation,
+                                 cos and sin scaled by attention_factor */
+    KV_ROPE_SCALING_LONGROPE, /* per-frequency divisors short_factor, or long_factor for a
+                                 sequence past original_ctx; attention_factor (Phi-3) */
+    KV_ROPE_SCALING_FREQS,    /* per-frequency divisors given as data (short_factor):
+                                 GGUF's rope_freqs.weight */
+};
+#define KV_MAX_ROPE_FACTORS 512
+
+/* "linear", "llama3", ...; "default" for none (config.json's rope_type). */
+const char *kv_rope_scaling_name(enum kv_rope_scaling t);
+
+struct kv_rope_scaling_cfg {
+    enum kv_rope_scaling type;
+    double factor;            /* linear, dynamic, llama3, yarn, longrope */
+    int64_t original_ctx;     /* the trained context the scaling extends */
+    double low_freq_factor, high_freq_factor; /* llama3 */
+    double beta_fast, beta_slow;              /* yarn */
+    double attention_factor;  /* yarn, longrope: cos and sin are multiplied by it */
+    int truncate;             /* yarn: the correction range rounded to whole dimensions */
+    int64_t n_factors;        /* longrope, freqs: one per rotated pair */
+    float short_factor[KV_MAX_ROPE_FACTORS], long_factor[KV_MAX_ROPE_FACTORS];
+};
+
 /* Plain model hyper-parameters (public, copyable). */
 struct kv_config {
     enum kv_arch arch;
@@ -133,6 +167,7 @@ struct kv_config {
     float norm_eps;       /* RMSNorm (llama) or LayerNorm (gpt2) epsilon */
     float rope_theta;     /* llama only */
     enum kv_rope_layout rope_layout;
+    struct kv_rope_scaling_cfg rope_scaling; /* type NONE: plain RoPE */
     int tied_embeddings;  /* output head shares the embedding matrix */
     int has_qkv_bias;
     int32_t bos_id, eos_id; /* -1 if unknown */

@@ -134,6 +134,10 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (!strcmp(kv_arch_name(c->arch), "?"))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "architecture %d is unknown", (int)c->arch);
     const struct kv_arch_desc *a = kv_arch_desc(c->arch);
+    if (a->rope && c->head_dim > 2 * KV_MAX_ROPE_FACTORS)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "head_dim %lld exceeds %d, the most kvcal rotates", (long long)c->head_dim,
+                       2 * KV_MAX_ROPE_FACTORS);
     if (a->rope && c->head_dim % 2)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "head_dim %lld is odd, rope needs pairs",
                        (long long)c->head_dim);
@@ -154,6 +158,9 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (a->rope && (!(c->rope_theta > 0) || !isfinite(c->rope_theta)))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "rope theta %g must be positive",
                        (double)c->rope_theta);
+    if (a->rope) return kv_rope_check(c, path, err);
+    if (c->rope_scaling.type != KV_ROPE_SCALING_NONE)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s has no rope to scale", a->name);
     return KV_OK;
 }
 

@@ -102,10 +102,26 @@ int kv_shapes_match(const struct kv_config *cfg, int64_t n_layers, int64_t dim, 
                     int64_t n_kv_heads, int64_t head_dim, const char *what, const char *path,
                     struct kv_err *err);
 
-/* RoPE angles of positions 0..n_pos-1 for heads of head_dim: cos/sin
- * [n_pos][head_dim/2] of pos·theta^(-2i/head_dim), computed in double and
- * rounded once to float (the table every rotary path uses). */
-void kv_rope_table(float theta, int64_t head_dim, int64_t n_pos, float *cos_out, float *sin_out);
+/* RoPE (lib/rope.c). The inverse frequencies of c's head_dim/2 rotated
+ * pairs for a sequence of seq_len positions, after c's rope_scaling, into
+ * inv_freq; returns the factor cos and sin are multiplied by (yarn,
+ * longrope; else 1). */
+double kv_rope_freqs(const struct kv_config *c, int64_t seq_len, double *inv_freq);
+/* cos/sin [n_pos][head_dim/2] of pos·inv_freq times that factor, computed
+ * in double and rounded once to float (the table every rotary path uses). */
+void kv_rope_table(const struct kv_config *c, int64_t seq_len, int64_t n_pos, float *cos_out,
+                   float *sin_out);
+/* 1 when a and b rotate alike: the same frequencies and factor for every
+ * length up to either's original context and past it. */
+int kv_rope_same(const struct kv_config *a, const struct kv_config *b);
+/* 1 when c's frequencies change with the sequence length (dynamic, longrope). */
+int kv_rope_depends_on_length(const struct kv_config *c);
+/* Check c's rope_scaling parameters (factor, original context, per-pair
+ * factors) naming path; KV_EFORMAT. */
+int kv_rope_check(const struct kv_config *c, const char *path, struct kv_err *err);
+/* KV_EUNSUPPORTED when c's frequencies depend on the length and seq_len
+ * passes the original context (kvcal builds one table per run). */
+int kv_rope_check_length(const struct kv_config *c, int64_t seq_len, struct kv_err *err);
 
 /* "[d0, d1, ...]" of a row-major shape of nd dims into buf; returns buf. */
 const char *kv_shape_str(char *buf, size_t cap, const int64_t *shape, int nd);

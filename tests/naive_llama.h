@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "model.h"
+#include "naive_rope.h"
 
 /* Reference logits [n, vocab] of tokens at positions 0..n-1. */
 static inline double *naive_forward(const struct kv_model *m, const int32_t *tok, int64_t n) {
@@ -49,7 +50,7 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                     for (int64_t j = 0; j < d; j++) s += pr[p].W[r * d + j] * xn[t * d + j];
                     pr[p].out[t * pr[p].rows + r] = s;
                 }
-        /* rope: rotate pair (a, b) of each head by t * theta^(-2i/dh) */
+        /* rope: rotate pair (a, b) of each head by its angle (naive_rope.h) */
         for (int p = 0; p < 2; p++) {
             double *buf = p ? k : q;
             int64_t nh = p ? g : h;
@@ -58,11 +59,11 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                     for (int64_t i = 0; i < dh / 2; i++) {
                         int64_t ia = c->rope_layout == KV_ROPE_HALF ? i : 2 * i;
                         int64_t ib = c->rope_layout == KV_ROPE_HALF ? i + dh / 2 : 2 * i + 1;
-                        double ang = t * pow(c->rope_theta, -2.0 * i / dh);
+                        double ms, ang = naive_rope_angle(c, n, t, i, &ms);
                         double *e = buf + (t * nh + hh) * dh;
                         double re = e[ia], im = e[ib];
-                        e[ia] = re * cos(ang) - im * sin(ang);
-                        e[ib] = re * sin(ang) + im * cos(ang);
+                        e[ia] = (re * cos(ang) - im * sin(ang)) * ms;
+                        e[ib] = (re * sin(ang) + im * cos(ang)) * ms;
                     }
         }
         /* causal softmax attention, query head hh reads kv head hh / (h/g) */

@@ -38,6 +38,75 @@ Test(forward, matches_naive_across_query_blocks) {
     check_against_naive(c, 150);
 }
 
+/* Every rope scaling, at contexts short enough that its bands fall inside
+ * a 40-token window of 8-wide heads, against the oracle's llama.cpp-style
+ * angles; each must also change the logits. */
+static struct kv_config scaled_cfg(enum kv_rope_scaling t) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 0);
+    c.n_layers = 1;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = t, s->factor = 4, s->original_ctx = 48;
+    s->low_freq_factor = 1, s->high_freq_factor = 4;
+    s->beta_fast = 32, s->beta_slow = 1, s->truncate = 1;
+    s->n_factors = c.head_dim / 2;
+    for (int64_t i = 0; i < s->n_factors; i++)
+        s->short_factor[i] = 1.0f + 1.5f * (float)i, s->long_factor[i] = 3.0f + (float)i;
+    if (t == KV_ROPE_SCALING_YARN) c.rope_theta = 100.0f, s->original_ctx = 32;
+    /* wavelengths 6.3, 63, 628, 6283: one kept, one mixed, two divided */
+    if (t == KV_ROPE_SCALING_LLAMA3) s->low_freq_factor = 0.1;
+    return c;
+}
+
+Test(forward, matches_naive_under_every_rope_scaling) {
+    enum kv_rope_scaling types[] = {KV_ROPE_SCALING_LINEAR,   KV_ROPE_SCALING_DYNAMIC,
+                                    KV_ROPE_SCALING_LLAMA3,   KV_ROPE_SCALING_YARN,
+                                    KV_ROPE_SCALING_LONGROPE, KV_ROPE_SCALING_FREQS};
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
+        struct kv_config c = scaled_cfg(types[k]);
+        check_against_naive(c, 40);
+        /* and the scaling shows in the logits */
+        struct kv_config plain = c;
+        plain.rope_scaling.type = KV_ROPE_SCALING_NONE;
+        struct kv_model *ma, *mb;
+        struct kv_err err;
+        kv_model_init_random(&c, 7, &ma, &err);
+        kv_model_init_random(&plain, 7, &mb, &err);
+        sharpen(ma), sharpen(mb);
+        int32_t tok[40];
+        for (int i = 0; i < 40; i++) tok[i] = (i * 5 + 3) % 97;
+        struct kv_fwd *fa, *fb;
+        kv_fwd_init(ma, 40, &fa, &err);
+        kv_fwd_init(mb, 40, &fb, &err);
+        kv_fwd_run(fa, tok, 40, 0, NULL, &err);
+        kv_fwd_run(fb, tok, 40, 0, NULL, &err);
+        double diff = 0;
+        for (int i = 0; i < 40 * 97; i++)
+            diff = fmax(diff, fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]));
+        /* dynamic is plain RoPE within its original context */
+        if (types[k] == KV_ROPE_SCALING_DYNAMIC)
+            cr_assert_eq(diff, 0, "dynamic changed a window inside its context (%g)", diff);
+        else
+            cr_assert_gt(diff, 1e-3, "rope scaling '%s' left the logits alone (max diff %g)",
+                         kv_rope_scaling_name(types[k]), diff);
+        kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
+    }
+}
+
+Test(forward, refuses_a_length_dependent_scaling_past_its_context) {
+    struct kv_config c = scaled_cfg(KV_ROPE_SCALING_LONGROPE);
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_init_random(&c, 7, &m, &err), KV_OK, "%s", err.msg);
+    struct kv_fwd *f;
+    cr_assert_eq(kv_fwd_init(m, 49, &f, &err), KV_EUNSUPPORTED);
+    cr_assert_str_eq(err.msg,
+                     "rope scaling 'longrope' changes its frequencies with the sequence length; "
+                     "sequences longer than its original context (48) are not supported, found 49");
+    cr_assert_eq(kv_fwd_init(m, 48, &f, &err), KV_OK, "%s", err.msg);
+    kv_fwd_free(f);
+    kv_model_close(m);
+}
+
 Test(forward, rope_layouts_differ) {
     /* guard against a test that cannot tell the layouts apart */
     struct kv_config a = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), b = tiny_cfg(KV_ROPE_HALF, 0, 1);
