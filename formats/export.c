@@ -15,6 +15,7 @@
 
 #include "arch.h"
 #include "err.h"
+#include "gguf.h"
 #include "hfdir.h"
 #include "json.h"
 #include "limits.h"
@@ -218,6 +219,11 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
         }
     }
     const int conv = e && e->conv;
+    if (t->dtype == KV_DTYPE_COUNT && t->block_type)
+        return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
+                       "tensor '%s' is quantized (%s); dense export of a quantized model is not "
+                       "supported yet: export from an F32, F16 or BF16 copy of it",
+                       t->name, kv_ggml_type_name(t->block_type));
     if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
                        "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",

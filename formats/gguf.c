@@ -378,6 +378,7 @@ static int parse_tensor_info(struct kv_cursor *c, struct kv_gguf_file *f, int64_
     ti->t.nbytes = nbytes;
     ti->has_dtype = gt->dtype >= 0;
     ti->t.dtype = gt->dtype >= 0 ? (enum kv_dtype)gt->dtype : KV_DTYPE_COUNT;
+    ti->t.block_type = gt->quantized ? ti->ggml_type : 0;
     ti->t.file = 0;
     return KV_OK;
 }

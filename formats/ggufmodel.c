@@ -10,6 +10,7 @@
 
 #include "arch.h"
 #include "err.h"
+#include "ggmlquant.h"
 #include "limits.h"
 #include "model.h"
 #include "pretok.h"
@@ -589,9 +590,10 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
     for (int64_t i = 0; i < f->n_tensors; i++) {
         const struct kv_gguf_tensor *ti = &f->tensors[i];
         uint32_t gt = ti->ggml_type;
-        if (gt != KV_GGML_F32 && gt != KV_GGML_F16 && gt != KV_GGML_BF16)
+        if (gt != KV_GGML_F32 && gt != KV_GGML_F16 && gt != KV_GGML_BF16 && !kv_ggml_can_dequant(gt))
             return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->type_off,
-                           "tensor '%s' has %stype %s; kvcal loads only F32, F16 and BF16",
+                           "tensor '%s' has %stype %s; kvcal loads F32, F16, BF16 and "
+                           KV_GGML_LOADABLE,
                            ti->t.name, kv_ggml_is_quantized(gt) ? "quantized " : "",
                            kv_ggml_type_name(gt));
         enum kv_wkind kind;

@@ -66,6 +66,9 @@
 
 #include "kvcal_core.h"
 
+/* The quantized types kv_ggml_dequant decodes, for messages. */
+#define KV_GGML_LOADABLE "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K"
+
 /* 1 when kv_ggml_dequant can decode ggml type t. */
 int kv_ggml_can_dequant(uint32_t t);
 /* Elements per block and bytes per block of t (1 and the element size for

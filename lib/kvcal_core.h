@@ -94,6 +94,9 @@ struct kv_tensor {
     uint64_t nbytes;
     const void *data;
     int file;          /* index of the file (shard) it lives in */
+    /* a block-quantized GGUF tensor (dtype KV_DTYPE_COUNT): its ggml type
+     * number (Q8_0 = 8, Q4_K = 12, ...); 0 otherwise */
+    uint32_t block_type;
 };
 
 /* Number of elements (product of shape). */

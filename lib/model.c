@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "err.h"
+#include "ggmlquant.h"
 #include "limits.h"
 #include "tokenizer.h"
 
@@ -293,10 +294,12 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
                   const struct kv_tensor *t, const char *path, struct kv_err *err) {
     KV_ASSERT((unsigned)kind < KV_W_COUNT);
     KV_ASSERT(kind < KV_W_FIRST_LAYER || (layer >= 0 && layer < m->cfg.n_layers));
-    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
+    int blocks = t->dtype == KV_DTYPE_COUNT && t->block_type && kv_ggml_can_dequant(t->block_type);
+    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16 && !blocks)
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
-                       "tensor '%s' has dtype %s; kvcal loads only F32, F16 and BF16", t->name,
-                       kv_dtype_name(t->dtype));
+                       "tensor '%s' has dtype %s; kvcal loads only F32, F16, BF16 and the "
+                       "quantized types " KV_GGML_LOADABLE,
+                       t->name, t->dtype == KV_DTYPE_COUNT ? "quantized" : kv_dtype_name(t->dtype));
     int64_t want[2];
     int nd = kv_model_expected_shape(&m->cfg, kind, want);
     int ok = t->ndim == nd;
@@ -316,14 +319,22 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
     } else {
         float *p = own_floats(m, n);
         if (!p) return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory converting '%s'", t->name);
-        kv_convert_to_f32(t->dtype, t->data, p, n);
+        if (blocks)
+            KV_ASSERT(kv_ggml_dequant(t->block_type, t->data, p, n) == KV_OK); /* sized by the parser */
+        else
+            kv_convert_to_f32(t->dtype, t->data, p, n);
         w = p;
     }
     for (int64_t i = 0; i < n; i++)
-        if (!isfinite(w[i]))
-            return kv_fail(err, KV_ENUMERIC, path, t->offset + (uint64_t)i * kv_dtype_size(t->dtype),
+        if (!isfinite(w[i])) {
+            /* a quantized element's offset is its block's */
+            uint64_t off = blocks ? (uint64_t)(i / kv_ggml_block_elems(t->block_type)) *
+                                        (uint64_t)kv_ggml_block_bytes(t->block_type)
+                                  : (uint64_t)i * kv_dtype_size(t->dtype);
+            return kv_fail(err, KV_ENUMERIC, path, t->offset + off,
                            "tensor '%s' element %lld is %s", t->name, (long long)i,
                            isnan(w[i]) ? "nan" : "inf");
+        }
     *slot(m, kind, layer) = w;
     return KV_OK;
 }

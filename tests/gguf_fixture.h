@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggmlquant.h"
 #include "testutil.h"
 
 /* Capacity of the fixture, and the ggml types its writer knows. */
@@ -18,6 +19,8 @@
 #define T_F32 0u
 #define T_F16 1u
 #define T_Q4_0 2u
+#define T_Q8_0 8u
+#define T_Q8_1 9u
 #define T_BF16 30u
 
 /* The bytes written so far and where each field of each pair and tensor info
@@ -139,6 +142,8 @@ static inline uint64_t tbytes(const struct tspec *s, uint32_t type) {
     case T_F16:
     case T_BF16: return n * 2;
     case T_Q4_0: return n / 32 * 18;
+    case T_Q8_0: return n / 32 * 34;
+    case T_Q8_1: return n / 32 * 36;
     }
     cr_assert_fail("writer does not know type %u", type);
     return 0;
@@ -239,7 +244,15 @@ static inline void build(struct fx *f, const uint32_t *types, int with_tokenizer
                 uint8_t b[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
                 put(f, b, 2);
             }
-        else
+        else if (ty == T_Q4_0 || ty == T_Q8_0) { /* tval quantised by kvcal's encoder */
+            uint64_t ne = n / (uint64_t)kv_ggml_block_bytes(ty) * (uint64_t)kv_ggml_block_elems(ty);
+            float *x = malloc(ne * sizeof *x);
+            uint8_t *q = malloc(n);
+            for (uint64_t i = 0; i < ne; i++) x[i] = tval(t, i);
+            cr_assert_eq(kv_ggml_quant(ty, x, q, (int64_t)ne), KV_OK);
+            put(f, q, n);
+            free(x), free(q);
+        } else
             for (uint64_t i = 0; i < n; i++) put(f, &(uint8_t){(uint8_t)(i * 7)}, 1);
         while (f->len % 32) put(f, "", 1);
     }

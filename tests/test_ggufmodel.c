@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ggmlquant.h"
 #include "gguf.h"
 #include "gguf_fixture.h"
 #include "ggufmodel.h"
@@ -80,9 +81,44 @@ Test(gguf_load, converts_f16_and_bf16_weights) {
     free(f.p);
 }
 
-Test(gguf_load, refuses_quantized_tensors_with_the_exact_message) {
+Test(gguf_load, dequantises_block_types) {
     uint32_t types[N_TINY] = {0};
     types[T_Q] = T_Q4_0;
+    types[T_DOWN] = T_Q8_0;
+    struct fx f;
+    build(&f, types, 0);
+    char *path = write_fx(&f);
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_gguf_load(path, &m, &err), KV_OK, "%s", fmt_err(&err));
+    const struct {
+        int t;
+        enum kv_wkind kind;
+        int64_t n;
+    } rows[] = {{T_Q, KV_W_Q, 32 * 32}, {T_DOWN, KV_W_DOWN, 64 * 32}};
+    for (int r = 0; r < 2; r++) {
+        float *want = malloc((size_t)rows[r].n * sizeof *want);
+        cr_assert_eq(kv_ggml_dequant(f.t_gtype[rows[r].t], f.p + f.data_off + f.t_rel[rows[r].t], want,
+                                     rows[r].n),
+                     KV_OK);
+        cr_assert_eq(memcmp(m->layers[0].w[rows[r].kind], want, (size_t)rows[r].n * sizeof *want), 0,
+                     "%s differs from its blocks decoded", f.t_name[rows[r].t]);
+        /* and it is the f32 values, to the type's step */
+        double worst = 0;
+        for (int64_t i = 0; i < rows[r].n; i++)
+            worst = fmax(worst, fabs(want[i] - tval(rows[r].t, (uint64_t)i)));
+        cr_assert_leq(worst, r ? 0.008 : 0.13, "%s off by %g", f.t_name[rows[r].t], worst);
+        free(want);
+    }
+    kv_model_close(m);
+    unlink(path);
+    free(path);
+    free(f.p);
+}
+
+Test(gguf_load, refuses_undecodable_quantized_tensors_with_the_exact_message) {
+    uint32_t types[N_TINY] = {0};
+    types[T_Q] = T_Q8_1;
     struct fx f;
     build(&f, types, 0);
     char *path = write_fx(&f);
@@ -92,8 +128,8 @@ Test(gguf_load, refuses_quantized_tensors_with_the_exact_message) {
     cr_assert_eq(rc, KV_EUNSUPPORTED, "%s", fmt_err(&err));
     char want[512];
     snprintf(want, sizeof want,
-             "%s: offset %zu: tensor 'blk.0.attn_q.weight' has quantized type Q4_0; kvcal loads "
-             "only F32, F16 and BF16",
+             "%s: offset %zu: tensor 'blk.0.attn_q.weight' has quantized type Q8_1; kvcal loads "
+             "F32, F16, BF16 and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K",
              path, f.t_type[T_Q]);
     cr_assert_str_eq(fmt_err(&err), want);
     unlink(path);

@@ -84,7 +84,9 @@ Test(model, bind_checks_shape_and_dtype_and_converts) {
                           "implies [8, 8] for the q projection");
     t.dtype = KV_DTYPE_I32;
     cr_assert_eq(kv_model_bind(m, KV_W_Q, 0, &t, "m.safetensors", &err), KV_EUNSUPPORTED);
-    cr_assert_str_eq(err.msg, "tensor 'wq' has dtype I32; kvcal loads only F32, F16 and BF16");
+    cr_assert_str_eq(err.msg, "tensor 'wq' has dtype I32; kvcal loads only F32, F16, BF16 and the "
+                              "quantized types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, "
+                              "Q5_K and Q6_K");
     /* aligned f32 is a view, not a copy */
     float f[8];
     struct kv_tensor n1 = {.dtype = KV_DTYPE_F32, .ndim = 1, .shape = {8}, .data = f};
