@@ -371,11 +371,17 @@ void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
         snprintf(pos, sizeof pos, "rope %s theta %g%s",
                  c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
                  (double)c->rope_theta, sc);
+    char win[96] = "";
+    if (c->sliding_window > 0 && c->window_from == 0 && c->window_period == 1)
+        snprintf(win, sizeof win, ", sliding window %lld", (long long)c->sliding_window);
+    else if (c->sliding_window > 0)
+        snprintf(win, sizeof win, ", sliding window %lld from layer %d every %d",
+                 (long long)c->sliding_window, c->window_from, c->window_period);
     snprintf(buf, cap,
              "%s, dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld, ffn %lld, "
-             "vocab %lld, %s, %s head",
+             "vocab %lld, %s%s, %s head",
              kv_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
              (long long)c->n_heads, (long long)c->n_kv_heads, (long long)c->head_dim,
-             (long long)c->hidden_dim, (long long)c->vocab_size, pos,
+             (long long)c->hidden_dim, (long long)c->vocab_size, pos, win,
              c->tied_embeddings ? "tied" : "untied");
 }

@@ -394,12 +394,21 @@ int kv_gguf_load_tokenizer(const char *path, struct kv_tokenizer **out, struct k
 
 static void close_cb(void *p) { kv_gguf_close(p); }
 
-/* Required or optional "llama.<suffix>" u32 hyper-parameter, as int64 in
+/* "<arch>.<suffix>": the key of a hyper-parameter of the file's
+ * architecture (a ring of buffers, so a message can name two). */
+static const char *akey(const char *arch, const char *suffix) {
+    static _Thread_local char ring[8][128];
+    static _Thread_local unsigned next;
+    char *b = ring[next++ % 8];
+    snprintf(b, sizeof ring[0], "%s.%s", arch, suffix);
+    return b;
+}
+
+/* Required or optional "<arch>.<suffix>" u32 hyper-parameter, as int64 in
  * 1..max. */
-static int arch_dim(const struct kv_gguf_file *f, const char *suffix, int64_t max,
+static int arch_dim(const struct kv_gguf_file *f, const char *arch, const char *suffix, int64_t max,
                     int64_t dflt, int64_t *out, struct kv_err *err) {
-    char key[128];
-    snprintf(key, sizeof key, "llama.%s", suffix);
+    const char *key = akey(arch, suffix);
     const struct kv_gguf_kv *kv = kv_gguf_find(f, key);
     if (!kv && dflt > 0) {
         *out = dflt;
@@ -447,18 +456,18 @@ static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_w
  * rope.scaling.factor (or the older rope.scale_linear), and the per-pair
  * frequency divisors of a rope_freqs.weight tensor (Llama 3's scaling, as
  * llama.cpp's converter writes it). */
-static int read_rope_scaling(const struct kv_gguf_file *f, struct kv_config *cfg,
+static int read_rope_scaling(const struct kv_gguf_file *f, const char *ar, struct kv_config *cfg,
                              struct kv_err *err) {
     struct kv_rope_scaling_cfg *sc = &cfg->rope_scaling;
     struct kv_gguf_str s;
     char sb[128];
     int rc;
-    const struct kv_gguf_kv *rs = kv_gguf_find(f, "llama.rope.scaling.type");
+    const struct kv_gguf_kv *rs = kv_gguf_find(f, akey(ar, "rope.scaling.type"));
     if (rs) {
-        if ((rc = kv_gguf_get_str(f, "llama.rope.scaling.type", &s, err))) return rc;
+        if ((rc = kv_gguf_get_str(f, akey(ar, "rope.scaling.type"), &s, err))) return rc;
         if (kv_gguf_str_eq(s, "linear")) {
             float v = 1;
-            if ((rc = kv_gguf_get_f32(f, "llama.rope.scaling.factor", &v, err))) return rc;
+            if ((rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.factor"), &v, err))) return rc;
             sc->type = KV_ROPE_SCALING_LINEAR, sc->factor = v;
         } else if (!kv_gguf_str_eq(s, "none")) {
             return kv_fail(err, KV_EUNSUPPORTED, f->path, rs->val_off,
@@ -466,15 +475,15 @@ static int read_rope_scaling(const struct kv_gguf_file *f, struct kv_config *cfg
                            kv_gguf_excerpt(s.p, s.len, sb, sizeof sb));
         }
     }
-    const struct kv_gguf_kv *sl = kv_gguf_find(f, "llama.rope.scale_linear");
+    const struct kv_gguf_kv *sl = kv_gguf_find(f, akey(ar, "rope.scale_linear"));
     if (sl) {
         float v;
-        if ((rc = kv_gguf_get_f32(f, "llama.rope.scale_linear", &v, err))) return rc;
+        if ((rc = kv_gguf_get_f32(f, akey(ar, "rope.scale_linear"), &v, err))) return rc;
         if (v != 1.0f) {
             if (sc->type == KV_ROPE_SCALING_LINEAR && sc->factor != v)
                 return kv_fail(err, KV_EFORMAT, f->path, sl->val_off,
-                               "llama.rope.scale_linear %g disagrees with llama.rope.scaling.factor %g",
-                               (double)v, sc->factor);
+                               "%s %g disagrees with %s %g", akey(ar, "rope.scale_linear"),
+                               (double)v, akey(ar, "rope.scaling.factor"), sc->factor);
             sc->type = KV_ROPE_SCALING_LINEAR, sc->factor = v;
         }
     }
@@ -502,67 +511,70 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
     char sb[128];
     int rc = kv_gguf_get_str(f, "general.architecture", &s, err);
     if (rc) return rc;
-    if (!kv_gguf_str_eq(s, "llama"))
+    const struct kv_arch_desc *ad = NULL;
+    for (int a = 0; !ad && kv_arch_valid(a); a++)
+        if (kv_arch_desc(a)->gguf_arch && kv_gguf_str_eq(s, kv_arch_desc(a)->gguf_arch))
+            ad = kv_arch_desc(a);
+    if (!ad)
         return kv_fail(err, KV_EUNSUPPORTED, f->path, kv_gguf_find(f, "general.architecture")->val_off,
-                       "architecture '%s' is not supported",
-                       kv_gguf_excerpt(s.p, s.len, sb, sizeof sb));
+                       "architecture '%s' is not supported, expected %s",
+                       kv_gguf_excerpt(s.p, s.len, sb, sizeof sb), kv_arch_gguf_list());
+    const char *ar = ad->gguf_arch;
     memset(cfg, 0, sizeof *cfg);
-    cfg->arch = KV_ARCH_LLAMA;
+    cfg->arch = ad->id;
     cfg->rope_layout = KV_ROPE_INTERLEAVED;
-    if ((rc = arch_dim(f, "embedding_length", KV_MAX_DIM, 0, &cfg->dim, err)) ||
-        (rc = arch_dim(f, "feed_forward_length", KV_MAX_DIM, 0, &cfg->hidden_dim, err)) ||
-        (rc = arch_dim(f, "block_count", KV_MAX_LAYERS, 0, &cfg->n_layers, err)) ||
-        (rc = arch_dim(f, "attention.head_count", KV_MAX_DIM, 0, &cfg->n_heads, err)) ||
-        (rc = arch_dim(f, "attention.head_count_kv", KV_MAX_DIM, cfg->n_heads, &cfg->n_kv_heads,
+    if ((rc = arch_dim(f, ar, "embedding_length", KV_MAX_DIM, 0, &cfg->dim, err)) ||
+        (rc = arch_dim(f, ar, "feed_forward_length", KV_MAX_DIM, 0, &cfg->hidden_dim, err)) ||
+        (rc = arch_dim(f, ar, "block_count", KV_MAX_LAYERS, 0, &cfg->n_layers, err)) ||
+        (rc = arch_dim(f, ar, "attention.head_count", KV_MAX_DIM, 0, &cfg->n_heads, err)) ||
+        (rc = arch_dim(f, ar, "attention.head_count_kv", KV_MAX_DIM, cfg->n_heads, &cfg->n_kv_heads,
                        err)) ||
-        (rc = arch_dim(f, "context_length", KV_MAX_CTX, 0, &cfg->max_seq_len, err)))
+        (rc = arch_dim(f, ar, "context_length", KV_MAX_CTX, 0, &cfg->max_seq_len, err)))
         return rc;
-    const struct kv_gguf_kv *kl = kv_gguf_find(f, "llama.attention.key_length");
+    const struct kv_gguf_kv *kl = kv_gguf_find(f, akey(ar, "attention.key_length"));
     if (kl) {
-        if ((rc = arch_dim(f, "attention.key_length", KV_MAX_DIM, 0, &cfg->head_dim, err)))
+        if ((rc = arch_dim(f, ar, "attention.key_length", KV_MAX_DIM, 0, &cfg->head_dim, err)))
             return rc;
     } else {
         if (cfg->dim % cfg->n_heads)
             return kv_fail(err, KV_EFORMAT, f->path,
-                           kv_gguf_find(f, "llama.attention.head_count")->val_off,
-                           "llama.embedding_length %lld is not divisible by "
-                           "llama.attention.head_count %lld",
-                           (long long)cfg->dim, (long long)cfg->n_heads);
+                           kv_gguf_find(f, akey(ar, "attention.head_count"))->val_off,
+                           "%s %lld is not divisible by %s %lld", akey(ar, "embedding_length"),
+                           (long long)cfg->dim, akey(ar, "attention.head_count"), (long long)cfg->n_heads);
         cfg->head_dim = cfg->dim / cfg->n_heads;
     }
-    const struct kv_gguf_kv *vl = kv_gguf_find(f, "llama.attention.value_length");
+    const struct kv_gguf_kv *vl = kv_gguf_find(f, akey(ar, "attention.value_length"));
     if (vl) {
         int64_t v;
-        if ((rc = arch_dim(f, "attention.value_length", KV_MAX_DIM, 0, &v, err))) return rc;
+        if ((rc = arch_dim(f, ar, "attention.value_length", KV_MAX_DIM, 0, &v, err))) return rc;
         if (v != cfg->head_dim)
             return kv_fail(err, KV_EUNSUPPORTED, f->path, vl->val_off,
-                           "llama.attention.value_length %lld differs from the key head size "
-                           "%lld",
-                           (long long)v, (long long)cfg->head_dim);
+                           "%s %lld differs from the key head size %lld",
+                           akey(ar, "attention.value_length"), (long long)v, (long long)cfg->head_dim);
     }
-    if ((rc = kv_gguf_get_f32(f, "llama.attention.layer_norm_rms_epsilon", &cfg->norm_eps, err)))
+    if ((rc = kv_gguf_get_f32(f, akey(ar, "attention.layer_norm_rms_epsilon"), &cfg->norm_eps, err)))
         return rc;
     cfg->rope_theta = 10000.0f;
-    if (kv_gguf_find(f, "llama.rope.freq_base") &&
-        (rc = kv_gguf_get_f32(f, "llama.rope.freq_base", &cfg->rope_theta, err)))
+    if (kv_gguf_find(f, akey(ar, "rope.freq_base")) &&
+        (rc = kv_gguf_get_f32(f, akey(ar, "rope.freq_base"), &cfg->rope_theta, err)))
         return rc;
-    const struct kv_gguf_kv *rd = kv_gguf_find(f, "llama.rope.dimension_count");
+    const struct kv_gguf_kv *rd = kv_gguf_find(f, akey(ar, "rope.dimension_count"));
     if (rd) {
         uint32_t v;
-        if ((rc = kv_gguf_get_u32(f, "llama.rope.dimension_count", &v, err))) return rc;
+        if ((rc = kv_gguf_get_u32(f, akey(ar, "rope.dimension_count"), &v, err))) return rc;
         if ((int64_t)v != cfg->head_dim)
             return kv_fail(err, KV_EUNSUPPORTED, f->path, rd->val_off,
-                           "llama.rope.dimension_count %u differs from the head size %lld: "
+                           "%s %u differs from the head size %lld: "
                            "partial rotary embeddings are not supported",
-                           v, (long long)cfg->head_dim);
+                           akey(ar, "rope.dimension_count"), v, (long long)cfg->head_dim);
     }
-    if ((rc = read_rope_scaling(f, cfg, err))) return rc;
+    if ((rc = read_rope_scaling(f, ar, cfg, err))) return rc;
 
     const struct kv_gguf_tensor *emb = kv_gguf_find_tensor(f, "token_embd.weight");
     if (!emb)
         return kv_fail(err, KV_EFORMAT, f->path, KV_NO_OFFSET, "missing tensor 'token_embd.weight'");
-    if (kv_gguf_find(f, "llama.vocab_size")) {
-        if ((rc = arch_dim(f, "vocab_size", KV_MAX_VOCAB, 0, &cfg->vocab_size, err))) return rc;
+    if (kv_gguf_find(f, akey(ar, "vocab_size"))) {
+        if ((rc = arch_dim(f, ar, "vocab_size", KV_MAX_VOCAB, 0, &cfg->vocab_size, err))) return rc;
     } else {
         cfg->vocab_size = emb->t.ndim == 2 ? emb->t.shape[0] : emb->ne[emb->n_dims - 1];
     }
@@ -606,8 +618,9 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
         }
         if (layer >= cfg->n_layers)
             return kv_fail(err, KV_EFORMAT, f->path, ti->info_off,
-                           "tensor '%s' names layer %lld but llama.block_count is %lld",
-                           ti->t.name, (long long)layer, (long long)cfg->n_layers);
+                           "tensor '%s' names layer %lld but %s.block_count is %lld",
+                           ti->t.name, (long long)layer, kv_arch_desc(cfg->arch)->gguf_arch,
+                           (long long)cfg->n_layers);
     }
     return KV_OK;
 }

@@ -117,6 +117,55 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
     return KV_OK;
 }
 
+/* The sliding windows of the llama family as each config class defines
+ * them: Mistral's sliding_window (MistralConfig's default 4096 when absent,
+ * none when null) in every layer; Qwen2's only with use_sliding_window, from
+ * layer max_window_layers on; and an explicit layer_types list (transformers
+ * 4.5x and 5.x write one), which must agree with what the keys give. */
+static int parse_windows(const json_t *root, const char *path, int64_t layers,
+                         struct kv_config *cfg, struct kv_err *err) {
+    int64_t win = 0, from = 0;
+    int rc, use = 1;
+    json_t *sw = json_object_get(root, "sliding_window");
+    if (cfg->arch == KV_ARCH_MISTRAL) {
+        win = sw ? 0 : 4096;
+    } else if (cfg->arch == KV_ARCH_QWEN2) {
+        use = 0;
+        from = 28; /* Qwen2Config's max_window_layers */
+        if ((rc = kv_json_get_bool(root, "use_sliding_window", path, 0, &use, err)) ||
+            (rc = kv_json_get_int(root, "max_window_layers", path, 0, KV_MAX_LAYERS, 0, &from, err)))
+            return rc;
+    } else {
+        use = 0; /* LlamaConfig has no window (transformers ignores the key) */
+    }
+    if (use && (rc = kv_json_get_int(root, "sliding_window", path, 1, KV_MAX_CTX, 0, &win, err)))
+        return rc;
+    if (!use) win = 0;
+    json_t *lt = json_object_get(root, "layer_types");
+    if (lt && !json_is_null(lt)) {
+        if (!json_is_array(lt) || (int64_t)json_array_size(lt) != layers)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "key 'layer_types' must be a list of %lld strings", (long long)layers);
+        for (int64_t l = 0; l < layers; l++) {
+            const char *t = json_string_value(json_array_get(lt, (size_t)l));
+            int sliding = t && !strcmp(t, "sliding_attention");
+            if (!t || (!sliding && strcmp(t, "full_attention")))
+                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                               "layer_types entry %lld is not 'full_attention' or "
+                               "'sliding_attention'",
+                               (long long)l);
+            int want = win > 0 && l >= from;
+            if (sliding != want)
+                return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                               "layer_types says layer %lld is %s, but the window keys make it %s",
+                               (long long)l, t, want ? "sliding_attention" : "full_attention");
+        }
+    }
+    cfg->sliding_window = win;
+    cfg->window_from = win ? (int32_t)from : 0, cfg->window_period = win ? 1 : 0;
+    return KV_OK;
+}
+
 static int parse_config(const json_t *root, const char *path, struct kv_config *cfg,
                         struct kv_err *err) {
     if (!json_is_object(root))
@@ -133,9 +182,11 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (s ? strcmp(s, "gpt2") == 0 : lists_architecture(root, "GPT2LMHeadModel"))
         return parse_gpt2_config(root, path, cfg, err);
     if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
-    if (strcmp(s, "llama") != 0)
+    const struct kv_arch_desc *ad = kv_arch_by_name(s);
+    if (!ad || ad->id == KV_ARCH_GPT2)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "model_type '%.64s' is not supported, expected %s", s, kv_arch_list(1));
+    cfg->arch = ad->id;
     s = "silu";
     if ((rc = kv_json_get_str(root, "hidden_act", path, 0, &s, err))) return rc;
     if (strcmp(s, "silu") != 0)
@@ -177,7 +228,8 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
 
     if ((rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
-        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
+        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)) ||
+        (rc = parse_windows(root, path, layers, cfg, err)))
         return rc;
 
     cfg->dim = dim;

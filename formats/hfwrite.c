@@ -74,6 +74,24 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
         }
         bad |= jset(o, "rope_scaling", kv_rope_json_write(&c->rope_scaling));
         bad |= jset(o, "hidden_act", json_string("silu"));
+        /* the window keys each config class reads (absent, MistralConfig
+         * would default to a window of 4096) */
+        if (c->arch == KV_ARCH_MISTRAL)
+            bad |= jset(o, "sliding_window",
+                        c->sliding_window ? json_integer(c->sliding_window) : json_null());
+        if (c->arch == KV_ARCH_QWEN2) {
+            bad |= jset(o, "use_sliding_window", json_boolean(c->sliding_window > 0));
+            bad |= jset(o, "sliding_window",
+                        c->sliding_window ? json_integer(c->sliding_window) : json_null());
+            bad |= jset(o, "max_window_layers", json_integer(c->window_from));
+        }
+        if (c->sliding_window && (c->window_period > 1 || (c->arch == KV_ARCH_MISTRAL && c->window_from))) {
+            json_decref(o);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "a %s model windowed every %d layers from layer %d has no config.json "
+                           "form",
+                           kv_arch_name(c->arch), c->window_period, c->window_from);
+        }
         bad |= jset(o, "attention_bias", json_boolean(c->has_qkv_bias));
         bad |= jset(o, "mlp_bias", json_false());
     }

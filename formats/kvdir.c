@@ -292,6 +292,9 @@ int kv_lr_dir_open(const char *dir, const struct kv_model *m, struct kv_lowrank 
         /* what an engine following the manifest computes with: as the model's
          * (a manifest without max_seq_len, from before it was read, agrees) */
         {"max_seq_len", r->max_seq_len ? r->max_seq_len : c->max_seq_len, c->max_seq_len},
+        {"sliding_window", r->sliding_window, c->sliding_window},
+        {"first windowed layer", r->sliding_window ? r->window_from : 0, c->sliding_window ? c->window_from : 0},
+        {"windowed layer period", r->sliding_window ? r->window_period : 0, c->sliding_window ? c->window_period : 0},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].file != dims[i].model) {

@@ -244,6 +244,15 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "bos_id", json_integer(c->bos_id));
     jset(&b, mo, "eos_id", json_integer(c->eos_id));
     jset(&b, mo, "tokenizer", json_text(tok_name));
+    if (c->sliding_window > 0) { /* the layers whose queries see only the last size keys */
+        json_t *sw = jset(&b, mo, "sliding_window", json_object());
+        jset(&b, sw, "size", json_integer(c->sliding_window));
+        json_t *ls = jset(&b, sw, "layers", json_array());
+        for (int64_t l = 0; l < c->n_layers; l++)
+            if (kv_layer_window(c, l)) jappend(&b, ls, json_integer(l));
+    } else {
+        jset(&b, mo, "sliding_window", json_null());
+    }
     /* what the forward pass does around attention, as words an engine can
      * switch on (the reader checks them against arch) */
     struct arch_words aw = arch_words(c->arch);
@@ -466,6 +475,36 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
     return KV_OK;
 }
 
+/* "sliding_window": absent or null (manifests before windows), or {size,
+ * layers} with the layers every period-th from the first. */
+static int parse_window(const json_t *mo, const char *path, struct kv_config *c,
+                        struct kv_err *err) {
+    json_t *sw = json_object_get(mo, "sliding_window");
+    if (!sw || json_is_null(sw)) return KV_OK;
+    int64_t size = 0;
+    json_t *ls = json_object_get(sw, "layers");
+    int rc = json_is_object(sw) ? kv_json_get_int(sw, "size", path, 1, KV_MAX_CTX, 1, &size, err)
+                                : kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                                          "key 'sliding_window' must be an object or null");
+    if (rc) return kv_err_in(rc, err, "model");
+    size_t n = json_array_size(ls);
+    int64_t first = n ? json_integer_value(json_array_get(ls, 0)) : -1;
+    int64_t period = n > 1 ? json_integer_value(json_array_get(ls, 1)) - first : 1;
+    int ok = json_is_array(ls) && n > 0 && first >= 0 && period >= 1;
+    c->sliding_window = size, c->window_from = (int32_t)first, c->window_period = (int32_t)period;
+    for (int64_t l = 0, i = 0; ok && l < c->n_layers; l++)
+        if (kv_layer_window(c, l)) {
+            json_t *v = json_array_get(ls, (size_t)i++);
+            ok = json_is_integer(v) && json_integer_value(v) == l;
+        }
+    if (!ok || (size_t)(first + (int64_t)(n - 1) * period) >= (size_t)c->n_layers)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "model: sliding_window layers must be every k-th layer from a first one, "
+                       "within the %lld layers",
+                       (long long)c->n_layers);
+    return KV_OK;
+}
+
 /* An optional string key that, when present, must be want (what arch
  * does): keys added to version 1 after its first manifests. */
 static int check_word(const json_t *o, const char *key, const char *want, const char *arch,
@@ -604,6 +643,7 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                        (long long)c->n_heads, (long long)c->n_kv_heads);
 
     if ((rc = parse_rope(root, path, c, err))) return rc;
+    if ((rc = parse_window(mo, path, c, err))) return rc;
     if ((rc = check_arch_words(mo, c, path, err))) return rc;
 
     const char *w, *layout = NULL;

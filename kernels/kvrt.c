@@ -315,6 +315,11 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
         int rc = kv_rope_check_length(c, o->max_ctx, err);
         if (rc) return rc;
     }
+    if (c->sliding_window > 0 && c->sliding_window < o->max_ctx)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "the runtime has no sliding-window attention: this model's window of %lld "
+                       "is shorter than the context of %lld",
+                       (long long)c->sliding_window, (long long)o->max_ctx);
     p->n_layers = c->n_layers, p->dim = c->dim, p->n_heads = c->n_heads;
     p->n_kv_heads = c->n_kv_heads, p->head_dim = c->head_dim, p->grp = c->n_heads / c->n_kv_heads;
     p->max_ctx = o->max_ctx;

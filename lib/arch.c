@@ -124,6 +124,43 @@ static const struct kv_arch_desc archs[] = {
             .mha = 0,
             .tied_default = 0,
             .hf_class = "LlamaForCausalLM",
+            .gguf_arch = "llama",
+            .hf_attn = "self_attn.",
+            .hf_refused = llama_hf_refused,
+            .n_hf_refused = COUNT(llama_hf_refused),
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   llama_hf_layer, COUNT(llama_hf_layer)},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     llama_gguf_layer, COUNT(llama_gguf_layer)},
+            .lr_layer = llama_lr_layer,
+            .n_lr_layer = COUNT(llama_lr_layer),
+        },
+    [KV_ARCH_MISTRAL] =
+        {
+            .id = KV_ARCH_MISTRAL,
+            .name = "mistral",
+            .rope = 1,
+            .qkv_bias = KV_WUSE_OPTIONAL,
+            .hf_class = "MistralForCausalLM",
+            .gguf_arch = NULL, /* llama.cpp writes Mistral as "llama" */
+            .hf_attn = "self_attn.",
+            .hf_refused = llama_hf_refused,
+            .n_hf_refused = COUNT(llama_hf_refused),
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   llama_hf_layer, COUNT(llama_hf_layer)},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     llama_gguf_layer, COUNT(llama_gguf_layer)},
+            .lr_layer = llama_lr_layer,
+            .n_lr_layer = COUNT(llama_lr_layer),
+        },
+    [KV_ARCH_QWEN2] =
+        {
+            .id = KV_ARCH_QWEN2,
+            .name = "qwen2",
+            .rope = 1,
+            .qkv_bias = KV_WUSE_REQUIRED,
+            .hf_class = "Qwen2ForCausalLM",
+            .gguf_arch = "qwen2",
             .hf_attn = "self_attn.",
             .hf_refused = llama_hf_refused,
             .n_hf_refused = COUNT(llama_hf_refused),
@@ -190,21 +227,44 @@ const char *kv_arch_unprefixed(const struct kv_arch_names *names, const char *na
     return p && !strncmp(name, p, n) ? name + n : NULL;
 }
 
+/* "a, b or c" of the rows' names (gguf: their GGUF names, skipping rows
+ * without one), each in quotes when quoted. */
+static void name_list(char *list, size_t cap, int gguf, int quoted) {
+    size_t n = 0, count = 0, total = 0;
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+        total += (gguf ? archs[i].gguf_arch : archs[i].name) != NULL;
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
+        const char *nm = gguf ? archs[i].gguf_arch : archs[i].name;
+        if (!nm) continue;
+        const char *sep = count == 0 ? "" : count + 1 == total ? " or " : ", ";
+        const char *q = quoted ? "'" : "";
+        n += (size_t)snprintf(list + n, cap - n, "%s%s%s%s", sep, q, nm, q);
+        count++;
+    }
+}
+
 const char *kv_arch_list(int quoted) {
     static char lists[2][256];
     char *list = lists[quoted != 0];
-    if (!list[0]) { /* the table is constant, so every caller writes the same bytes */
-        size_t n = 0, count = 0, total = 0;
-        for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) total += archs[i].name != NULL;
-        for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
-            if (!archs[i].name) continue;
-            const char *sep = count == 0 ? "" : count + 1 == total ? " or " : ", ";
-            const char *q = quoted ? "'" : "";
-            n += (size_t)snprintf(list + n, sizeof lists[0] - n, "%s%s%s%s", sep, q, archs[i].name, q);
-            count++;
-        }
-    }
+    /* the table is constant, so every caller writes the same bytes */
+    if (!list[0]) name_list(list, sizeof lists[0], 0, quoted);
     return list;
 }
 
 int kv_arch_has_rope(enum kv_arch a) { return kv_arch_desc(a)->rope; }
+
+int64_t kv_layer_window(const struct kv_config *c, int64_t l) {
+    if (c->sliding_window <= 0 || l < c->window_from) return 0;
+    int64_t p = c->window_period > 0 ? c->window_period : 1;
+    return (l - c->window_from) % p == 0 ? c->sliding_window : 0;
+}
+
+int kv_arch_valid(int a) {
+    return a >= 0 && (size_t)a < sizeof archs / sizeof archs[0] && archs[a].name != NULL;
+}
+
+const char *kv_arch_gguf_list(void) {
+    static char list[256];
+    if (!list[0]) name_list(list, sizeof list, 1, 1);
+    return list;
+}

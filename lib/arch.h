@@ -49,6 +49,7 @@ struct kv_arch_desc {
     int mha;                /* as many KV heads as query heads */
     int tied_default;       /* a fresh model of the family (kvcal train) ties its head */
     const char *hf_class;   /* config.json "architectures" entry kvcal writes */
+    const char *gguf_arch;  /* GGUF general.architecture (and its keys' prefix), or NULL */
     const char *hf_attn;    /* HF module path of the attention block in a layer
                                ("self_attn.", "attn."): compressed tensors are named
                                after it */
@@ -68,6 +69,11 @@ struct kv_arch_desc {
 
 /* The row of architecture a (KV_ASSERT on an unknown one). */
 const struct kv_arch_desc *kv_arch_desc(enum kv_arch a);
+/* 1 when a names a row of the table (for loops over every architecture). */
+int kv_arch_valid(int a);
+/* The GGUF general.architecture names kvcal reads, for messages:
+ * "'llama' or 'qwen2'". */
+const char *kv_arch_gguf_list(void);
 /* The row named name ("llama"), or NULL. */
 const struct kv_arch_desc *kv_arch_by_name(const char *name);
 

@@ -324,6 +324,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
             rope_apply(g, y->q, n, h, 1.0f);
             rope_apply(g, y->k, n, c->n_kv_heads, 1.0f);
         }
+        int64_t win = kv_layer_window(c, l); /* the backward needs no mask: P is 0 there */
 #pragma omp parallel for schedule(dynamic)
         for (int64_t hh = 0; hh < h; hh++) {
             float *P = y->P + hh * n * n;
@@ -331,12 +332,14 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)dh, scale,
                         y->q + hh * dh, (int)qd, K, (int)kd, 0.0f, P, (int)n);
             for (int64_t i = 0; i < n; i++) {
-                float *s = P + i * n, mx = s[0];
-                for (int64_t j = 1; j <= i; j++) mx = s[j] > mx ? s[j] : mx;
+                int64_t lo = win > 0 && i + 1 > win ? i + 1 - win : 0;
+                float *s = P + i * n, mx = s[lo];
+                for (int64_t j = lo + 1; j <= i; j++) mx = s[j] > mx ? s[j] : mx;
                 double sum = 0;
-                for (int64_t j = 0; j <= i; j++) sum += (s[j] = expf(s[j] - mx));
+                for (int64_t j = lo; j <= i; j++) sum += (s[j] = expf(s[j] - mx));
                 float inv = (float)(1.0 / sum);
-                for (int64_t j = 0; j <= i; j++) s[j] *= inv;
+                for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+                for (int64_t j = lo; j <= i; j++) s[j] *= inv;
                 for (int64_t j = i + 1; j < n; j++) s[j] = 0.0f;
             }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)dh, (int)n, 1.0f,

@@ -270,9 +270,11 @@ static void rope(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, int64_
 
 /* Causal attention of n query rows (positions pos0..) over cache rows
  * [0, pos0+n): for every query head, scores from q and k, softmax, and the
- * weighted sum of v, as laid out by desc (scale 1/sqrt(d_h) always). */
+ * weighted sum of v, as laid out by desc (scale 1/sqrt(d_h) always). With
+ * a sliding window win > 0 the row at position p sees keys p-win+1..p. */
 static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *qb,
-                      const float *kb, const float *vb, float *ob, int64_t n, int64_t pos0) {
+                      const float *kb, const float *vb, float *ob, int64_t n, int64_t pos0,
+                      int64_t win) {
     const struct kv_config *c = &f->m->cfg;
     int64_t h = c->n_heads;
     int64_t nblk = (n + QBLOCK - 1) / QBLOCK;
@@ -292,16 +294,17 @@ static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *
                         (int)D->kw[hh], scale, Q, (int)D->ldq, K, (int)D->ldk, 0.0f, S, (int)ld);
             for (int64_t i = 0; i < nb; i++) {
                 float *s = S + i * ld;
-                int64_t vis = pos0 + r0 + i + 1;
-                float mx = s[0];
-                for (int64_t j = 1; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
+                int64_t vis = pos0 + r0 + i + 1, lo = win > 0 && vis > win ? vis - win : 0;
+                float mx = s[lo];
+                for (int64_t j = lo + 1; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
                 double sum = 0;
-                for (int64_t j = 0; j < vis; j++) {
+                for (int64_t j = lo; j < vis; j++) {
                     s[j] = expf(s[j] - mx);
                     sum += s[j];
                 }
                 float inv = (float)(1.0 / sum);
-                for (int64_t j = 0; j < vis; j++) s[j] *= inv;
+                for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+                for (int64_t j = lo; j < vis; j++) s[j] *= inv;
                 for (int64_t j = vis; j < kvlen; j++) s[j] = 0.0f;
             }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)D->vw[hh],
@@ -565,7 +568,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         lr_latents(f, &Y->v, zv, P->zvw, P->vunit_off, n, pos0);
         vb = zv, ob = f->attl;
     }
-    attention(f, &P->desc, qb, kb, vb, ob, n, pos0);
+    attention(f, &P->desc, qb, kb, vb, ob, n, pos0, kv_layer_window(c, l));
     if (Y->v.mode == KV_LR_FULL) return out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0);
     return out_proj(f, l, f->attl, Y->o_fused, Y->o_cols, n, pos0);
 }
@@ -616,7 +619,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                 f->last_logits = NULL;
                 return KV_OK;
             }
-            attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0);
+            attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0, kv_layer_window(c, l));
             if ((rc = out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0))) return rc; /* x += att Woᵀ */
         }
         add_bias(f->x, w[KV_W_BO], n, d);

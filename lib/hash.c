@@ -84,6 +84,12 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
     put_u64(&ctx, (uint64_t)c->rope_layout);
     put_u64(&ctx, (uint64_t)c->tied_embeddings);
     put_u64(&ctx, (uint64_t)c->has_qkv_bias);
+    if (c->sliding_window > 0) { /* absent from fingerprints made before windows */
+        put_str(&ctx, "sliding_window");
+        put_u64(&ctx, (uint64_t)c->sliding_window);
+        put_u64(&ctx, (uint64_t)c->window_from);
+        put_u64(&ctx, (uint64_t)c->window_period);
+    }
     const struct kv_rope_scaling_cfg *rs = &c->rope_scaling;
     if (rs->type != KV_ROPE_SCALING_NONE) { /* absent from fingerprints made before scaling */
         put_str(&ctx, "rope_scaling");

@@ -105,8 +105,10 @@ int64_t kv_tensor_numel(const struct kv_tensor *t);
 /* ---------------------------------------------------------------- models */
 
 enum kv_arch {
-    KV_ARCH_LLAMA = 0, /* RMSNorm, RoPE, GQA, SwiGLU */
-    KV_ARCH_GPT2 = 1,  /* LayerNorm, learned positions, MHA, GELU(tanh), biases */
+    KV_ARCH_LLAMA = 0,   /* RMSNorm, RoPE, GQA, SwiGLU */
+    KV_ARCH_GPT2 = 1,    /* LayerNorm, learned positions, MHA, GELU(tanh), biases */
+    KV_ARCH_MISTRAL = 2, /* llama with an optional sliding window */
+    KV_ARCH_QWEN2 = 3,   /* llama with q/k/v biases always, optional sliding window */
 };
 const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
 /* 1 when the architecture rotates queries and keys (RoPE), 0 when it adds
@@ -171,10 +173,20 @@ struct kv_config {
     float rope_theta;     /* llama only */
     enum kv_rope_layout rope_layout;
     struct kv_rope_scaling_cfg rope_scaling; /* type NONE: plain RoPE */
+    /* sliding-window attention: a query at position p sees the keys at
+     * p - sliding_window + 1 .. p, in the layers l >= window_from with
+     * (l - window_from) % window_period == 0; 0: every layer sees every
+     * earlier key (kv_layer_window) */
+    int64_t sliding_window;
+    int32_t window_from, window_period;
     int tied_embeddings;  /* output head shares the embedding matrix */
     int has_qkv_bias;
     int32_t bos_id, eos_id; /* -1 if unknown */
 };
+
+/* The sliding window of layer l of c, or 0 when it attends to every
+ * earlier position. */
+int64_t kv_layer_window(const struct kv_config *c, int64_t l);
 
 struct kv_model;      /* weights, tensor table, tokenizer; opaque (kv_model_open in
                          kvformats.h loads one from files) */

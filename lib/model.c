@@ -159,6 +159,11 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (a->rope && (!(c->rope_theta > 0) || !isfinite(c->rope_theta)))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "rope theta %g must be positive",
                        (double)c->rope_theta);
+    if (c->sliding_window < 0 || c->sliding_window > KV_MAX_CTX || c->window_from < 0 ||
+        (c->sliding_window > 0 && c->window_period < 1))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "sliding window %lld (from layer %d, every %d) is out of range",
+                       (long long)c->sliding_window, c->window_from, c->window_period);
     if (a->rope) return kv_rope_check(c, path, err);
     if (c->rope_scaling.type != KV_ROPE_SCALING_NONE)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s has no rope to scale", a->name);

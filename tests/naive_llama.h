@@ -66,7 +66,10 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                         e[ib] = (re * sin(ang) + im * cos(ang)) * ms;
                     }
         }
-        /* causal softmax attention, query head hh reads kv head hh / (h/g) */
+        /* causal softmax attention, query head hh reads kv head hh / (h/g);
+         * a windowed layer's query t sees keys s with t - s < window */
+        int windowed = c->sliding_window > 0 && l >= c->window_from &&
+                       (l - c->window_from) % (c->window_period ? c->window_period : 1) == 0;
         for (int64_t hh = 0; hh < h; hh++) {
             int64_t kvh = hh / (h / g);
             for (int64_t t = 0; t < n; t++) {
@@ -75,7 +78,7 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                     double dot = 0;
                     for (int64_t i = 0; i < dh; i++)
                         dot += q[(t * h + hh) * dh + i] * k[(s * g + kvh) * dh + i];
-                    sc[s] = dot / sqrt((double)dh);
+                    sc[s] = windowed && t - s >= c->sliding_window ? -INFINITY : dot / sqrt((double)dh);
                     if (sc[s] > mx) mx = sc[s];
                 }
                 for (int64_t s = 0; s <= t; s++) z += sc[s] = exp(sc[s] - mx);

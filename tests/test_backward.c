@@ -128,6 +128,16 @@ static void run_case(struct kv_config c, double spread, int64_t n) {
 Test(backward, llama_half_rope_bias_untied) { run_case(small_llama(1, 0, KV_ROPE_HALF), 0.4, 7); }
 Test(backward, llama_interleaved_tied) { run_case(small_llama(0, 1, KV_ROPE_INTERLEAVED), 0.4, 7); }
 Test(backward, gpt2) { run_case(small_gpt2(), 0.4, 9); }
+/* a window of 3 in the second layer, and llama3-scaled rope */
+static struct kv_config windowed_llama(void) {
+    struct kv_config c = small_llama(1, 0, KV_ROPE_HALF);
+    c.sliding_window = 3, c.window_from = 1, c.window_period = 1;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = KV_ROPE_SCALING_LLAMA3, s->factor = 4, s->low_freq_factor = 0.5;
+    s->high_freq_factor = 4, s->original_ctx = 16;
+    return c;
+}
+Test(backward, llama_sliding_window_and_scaled_rope) { run_case(windowed_llama(), 0.4, 7); }
 
 /* The training forward scores a window like the inference forward. */
 static void loss_matches_forward(struct kv_config c) {
@@ -158,6 +168,7 @@ static void loss_matches_forward(struct kv_config c) {
 Test(backward, loss_matches_inference_forward) {
     loss_matches_forward(small_llama(1, 0, KV_ROPE_HALF));
     loss_matches_forward(small_gpt2());
+    loss_matches_forward(windowed_llama());
 }
 
 /* ∂L/∂k and ∂L/∂v are the gradients the weight gradients came from:

@@ -92,6 +92,44 @@ Test(forward, matches_naive_under_every_rope_scaling) {
     }
 }
 
+/* Sliding windows (Mistral: every layer; Gemma 2: every other layer) against
+ * the oracle's mask, and the window must matter at this length. */
+Test(forward, matches_naive_with_sliding_windows) {
+    struct {
+        int64_t w;
+        int32_t from, period;
+    } rows[] = {{5, 0, 1}, {7, 0, 2}, {3, 1, 1}};
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 0);
+        c.sliding_window = rows[k].w, c.window_from = rows[k].from, c.window_period = rows[k].period;
+        check_against_naive(c, 40);
+        check_against_naive(c, 150); /* windows across query blocks */
+    }
+    struct kv_config a = tiny_cfg(KV_ROPE_HALF, 1, 0), b = a;
+    b.sliding_window = 5, b.window_period = 1;
+    struct kv_model *ma, *mb;
+    struct kv_err err;
+    kv_model_init_random(&a, 7, &ma, &err);
+    kv_model_init_random(&b, 7, &mb, &err);
+    sharpen(ma), sharpen(mb);
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++) tok[i] = (i * 5 + 3) % 97;
+    struct kv_fwd *fa, *fb;
+    kv_fwd_init(ma, 40, &fa, &err);
+    kv_fwd_init(mb, 40, &fb, &err);
+    kv_fwd_run(fa, tok, 40, 0, NULL, &err);
+    kv_fwd_run(fb, tok, 40, 0, NULL, &err);
+    double first = 0, later = 0;
+    for (int i = 0; i < 40 * 97; i++) {
+        double dd = fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]);
+        if (i < 5 * 97) first = fmax(first, dd);
+        else later = fmax(later, dd);
+    }
+    cr_assert_eq(first, 0, "positions inside the window changed (%g)", first);
+    cr_assert_gt(later, 1e-3, "the window changed nothing (max diff %g)", later);
+    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
+}
+
 Test(forward, refuses_a_length_dependent_scaling_past_its_context) {
     struct kv_config c = scaled_cfg(KV_ROPE_SCALING_LONGROPE);
     struct kv_model *m;

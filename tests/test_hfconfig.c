@@ -217,3 +217,141 @@ Test(hf_config, refuses_what_it_would_otherwise_get_wrong) {
                "key 'rope_parameters' must be an object or null, found [1]");
     kvt_rm_dir(dir);
 }
+
+/* The real configs of tests/configs load as their family, and a random
+ * model of their attention and FFN shapes (one or two layers, a vocabulary
+ * cut to 2048 to bound memory) runs a forward pass with finite logits; the
+ * smaller ones also against the float64 oracle. */
+struct real_cfg {
+    const char *file;
+    enum kv_arch arch;
+    int64_t dim, hidden, heads, kv_heads, head_dim, window;
+    float theta;
+    int oracle;
+};
+
+#include "naive_llama.h"
+
+/* A model of cfg whose weights are uniform in ±0.04 (norms 1) from a fast
+ * generator: kv_model_init_random's normals take seconds at 8B shapes. */
+static struct kv_model *fast_random_model(const struct kv_config *c) {
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_create(c, KV_FORMAT_SYNTHETIC, "random", &m, &err), KV_OK, "%s", err.msg);
+    uint64_t st = 0x9e3779b97f4a7c15ull;
+    for (int k = 0; k < KV_W_COUNT; k++) {
+        int use = kv_wkind_use(c, (enum kv_wkind)k);
+        if (use == KV_WUSE_NONE || (use == KV_WUSE_OPTIONAL && !c->has_qkv_bias)) continue;
+        int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
+        for (int64_t l = 0; l < nl; l++) {
+            struct kv_tensor t = {0};
+            t.dtype = KV_DTYPE_F32;
+            t.ndim = kv_model_expected_shape(c, (enum kv_wkind)k, t.shape);
+            int64_t n = t.shape[0] * (t.ndim == 2 ? t.shape[1] : 1);
+            float *w = malloc((size_t)n * sizeof *w);
+            cr_assert_not_null(w);
+            int is_norm = t.ndim == 1 && (k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM);
+            for (int64_t i = 0; i < n; i++) {
+                st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+                w[i] = is_norm ? 1.0f : (float)((double)(st >> 11) / 9007199254740992.0 * 0.08 - 0.04);
+            }
+            t.data = w;
+            t.nbytes = (uint64_t)n * 4;
+            snprintf(t.name, sizeof t.name, "%s.%lld", kv_wkind_name((enum kv_wkind)k), (long long)l);
+            cr_assert_eq(kv_model_on_close(m, free, w, &err), KV_OK);
+            cr_assert_eq(kv_model_bind(m, (enum kv_wkind)k, l, &t, "random", &err), KV_OK, "%s", err.msg);
+        }
+    }
+    cr_assert_eq(kv_model_finish(m, "random", &err), KV_OK, "%s", err.msg);
+    return m;
+}
+
+static void run_real(const struct real_cfg *r) {
+    struct kv_config c = read_ok(r->file);
+    cr_assert_eq(c.arch, r->arch, "%s: arch %s", r->file, kv_arch_name(c.arch));
+    cr_assert_eq(c.dim, r->dim, "%s", r->file);
+    cr_assert_eq(c.hidden_dim, r->hidden, "%s", r->file);
+    cr_assert_eq(c.n_heads, r->heads, "%s", r->file);
+    cr_assert_eq(c.n_kv_heads, r->kv_heads, "%s", r->file);
+    cr_assert_eq(c.head_dim, r->head_dim, "%s", r->file);
+    cr_assert_eq(c.sliding_window, r->window, "%s: window %lld", r->file, (long long)c.sliding_window);
+    cr_assert_float_eq(c.rope_theta, r->theta, 0, "%s: theta %g", r->file, (double)c.rope_theta);
+    c.n_layers = r->oracle ? 2 : 1;
+    c.vocab_size = 2048;
+    c.bos_id = c.eos_id = -1;
+    struct kv_model *m = fast_random_model(&c);
+    struct kv_err err;
+    int64_t n = 12;
+    int32_t tok[12];
+    for (int i = 0; i < n; i++) tok[i] = (i * 131 + 7) % 2048;
+    struct kv_fwd *f;
+    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s: %s", r->file, err.msg);
+    cr_assert_eq(kv_fwd_run(f, tok, n, 0, NULL, &err), KV_OK, "%s: %s", r->file, err.msg);
+    const float *lg = kv_fwd_logits(f);
+    for (int64_t i = 0; i < n * 2048; i++) cr_assert(isfinite(lg[i]), "%s: logit %lld", r->file, (long long)i);
+    if (r->oracle) {
+        double *ref = naive_forward(m, tok, n);
+        float *reff = malloc((size_t)(n * 2048) * sizeof *reff);
+        for (int64_t i = 0; i < n * 2048; i++) reff[i] = (float)ref[i];
+        kvt_assert_close_f32(lg, reff, n * 2048, 1e-5, 1e-4, r->file);
+        free(ref), free(reff);
+    }
+    kv_fwd_free(f);
+    kv_model_close(m);
+}
+
+Test(hf_config, real_configs_load_and_run, .timeout = 120) {
+    const struct real_cfg rows[] = {
+        {"tests/configs/SmolLM2-135M-transformers5.json", KV_ARCH_LLAMA, 576, 1536, 9, 3, 64, 0, 100000.0f, 1},
+        {"tests/configs/Llama-3.2-1B.json", KV_ARCH_LLAMA, 2048, 8192, 32, 8, 64, 0, 500000.0f, 0},
+        {"tests/configs/Llama-3.1-8B.json", KV_ARCH_LLAMA, 4096, 14336, 32, 8, 128, 0, 500000.0f, 0},
+        {"tests/configs/Qwen2.5-0.5B.json", KV_ARCH_QWEN2, 896, 4864, 14, 2, 64, 0, 1000000.0f, 1},
+        {"tests/configs/Qwen2.5-7B.json", KV_ARCH_QWEN2, 3584, 18944, 28, 4, 128, 0, 1000000.0f, 0},
+        {"tests/configs/Mistral-7B-Instruct-v0.3.json", KV_ARCH_MISTRAL, 4096, 14336, 32, 8, 128, 0,
+         1000000.0f, 0},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) run_real(&rows[i]);
+}
+
+Test(hf_config, window_keys_of_mistral_and_qwen2) {
+    char *dir = kvt_temp_dir();
+    struct {
+        const char *type, *extra;
+        int64_t win, from;
+    } rows[] = {
+        {"mistral", "", 4096, 0},
+        {"mistral", ", \"sliding_window\": null", 0, 0},
+        {"mistral", ", \"sliding_window\": 512", 512, 0},
+        {"qwen2", ", \"sliding_window\": 4096", 0, 0},
+        {"qwen2", ", \"use_sliding_window\": true, \"sliding_window\": 4096, \"max_window_layers\": 1",
+         4096, 1},
+        {"qwen2",
+         ", \"use_sliding_window\": true, \"sliding_window\": 64, \"max_window_layers\": 1, "
+         "\"layer_types\": [\"full_attention\", \"sliding_attention\"]",
+         64, 1},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        char text[2048];
+        snprintf(text, sizeof text,
+                 "{\"model_type\": \"%s\", \"hidden_size\": 64, \"intermediate_size\": 96,"
+                 " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 32%s}",
+                 rows[i].type, rows[i].extra);
+        char *p = kvt_path(dir, "config.json");
+        FILE *f = fopen(p, "w");
+        fputs(text, f);
+        fclose(f);
+        struct kv_config c = read_ok(p);
+        cr_assert_eq(c.sliding_window, rows[i].win, "row %zu: window %lld", i, (long long)c.sliding_window);
+        cr_assert_eq(c.window_from, rows[i].from, "row %zu", i);
+        if (rows[i].win) cr_assert_eq(kv_layer_window(&c, 1), rows[i].win, "row %zu", i);
+        free(p);
+    }
+    read_fails(dir, "\"layer_types\": [\"full_attention\", \"sliding_attention\"]", KV_EFORMAT,
+               "layer_types says layer 1 is sliding_attention, but the window keys make it "
+               "full_attention");
+    read_fails(dir, "\"layer_types\": [\"full_attention\"]", KV_EFORMAT,
+               "key 'layer_types' must be a list of 2 strings");
+    read_fails(dir, "\"layer_types\": [\"full_attention\", \"chunked_attention\"]", KV_EUNSUPPORTED,
+               "layer_types entry 1 is not 'full_attention' or 'sliding_attention'");
+    kvt_rm_dir(dir);
+}

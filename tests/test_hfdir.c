@@ -499,8 +499,10 @@ Test(hf_load, reports_bad_config_values) {
                "config.json: key 'hidden_size' must be a positive integer, found \"abc\"");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 0}");
     load_fails(dir, KV_EFORMAT, "config.json: key 'hidden_size' must be a positive integer, found 0");
-    write_text(dir, "config.json", "{\"model_type\": \"mistral\"}");
-    load_fails(dir, KV_EUNSUPPORTED, "config.json: model_type 'mistral' is not supported, expected 'llama' or 'gpt2'");
+    write_text(dir, "config.json", "{\"model_type\": \"mamba\"}");
+    load_fails(dir, KV_EUNSUPPORTED,
+               "config.json: model_type 'mamba' is not supported, expected 'llama', 'gpt2', "
+               "'mistral' or 'qwen2'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_act\": \"gelu\"}");
     load_fails(dir, KV_EUNSUPPORTED, "config.json: hidden_act 'gelu' is not supported, expected 'silu'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 16}");
