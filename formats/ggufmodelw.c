@@ -1,0 +1,778 @@
+/* A model as a GGUF file llama.cpp loads: layout and choices in
+ * ggufmodelw.h.
+ *
+ * formats/ggufw.c writes GGUF for the statistics file, but it has no float32
+ * scalars, no float32 or int32 arrays and no block-quantised tensors, all of
+ * which llama.cpp insists on (it checks the stored type of every key it
+ * reads), and it wants every tensor in memory. So this file serialises
+ * itself: the metadata into one buffer, the tensors streamed row by row
+ * from the model's f32 weights (permuted and encoded on the way) through
+ * kv_write_atomic, which gives the same temp + fsync + rename as ggufw. */
+#include "ggufmodelw.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "arch.h"
+#include "err.h"
+#include "ggmlquant.h"
+#include "gguf.h"
+#include "limits.h"
+#include "mapfile.h"
+#include "model.h"
+#include "pretok.h"
+#include "tokenizer.h"
+
+#define GW_ALIGN 32u
+#define GW_VERSION 3u
+#define GW_STAGE (1u << 20) /* output staging buffer */
+#define COUNT(a) ((int)(sizeof a / sizeof a[0]))
+
+/* GGUF metadata value types (gguf.h numbers them as stored). */
+enum { T_U32 = 4, T_I32 = 5, T_F32 = 6, T_BOOL = 7, T_STR = 8, T_ARR = 9 };
+
+/* ================================================================ architectures */
+
+/* Hyper-parameters a key can hold. */
+enum hp {
+    HP_CTX,       /* u32 max_seq_len */
+    HP_DIM,       /* u32 dim */
+    HP_LAYERS,    /* u32 n_layers */
+    HP_FF,        /* u32 hidden_dim */
+    HP_HEADS,     /* u32 n_heads */
+    HP_KV_HEADS,  /* u32 n_kv_heads */
+    HP_HEAD_DIM,  /* u32 head_dim */
+    HP_ROPE_BASE, /* f32 rope_theta */
+    HP_NORM_EPS,  /* f32 norm_eps */
+    HP_VOCAB,     /* u32 vocab_size */
+};
+
+/* One "<arch>.<suffix>" key; odd_head_dim: written only when head_dim is
+ * not dim / n_heads (llama.cpp's default). */
+struct hp_key {
+    const char *suffix;
+    enum hp what;
+    int odd_head_dim;
+};
+
+static const struct hp_key llama_keys[] = {
+    {"context_length", HP_CTX, 0},
+    {"embedding_length", HP_DIM, 0},
+    {"block_count", HP_LAYERS, 0},
+    {"feed_forward_length", HP_FF, 0},
+    {"attention.head_count", HP_HEADS, 0},
+    {"attention.head_count_kv", HP_KV_HEADS, 0},
+    {"attention.key_length", HP_HEAD_DIM, 1},
+    {"attention.value_length", HP_HEAD_DIM, 1},
+    {"rope.dimension_count", HP_HEAD_DIM, 0},
+    {"rope.freq_base", HP_ROPE_BASE, 0},
+    {"attention.layer_norm_rms_epsilon", HP_NORM_EPS, 0},
+    {"vocab_size", HP_VOCAB, 0},
+};
+
+/* One architecture llama.cpp knows: its name (general.architecture and the
+ * key prefix), the RoPE pairing its graph uses on stored q/k rows (llama:
+ * NORM, pairs (2i, 2i+1); qwen2, phi3, gptneox, gemma2: NEOX, pairs (i,
+ * i + d/2)), whether it reads rope_freqs.weight, and its keys. Tensor names
+ * come from lib/arch.c's .gguf table of the same kvcal architecture. */
+struct gguf_arch {
+    enum kv_arch arch;
+    const char *name;
+    enum kv_rope_layout rope_layout;
+    int rope_freqs;
+    const struct hp_key *keys;
+    int n_keys;
+};
+
+static const struct gguf_arch gguf_archs[] = {
+    {KV_ARCH_LLAMA, "llama", KV_ROPE_INTERLEAVED, 1, llama_keys, COUNT(llama_keys)},
+};
+
+static const struct gguf_arch *find_arch(enum kv_arch a) {
+    for (int i = 0; i < COUNT(gguf_archs); i++)
+        if (gguf_archs[i].arch == a) return &gguf_archs[i];
+    return NULL;
+}
+
+/* ================================================================ metadata buffer */
+
+struct buf {
+    uint8_t *p;
+    size_t len, cap;
+    int oom;
+};
+
+static void b_put(struct buf *b, const void *p, size_t n) {
+    if (b->oom) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *q = realloc(b->p, cap);
+        if (!q) {
+            b->oom = 1;
+            return;
+        }
+        b->p = q, b->cap = cap;
+    }
+    memcpy(b->p + b->len, p, n);
+    b->len += n;
+}
+
+static void b_u32(struct buf *b, uint32_t v) {
+    uint8_t x[4];
+    for (int i = 0; i < 4; i++) x[i] = (uint8_t)(v >> (8 * i));
+    b_put(b, x, 4);
+}
+
+static void b_u64(struct buf *b, uint64_t v) {
+    uint8_t x[8];
+    for (int i = 0; i < 8; i++) x[i] = (uint8_t)(v >> (8 * i));
+    b_put(b, x, 8);
+}
+
+static void b_f32(struct buf *b, float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    b_u32(b, u);
+}
+
+static void b_str(struct buf *b, const char *s, size_t n) {
+    b_u64(b, n);
+    b_put(b, s, n);
+}
+
+/* The metadata section: key/value pairs appended in order. */
+struct meta {
+    struct buf b;
+    uint64_t n;
+};
+
+static void m_key(struct meta *m, const char *key, uint32_t type) {
+    b_str(&m->b, key, strlen(key));
+    b_u32(&m->b, type);
+    m->n++;
+}
+
+static void m_u32(struct meta *m, const char *key, uint32_t v) {
+    m_key(m, key, T_U32);
+    b_u32(&m->b, v);
+}
+
+static void m_f32(struct meta *m, const char *key, float v) {
+    m_key(m, key, T_F32);
+    b_f32(&m->b, v);
+}
+
+static void m_bool(struct meta *m, const char *key, int v) {
+    m_key(m, key, T_BOOL);
+    uint8_t x = v != 0;
+    b_put(&m->b, &x, 1);
+}
+
+static void m_str(struct meta *m, const char *key, const char *s) {
+    m_key(m, key, T_STR);
+    b_str(&m->b, s, strlen(s));
+}
+
+static void m_arr_head(struct meta *m, const char *key, uint32_t et, uint64_t n) {
+    m_key(m, key, T_ARR);
+    b_u32(&m->b, et);
+    b_u64(&m->b, n);
+}
+
+/* ================================================================ tokenizer */
+
+/* The vocabulary to write: n pieces (bytes owned), their scores and types. */
+struct vocab {
+    const char *model; /* "llama" or "gpt2" */
+    int32_t n;
+    char **piece;
+    size_t *len;
+    float *score;
+    int32_t *type;
+    int32_t bos, eos, unk; /* -1: key omitted */
+    int add_bos, add_eos;
+    int space_prefix; /* -1: key omitted */
+};
+
+static void vocab_free(struct vocab *v) {
+    if (v->piece)
+        for (int32_t i = 0; i < v->n; i++) free(v->piece[i]);
+    free(v->piece);
+    free(v->len);
+    free(v->score);
+    free(v->type);
+    memset(v, 0, sizeof *v);
+}
+
+static int vocab_alloc(struct vocab *v, int32_t n, const char *path, struct kv_err *err) {
+    v->n = n;
+    v->piece = calloc((size_t)n, sizeof *v->piece);
+    v->len = calloc((size_t)n, sizeof *v->len);
+    v->score = calloc((size_t)n, sizeof *v->score);
+    v->type = calloc((size_t)n, sizeof *v->type);
+    if (!v->piece || !v->len || !v->score || !v->type)
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory for %d pieces", (int)n);
+    return KV_OK;
+}
+
+/* Piece i := the n bytes at p (copied). */
+static int vocab_set(struct vocab *v, int32_t i, const char *p, size_t n, float score, int type,
+                     const char *path, struct kv_err *err) {
+    char *c = malloc(n ? n : 1);
+    if (!c) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    if (n) memcpy(c, p, n);
+    free(v->piece[i]);
+    v->piece[i] = c, v->len[i] = n, v->score[i] = score, v->type[i] = type;
+    return KV_OK;
+}
+
+static uint64_t hash_bytes(const char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) {
+        h ^= (uint8_t)p[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+/* llama.cpp maps pieces to ids one to one (an assertion, not an error):
+ * refuse two equal pieces. Empty pieces it renames itself. */
+static int vocab_check_unique(const struct vocab *v, const char *path, struct kv_err *err) {
+    size_t cap = 16;
+    while (cap < (size_t)v->n * 2) cap *= 2;
+    int32_t *slot = malloc(cap * sizeof *slot);
+    if (!slot) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    for (size_t i = 0; i < cap; i++) slot[i] = -1;
+    int rc = KV_OK;
+    for (int32_t i = 0; i < v->n && !rc; i++) {
+        if (!v->len[i]) continue;
+        size_t s = (size_t)hash_bytes(v->piece[i], v->len[i]) & (cap - 1);
+        for (; slot[s] >= 0; s = (s + 1) & (cap - 1)) {
+            int32_t j = slot[s];
+            if (v->len[j] == v->len[i] && !memcmp(v->piece[j], v->piece[i], v->len[i])) {
+                char eb[96];
+                rc = kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                             "tokenizer pieces %d and %d are both '%s'; llama.cpp needs every "
+                             "piece to be distinct",
+                             (int)j, (int)i, kv_gguf_excerpt(v->piece[i], v->len[i], eb, sizeof eb));
+                break;
+            }
+        }
+        slot[s] = i;
+    }
+    free(slot);
+    return rc;
+}
+
+/* The byte a piece starts with, reading a byte piece "<0xXX>" as its byte;
+ * -1 for an empty piece. */
+static int first_byte(const struct kv_tokenizer *tok, int32_t id) {
+    size_t n;
+    const char *p = kv_tok_piece(tok, id, &n);
+    if (!p || !n) return -1;
+    unsigned b;
+    char s[8];
+    if (kv_tok_type(tok, id) == KV_TOKT_BYTE && n == 6) {
+        memcpy(s, p, 6), s[6] = 0;
+        if (sscanf(s, "<0x%2X>", &b) == 1) return (int)b;
+    }
+    return (uint8_t)p[0];
+}
+
+/* Whether the tokenizer puts a space before a text (SentencePiece's dummy
+ * prefix): the first token of "a" starts with ' ', with U+2581 (0xE2 ...),
+ * or is one of those bytes. -1 when encoding fails. */
+static int probe_space_prefix(const struct kv_tokenizer *tok) {
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct kv_err e;
+    kv_err_clear(&e);
+    if (kv_tok_encode(tok, "a", 1, 0, &ids, &n, &e) != KV_OK) return -1;
+    int b = n > 0 ? first_byte(tok, ids[0]) : -1;
+    free(ids);
+    return b == ' ' || b == 0xE2;
+}
+
+/* The ids of bos and eos: the tokenizer's, else the config's, when inside
+ * the vocabulary; -1 otherwise. */
+static int32_t valid_id(int32_t a, int32_t b, int64_t n) {
+    if (a >= 0 && a < n) return a;
+    if (b >= 0 && b < n) return b;
+    return -1;
+}
+
+/* No tokenizer: the synthetic vocabulary of ggufmodelw.h. */
+static int vocab_synthetic(const struct kv_config *c, struct vocab *v, const char *path,
+                           struct kv_err *err) {
+    int32_t n = (int32_t)c->vocab_size;
+    int rc = vocab_alloc(v, n, path, err);
+    if (rc) return rc;
+    v->bos = valid_id(c->bos_id, n > 1 ? 1 : -1, n);
+    v->eos = valid_id(c->eos_id, n > 2 ? 2 : -1, n);
+    v->unk = v->bos != 0 && v->eos != 0 ? 0 : -1;
+    v->add_bos = v->bos >= 0, v->add_eos = 0, v->space_prefix = -1;
+    int32_t n_special = (v->bos >= 0) + (v->eos >= 0 && v->eos != v->bos) + (v->unk >= 0);
+    /* llama.cpp's SentencePiece tokenizer throws (and aborts the process)
+     * on a byte it has no piece for: without room for all 256, the bytes
+     * are byte-level BPE pieces, which it skips when absent */
+    int spm = n - n_special >= 256;
+    v->model = spm ? "llama" : "gpt2";
+    char pb[32];
+    int next_byte = 0;
+    for (int32_t i = 0; i < n && !rc; i++) {
+        if (i == v->bos) {
+            rc = vocab_set(v, i, "<s>", 3, 0, KV_TOKT_CONTROL, path, err);
+        } else if (i == v->eos) {
+            rc = vocab_set(v, i, "</s>", 4, 0, KV_TOKT_CONTROL, path, err);
+        } else if (i == v->unk) {
+            rc = vocab_set(v, i, "<unk>", 5, 0, KV_TOKT_UNKNOWN, path, err);
+        } else if (next_byte < 256 && spm) {
+            int k = snprintf(pb, sizeof pb, "<0x%02X>", next_byte++);
+            rc = vocab_set(v, i, pb, (size_t)k, 0, KV_TOKT_BYTE, path, err);
+        } else if (next_byte < 256) {
+            char b = (char)next_byte++;
+            size_t k = kv_bytelevel_map(&b, 1, pb);
+            rc = vocab_set(v, i, pb, k, 0, KV_TOKT_NORMAL, path, err);
+        } else {
+            int k = snprintf(pb, sizeof pb, "t%d", (int)i);
+            rc = vocab_set(v, i, pb, (size_t)k, -(float)i, KV_TOKT_NORMAL, path, err);
+        }
+    }
+    return rc;
+}
+
+/* 1 when tok is byte-level BPE: every single byte is a piece and no piece is
+ * a "<0xXX>" byte token. */
+static int is_byte_level(const struct kv_tokenizer *tok) {
+    int32_t n = kv_tok_n_vocab(tok);
+    unsigned char seen[256] = {0};
+    int n_seen = 0;
+    for (int32_t i = 0; i < n; i++) {
+        size_t len;
+        const char *p = kv_tok_piece(tok, i, &len);
+        int ty = kv_tok_type(tok, i);
+        if (ty == KV_TOKT_BYTE) return 0;
+        if (p && len == 1 && ty != KV_TOKT_CONTROL && ty != KV_TOKT_USER && !seen[(uint8_t)p[0]])
+            seen[(uint8_t)p[0]] = 1, n_seen++;
+    }
+    return n_seen == 256;
+}
+
+/* The model's tokenizer as ggufmodelw.h says. */
+static int vocab_from_tokenizer(const struct kv_tokenizer *tok, const struct kv_config *c,
+                                struct vocab *v, const char *path, struct kv_err *err) {
+    int32_t nt = kv_tok_n_vocab(tok), n = (int32_t)c->vocab_size;
+    if (nt > n)
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "tokenizer has %d pieces but the model's vocabulary has %d rows; llama.cpp "
+                       "needs one piece per row",
+                       (int)nt, (int)n);
+    int rc = vocab_alloc(v, n, path, err);
+    if (rc) return rc;
+    int score_mode = kv_tok_mode(tok) == KV_TOK_SCORE;
+    int gpt2 = !score_mode && is_byte_level(tok);
+    v->model = gpt2 ? "gpt2" : "llama";
+    v->bos = valid_id(kv_tok_bos(tok), c->bos_id, n);
+    v->eos = valid_id(kv_tok_eos(tok), c->eos_id, n);
+    v->unk = -1;
+    v->add_bos = kv_tok_adds_bos(tok), v->add_eos = kv_tok_adds_eos(tok);
+    v->space_prefix = gpt2 ? -1 : probe_space_prefix(tok);
+    char *tmp = malloc(2 * KV_MAX_PIECE * 3 + 16);
+    if (!tmp) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    for (int32_t i = 0; i < n && !rc; i++) {
+        if (i >= nt) {
+            int k = snprintf(tmp, 64, "[PAD%d]", (int)i);
+            rc = vocab_set(v, i, tmp, (size_t)k, 0, KV_TOKT_UNUSED, path, err);
+            continue;
+        }
+        size_t len;
+        const char *p = kv_tok_piece(tok, i, &len);
+        int ty = kv_tok_type(tok, i);
+        if (ty < KV_TOKT_NORMAL || ty > KV_TOKT_BYTE) ty = KV_TOKT_NORMAL;
+        if (ty == KV_TOKT_UNKNOWN && v->unk < 0) v->unk = i;
+        if (!p) p = "", len = 0;
+        if (len > KV_MAX_PIECE) len = KV_MAX_PIECE; /* kvcal's own limit: never longer */
+        float score = 0;
+        if (score_mode) {
+            /* llama2.c stores SentencePiece's U+2581 as ' ' */
+            size_t o = 0;
+            for (size_t k = 0; k < len; k++) {
+                if (p[k] == ' ') {
+                    memcpy(tmp + o, "\xe2\x96\x81", 3);
+                    o += 3;
+                } else {
+                    tmp[o++] = p[k];
+                }
+            }
+            p = tmp, len = o;
+            score = kv_tok_score(tok, i);
+        } else if (gpt2) {
+            if (ty != KV_TOKT_CONTROL && ty != KV_TOKT_USER) {
+                len = kv_bytelevel_map(p, len, tmp);
+                p = tmp;
+            }
+        } else if (ty == KV_TOKT_NORMAL || ty == KV_TOKT_USER) {
+            score = -(float)i;
+        }
+        rc = vocab_set(v, i, p, len, score, ty, path, err);
+    }
+    free(tmp);
+    return rc;
+}
+
+static void meta_vocab(struct meta *m, const struct vocab *v) {
+    m_str(m, "tokenizer.ggml.model", v->model);
+    if (!strcmp(v->model, "gpt2")) m_str(m, "tokenizer.ggml.pre", "default");
+    m_arr_head(m, "tokenizer.ggml.tokens", T_STR, (uint64_t)v->n);
+    for (int32_t i = 0; i < v->n; i++) b_str(&m->b, v->piece[i], v->len[i]);
+    if (!strcmp(v->model, "llama")) {
+        m_arr_head(m, "tokenizer.ggml.scores", T_F32, (uint64_t)v->n);
+        for (int32_t i = 0; i < v->n; i++) b_f32(&m->b, v->score[i]);
+    }
+    m_arr_head(m, "tokenizer.ggml.token_type", T_I32, (uint64_t)v->n);
+    for (int32_t i = 0; i < v->n; i++) b_u32(&m->b, (uint32_t)v->type[i]);
+    if (!strcmp(v->model, "gpt2")) m_arr_head(m, "tokenizer.ggml.merges", T_STR, 0);
+    if (v->bos >= 0) m_u32(m, "tokenizer.ggml.bos_token_id", (uint32_t)v->bos);
+    if (v->eos >= 0) m_u32(m, "tokenizer.ggml.eos_token_id", (uint32_t)v->eos);
+    if (v->unk >= 0) m_u32(m, "tokenizer.ggml.unknown_token_id", (uint32_t)v->unk);
+    m_bool(m, "tokenizer.ggml.add_bos_token", v->add_bos);
+    m_bool(m, "tokenizer.ggml.add_eos_token", v->add_eos);
+    if (v->space_prefix >= 0) m_bool(m, "tokenizer.ggml.add_space_prefix", v->space_prefix);
+}
+
+/* ================================================================ tensors */
+
+enum perm { PERM_NONE = 0, PERM_TO_INTERLEAVED, PERM_TO_HALF };
+
+/* One tensor, streamed as rows x cols f32 source elements encoded to type
+ * (a 1-D tensor that is permuted is n rows of 1, else 1 row of n). */
+struct wtensor {
+    char name[KV_MAX_NAME_LEN + 1];
+    uint32_t type;
+    int ndim;
+    int64_t shape[2]; /* row-major, as stored */
+    int64_t rows, cols;
+    const float *src;
+    enum perm perm;
+    int64_t head_dim;
+    uint64_t row_bytes, nbytes, rel;
+};
+
+/* Source row of stored row r: within each head of hd rows, the model's
+ * pairing rearranged into the architecture's. */
+static int64_t src_row(const struct wtensor *t, int64_t r) {
+    if (t->perm == PERM_NONE) return r;
+    int64_t hd = t->head_dim, half = hd / 2, j = r % hd, base = r - j;
+    if (t->perm == PERM_TO_INTERLEAVED) return base + (j % 2) * half + j / 2; /* 2i+s <- s*half+i */
+    return base + 2 * (j % half) + j / half;                                 /* s*half+i <- 2i+s */
+}
+
+struct plan {
+    const struct kv_model *m;
+    const struct gguf_arch *ga;
+    struct meta meta;
+    struct wtensor *t;
+    int64_t n_t, cap_t;
+    float rope_div[KV_MAX_ROPE_FACTORS];
+    uint64_t data_end;
+};
+
+static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, const int64_t *shape,
+                    const float *src, enum perm perm, const char *path, struct kv_err *err) {
+    if (p->n_t == p->cap_t) {
+        int64_t cap = p->cap_t ? p->cap_t * 2 : 64;
+        struct wtensor *q = realloc(p->t, (size_t)cap * sizeof *q);
+        if (!q) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        p->t = q, p->cap_t = cap;
+    }
+    struct wtensor *t = &p->t[p->n_t];
+    memset(t, 0, sizeof *t);
+    KV_ASSERT(strlen(name) <= KV_MAX_NAME_LEN);
+    strcpy(t->name, name);
+    t->type = type, t->ndim = ndim, t->src = src, t->perm = perm;
+    t->head_dim = p->m->cfg.head_dim;
+    t->shape[0] = shape[0], t->shape[1] = ndim == 2 ? shape[1] : 1;
+    if (ndim == 2)
+        t->rows = shape[0], t->cols = shape[1];
+    else if (perm != PERM_NONE)
+        t->rows = shape[0], t->cols = 1;
+    else
+        t->rows = 1, t->cols = shape[0];
+    int64_t be = kv_ggml_block_elems(type), bb = kv_ggml_block_bytes(type);
+    KV_ASSERT(be > 0 && bb > 0);
+    if (t->cols % be) {
+        char sb[64];
+        kv_shape_str(sb, sizeof sb, shape, ndim);
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "tensor '%s' of shape %s has rows of %lld elements, not a whole number of "
+                       "%s blocks of %lld",
+                       name, sb, (long long)t->cols, kv_ggml_type_name(type), (long long)be);
+    }
+    t->row_bytes = (uint64_t)(t->cols / be * bb);
+    t->nbytes = t->row_bytes * (uint64_t)t->rows;
+    t->rel = (p->data_end + GW_ALIGN - 1) / GW_ALIGN * GW_ALIGN;
+    p->data_end = t->rel + t->nbytes;
+    p->n_t++;
+    return KV_OK;
+}
+
+/* Block types need finite input (kv_ggml_quant). */
+static int check_finite(const struct wtensor *t, const char *path, struct kv_err *err) {
+    if (kv_ggml_block_elems(t->type) == 1) return KV_OK;
+    int64_t n = t->rows * t->cols;
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(t->src[i]))
+            return kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
+                           "tensor '%s' holds %g at row %lld, column %lld; %s needs finite weights",
+                           t->name, (double)t->src[i], (long long)(i / t->cols),
+                           (long long)(i % t->cols), kv_ggml_type_name(t->type));
+    return KV_OK;
+}
+
+/* Which weights of the arch's .gguf table the model stores, under which
+ * names and types. */
+static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct kv_err *err) {
+    const struct kv_model *m = p->m;
+    const struct kv_config *c = &m->cfg;
+    const struct kv_arch_desc *ad = kv_arch_desc(c->arch);
+    const struct kv_arch_names *nm = &ad->gguf;
+    int rc;
+    enum kv_rope_scaling rs = c->rope_scaling.type;
+    if (ad->rope && (rs == KV_ROPE_SCALING_LLAMA3 || rs == KV_ROPE_SCALING_FREQS)) {
+        /* divisors of theta^(-2i/d), as llama.cpp divides its frequencies */
+        int64_t half = c->head_dim / 2;
+        double inv[KV_MAX_ROPE_FACTORS];
+        KV_ASSERT(half <= KV_MAX_ROPE_FACTORS);
+        kv_rope_freqs(c, c->max_seq_len, inv);
+        for (int64_t i = 0; i < half; i++)
+            p->rope_div[i] = (float)(pow((double)c->rope_theta, -2.0 * (double)i / (double)c->head_dim) / inv[i]);
+        int64_t shape[1] = {half};
+        if ((rc = plan_add(p, "rope_freqs.weight", KV_GGML_F32, 1, shape, p->rope_div, PERM_NONE,
+                           path, err)))
+            return rc;
+    }
+    enum perm perm = PERM_NONE;
+    if (ad->rope && c->rope_layout != p->ga->rope_layout)
+        perm = p->ga->rope_layout == KV_ROPE_INTERLEAVED ? PERM_TO_INTERLEAVED : PERM_TO_HALF;
+    for (int64_t l = -1; l < c->n_layers; l++) {
+        const struct kv_arch_tensor *tab = l < 0 ? nm->globals : nm->layer;
+        int64_t n = l < 0 ? nm->n_globals : nm->n_layer;
+        for (int64_t i = 0; i < n; i++) {
+            const struct kv_arch_tensor *e = &tab[i];
+            KV_ASSERT(e->n_kinds == 1 && !e->conv); /* llama.cpp stores nothing stacked */
+            enum kv_wkind k = e->kinds[0];
+            if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
+            const float *w = kv_model_weight(m, k, l < 0 ? 0 : l);
+            if (!w) {
+                if (kv_wkind_use(c, k) == KV_WUSE_OPTIONAL) continue;
+                return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "the model has no %s weight%s",
+                               kv_wkind_name(k), l < 0 ? "" : " in some layer");
+            }
+            int64_t shape[2];
+            int nd = kv_model_expected_shape(c, k, shape);
+            char name[KV_MAX_NAME_LEN + 1];
+            if (l < 0)
+                snprintf(name, sizeof name, "%s", e->name);
+            else
+                snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
+            int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
+            if ((rc = plan_add(p, name, nd == 2 ? mtype : KV_GGML_F32, nd, shape, w,
+                               qk ? perm : PERM_NONE, path, err)) ||
+                (rc = check_finite(&p->t[p->n_t - 1], path, err)))
+                return rc;
+        }
+    }
+    return KV_OK;
+}
+
+/* The architecture's keys and the rope scaling keys. */
+static void meta_hparams(struct plan *p) {
+    const struct kv_config *c = &p->m->cfg;
+    const struct gguf_arch *ga = p->ga;
+    struct meta *m = &p->meta;
+    char key[256];
+    m_str(m, "general.architecture", ga->name);
+    m_str(m, "general.name", "kvcal");
+    for (int i = 0; i < ga->n_keys; i++) {
+        const struct hp_key *k = &ga->keys[i];
+        if (k->odd_head_dim && c->head_dim * c->n_heads == c->dim) continue;
+        snprintf(key, sizeof key, "%s.%s", ga->name, k->suffix);
+        switch (k->what) {
+        case HP_CTX: m_u32(m, key, (uint32_t)c->max_seq_len); break;
+        case HP_DIM: m_u32(m, key, (uint32_t)c->dim); break;
+        case HP_LAYERS: m_u32(m, key, (uint32_t)c->n_layers); break;
+        case HP_FF: m_u32(m, key, (uint32_t)c->hidden_dim); break;
+        case HP_HEADS: m_u32(m, key, (uint32_t)c->n_heads); break;
+        case HP_KV_HEADS: m_u32(m, key, (uint32_t)c->n_kv_heads); break;
+        case HP_HEAD_DIM: m_u32(m, key, (uint32_t)c->head_dim); break;
+        case HP_ROPE_BASE: m_f32(m, key, c->rope_theta); break;
+        case HP_NORM_EPS: m_f32(m, key, c->norm_eps); break;
+        case HP_VOCAB: m_u32(m, key, (uint32_t)c->vocab_size); break;
+        }
+    }
+    if (c->rope_scaling.type == KV_ROPE_SCALING_LINEAR) {
+        snprintf(key, sizeof key, "%s.rope.scaling.type", ga->name);
+        m_str(m, key, "linear");
+        snprintf(key, sizeof key, "%s.rope.scaling.factor", ga->name);
+        m_f32(m, key, (float)c->rope_scaling.factor);
+    }
+}
+
+/* ================================================================ output */
+
+struct out {
+    int fd;
+    uint8_t *buf;
+    size_t len, cap;
+    uint64_t pos;
+    int e;
+};
+
+static void o_flush(struct out *o) {
+    const uint8_t *p = o->buf;
+    size_t n = o->len;
+    while (n && !o->e) {
+        ssize_t r = write(o->fd, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            o->e = r < 0 ? errno : EIO;
+            break;
+        }
+        p += r, n -= (size_t)r;
+    }
+    o->len = 0;
+}
+
+static void o_put(struct out *o, const void *p, size_t n) {
+    const uint8_t *b = p;
+    o->pos += n;
+    while (n && !o->e) {
+        size_t k = o->cap - o->len < n ? o->cap - o->len : n;
+        memcpy(o->buf + o->len, b, k);
+        o->len += k, b += k, n -= k;
+        if (o->len == o->cap) o_flush(o);
+    }
+}
+
+static void o_u32(struct out *o, uint32_t v) {
+    uint8_t x[4];
+    for (int i = 0; i < 4; i++) x[i] = (uint8_t)(v >> (8 * i));
+    o_put(o, x, 4);
+}
+
+static void o_u64(struct out *o, uint64_t v) {
+    uint8_t x[8];
+    for (int i = 0; i < 8; i++) x[i] = (uint8_t)(v >> (8 * i));
+    o_put(o, x, 8);
+}
+
+static void o_pad(struct out *o) {
+    static const uint8_t zeros[GW_ALIGN];
+    o_put(o, zeros, (GW_ALIGN - o->pos % GW_ALIGN) % GW_ALIGN);
+}
+
+static int fill(int fd, const char *path, const char *tmp, void *ctx, struct kv_err *err) {
+    struct plan *p = ctx;
+    struct out o = {.fd = fd, .cap = GW_STAGE};
+    uint64_t max_row = 1;
+    for (int64_t i = 0; i < p->n_t; i++)
+        if (p->t[i].row_bytes > max_row) max_row = p->t[i].row_bytes;
+    uint8_t *row = malloc((size_t)max_row);
+    o.buf = malloc(o.cap);
+    if (!row || !o.buf) {
+        free(row), free(o.buf);
+        return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    o_put(&o, "GGUF", 4);
+    o_u32(&o, GW_VERSION);
+    o_u64(&o, (uint64_t)p->n_t);
+    o_u64(&o, p->meta.n);
+    o_put(&o, p->meta.b.p, p->meta.b.len);
+    for (int64_t i = 0; i < p->n_t; i++) {
+        const struct wtensor *t = &p->t[i];
+        o_u64(&o, strlen(t->name));
+        o_put(&o, t->name, strlen(t->name));
+        o_u32(&o, (uint32_t)t->ndim);
+        for (int d = t->ndim - 1; d >= 0; d--) o_u64(&o, (uint64_t)t->shape[d]); /* ne[0] innermost */
+        o_u32(&o, t->type);
+        o_u64(&o, t->rel);
+    }
+    o_pad(&o);
+    uint64_t data_off = o.pos;
+    for (int64_t i = 0; i < p->n_t && !o.e; i++) {
+        const struct wtensor *t = &p->t[i];
+        KV_ASSERT(o.pos == data_off + t->rel);
+        for (int64_t r = 0; r < t->rows && !o.e; r++) {
+            int qrc = kv_ggml_quant(t->type, t->src + src_row(t, r) * t->cols, row, t->cols);
+            KV_ASSERT(qrc == KV_OK); /* type, row length and values checked by the plan */
+            o_put(&o, row, (size_t)t->row_bytes);
+        }
+        o_pad(&o);
+    }
+    o_flush(&o);
+    free(row), free(o.buf);
+    if (o.e) {
+        char eb[128];
+        return kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp,
+                       kv_errtext(o.e, eb, sizeof eb));
+    }
+    return KV_OK;
+}
+
+/* ================================================================ entry point */
+
+static const char *TYPES_WRITTEN =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K";
+
+int kv_gguf_write_model(const struct kv_model *m, const char *path,
+                        const struct kv_gguf_write_opts *o, struct kv_err *err) {
+    KV_ASSERT(m && path);
+    const struct kv_config *c = &m->cfg;
+    uint32_t mtype = o ? o->matrix_type : KV_GGML_F32;
+    if (!kv_ggml_can_quant(mtype) || !kv_ggml_can_dequant(mtype)) {
+        const char *tn = kv_ggml_type_name(mtype);
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "matrix type %u (%s) is not one kvcal can write; expected %s", mtype,
+                       strcmp(tn, "?") ? tn : "unknown", TYPES_WRITTEN);
+    }
+    struct plan p = {.m = m, .ga = find_arch(c->arch)};
+    if (!p.ga) {
+        char names[256];
+        size_t k = 0;
+        for (int i = 0; i < COUNT(gguf_archs) && k < sizeof names; i++)
+            k += (size_t)snprintf(names + k, sizeof names - k, "%s'%s'", i ? ", " : "",
+                                  gguf_archs[i].name);
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "architecture '%s' cannot be written to gguf yet; kvcal writes %s",
+                       kv_arch_name(c->arch), names);
+    }
+    enum kv_rope_scaling rs = c->rope_scaling.type;
+    int rope_ok = rs == KV_ROPE_SCALING_NONE || rs == KV_ROPE_SCALING_LINEAR ||
+                  (p.ga->rope_freqs && (rs == KV_ROPE_SCALING_LLAMA3 || rs == KV_ROPE_SCALING_FREQS));
+    if (kv_arch_desc(c->arch)->rope && !rope_ok)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope scaling '%s' cannot be written to gguf yet; kvcal writes default, "
+                       "linear, llama3 and per-pair divisors (rope_freqs.weight)",
+                       kv_rope_scaling_name(rs));
+
+    struct vocab v = {0};
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    int rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
+    if (!rc) rc = vocab_check_unique(&v, path, err);
+    if (!rc) rc = plan_tensors(&p, mtype, path, err);
+    if (!rc) {
+        meta_hparams(&p);
+        meta_vocab(&p.meta, &v);
+        if (p.meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    vocab_free(&v);
+    if (!rc) rc = kv_write_atomic(path, fill, &p, err);
+    free(p.meta.b.p);
+    free(p.t);
+    return rc;
+}

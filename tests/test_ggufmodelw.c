@@ -1,0 +1,760 @@
+/* The GGUF model writer (formats/ggufmodelw.c): random Llama models written
+ * and read back by kvcal's own loader give the same logits; matrices in
+ * F16/BF16 and block types are stored as exactly the bytes kv_ggml_quant
+ * gives (read back through kv_ggml_dequant); the keys llama.cpp reads are
+ * there with the types it insists on; the vocabularies (synthetic,
+ * SentencePiece, byte-level BPE) read back; and what cannot be written is
+ * refused with exact messages, leaving no file. llama.cpp itself reads
+ * these files in test_llamacpp.c. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ggmlquant.h"
+#include "gguf.h"
+#include "ggufmodel.h"
+#include "ggufmodelw.h"
+#include "model.h"
+#include "naive_llama.h"
+#include "testutil.h"
+#include "tokenizer.h"
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_BF16 = 30 };
+
+/* ---------------------------------------------------------------- helpers */
+
+static struct kv_model *random_model(struct kv_config c, uint64_t seed) {
+    struct kv_model *m;
+    struct kv_err e;
+    cr_assert_eq(kv_model_init_random(&c, seed, &m, &e), KV_OK, "%s", e.msg);
+    sharpen(m);
+    return m;
+}
+
+static float *logits_of(const struct kv_model *m, int64_t n) {
+    int64_t V = kv_model_config(m)->vocab_size;
+    int32_t *tok = malloc((size_t)n * sizeof *tok);
+    for (int64_t i = 0; i < n; i++) tok[i] = (int32_t)((i * 29 + 3) % V);
+    struct kv_fwd *f;
+    struct kv_err e;
+    cr_assert_eq(kv_fwd_init(m, n, &f, &e), KV_OK, "%s", e.msg);
+    float *out = malloc((size_t)(n * V) * sizeof *out);
+    cr_assert_eq(kv_fwd_run(f, tok, n, 0, out, &e), KV_OK, "%s", e.msg);
+    kv_fwd_free(f);
+    free(tok);
+    return out;
+}
+
+/* Write m to a fresh temporary directory as m.gguf; returns the path. */
+static char *write_gguf(const struct kv_model *m, uint32_t type, char **dir_out) {
+    char *dir = kvt_temp_dir(), *path = kvt_path(dir, "m.gguf");
+    struct kv_gguf_write_opts o = {.matrix_type = type};
+    struct kv_err e;
+    char msg[2200];
+    int rc = kv_gguf_write_model(m, path, &o, &e);
+    kv_err_format(&e, msg, sizeof msg, 0);
+    cr_assert_eq(rc, KV_OK, "%s", msg);
+    *dir_out = dir;
+    return path;
+}
+
+static struct kv_model *open_model(const char *path) {
+    struct kv_model *m;
+    struct kv_err e;
+    char msg[2200];
+    int rc = kv_model_open(path, NULL, &m, &e);
+    kv_err_format(&e, msg, sizeof msg, 0);
+    cr_assert_eq(rc, KV_OK, "%s", msg);
+    return m;
+}
+
+static void remove_file(char *path, char *dir) {
+    unlink(path);
+    free(path);
+    kvt_rm_dir(dir);
+}
+
+/* Write m in F32, read it back: the same model in GGUF's interleaved
+ * layout, with the same logits. */
+static struct kv_model *round_trip(struct kv_model *m) {
+    const struct kv_config *a = kv_model_config(m);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_model *back = open_model(path);
+    const struct kv_config *b = kv_model_config(back);
+    cr_assert_eq(b->arch, KV_ARCH_LLAMA);
+    cr_assert_eq(b->dim, a->dim);
+    cr_assert_eq(b->hidden_dim, a->hidden_dim);
+    cr_assert_eq(b->n_layers, a->n_layers);
+    cr_assert_eq(b->n_heads, a->n_heads);
+    cr_assert_eq(b->n_kv_heads, a->n_kv_heads);
+    cr_assert_eq(b->head_dim, a->head_dim);
+    cr_assert_eq(b->vocab_size, a->vocab_size);
+    cr_assert_eq(b->max_seq_len, a->max_seq_len);
+    cr_assert(b->norm_eps == a->norm_eps && b->rope_theta == a->rope_theta);
+    cr_assert_eq(b->rope_layout, KV_ROPE_INTERLEAVED);
+    cr_assert_eq(b->tied_embeddings, a->tied_embeddings);
+    cr_assert_eq(b->has_qkv_bias, a->has_qkv_bias);
+    cr_assert_eq(b->bos_id, a->bos_id);
+    cr_assert_eq(b->eos_id, a->eos_id);
+    int64_t n = 24;
+    float *ref = logits_of(m, n), *got = logits_of(back, n);
+    kvt_assert_close_f32(got, ref, n * a->vocab_size, 1e-5, 0, "logits after the round trip");
+    free(ref), free(got);
+    remove_file(path, dir);
+    return back;
+}
+
+/* ---------------------------------------------------------------- round trips */
+
+Test(ggufmodelw, half_layout_tied_round_trip) {
+    /* HF's rotate-half q/k rows become GGUF's interleaved ones */
+    struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 0, 1), 21);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, interleaved_untied_bias_round_trip) {
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 1, 0);
+    c.norm_eps = 1e-6f, c.rope_theta = 500000.0f;
+    struct kv_model *m = random_model(c, 22);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, half_layout_bias_round_trip) {
+    /* the q and k biases are permuted with their rows */
+    struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 1, 0), 23);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, head_dim_other_than_dim_over_heads_round_trip) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 1);
+    c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16; /* 4 * 16 != 48 */
+    struct kv_model *m = random_model(c, 24);
+    kv_model_close(round_trip(m));
+    /* ... and the key and value lengths are written only then */
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    uint32_t v;
+    cr_assert_eq(kv_gguf_get_u32(f, "llama.attention.key_length", &v, &e), KV_OK);
+    cr_assert_eq(v, 16);
+    cr_assert_eq(kv_gguf_get_u32(f, "llama.attention.value_length", &v, &e), KV_OK);
+    cr_assert_eq(v, 16);
+    kv_gguf_close(f);
+    remove_file(path, dir);
+    kv_model_close(m);
+    m = random_model(tiny_cfg(KV_ROPE_HALF, 0, 1), 25);
+    path = write_gguf(m, T_F32, &dir);
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    cr_assert_null(kv_gguf_find(f, "llama.attention.key_length"));
+    cr_assert_null(kv_gguf_find(f, "llama.attention.value_length"));
+    kv_gguf_close(f);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+static struct kv_config llama3_cfg(void) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    c.head_dim = 16, c.n_heads = 3, c.n_kv_heads = 1;
+    c.rope_theta = 500000.0f;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    /* a short original context: some pairs kept, some divided, some in between */
+    s->type = KV_ROPE_SCALING_LLAMA3, s->factor = 8, s->low_freq_factor = 1;
+    s->high_freq_factor = 4, s->original_ctx = 64;
+    return c;
+}
+
+Test(ggufmodelw, llama3_rope_scaling_becomes_rope_freqs) {
+    struct kv_config c = llama3_cfg();
+    struct kv_model *m = random_model(c, 26);
+    struct kv_model *back = round_trip(m);
+    const struct kv_config *b = kv_model_config(back);
+    cr_assert_eq(b->rope_scaling.type, KV_ROPE_SCALING_FREQS);
+    cr_assert_eq(b->rope_scaling.n_factors, 8);
+    double fa[KV_MAX_ROPE_FACTORS], fb[KV_MAX_ROPE_FACTORS];
+    kv_rope_freqs(&c, 32, fa);
+    kv_rope_freqs(b, 32, fb);
+    int kept = 0, divided = 0;
+    for (int i = 0; i < 8; i++) {
+        cr_assert(fabs(fa[i] - fb[i]) <= 1e-7 * fa[i], "pair %d: %.17g, wrote %.17g", i, fb[i], fa[i]);
+        kept += b->rope_scaling.short_factor[i] == 1.0f;
+        divided += b->rope_scaling.short_factor[i] == 8.0f;
+    }
+    cr_assert(kept > 0 && divided > 0 && kept + divided < 8, "kept %d divided %d", kept, divided);
+    /* a model with rope_freqs written again keeps its divisors exactly */
+    char *dir, *path = write_gguf(back, T_F32, &dir);
+    struct kv_model *again = open_model(path);
+    cr_assert(memcmp(kv_model_config(again)->rope_scaling.short_factor, b->rope_scaling.short_factor,
+                     8 * sizeof(float)) == 0);
+    kv_model_close(again);
+    remove_file(path, dir);
+    kv_model_close(back);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, linear_rope_scaling_round_trip) {
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 0);
+    c.rope_scaling.type = KV_ROPE_SCALING_LINEAR, c.rope_scaling.factor = 4;
+    struct kv_model *m = random_model(c, 27);
+    struct kv_model *back = round_trip(m);
+    cr_assert_eq(kv_model_config(back)->rope_scaling.type, KV_ROPE_SCALING_LINEAR);
+    cr_assert(kv_model_config(back)->rope_scaling.factor == 4);
+    kv_model_close(back);
+    kv_model_close(m);
+}
+
+/* ---------------------------------------------------------------- the file itself */
+
+Test(ggufmodelw, writes_the_keys_llama_cpp_reads_with_their_types) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 0);
+    c.norm_eps = 1e-6f, c.vocab_size = 300;
+    struct kv_model *m = random_model(c, 28);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(f->version, 3);
+    cr_assert_eq(f->alignment, 32);
+    struct {
+        const char *key;
+        enum kv_gguf_type type;
+        double v;
+    } want[] = {
+        {"llama.context_length", KV_GGUF_U32, 64},
+        {"llama.embedding_length", KV_GGUF_U32, 48},
+        {"llama.block_count", KV_GGUF_U32, 2},
+        {"llama.feed_forward_length", KV_GGUF_U32, 80},
+        {"llama.attention.head_count", KV_GGUF_U32, 6},
+        {"llama.attention.head_count_kv", KV_GGUF_U32, 2},
+        {"llama.rope.dimension_count", KV_GGUF_U32, 8},
+        {"llama.rope.freq_base", KV_GGUF_F32, 10000},
+        {"llama.attention.layer_norm_rms_epsilon", KV_GGUF_F32, (double)1e-6f},
+        {"llama.vocab_size", KV_GGUF_U32, 300},
+        {"tokenizer.ggml.bos_token_id", KV_GGUF_U32, 1},
+        {"tokenizer.ggml.eos_token_id", KV_GGUF_U32, 2},
+        {"tokenizer.ggml.unknown_token_id", KV_GGUF_U32, 0},
+        {"tokenizer.ggml.add_bos_token", KV_GGUF_BOOL, 1},
+        {"tokenizer.ggml.add_eos_token", KV_GGUF_BOOL, 0},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const struct kv_gguf_kv *kv = kv_gguf_find(f, want[i].key);
+        cr_assert_not_null(kv, "no key '%s'", want[i].key);
+        cr_assert_eq(kv->type, want[i].type, "key '%s' has type %s", want[i].key,
+                     kv_gguf_type_name(kv->type));
+        double got = kv->type == KV_GGUF_F32 ? kv->v.f : (double)kv->v.u;
+        cr_assert(got == want[i].v, "key '%s' is %g, expected %g", want[i].key, got, want[i].v);
+    }
+    struct kv_gguf_str s;
+    cr_assert_eq(kv_gguf_get_str(f, "general.architecture", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "llama"));
+    cr_assert_eq(kv_gguf_get_str(f, "tokenizer.ggml.model", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "llama"));
+    const char *arrs[3] = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"};
+    enum kv_gguf_type at[3] = {KV_GGUF_STRING, KV_GGUF_F32, KV_GGUF_I32};
+    for (int i = 0; i < 3; i++) {
+        const struct kv_gguf_kv *kv = kv_gguf_find(f, arrs[i]);
+        cr_assert(kv && kv->type == KV_GGUF_ARRAY && kv->arr_type == at[i] && kv->arr_n == 300,
+                  "key '%s'", arrs[i]);
+    }
+    /* names and shapes: ne[0] the input axis; output.weight as it is untied */
+    cr_assert_eq(f->n_tensors, 3 + 2 * 9);
+    const struct kv_gguf_tensor *t = kv_gguf_find_tensor(f, "blk.1.ffn_down.weight");
+    cr_assert(t && t->n_dims == 2 && t->ne[0] == 80 && t->ne[1] == 48 && t->ggml_type == T_F32);
+    t = kv_gguf_find_tensor(f, "output.weight");
+    cr_assert(t && t->ne[0] == 48 && t->ne[1] == 300);
+    cr_assert_not_null(kv_gguf_find_tensor(f, "blk.0.attn_norm.weight"));
+    cr_assert_null(kv_gguf_find_tensor(f, "rope_freqs.weight"));
+    cr_assert_null(kv_gguf_find_tensor(f, "blk.0.attn_q.bias"));
+    kv_gguf_close(f);
+    cr_assert_eq(kvt_tmp_left(path), 0);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+/* GGUF row r of a q/k weight of a rotate-half model: row h*hd + 2i + s
+ * holds the model's row h*hd + s*hd/2 + i. */
+static int64_t hf_row(int64_t r, int64_t hd) {
+    int64_t j = r % hd;
+    return r - j + (j % 2) * (hd / 2) + j / 2;
+}
+
+/* The rows of w ([rows, cols]) as stored: permuted for the q/k kinds of a
+ * rotate-half model, then through type t and back. */
+static float *expected(const struct kv_config *c, enum kv_wkind k, const float *w, int64_t rows,
+                       int64_t cols, uint32_t t) {
+    int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
+    int perm = qk && c->rope_layout == KV_ROPE_HALF;
+    float *x = malloc((size_t)(rows * cols) * sizeof *x);
+    if (cols == 1 || rows == 1) { /* a 1-D tensor: f32, elements permuted */
+        int64_t n = rows * cols;
+        for (int64_t i = 0; i < n; i++) x[i] = w[perm ? hf_row(i, c->head_dim) : i];
+        return x;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(x + r * cols, w + (perm ? hf_row(r, c->head_dim) : r) * cols, (size_t)cols * 4);
+    void *q = malloc((size_t)(rows * cols / kv_ggml_block_elems(t) * kv_ggml_block_bytes(t)));
+    cr_assert_eq(kv_ggml_quant(t, x, q, rows * cols), KV_OK);
+    cr_assert_eq(kv_ggml_dequant(t, q, x, rows * cols), KV_OK);
+    free(q);
+    return x;
+}
+
+/* Every tensor of the file decodes to expected(): bit for bit. */
+static void check_stored(const struct kv_model *m, const char *path, uint32_t t) {
+    const struct kv_config *c = kv_model_config(m);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    static const struct {
+        const char *name;
+        enum kv_wkind kind;
+    } names[] = {
+        {"token_embd.weight", KV_W_TOK_EMB}, {"output_norm.weight", KV_W_OUT_NORM},
+        {"output.weight", KV_W_LM_HEAD},     {"attn_norm.weight", KV_W_ATTN_NORM},
+        {"attn_q.weight", KV_W_Q},           {"attn_k.weight", KV_W_K},
+        {"attn_v.weight", KV_W_V},           {"attn_output.weight", KV_W_O},
+        {"attn_q.bias", KV_W_BQ},            {"attn_k.bias", KV_W_BK},
+        {"attn_v.bias", KV_W_BV},            {"ffn_norm.weight", KV_W_FFN_NORM},
+        {"ffn_gate.weight", KV_W_GATE},      {"ffn_down.weight", KV_W_DOWN},
+        {"ffn_up.weight", KV_W_UP},
+    };
+    int64_t checked = 0;
+    for (int64_t l = -1; l < c->n_layers; l++)
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+            enum kv_wkind k = names[i].kind;
+            if ((l < 0) != (k < KV_W_FIRST_LAYER)) continue;
+            if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
+            if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !c->has_qkv_bias) continue;
+            char name[128];
+            if (l < 0)
+                snprintf(name, sizeof name, "%s", names[i].name);
+            else
+                snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, names[i].name);
+            const struct kv_gguf_tensor *ti = kv_gguf_find_tensor(f, name);
+            cr_assert_not_null(ti, "no tensor '%s'", name);
+            int64_t s[2];
+            int nd = kv_model_expected_shape(c, k, s);
+            int64_t rows = nd == 2 ? s[0] : 1, cols = nd == 2 ? s[1] : s[0];
+            cr_assert_eq(ti->n_dims, nd, "%s", name);
+            cr_assert_eq(ti->ggml_type, nd == 2 ? t : T_F32, "'%s' has type %s", name,
+                         kv_ggml_type_name(ti->ggml_type));
+            cr_assert(ti->ne[0] == cols && (nd == 1 || ti->ne[1] == rows), "%s", name);
+            float *got = malloc((size_t)(rows * cols) * sizeof *got);
+            cr_assert_eq(kv_ggml_dequant(ti->ggml_type, ti->t.data, got, rows * cols), KV_OK);
+            float *want = expected(c, k, kv_model_weight(m, k, l < 0 ? 0 : l), rows, cols, t);
+            for (int64_t j = 0; j < rows * cols; j++)
+                cr_assert(memcmp(&got[j], &want[j], 4) == 0,
+                          "'%s' element %lld (row %lld): stored %.9g, expected %.9g", name,
+                          (long long)j, (long long)(j / cols), got[j], want[j]);
+            free(got), free(want);
+            checked++;
+        }
+    cr_assert_eq(checked, f->n_tensors, "%lld of %lld tensors checked", (long long)checked,
+                 (long long)f->n_tensors);
+    kv_gguf_close(f);
+}
+
+/* A model whose every row is a whole number of K-quant super-blocks. */
+static struct kv_config block_cfg(enum kv_rope_layout layout, int bias, int tied) {
+    struct kv_config c = tiny_cfg(layout, bias, tied);
+    c.dim = 256, c.hidden_dim = 512, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 64;
+    c.vocab_size = 300;
+    return c;
+}
+
+static void stored_as(struct kv_config c, uint32_t t, uint64_t seed) {
+    struct kv_model *m = random_model(c, seed);
+    char *dir, *path = write_gguf(m, t, &dir);
+    check_stored(m, path, t);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, f16_and_bf16_matrices_are_the_rounded_weights) {
+    stored_as(tiny_cfg(KV_ROPE_HALF, 1, 0), T_F16, 31);
+    stored_as(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), T_BF16, 32);
+}
+
+Test(ggufmodelw, f16_read_back_by_the_loader_is_the_rounded_model) {
+    /* kvcal loads F16 itself: its weights are the f16 roundings, permuted */
+    struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 1, 0), 33);
+    char *dir, *path = write_gguf(m, T_F16, &dir);
+    struct kv_model *back = open_model(path);
+    const struct kv_config *c = kv_model_config(m);
+    int64_t s[2];
+    for (int k = KV_W_Q; k <= KV_W_BK; k++) {
+        if (k == KV_W_V || k == KV_W_O) continue;
+        int nd = kv_model_expected_shape(c, k, s);
+        int64_t rows = nd == 2 ? s[0] : 1, cols = nd == 2 ? s[1] : s[0];
+        float *want = expected(c, k, kv_model_weight(m, k, 1), rows, cols, T_F16);
+        if (nd == 1) /* biases stay f32 */
+            cr_assert(memcmp(kv_model_weight(back, k, 1), want, (size_t)cols * 4) == 0, "%s",
+                      kv_wkind_name(k));
+        else
+            cr_assert(memcmp(kv_model_weight(back, k, 1), want, (size_t)(rows * cols) * 4) == 0,
+                      "%s", kv_wkind_name(k));
+        free(want);
+    }
+    kv_model_close(back);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, q8_0_matrices_are_the_encoded_weights) {
+    stored_as(block_cfg(KV_ROPE_HALF, 1, 0), T_Q8_0, 34);
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1); /* rows of 64 and 96: two and three blocks */
+    c.dim = 64, c.hidden_dim = 96, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16;
+    stored_as(c, T_Q8_0, 35);
+}
+
+Test(ggufmodelw, q4_k_matrices_are_the_encoded_weights) {
+    stored_as(block_cfg(KV_ROPE_HALF, 1, 1), T_Q4_K, 36);
+}
+
+Test(ggufmodelw, other_block_types_are_the_encoded_weights) {
+    stored_as(block_cfg(KV_ROPE_INTERLEAVED, 0, 0), T_Q6_K, 37);
+    stored_as(block_cfg(KV_ROPE_HALF, 0, 1), T_Q4_0, 38);
+}
+
+/* ---------------------------------------------------------------- vocabularies */
+
+/* The tokenizer kvcal reads from path's vocabulary. */
+static struct kv_tokenizer *read_tok(const char *path) {
+    struct kv_tokenizer *t;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_load_tokenizer(path, &t, &e), KV_OK, "%s", e.msg);
+    return t;
+}
+
+static void expect_piece(const struct kv_tokenizer *t, int32_t id, const char *s, int type) {
+    size_t n;
+    const char *p = kv_tok_piece(t, id, &n);
+    cr_assert(p && n == strlen(s) && !memcmp(p, s, n), "piece %d is '%.*s', expected '%s'", id,
+              (int)n, p ? p : "", s);
+    cr_assert_eq(kv_tok_type(t, id), type, "piece %d has type %d", id, kv_tok_type(t, id));
+}
+
+Test(ggufmodelw, synthetic_vocabulary_without_a_tokenizer) {
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1);
+    c.vocab_size = 300;
+    struct kv_model *m = random_model(c, 41);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_tokenizer *t = read_tok(path);
+    cr_assert_eq(kv_tok_n_vocab(t), 300);
+    cr_assert_eq(kv_tok_bos(t), 1);
+    cr_assert_eq(kv_tok_eos(t), 2);
+    expect_piece(t, 0, "<unk>", KV_TOKT_UNKNOWN);
+    expect_piece(t, 1, "<s>", KV_TOKT_CONTROL);
+    expect_piece(t, 2, "</s>", KV_TOKT_CONTROL);
+    expect_piece(t, 3, "<0x00>", KV_TOKT_BYTE);
+    expect_piece(t, 3 + 0x0A, "<0x0A>", KV_TOKT_BYTE);
+    expect_piece(t, 258, "<0xFF>", KV_TOKT_BYTE);
+    expect_piece(t, 259, "t259", KV_TOKT_NORMAL);
+    expect_piece(t, 299, "t299", KV_TOKT_NORMAL);
+    cr_assert(kv_tok_score(t, 299) == -299.0f);
+    /* every byte decodes to itself */
+    for (int b = 0; b < 256; b++) {
+        char out[4];
+        cr_assert_eq(kv_tok_decode(t, 5, 3 + b, out, sizeof out), 1);
+        cr_assert_eq((uint8_t)out[0], b);
+    }
+    kv_tok_free(t);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, synthetic_small_vocabulary_is_byte_level_and_follows_the_config_ids) {
+    /* 97 ids leave no room for 256 byte pieces: llama.cpp's SentencePiece
+     * tokenizer would abort on the bytes it lacks, its BPE one skips them */
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1);
+    c.bos_id = 5, c.eos_id = 0;
+    struct kv_model *m = random_model(c, 42);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    struct kv_gguf_str s;
+    cr_assert_eq(kv_gguf_get_str(f, "tokenizer.ggml.model", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "gpt2"));
+    cr_assert_null(kv_gguf_find(f, "tokenizer.ggml.unknown_token_id")); /* 0 is taken */
+    struct kv_gguf_str *toks;
+    uint64_t nt;
+    cr_assert_eq(kv_gguf_get_arr_str(f, "tokenizer.ggml.tokens", &toks, &nt, &e), KV_OK);
+    cr_assert_eq(nt, 97);
+    cr_assert(kv_gguf_str_eq(toks[1], "\xc4\x80")); /* byte 0 is U+0100 */
+    cr_assert(kv_gguf_str_eq(toks[6], "\xc4\x84")); /* byte 4 */
+    cr_assert(kv_gguf_str_eq(toks[67], "A"));        /* byte 0x41 */
+    free(toks);
+    kv_gguf_close(f);
+    struct kv_tokenizer *t = read_tok(path);
+    cr_assert_eq(kv_tok_n_vocab(t), 97);
+    cr_assert_eq(kv_tok_bos(t), 5);
+    cr_assert_eq(kv_tok_eos(t), 0);
+    expect_piece(t, 0, "</s>", KV_TOKT_CONTROL);
+    expect_piece(t, 5, "<s>", KV_TOKT_CONTROL);
+    for (int32_t id = 1; id < 97; id++) {
+        if (id == 5) continue;
+        int b = id < 5 ? id - 1 : id - 2;
+        size_t n;
+        const char *p = kv_tok_piece(t, id, &n);
+        cr_assert(n == 1 && (uint8_t)p[0] == b, "piece %d is not the byte %d", id, b);
+    }
+    int32_t *ids;
+    int64_t n;
+    cr_assert_eq(kv_tok_encode(t, "A0\n", 3, 0, &ids, &n, &e), KV_OK, "%s", e.msg);
+    cr_assert(n == 3 && ids[0] == 67 && ids[1] == 50 && ids[2] == 12);
+    free(ids);
+    kv_tok_free(t);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+/* A llama2.c-style SentencePiece tokenizer (spaces stored as ' ', dummy
+ * prefix), n_extra unused ids short of the model's vocabulary. */
+static const char *const SP_PIECES[] = {" ", "a", "b", "c", "h", "i", " a", "ab", " ab", "hi", " hi", "abc"};
+#define N_SP (3 + 256 + (int)(sizeof SP_PIECES / sizeof SP_PIECES[0]))
+
+static struct kv_tokenizer *sp_tokenizer(const char *dup) {
+    struct kv_tokenizer *t;
+    struct kv_err e;
+    cr_assert_eq(kv_tok_init(KV_TOK_SCORE, N_SP, &t, &e), KV_OK);
+    cr_assert_eq(kv_tok_set_piece(t, 0, "<unk>", 5, 0, KV_TOKT_UNKNOWN, &e), KV_OK);
+    cr_assert_eq(kv_tok_set_piece(t, 1, "<s>", 3, 0, KV_TOKT_CONTROL, &e), KV_OK);
+    cr_assert_eq(kv_tok_set_piece(t, 2, "</s>", 4, 0, KV_TOKT_CONTROL, &e), KV_OK);
+    for (int b = 0; b < 256; b++) {
+        char p[8];
+        snprintf(p, sizeof p, "<0x%02X>", b);
+        cr_assert_eq(kv_tok_set_piece(t, 3 + b, p, 6, 0, KV_TOKT_BYTE, &e), KV_OK);
+    }
+    for (int i = 0; i < N_SP - 259; i++) {
+        const char *p = dup && i == N_SP - 260 ? dup : SP_PIECES[i];
+        cr_assert_eq(kv_tok_set_piece(t, 259 + i, p, strlen(p), (float)(-i), KV_TOKT_NORMAL, &e),
+                     KV_OK);
+    }
+    kv_tok_set_special(t, 1, 2, 0);
+    cr_assert_eq(kv_tok_set_normalizer(t, " ", 1, &e), KV_OK);
+    cr_assert_eq(kv_tok_finish(t, "test", &e), KV_OK, "%s", e.msg);
+    return t;
+}
+
+static int32_t *encode(const struct kv_tokenizer *t, const char *s, int64_t *n) {
+    int32_t *ids;
+    struct kv_err e;
+    cr_assert_eq(kv_tok_encode(t, s, strlen(s), KV_TOK_ADD_BOS, &ids, n, &e), KV_OK, "%s", e.msg);
+    return ids;
+}
+
+Test(ggufmodelw, sentencepiece_tokenizer_is_written_with_u2581_spaces) {
+    struct kv_config c = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1);
+    c.vocab_size = N_SP + 3; /* three ids the tokenizer lacks */
+    struct kv_model *m = random_model(c, 43);
+    m->tok = sp_tokenizer(NULL);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_tokenizer *t = read_tok(path);
+    cr_assert_eq(kv_tok_n_vocab(t), N_SP + 3);
+    expect_piece(t, 259, "\xe2\x96\x81", KV_TOKT_NORMAL);
+    expect_piece(t, 265, "\xe2\x96\x81" "a", KV_TOKT_NORMAL);
+    expect_piece(t, 269, "\xe2\x96\x81" "hi", KV_TOKT_NORMAL);
+    expect_piece(t, 100, "<0x61>", KV_TOKT_BYTE);
+    expect_piece(t, N_SP, "[PAD271]", KV_TOKT_UNUSED);
+    expect_piece(t, N_SP + 2, "[PAD273]", KV_TOKT_UNUSED);
+    for (int32_t i = 0; i < N_SP; i++)
+        cr_assert(kv_tok_score(t, i) == kv_tok_score(m->tok, i), "score of %d", i);
+    /* the same ids and the same text back */
+    const char *texts[] = {"hi abc ab a", " hi  hi\nxyz", "abcabc hi"};
+    for (size_t k = 0; k < sizeof texts / sizeof texts[0]; k++) {
+        int64_t na, nb;
+        int32_t *a = encode(m->tok, texts[k], &na), *b = encode(t, texts[k], &nb);
+        cr_assert(na == nb && !memcmp(a, b, (size_t)na * sizeof *a), "'%s' encodes differently",
+                  texts[k]);
+        char da[256], db[256];
+        size_t oa = 0, ob = 0;
+        for (int64_t i = 0; i < na; i++) {
+            oa += kv_tok_decode(m->tok, i ? a[i - 1] : -1, a[i], da + oa, sizeof da - oa);
+            ob += kv_tok_decode(t, i ? b[i - 1] : -1, b[i], db + ob, sizeof db - ob);
+        }
+        cr_assert(oa == ob && !memcmp(da, db, oa) && oa == strlen(texts[k]) &&
+                      !memcmp(da, texts[k], oa),
+                  "'%s' decodes to '%.*s' and '%.*s'", texts[k], (int)oa, da, (int)ob, db);
+        free(a), free(b);
+    }
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    int v;
+    cr_assert_eq(kv_gguf_get_bool(f, "tokenizer.ggml.add_space_prefix", &v, &e), KV_OK);
+    cr_assert_eq(v, 1);
+    kv_gguf_close(f);
+    kv_tok_free(t);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, byte_level_tokenizer_is_written_as_gpt2_without_merges) {
+    /* raw pieces: the 256 bytes, then "ab", " a", "hello"; merges a+b, ' '+a */
+    static const char *extra[] = {"ab", " a"};
+    const char *pieces[258];
+    size_t plen[258];
+    char bytes[256];
+    for (int b = 0; b < 256; b++) bytes[b] = (char)b, pieces[b] = &bytes[b], plen[b] = 1;
+    pieces[256] = extra[0], plen[256] = 2;
+    pieces[257] = extra[1], plen[257] = 2;
+    int32_t merges[4] = {'a', 'b', ' ', 'a'};
+    char *dir0 = kvt_temp_dir(), *tj = kvt_path(dir0, "tokenizer.json");
+    struct kv_err e;
+    cr_assert_eq(kv_hf_write_bpe_tokenizer(tj, pieces, plen, 258, merges, 2, NULL, &e), KV_OK,
+                 "%s", e.msg);
+    struct kv_tokenizer *orig;
+    cr_assert_eq(kv_tok_open(tj, &orig, &e), KV_OK, "%s", e.msg);
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    c.vocab_size = kv_tok_n_vocab(orig); /* 258 + 2 specials */
+    c.bos_id = kv_tok_bos(orig), c.eos_id = kv_tok_eos(orig);
+    struct kv_model *m = random_model(c, 44);
+    m->tok = orig;
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    struct kv_gguf_file *f;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    struct kv_gguf_str s;
+    cr_assert_eq(kv_gguf_get_str(f, "tokenizer.ggml.model", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "gpt2"));
+    const struct kv_gguf_kv *mk = kv_gguf_find(f, "tokenizer.ggml.merges");
+    cr_assert(mk && mk->type == KV_GGUF_ARRAY && mk->arr_type == KV_GGUF_STRING && mk->arr_n == 0);
+    struct kv_gguf_str *toks;
+    uint64_t nt;
+    cr_assert_eq(kv_gguf_get_arr_str(f, "tokenizer.ggml.tokens", &toks, &nt, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(toks[' '], "\xc4\xa0"));   /* ' ' is U+0120 */
+    cr_assert(kv_gguf_str_eq(toks['\n'], "\xc4\x8a"));  /* '\n' is U+010A */
+    cr_assert(kv_gguf_str_eq(toks[257], "\xc4\xa0" "a"));
+    cr_assert(kv_gguf_str_eq(toks[258], "<|begin_of_text|>")); /* control: text as it is */
+    free(toks);
+    kv_gguf_close(f);
+    /* every id decodes to its bytes; text encodes one byte per token */
+    struct kv_tokenizer *t = read_tok(path);
+    for (int32_t i = 0; i < kv_tok_n_vocab(orig); i++) {
+        char a[64], b[64];
+        size_t na = kv_tok_decode(orig, 7, i, a, sizeof a), nb = kv_tok_decode(t, 7, i, b, sizeof b);
+        cr_assert(na == nb && !memcmp(a, b, na), "id %d decodes to '%.*s', wrote '%.*s'", i,
+                  (int)nb, b, (int)na, a);
+    }
+    int32_t *ids;
+    int64_t n;
+    cr_assert_eq(kv_tok_encode(t, "ab a", 4, 0, &ids, &n, &e), KV_OK, "%s", e.msg);
+    cr_assert(n == 4 && ids[0] == 'a' && ids[1] == 'b' && ids[2] == ' ' && ids[3] == 'a');
+    free(ids);
+    kv_tok_free(t);
+    remove_file(path, dir);
+    unlink(tj), free(tj), kvt_rm_dir(dir0);
+    kv_model_close(m);
+}
+
+/* ---------------------------------------------------------------- refusals */
+
+/* Writing m with type t fails with code and exactly msg; no file, no temporary. */
+static void refused(const struct kv_model *m, uint32_t t, int code, const char *msg) {
+    char *dir = kvt_temp_dir(), *path = kvt_path(dir, "m.gguf");
+    struct kv_gguf_write_opts o = {.matrix_type = t};
+    struct kv_err e;
+    kv_err_clear(&e);
+    cr_assert_eq(kv_gguf_write_model(m, path, &o, &e), code, "code %s: %s",
+                 kv_status_name(e.code), e.msg);
+    cr_assert_str_eq(e.msg, msg);
+    cr_assert_str_eq(e.path, path);
+    cr_assert_neq(access(path, F_OK), 0, "a file was written");
+    cr_assert_eq(kvt_tmp_left(path), 0);
+    free(path);
+    kvt_rm_dir(dir);
+}
+
+Test(ggufmodelw, refuses_matrix_types_it_cannot_encode) {
+    struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 0, 1), 51);
+    refused(m, 99, KV_EINVAL,
+            "matrix type 99 (unknown) is not one kvcal can write; expected F32, F16, BF16, Q4_0, "
+            "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K");
+    refused(m, 28, KV_EINVAL,
+            "matrix type 28 (F64) is not one kvcal can write; expected F32, F16, BF16, Q4_0, "
+            "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_rows_that_are_not_whole_blocks) {
+    struct kv_model *m = random_model(tiny_cfg(KV_ROPE_HALF, 0, 1), 52);
+    refused(m, T_Q4_K, KV_EINVAL,
+            "tensor 'token_embd.weight' of shape [97, 48] has rows of 48 elements, not a whole "
+            "number of Q4_K blocks of 256");
+    kv_model_close(m);
+    /* every row but ffn_down's (hidden 80) is 256 long */
+    struct kv_config c = block_cfg(KV_ROPE_HALF, 0, 1);
+    c.hidden_dim = 80;
+    m = random_model(c, 53);
+    refused(m, T_Q4_K, KV_EINVAL,
+            "tensor 'blk.0.ffn_down.weight' of shape [256, 80] has rows of 80 elements, not a "
+            "whole number of Q4_K blocks of 256");
+    refused(m, T_Q8_0, KV_EINVAL,
+            "tensor 'blk.0.ffn_down.weight' of shape [256, 80] has rows of 80 elements, not a "
+            "whole number of Q8_0 blocks of 32");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_non_finite_weights_for_block_types) {
+    struct kv_model *m = random_model(block_cfg(KV_ROPE_HALF, 0, 1), 54);
+    kv_model_weight_mut(m, KV_W_UP, 1)[3 * 256 + 7] = NAN;
+    refused(m, T_Q8_0, KV_ENUMERIC,
+            "tensor 'blk.1.ffn_up.weight' holds nan at row 3, column 7; Q8_0 needs finite weights");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_rope_scalings_gguf_cannot_hold_yet) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 32;
+    s->beta_fast = 32, s->beta_slow = 1;
+    struct kv_model *m = random_model(c, 55);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "rope scaling 'yarn' cannot be written to gguf yet; kvcal writes default, linear, "
+            "llama3 and per-pair divisors (rope_freqs.weight)");
+    kv_model_close(m);
+    memset(s, 0, sizeof *s);
+    s->type = KV_ROPE_SCALING_DYNAMIC, s->factor = 2, s->original_ctx = 32;
+    m = random_model(c, 56);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "rope scaling 'dynamic' cannot be written to gguf yet; kvcal writes default, linear, "
+            "llama3 and per-pair divisors (rope_freqs.weight)");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_architectures_without_a_gguf_row) {
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_GPT2;
+    c.dim = 32, c.hidden_dim = 128, c.n_layers = 1, c.n_heads = 4, c.n_kv_heads = 4;
+    c.head_dim = 8, c.vocab_size = 50, c.max_seq_len = 16, c.norm_eps = 1e-5f;
+    c.tied_embeddings = 1, c.has_qkv_bias = 1, c.bos_id = c.eos_id = -1;
+    struct kv_model *m;
+    struct kv_err e;
+    cr_assert_eq(kv_model_init_random(&c, 57, &m, &e), KV_OK, "%s", e.msg);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama'");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_tokenizers_llama_cpp_cannot_load) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    c.vocab_size = N_SP;
+    struct kv_model *m = random_model(c, 58);
+    m->tok = sp_tokenizer(" hi"); /* the last piece repeats " hi" (id 269) */
+    refused(m, T_F32, KV_EINVAL,
+            "tokenizer pieces 269 and 270 are both '\\xe2\\x96\\x81hi'; llama.cpp needs every "
+            "piece to be distinct");
+    kv_model_close(m);
+    c.vocab_size = N_SP - 1;
+    m = random_model(c, 59);
+    m->tok = sp_tokenizer(NULL);
+    refused(m, T_F32, KV_EINVAL,
+            "tokenizer has 271 pieces but the model's vocabulary has 270 rows; llama.cpp needs "
+            "one piece per row");
+    kv_model_close(m);
+}

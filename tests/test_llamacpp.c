@@ -1,0 +1,478 @@
+/* llama.cpp as an independent reference for the GGUF writer
+ * (formats/ggufmodelw.c), for kvcal's forward pass and for its block codecs.
+ * Models are written with kv_gguf_write_model, and llama.cpp's per-position
+ * log-probabilities over the whole vocabulary (tests/llamacpp/logprobs.mjs:
+ * its prebuilt CPU library through the npm package node-llama-cpp, F32 KV
+ * cache) are compared with kvcal's own (kv_fwd_run, then the log-softmax of
+ * tests/llamacpp/kvcal_logprobs.c, in process):
+ *
+ *   - random-weight Llama models at real head and GQA shapes (head_dim 64
+ *     and 128, GQA 4:1 and 2:1, llama3 and linear rope scaling, biases,
+ *     tied and untied heads), 128 ids from BOS, F32, Q8_0 and Q4_K
+ *     matrices: the largest |Δ log p| must stay within the case's
+ *     tolerance;
+ *   - the real models at hand (data/kjv-llama, data/kjv-bpe-llama and,
+ *     from ../shared, stories260K as GGUF and as llama2.c + tok512.bin,
+ *     tinystories-656K) on an English text they tokenize: |Δ log p| within
+ *     2e-3, and their vocabularies: llama.cpp decodes the ids to kvcal's
+ *     text and encodes the text to the ids kvcal's reader of the written
+ *     file gives (to the model's own ids where the vocabulary is written
+ *     exactly).
+ *
+ * For a block type the model's matrices are replaced by
+ * kv_ggml_dequant(kv_ggml_quant(w)) after writing, so kvcal runs the very
+ * weights its bytes encode, and llama.cpp decodes those bytes with its own
+ * code: agreement checks kvcal's Q8_0 and Q4_K block layouts against
+ * ggml's. llama.cpp also rounds the activations of every product with a
+ * block-typed weight to 8 bits (Q8_0 blocks for Q8_0, Q8_K for Q4_K), which
+ * kvcal does not, so these cases get a looser |Δ log p| tolerance and a
+ * second test: llama.cpp's distributions must be at least twice as close
+ * (mean KL) to kvcal's run of the decoded weights as to its run of the
+ * weights before quantisation. tests/llamacpp/README.md has the
+ * measurements.
+ *
+ * Needs node on PATH and deps/node/node_modules/node-llama-cpp (see
+ * tests/llamacpp/README.md); skips, saying which is missing, without them.
+ * Runs from the repository root, as make test does. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ggmlquant.h"
+#include "gguf.h"
+#include "ggufmodel.h"
+#include "ggufmodelw.h"
+#include "model.h"
+#include "testutil.h"
+#include "xorshift64.h"
+
+#define LOGPROBS_MJS "tests/llamacpp/logprobs.mjs"
+#define NODE_PKG "deps/node/node_modules/node-llama-cpp/package.json"
+
+/* Skip unless node and node-llama-cpp are there. */
+static void need_llamacpp(void) {
+    if (system("command -v node >/dev/null 2>&1") != 0)
+        cr_skip_test("node is not on PATH; the llama.cpp comparison needs it; skipping");
+    if (access(NODE_PKG, R_OK) != 0)
+        cr_skip_test("'%s' is absent (npm install --prefix deps/node node-llama-cpp "
+                     "@node-llama-cpp/linux-x64, tests/llamacpp/README.md); skipping",
+                     NODE_PKG);
+    if (access(LOGPROBS_MJS, R_OK) != 0)
+        cr_skip_test("'%s' is absent (run from the repository root); skipping", LOGPROBS_MJS);
+}
+
+/* Random weights are N(0, 0.02): scale q and k so attention is not uniform,
+ * and the head so the next-token distributions are peaked (logits of
+ * standard deviation about 1.3 to 1.9). Sharper attention than this makes
+ * the model chaotic: llama.cpp's rounding of activations (block types)
+ * then flips which position a head attends to. */
+static void shape_weights(struct kv_model *m) {
+    const struct kv_config *c = kv_model_config(m);
+    int64_t s[2];
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int k = KV_W_Q; k <= KV_W_K; k++) {
+            float *w = kv_model_weight_mut(m, k, l);
+            kv_model_expected_shape(c, k, s);
+            for (int64_t i = 0; i < s[0] * s[1]; i++) w[i] *= 2;
+        }
+    float *head = kv_model_weight_mut(m, c->tied_embeddings ? KV_W_TOK_EMB : KV_W_LM_HEAD, 0);
+    for (int64_t i = 0; i < c->vocab_size * c->dim; i++) head[i] *= 4;
+}
+
+/* Every 2-D weight of m through type t and back, in place. */
+static void round_matrices(struct kv_model *m, uint32_t t) {
+    const struct kv_config *c = kv_model_config(m);
+    int64_t s[2];
+    for (int k = 0; k < KV_W_COUNT; k++)
+        for (int64_t l = 0; l < (k < KV_W_FIRST_LAYER ? 1 : c->n_layers); l++) {
+            float *w = kv_model_weight_mut(m, k, l);
+            if (!w || kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
+            if (kv_model_expected_shape(c, k, s) != 2) continue;
+            int64_t n = s[0] * s[1];
+            void *q = malloc((size_t)(n / kv_ggml_block_elems(t) * kv_ggml_block_bytes(t)));
+            cr_assert_eq(kv_ggml_quant(t, w, q, n), KV_OK);
+            cr_assert_eq(kv_ggml_dequant(t, q, w, n), KV_OK);
+            free(q);
+        }
+}
+
+/* kvcal's log p(v | ids[0..i]) for i < P, [P][V], as kvcal_logprobs.c: one
+ * run from position 0, log-softmax of the float32 logits in double. */
+static double *kvcal_logprobs(const struct kv_model *m, const int32_t *ids, int64_t P) {
+    int64_t V = kv_model_config(m)->vocab_size;
+    struct kv_fwd *f;
+    struct kv_err e;
+    cr_assert_eq(kv_fwd_init(m, P, &f, &e), KV_OK, "%s", e.msg);
+    float *lg = malloc((size_t)(P * V) * sizeof *lg);
+    cr_assert_eq(kv_fwd_run(f, ids, P, 0, lg, &e), KV_OK, "%s", e.msg);
+    kv_fwd_free(f);
+    double *lp = malloc((size_t)(P * V) * sizeof *lp);
+    for (int64_t i = 0; i < P; i++) {
+        const float *row = lg + i * V;
+        double mx = -INFINITY, s = 0;
+        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+        for (int64_t v = 0; v < V; v++) s += exp((double)row[v] - mx);
+        double lse = mx + log(s);
+        for (int64_t v = 0; v < V; v++) lp[i * V + v] = (double)row[v] - lse;
+    }
+    free(lg);
+    return lp;
+}
+
+/* Read an OUT.bin of logprobs.mjs: [P][V] float32 after the header. */
+static double *read_logprobs(const char *path, int64_t P, int64_t V) {
+    size_t len;
+    char *b = kvt_read_file(path, &len);
+    cr_assert_not_null(b, "cannot read %s", path);
+    uint32_t hdr[2];
+    memcpy(hdr, b, 8);
+    cr_assert(hdr[0] == P && hdr[1] == V, "%s: %u x %u, expected %lld x %lld", path, hdr[0],
+              hdr[1], (long long)P, (long long)V);
+    cr_assert_eq(len, 8 + (size_t)(P * V) * 4);
+    double *lp = malloc((size_t)(P * V) * sizeof *lp);
+    for (int64_t i = 0; i < P * V; i++) {
+        float x;
+        memcpy(&x, b + 8 + 4 * i, 4);
+        lp[i] = x;
+    }
+    free(b);
+    return lp;
+}
+
+/* How llama.cpp's log-probabilities lc differ from kvcal's kv. */
+struct diff {
+    double max;           /* max |Δ log p| over positions and vocabulary */
+    int64_t pos, tok;     /* where */
+    double at_kv, at_lc;  /* the two values there */
+    double kl;            /* mean over positions of KL(lc || kv) */
+    double ppl_kv, ppl_lc;
+};
+
+static struct diff compare(const double *lc, const double *kv, const int32_t *ids, int64_t P,
+                           int64_t V) {
+    struct diff d = {0};
+    double nll_kv = 0, nll_lc = 0;
+    for (int64_t i = 0; i < P; i++) {
+        for (int64_t v = 0; v < V; v++) {
+            double a = kv[i * V + v], b = lc[i * V + v], x = fabs(a - b);
+            if (!(x <= d.max)) d.max = isnan(x) ? INFINITY : x, d.pos = i, d.tok = v, d.at_kv = a, d.at_lc = b;
+            d.kl += exp(b) * (b - a);
+        }
+        nll_kv -= kv[i * V + ids[i + 1]];
+        nll_lc -= lc[i * V + ids[i + 1]];
+    }
+    d.kl /= (double)P;
+    d.ppl_kv = exp(nll_kv / (double)P), d.ppl_lc = exp(nll_lc / (double)P);
+    return d;
+}
+
+/* Run "node SCRIPT A B C OPTS" from the repository root; assert it exits 0,
+ * quoting what it printed otherwise. */
+static void run_node(const char *what, const char *script, const char *a, const char *b,
+                     const char *c, const char *opts) {
+    char cmd[4096], out[8192];
+    snprintf(cmd, sizeof cmd, "node '%s' '%s' '%s' '%s' %s 2>&1", script, a, b, c, opts);
+    FILE *pp = popen(cmd, "r");
+    cr_assert_not_null(pp);
+    size_t got = fread(out, 1, sizeof out - 1, pp);
+    out[got] = 0;
+    cr_assert_eq(pclose(pp), 0, "%s: node %s failed: %s", what, script, out);
+}
+
+/* Write n ids as text. */
+static void write_ids(const char *path, const int32_t *ids, int64_t n) {
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    for (int64_t i = 0; i < n; i++) fprintf(f, "%d ", ids[i]);
+    cr_assert_eq(fclose(f), 0);
+}
+
+struct lc_case {
+    const char *name;
+    int64_t dim, hidden, layers, heads, kv_heads, head_dim, vocab;
+    enum kv_rope_layout layout;
+    enum kv_rope_scaling scaling; /* NONE, LINEAR (factor 4) or LLAMA3 (Llama 3.2's) */
+    int tied, bias;
+    uint32_t mtype;
+    double tol; /* max |Δ log p| allowed */
+};
+
+#define N_IDS 128
+
+static void run_case(const struct lc_case *k) {
+    need_llamacpp();
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_LLAMA;
+    c.dim = k->dim, c.hidden_dim = k->hidden, c.n_layers = k->layers;
+    c.n_heads = k->heads, c.n_kv_heads = k->kv_heads, c.head_dim = k->head_dim;
+    c.vocab_size = k->vocab, c.max_seq_len = 2048;
+    c.norm_eps = 1e-5f, c.rope_theta = 10000.0f;
+    c.rope_layout = k->layout;
+    c.tied_embeddings = k->tied, c.has_qkv_bias = k->bias;
+    c.bos_id = 1, c.eos_id = 2;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = k->scaling;
+    if (k->scaling == KV_ROPE_SCALING_LINEAR) s->factor = 4;
+    if (k->scaling == KV_ROPE_SCALING_LLAMA3) {
+        s->factor = 32, s->low_freq_factor = 1, s->high_freq_factor = 4, s->original_ctx = 8192;
+        c.rope_theta = 500000.0f;
+    }
+    struct kv_model *m;
+    struct kv_err e;
+    cr_assert_eq(kv_model_init_random(&c, 1000 + (uint64_t)k->dim + (uint64_t)k->head_dim, &m, &e),
+                 KV_OK, "%s", e.msg);
+    shape_weights(m);
+
+    /* BOS, then random ids */
+    const int64_t n = N_IDS, P = n - 1, V = c.vocab_size;
+    int32_t ids[N_IDS];
+    uint64_t st = 0x9e3779b97f4a7c15ull ^ (uint64_t)V;
+    for (int64_t i = 0; i < n; i++) ids[i] = i == 0 ? 1 : (int32_t)(rng_next(&st) % (uint64_t)V);
+
+    char *dir = kvt_temp_dir(), *gguf = kvt_path(dir, "m.gguf"), *ids_path = kvt_path(dir, "ids.txt");
+    char *lc_path = kvt_path(dir, "lc.bin");
+    struct kv_gguf_write_opts o = {.matrix_type = k->mtype};
+    cr_assert_eq(kv_gguf_write_model(m, gguf, &o, &e), KV_OK, "%s", e.msg);
+    write_ids(ids_path, ids, n);
+
+    run_node(k->name, LOGPROBS_MJS, gguf, ids_path, lc_path, "--threads 1 --logits-only");
+    double *lc = read_logprobs(lc_path, P, V);
+
+    /* the weights before and after their round trip through the block type */
+    double *kv_f32 = NULL;
+    if (k->mtype != KV_GGML_F32) {
+        kv_f32 = kvcal_logprobs(m, ids, P);
+        round_matrices(m, k->mtype);
+    }
+    double *kv = kvcal_logprobs(m, ids, P);
+    struct diff d = compare(lc, kv, ids, P, V);
+    cr_log_info("%s: max |dlogp| %.2e at position %lld token %lld (kvcal %.6f, llama.cpp %.6f); "
+                "mean KL %.2e; ppl kvcal %.6f llama.cpp %.6f",
+                k->name, d.max, (long long)d.pos, (long long)d.tok, d.at_kv, d.at_lc, d.kl,
+                d.ppl_kv, d.ppl_lc);
+    cr_expect(d.max <= k->tol,
+              "%s: max |dlogp| %.3g at position %lld token %lld (kvcal %.6f, llama.cpp %.6f), "
+              "tolerance %.3g; ppl kvcal %.6f llama.cpp %.6f",
+              k->name, d.max, (long long)d.pos, (long long)d.tok, d.at_kv, d.at_lc, k->tol,
+              d.ppl_kv, d.ppl_lc);
+    if (kv_f32) {
+        /* llama.cpp decodes the bytes to kvcal's decoded weights, not to
+         * something else near the originals: its distributions are much
+         * closer to kvcal's run of the decoded weights than to its run of
+         * the weights before quantisation */
+        struct diff d0 = compare(lc, kv_f32, ids, P, V);
+        cr_log_info("%s: before quantisation: max |dlogp| %.2e, mean KL %.2e, ppl %.6f", k->name,
+                    d0.max, d0.kl, d0.ppl_kv);
+        cr_expect(d.kl <= 0.5 * d0.kl,
+                  "%s: mean KL(llama.cpp || kvcal) %.3g with kvcal's decoded weights, %.3g with "
+                  "the weights before quantisation: expected at most half",
+                  k->name, d.kl, d0.kl);
+        free(kv_f32);
+    }
+    free(kv), free(lc);
+    unlink(gguf), unlink(ids_path), unlink(lc_path);
+    free(gguf), free(ids_path), free(lc_path);
+    kvt_rm_dir(dir);
+    kv_model_close(m);
+}
+
+#define HALF KV_ROPE_HALF
+#define INTL KV_ROPE_INTERLEAVED
+#define NONE KV_ROPE_SCALING_NONE
+#define LIN KV_ROPE_SCALING_LINEAR
+#define L3 KV_ROPE_SCALING_LLAMA3
+
+/* llama.cpp rounds the activations of each product with a Q8_0 or Q4_K
+ * weight to 8 bits: measured 0.13 and 0.16 at most (tests/llamacpp/README.md),
+ * against 0.23 and 2.4 between llama.cpp and kvcal's run of the weights
+ * before quantisation; a block layout kvcal got wrong gives garbage. */
+static const struct lc_case cases[] = {
+    /* name                   dim  hid  L  h  g  d_h vocab layout scaling tied bias type  tol */
+    {"hd64-gqa4-llama3-f32", 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 1, 0, KV_GGML_F32, 2e-3},
+    {"hd128-gqa2-bias-f32", 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 1, KV_GGML_F32, 2e-3},
+    {"hd64-heads-wider-f32", 256, 512, 2, 8, 4, 64, 512, HALF, NONE, 0, 0, KV_GGML_F32, 2e-3},
+    {"hd64-gqa2-linear-f32", 384, 768, 2, 6, 3, 64, 768, HALF, LIN, 1, 1, KV_GGML_F32, 2e-3},
+    {"hd64-vocab200-f32", 256, 512, 1, 4, 2, 64, 200, HALF, NONE, 1, 0, KV_GGML_F32, 2e-3},
+    {"hd64-gqa4-llama3-q8_0", 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 1, 0, 8, 0.5},
+    {"hd128-gqa2-bias-q4_k", 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 1, 12, 0.5},
+};
+
+Test(llamacpp, hd64_gqa4_llama3_f32) { run_case(&cases[0]); }
+Test(llamacpp, hd128_gqa2_bias_f32) { run_case(&cases[1]); }
+Test(llamacpp, hd64_heads_wider_than_dim_f32) { run_case(&cases[2]); }
+Test(llamacpp, hd64_gqa2_linear_scaling_f32) { run_case(&cases[3]); }
+Test(llamacpp, hd64_small_byte_level_vocabulary_f32) { run_case(&cases[4]); }
+Test(llamacpp, hd64_gqa4_llama3_q8_0) { run_case(&cases[5]); }
+Test(llamacpp, hd128_gqa2_bias_q4_k) { run_case(&cases[6]); }
+
+/* ---------------------------------------------------------------- real models */
+
+/* llama.cpp's view of a vocabulary: OUT.detok, the text of the ids of IDS
+ * (detokenize, special tokens not rendered), and OUT.tok, the ids of the
+ * text of TEXT (tokenize, no BOS, special tokens as text). */
+static const char TOKENIZER_MJS[] =
+    "import fs from 'node:fs';\n"
+    "const common = await import(new URL('tests/llamacpp/common.mjs', 'file://' + process.cwd() + '/').href);\n"
+    "const [model, idsFile, textFile, out] = process.argv.slice(2);\n"
+    "const mod = await common.loadNodeLlamaCpp();\n"
+    "const { llama } = await common.cpuLlama(mod, { threads: 1 });\n"
+    "const m = await llama.loadModel({ modelPath: model, gpuLayers: 0 });\n"
+    "const ids = fs.readFileSync(idsFile, 'utf8').trim().split(/\\s+/).map(Number);\n"
+    "fs.writeFileSync(out + '.detok', m.detokenize(ids, false));\n"
+    "const text = fs.readFileSync(textFile, 'utf8');\n"
+    "fs.writeFileSync(out + '.tok', Array.from(m.tokenize(text, false)).join(' '));\n"
+    "await m.dispose();\n"
+    "await llama.dispose();\n";
+
+static int32_t *read_id_list(const char *path, int64_t *n) {
+    size_t len;
+    char *s = kvt_read_file(path, &len);
+    cr_assert_not_null(s, "cannot read %s", path);
+    int32_t *ids = malloc((len / 2 + 1) * sizeof *ids);
+    int64_t k = 0;
+    for (char *p = s, *end; *p; p = end) {
+        long v = strtol(p, &end, 10);
+        if (end == p) break;
+        ids[k++] = (int32_t)v;
+    }
+    free(s);
+    *n = k;
+    return ids;
+}
+
+struct real_case {
+    const char *name;
+    const char *model;     /* under the repository, or under ../shared when shared */
+    const char *tokenizer; /* likewise; NULL: the model's own */
+    int shared;
+    int same_text_ids;     /* llama.cpp encodes text as the model's own tokenizer does */
+};
+
+static const char REAL_TEXT[] =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park.\nOne day, she saw a big, red ball. \"Can I play?\" she asked her mom.\n";
+
+static void run_real(const struct real_case *k) {
+    need_llamacpp();
+    char mpath[1024], tpath[1024];
+    if (k->shared) {
+        const char *p = kvt_shared(k->model);
+        if (!p) cr_skip_test("shared model '%s' is absent; skipping", k->model);
+        snprintf(mpath, sizeof mpath, "%s", p);
+        if (k->tokenizer) {
+            p = kvt_shared(k->tokenizer);
+            if (!p) cr_skip_test("shared tokenizer '%s' is absent; skipping", k->tokenizer);
+            snprintf(tpath, sizeof tpath, "%s", p);
+        }
+    } else {
+        snprintf(mpath, sizeof mpath, "%s", k->model);
+        if (k->tokenizer) snprintf(tpath, sizeof tpath, "%s", k->tokenizer);
+    }
+    struct kv_model *m;
+    struct kv_err e;
+    char msg[2200];
+    int rc = kv_model_open(mpath, k->tokenizer ? tpath : NULL, &m, &e);
+    kv_err_format(&e, msg, sizeof msg, 0);
+    cr_assert_eq(rc, KV_OK, "%s", msg);
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    cr_assert_not_null(tok);
+    int32_t *ids;
+    int64_t n;
+    cr_assert_eq(kv_tok_encode(tok, REAL_TEXT, strlen(REAL_TEXT), kv_tok_policy(tok), &ids, &n, &e),
+                 KV_OK, "%s", e.msg);
+    int64_t P = n - 1, V = kv_model_config(m)->vocab_size;
+
+    char *dir = kvt_temp_dir(), *gguf = kvt_path(dir, "m.gguf"), *ids_path = kvt_path(dir, "ids.txt");
+    char *lc_path = kvt_path(dir, "lc.bin"), *text_path = kvt_path(dir, "text.txt");
+    char *mjs = kvt_path(dir, "tok.mjs"), *out = kvt_path(dir, "lc");
+    cr_assert_eq(kv_gguf_write_model(m, gguf, NULL, &e), KV_OK, "%s", e.msg);
+    write_ids(ids_path, ids, n);
+
+    /* the forward passes, on the text the model was trained for */
+    run_node(k->name, LOGPROBS_MJS, gguf, ids_path, lc_path, "--threads 1 --logits-only");
+    double *lc = read_logprobs(lc_path, P, V), *kv = kvcal_logprobs(m, ids, P);
+    struct diff d = compare(lc, kv, ids, P, V);
+    cr_log_info("%s: %lld ids: max |dlogp| %.2e at position %lld token %lld (kvcal %.6f, "
+                "llama.cpp %.6f); mean KL %.2e; ppl kvcal %.6f llama.cpp %.6f",
+                k->name, (long long)n, d.max, (long long)d.pos, (long long)d.tok, d.at_kv, d.at_lc,
+                d.kl, d.ppl_kv, d.ppl_lc);
+    cr_expect(d.max <= 2e-3, "%s: max |dlogp| %.3g at position %lld token %lld (kvcal %.6f, "
+              "llama.cpp %.6f); ppl kvcal %.6f llama.cpp %.6f",
+              k->name, d.max, (long long)d.pos, (long long)d.tok, d.at_kv, d.at_lc, d.ppl_kv,
+              d.ppl_lc);
+
+    /* the vocabulary: llama.cpp decodes the ids to kvcal's text, and
+     * encodes text as kvcal's reader of the written file does */
+    FILE *f = fopen(mjs, "w");
+    cr_assert_not_null(f);
+    fputs(TOKENIZER_MJS, f);
+    fclose(f);
+    f = fopen(text_path, "w");
+    cr_assert_not_null(f);
+    fputs(REAL_TEXT, f);
+    fclose(f);
+    run_node(k->name, mjs, gguf, ids_path, text_path, out);
+    char *detok_path = kvt_path(dir, "lc.detok"), *tok_path = kvt_path(dir, "lc.tok");
+    size_t dlen;
+    char *detok = kvt_read_file(detok_path, &dlen);
+    cr_assert_not_null(detok);
+    char dec[4096];
+    size_t o = 0;
+    for (int64_t i = 0; i < n; i++)
+        o += kv_tok_decode(tok, i ? ids[i - 1] : -1, ids[i], dec + o, sizeof dec - o);
+    cr_assert_lt(o, sizeof dec);
+    /* llama.cpp keeps the dummy-prefix space after BOS that kvcal's
+     * decoder (like SentencePiece's) drops */
+    const char *lt = detok;
+    if (dlen == o + 1 && detok[0] == ' ' && (o == 0 || dec[0] != ' ')) lt++, dlen--;
+    cr_expect(dlen == o && !memcmp(lt, dec, o),
+              "%s: llama.cpp decodes the ids to\n%.*s\nkvcal to\n%.*s", k->name, (int)dlen, lt,
+              (int)o, dec);
+    struct kv_tokenizer *back;
+    cr_assert_eq(kv_gguf_load_tokenizer(gguf, &back, &e), KV_OK, "%s", e.msg);
+    int32_t *kids, *lids;
+    int64_t kn, ln;
+    cr_assert_eq(kv_tok_encode(back, REAL_TEXT, strlen(REAL_TEXT), 0, &kids, &kn, &e), KV_OK, "%s",
+                 e.msg);
+    lids = read_id_list(tok_path, &ln);
+    int64_t first = 0;
+    while (first < kn && first < ln && kids[first] == lids[first]) first++;
+    cr_expect(kn == ln && first == kn,
+              "%s: llama.cpp encodes the text to %lld ids, kvcal's reader of the file to %lld; "
+              "first difference at %lld (%d, %d)",
+              k->name, (long long)ln, (long long)kn, (long long)first,
+              first < ln ? lids[first] : -1, first < kn ? kids[first] : -1);
+    int64_t skip = n > 0 && ids[0] == kv_tok_bos(tok); /* ids has BOS, kids none */
+    int same = kn == n - skip && !memcmp(kids, ids + skip, (size_t)kn * sizeof *kids);
+    if (k->same_text_ids)
+        cr_expect(same, "%s: the written vocabulary encodes the text differently from the model's "
+                  "own", k->name);
+    cr_log_info("%s: text of %zu bytes: %lld ids from the model's tokenizer, %lld from the "
+                "written vocabulary (%s; llama.cpp and kvcal's reader agree: %s)",
+                k->name, strlen(REAL_TEXT), (long long)(n - skip), (long long)ln,
+                same ? "the same ids" : "other ids", kn == ln && first == kn ? "yes" : "no");
+    free(kids), free(lids), free(detok);
+    kv_tok_free(back);
+    free(kv), free(lc), free(ids);
+    char *files[] = {gguf, ids_path, lc_path, text_path, mjs, detok_path, tok_path};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) unlink(files[i]), free(files[i]);
+    free(out);
+    kvt_rm_dir(dir);
+    kv_model_close(m);
+}
+
+static const struct real_case reals[] = {
+    {"kjv-llama", "data/kjv-llama", NULL, 0, 0},
+    {"kjv-bpe-llama", "data/kjv-bpe-llama", NULL, 0, 0},
+    {"stories260K-gguf", "models/stories260K/stories260K.gguf", NULL, 1, 1},
+    {"stories260K-llama2c", "models/stories260K/stories260K.bin", "models/stories260K/tok512.bin", 1, 1},
+    {"tinystories-656K", "models/tinystories-656K", NULL, 1, 0},
+};
+
+Test(llamacpp, real_kjv_llama_byte_vocabulary) { run_real(&reals[0]); }
+Test(llamacpp, real_kjv_bpe_llama_byte_level_vocabulary) { run_real(&reals[1]); }
+Test(llamacpp, real_stories260k_gguf) { run_real(&reals[2]); }
+Test(llamacpp, real_stories260k_llama2c_with_tokenizer) { run_real(&reals[3]); }
+Test(llamacpp, real_tinystories_656k_hf) { run_real(&reals[4]); }
