@@ -135,6 +135,8 @@ static int parse_windows(const json_t *root, const char *path, int64_t layers,
         if ((rc = kv_json_get_bool(root, "use_sliding_window", path, 0, &use, err)) ||
             (rc = kv_json_get_int(root, "max_window_layers", path, 0, KV_MAX_LAYERS, 0, &from, err)))
             return rc;
+    } else if (cfg->arch == KV_ARCH_PHI3) {
+        win = 0; /* Phi3Config: none unless given, then in every layer */
     } else {
         use = 0; /* LlamaConfig has no window (transformers ignores the key) */
     }
@@ -226,6 +228,12 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
         return rc;
     if (mlp_bias)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
+    double partial = 1;
+    if ((rc = kv_json_get_num(root, "partial_rotary_factor", path, 1, 0, &partial, err))) return rc;
+    if (partial != 1)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "partial_rotary_factor %g is not supported: kvcal rotates whole heads",
+                       partial);
 
     if ((rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
         (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)) ||

@@ -76,7 +76,7 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
         bad |= jset(o, "hidden_act", json_string("silu"));
         /* the window keys each config class reads (absent, MistralConfig
          * would default to a window of 4096) */
-        if (c->arch == KV_ARCH_MISTRAL)
+        if (c->arch == KV_ARCH_MISTRAL || c->arch == KV_ARCH_PHI3)
             bad |= jset(o, "sliding_window",
                         c->sliding_window ? json_integer(c->sliding_window) : json_null());
         if (c->arch == KV_ARCH_QWEN2) {
@@ -85,7 +85,7 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
                         c->sliding_window ? json_integer(c->sliding_window) : json_null());
             bad |= jset(o, "max_window_layers", json_integer(c->window_from));
         }
-        if (c->sliding_window && (c->window_period > 1 || (c->arch == KV_ARCH_MISTRAL && c->window_from))) {
+        if (c->sliding_window && (c->window_period > 1 || (c->arch != KV_ARCH_QWEN2 && c->window_from))) {
             json_decref(o);
             return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                            "a %s model windowed every %d layers from layer %d has no config.json "

@@ -64,6 +64,22 @@ static const char *const llama_hf_refused[] = {
     "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
 };
 
+/* ---------------------------------------------------------------- phi3 */
+
+/* Phi-3 stores q, k, v stacked in one projection and gate, up in another */
+static const struct kv_arch_tensor phi3_hf_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.qkv_proj.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_up_proj.weight", {KV_W_GATE, KV_W_UP}, 2, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+};
+
+static const char *const phi3_hf_refused[] = {
+    "self_attn.qkv_proj.bias", "self_attn.o_proj.bias", "mlp.gate_up_proj.bias", "mlp.down_proj.bias",
+};
+
 /* ---------------------------------------------------------------- gpt2 */
 
 #define GPT2_PREFIX "transformer."
@@ -168,6 +184,23 @@ static const struct kv_arch_desc archs[] = {
                    llama_hf_layer, COUNT(llama_hf_layer)},
             .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
                      llama_gguf_layer, COUNT(llama_gguf_layer)},
+            .lr_layer = llama_lr_layer,
+            .n_lr_layer = COUNT(llama_lr_layer),
+        },
+    [KV_ARCH_PHI3] =
+        {
+            .id = KV_ARCH_PHI3,
+            .name = "phi3",
+            .rope = 1,
+            .qkv_bias = KV_WUSE_NONE,
+            .hf_class = "Phi3ForCausalLM",
+            .gguf_arch = NULL, /* llama.cpp's phi3 GGUF is not read yet */
+            .hf_attn = "self_attn.",
+            .hf_refused = phi3_hf_refused,
+            .n_hf_refused = COUNT(phi3_hf_refused),
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   phi3_hf_layer, COUNT(phi3_hf_layer)},
+            .gguf = {"blk.", NULL, NULL, 0, NULL, 0},
             .lr_layer = llama_lr_layer,
             .n_lr_layer = COUNT(llama_lr_layer),
         },

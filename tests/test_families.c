@@ -68,6 +68,12 @@ static struct kv_config family_cfg(enum kv_arch arch) {
     } else if (arch == KV_ARCH_MISTRAL) {
         c.sliding_window = 24, c.window_period = 1;
         s->type = KV_ROPE_SCALING_LINEAR, s->factor = 2;
+    } else if (arch == KV_ARCH_PHI3) { /* Phi-3-mini-128k's scaling, a window in every layer */
+        c.sliding_window = 30, c.window_period = 1;
+        s->type = KV_ROPE_SCALING_LONGROPE, s->factor = 32, s->original_ctx = 256;
+        s->n_factors = c.head_dim / 2;
+        for (int64_t i = 0; i < s->n_factors; i++)
+            s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
     } else {
         c.sliding_window = 40, c.window_from = 1, c.window_period = 1;
         s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 512;
@@ -150,3 +156,4 @@ static void run_family(enum kv_arch arch) {
 Test(families, llama_with_llama3_scaling, .timeout = 300) { run_family(KV_ARCH_LLAMA); }
 Test(families, mistral_with_a_sliding_window, .timeout = 300) { run_family(KV_ARCH_MISTRAL); }
 Test(families, qwen2_with_biases_yarn_and_a_window, .timeout = 300) { run_family(KV_ARCH_QWEN2); }
+Test(families, phi3_fused_with_longrope_and_a_window, .timeout = 300) { run_family(KV_ARCH_PHI3); }

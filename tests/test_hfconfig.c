@@ -309,6 +309,8 @@ Test(hf_config, real_configs_load_and_run, .timeout = 120) {
         {"tests/configs/Qwen2.5-7B.json", KV_ARCH_QWEN2, 3584, 18944, 28, 4, 128, 0, 1000000.0f, 0},
         {"tests/configs/Mistral-7B-Instruct-v0.3.json", KV_ARCH_MISTRAL, 4096, 14336, 32, 8, 128, 0,
          1000000.0f, 0},
+        {"tests/configs/Phi-3-mini-4k-instruct.json", KV_ARCH_PHI3, 3072, 8192, 32, 32, 96, 2047,
+         10000.0f, 0},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) run_real(&rows[i]);
 }
