@@ -522,7 +522,7 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
     const char *ar = ad->gguf_arch;
     memset(cfg, 0, sizeof *cfg);
     cfg->arch = ad->id;
-    cfg->rope_layout = KV_ROPE_INTERLEAVED;
+    cfg->rope_layout = ad->gguf_rope_half ? KV_ROPE_HALF : KV_ROPE_INTERLEAVED;
     if ((rc = arch_dim(f, ar, "embedding_length", KV_MAX_DIM, 0, &cfg->dim, err)) ||
         (rc = arch_dim(f, ar, "feed_forward_length", KV_MAX_DIM, 0, &cfg->hidden_dim, err)) ||
         (rc = arch_dim(f, ar, "block_count", KV_MAX_LAYERS, 0, &cfg->n_layers, err)) ||

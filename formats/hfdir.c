@@ -129,7 +129,7 @@ static int parse_windows(const json_t *root, const char *path, int64_t layers,
     json_t *sw = json_object_get(root, "sliding_window");
     if (cfg->arch == KV_ARCH_MISTRAL) {
         win = sw ? 0 : 4096;
-    } else if (cfg->arch == KV_ARCH_QWEN2) {
+    } else if (cfg->arch == KV_ARCH_QWEN2 || cfg->arch == KV_ARCH_QWEN3) {
         use = 0;
         from = 28; /* Qwen2Config's max_window_layers */
         if ((rc = kv_json_get_bool(root, "use_sliding_window", path, 0, &use, err)) ||

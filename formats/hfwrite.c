@@ -79,13 +79,13 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
         if (c->arch == KV_ARCH_MISTRAL || c->arch == KV_ARCH_PHI3)
             bad |= jset(o, "sliding_window",
                         c->sliding_window ? json_integer(c->sliding_window) : json_null());
-        if (c->arch == KV_ARCH_QWEN2) {
+        if (c->arch == KV_ARCH_QWEN2 || c->arch == KV_ARCH_QWEN3) {
             bad |= jset(o, "use_sliding_window", json_boolean(c->sliding_window > 0));
             bad |= jset(o, "sliding_window",
                         c->sliding_window ? json_integer(c->sliding_window) : json_null());
             bad |= jset(o, "max_window_layers", json_integer(c->window_from));
         }
-        if (c->sliding_window && (c->window_period > 1 || (c->arch != KV_ARCH_QWEN2 && c->window_from))) {
+        if (c->sliding_window && (c->window_period > 1 || (c->arch != KV_ARCH_QWEN2 && c->arch != KV_ARCH_QWEN3 && c->window_from))) {
             json_decref(o);
             return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                            "a %s model windowed every %d layers from layer %d has no config.json "

@@ -29,14 +29,15 @@ static double rel_error(double dropped, double energy) {
 /* The words the manifest's model object uses for what an architecture's
  * forward pass does besides attention. */
 struct arch_words {
-    const char *norm, *activation, *mlp, *positions;
+    const char *norm, *activation, *mlp, *positions, *qk_norm;
 };
 
 static struct arch_words arch_words(enum kv_arch arch) {
     const struct kv_arch_desc *d = kv_arch_desc(arch);
     struct arch_words w = {d->layernorm ? "layernorm" : "rmsnorm",
                            d->gelu_mlp ? "gelu_new" : "silu", d->gelu_mlp ? "plain" : "gated",
-                           d->rope ? "rope" : "learned"};
+                           d->rope ? "rope" : "learned",
+                           d->qk_norm ? "rmsnorm_per_head_before_rope" : "none"};
     return w;
 }
 
@@ -260,6 +261,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "activation", json_string(aw.activation));
     jset(&b, mo, "mlp", json_string(aw.mlp));
     jset(&b, mo, "positions", json_string(aw.positions));
+    jset(&b, mo, "qk_norm", json_string(aw.qk_norm));
     json_t *map = jset(&b, mo, "kv_head_of_query", json_array());
     for (int64_t i = 0; i < c->n_heads; i++)
         jappend(&b, map, json_integer(i / (c->n_heads / c->n_kv_heads)));
@@ -325,6 +327,13 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
         jset(&b, yo, "q_proj_bias", name_or_null(an.has_qb ? an.qb : NULL));
         jset(&b, yo, "o_proj", json_string(an.o));
         jset(&b, yo, "o_proj_bias", name_or_null(an.has_ob ? an.ob : NULL));
+        if (kv_arch_desc(c->arch)->qk_norm) { /* applied to q and to the rebuilt key */
+            char qn[KV_LRL_NAME_CAP], kn[KV_LRL_NAME_CAP];
+            kv_lrl_attn_name(qn, c->arch, l, 'q', "_norm.weight");
+            kv_lrl_attn_name(kn, c->arch, l, 'k', "_norm.weight");
+            jset(&b, yo, "q_norm", json_string(qn));
+            jset(&b, yo, "k_norm", json_string(kn));
+        }
         jset(&b, yo, "k", side_json(&b, m, lr, l, 0));
         jset(&b, yo, "v", side_json(&b, m, lr, l, 1));
         jappend(&b, layers, yo);
@@ -530,7 +539,8 @@ static int check_arch_words(const json_t *mo, const struct kv_config *c, const c
     if ((rc = check_word(mo, "norm", w.norm, an, path, err)) ||
         (rc = check_word(mo, "activation", w.activation, an, path, err)) ||
         (rc = check_word(mo, "mlp", w.mlp, an, path, err)) ||
-        (rc = check_word(mo, "positions", w.positions, an, path, err)))
+        (rc = check_word(mo, "positions", w.positions, an, path, err)) ||
+        (rc = check_word(mo, "qk_norm", w.qk_norm, an, path, err)))
         return rc;
     json_t *map = json_object_get(mo, "kv_head_of_query");
     if (!map) return KV_OK;

@@ -315,6 +315,9 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
         int rc = kv_rope_check_length(c, o->max_ctx, err);
         if (rc) return rc;
     }
+    if (kv_arch_desc(c->arch)->qk_norm)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "the runtime has no per-head q/k norm (%s models)", kv_arch_name(c->arch));
     if (c->sliding_window > 0 && c->sliding_window < o->max_ctx)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                        "the runtime has no sliding-window attention: this model's window of %lld "

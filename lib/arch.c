@@ -64,6 +64,50 @@ static const char *const llama_hf_refused[] = {
     "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
 };
 
+/* ---------------------------------------------------------------- qwen3 */
+
+static const struct kv_arch_tensor qwen3_hf_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
+    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
+    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0},
+    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+};
+
+static const struct kv_arch_tensor qwen3_gguf_layer[] = {
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0}, {"attn_q.weight", ONE(KV_W_Q), 0},
+    {"attn_k.weight", ONE(KV_W_K), 0},            {"attn_v.weight", ONE(KV_W_V), 0},
+    {"attn_output.weight", ONE(KV_W_O), 0},       {"attn_q.bias", ONE(KV_W_BQ), 0},
+    {"attn_k.bias", ONE(KV_W_BK), 0},             {"attn_v.bias", ONE(KV_W_BV), 0},
+    {"attn_q_norm.weight", ONE(KV_W_QNORM), 0},   {"attn_k_norm.weight", ONE(KV_W_KNORM), 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0},       {"ffn_up.weight", ONE(KV_W_UP), 0},
+};
+
+/* the compressed directory keeps the norms, which act on the rebuilt key */
+static const struct kv_arch_tensor qwen3_lr_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
+    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0},
+    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0},
+    {NULL, ONE(KV_W_K), 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+};
+
 /* ---------------------------------------------------------------- phi3 */
 
 /* Phi-3 stores q, k, v stacked in one projection and gate, up in another */
@@ -177,6 +221,7 @@ static const struct kv_arch_desc archs[] = {
             .qkv_bias = KV_WUSE_REQUIRED,
             .hf_class = "Qwen2ForCausalLM",
             .gguf_arch = "qwen2",
+            .gguf_rope_half = 1,
             .hf_attn = "self_attn.",
             .hf_refused = llama_hf_refused,
             .n_hf_refused = COUNT(llama_hf_refused),
@@ -203,6 +248,26 @@ static const struct kv_arch_desc archs[] = {
             .gguf = {"blk.", NULL, NULL, 0, NULL, 0},
             .lr_layer = llama_lr_layer,
             .n_lr_layer = COUNT(llama_lr_layer),
+        },
+    [KV_ARCH_QWEN3] =
+        {
+            .id = KV_ARCH_QWEN3,
+            .name = "qwen3",
+            .rope = 1,
+            .qk_norm = 1,
+            .qkv_bias = KV_WUSE_OPTIONAL,
+            .hf_class = "Qwen3ForCausalLM",
+            .gguf_arch = "qwen3",
+            .gguf_rope_half = 1,
+            .hf_attn = "self_attn.",
+            .hf_refused = llama_hf_refused,
+            .n_hf_refused = COUNT(llama_hf_refused),
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   qwen3_hf_layer, COUNT(qwen3_hf_layer)},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     qwen3_gguf_layer, COUNT(qwen3_gguf_layer)},
+            .lr_layer = qwen3_lr_layer,
+            .n_lr_layer = COUNT(qwen3_lr_layer),
         },
     [KV_ARCH_GPT2] =
         {

@@ -44,12 +44,16 @@ struct kv_arch_desc {
     int layernorm;          /* LayerNorm with bias (mean removed) instead of RMSNorm */
     int rope;               /* rotary q/k; otherwise learned positions added to the embedding */
     int gelu_mlp;           /* up(+bias) -> GELU(tanh) -> down(+bias) instead of SwiGLU */
+    int qk_norm;            /* per-head RMSNorm of q and k (weights [d_h]) before RoPE */
     int qkv_bias;           /* KV_WUSE_OPTIONAL or KV_WUSE_REQUIRED (model.h) */
     int block_biases;       /* output projection, MLP and norm biases, all required */
     int mha;                /* as many KV heads as query heads */
     int tied_default;       /* a fresh model of the family (kvcal train) ties its head */
     const char *hf_class;   /* config.json "architectures" entry kvcal writes */
     const char *gguf_arch;  /* GGUF general.architecture (and its keys' prefix), or NULL */
+    int gguf_rope_half;     /* llama.cpp rotates this architecture's GGUF heads as pairs
+                               (i, i + d_h/2) ("neox"), with weights stored as in HF;
+                               else as pairs (2i, 2i+1) of permuted weights (llama) */
     const char *hf_attn;    /* HF module path of the attention block in a layer
                                ("self_attn.", "attn."): compressed tensors are named
                                after it */

@@ -40,6 +40,9 @@ struct glayer { /* saved activations of one layer */
     float *x_mid, *xn2, *mu2, *rs2;
     float *a, *b, *act;            /* ffn pre-activations and activation [n, hidden] */
     float *gk, *gv;                /* ∂L/∂k, ∂L/∂v before RoPE [n, g*d_h] */
+    /* per-head q/k norm (Qwen3): the projections before it and its row
+     * stats [n*h], [n*g]; NULL without */
+    float *qraw, *kraw, *qmu, *qrs, *kmu, *krs;
 };
 
 struct kv_grad {
@@ -50,6 +53,7 @@ struct kv_grad {
     float *rope_cos, *rope_sin;   /* [max_n][d_h/2] */
     /* backward scratch */
     float *dx, *dxn, *dq, *dk, *dv, *datt, *dh, *da, *db, *dP; /* dP: [threads][n][n] */
+    float *dqr, *dkr;             /* per-head norm inputs' gradients (Qwen3), or NULL */
     float *gbuf;                  /* every gradient, contiguous */
     int64_t n_gbuf;
     struct gtensor *t;
@@ -64,13 +68,16 @@ void kv_grad_free(struct kv_grad *g) {
     if (g->ly)
         for (int64_t l = 0; l < g->m->cfg.n_layers; l++) {
             struct glayer *y = &g->ly[l];
-            float *p[] = {y->x_in, y->xn1, y->mu1, y->rs1, y->q, y->k, y->v, y->P, y->att,
-                          y->x_mid, y->xn2, y->mu2, y->rs2, y->a, y->b, y->act, y->gk, y->gv};
+            float *p[] = {y->x_in, y->xn1, y->mu1, y->rs1, y->q,    y->k,   y->v,
+                          y->P,    y->att, y->x_mid, y->xn2, y->mu2, y->rs2, y->a,
+                          y->b,    y->act, y->gk,    y->gv,  y->qraw, y->kraw, y->qmu,
+                          y->qrs,  y->kmu, y->krs};
             for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
         }
     free(g->ly);
     float *p[] = {g->xf, g->xnf, g->muf, g->rsf, g->logits, g->rope_cos, g->rope_sin, g->dx,
-                  g->dxn, g->dq, g->dk, g->dv, g->datt, g->dh, g->da, g->db, g->dP, g->gbuf};
+                  g->dxn, g->dq, g->dk, g->dv, g->datt, g->dh, g->da, g->db, g->dP, g->gbuf,
+                  g->dqr, g->dkr};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
     free(g->t);
     free(g);
@@ -104,6 +111,12 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
         y->gk = falloc(n * kd), y->gv = falloc(n * kd);
         ok = y->x_in && y->xn1 && y->mu1 && y->rs1 && y->q && y->k && y->v && y->P && y->att &&
              y->x_mid && y->xn2 && y->mu2 && y->rs2 && y->a && y->b && y->act && y->gk && y->gv;
+        if (ok && kv_arch_desc(c->arch)->qk_norm) {
+            y->qraw = falloc(n * qd), y->kraw = falloc(n * kd);
+            y->qmu = falloc(n * h), y->qrs = falloc(n * h);
+            y->kmu = falloc(n * c->n_kv_heads), y->krs = falloc(n * c->n_kv_heads);
+            ok = y->qraw && y->kraw && y->qmu && y->qrs && y->kmu && y->krs;
+        }
     }
     if (ok) {
         g->xf = falloc(n * d), g->xnf = falloc(n * d), g->muf = falloc(n), g->rsf = falloc(n);
@@ -116,6 +129,8 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
         ok = g->xf && g->xnf && g->muf && g->rsf && g->logits && g->rope_cos && g->rope_sin &&
              g->dx && g->dxn && g->dq && g->dk && g->dv && g->datt && g->dh && g->da && g->db &&
              g->dP;
+        if (ok && kv_arch_desc(c->arch)->qk_norm)
+            ok = (g->dqr = falloc(n * qd)) != NULL && (g->dkr = falloc(n * kd)) != NULL;
     }
     /* the parameter table: every bound weight, globals first */
     int64_t cap = KV_W_FIRST_LAYER + L * (KV_W_COUNT - KV_W_FIRST_LAYER);
@@ -320,6 +335,12 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         lin_fwd(y->q, y->xn1, w[KV_W_Q], w[KV_W_BQ], n, d, qd);
         lin_fwd(y->k, y->xn1, w[KV_W_K], w[KV_W_BK], n, d, kd);
         lin_fwd(y->v, y->xn1, w[KV_W_V], w[KV_W_BV], n, d, kd);
+        if (arch->qk_norm) { /* per-head RMSNorm of q and k, before RoPE */
+            memcpy(y->qraw, y->q, (size_t)(n * qd) * sizeof(float));
+            memcpy(y->kraw, y->k, (size_t)(n * kd) * sizeof(float));
+            norm_fwd(c, y->q, y->qmu, y->qrs, y->qraw, w[KV_W_QNORM], NULL, n * h, dh);
+            norm_fwd(c, y->k, y->kmu, y->krs, y->kraw, w[KV_W_KNORM], NULL, n * c->n_kv_heads, dh);
+        }
         if (arch->rope) {
             rope_apply(g, y->q, n, h, 1.0f);
             rope_apply(g, y->k, n, c->n_kv_heads, 1.0f);
@@ -496,6 +517,16 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         if (arch->rope) {
             rope_apply(g, g->dq, n, h, -1.0f);
             rope_apply(g, g->dk, n, c->n_kv_heads, -1.0f);
+        }
+        if (arch->qk_norm) { /* back through the per-head norms to the projections */
+            memset(g->dqr, 0, (size_t)(n * qd) * sizeof(float));
+            memset(g->dkr, 0, (size_t)(n * kd) * sizeof(float));
+            norm_bwd(c, g->dq, y->qraw, y->qmu, y->qrs, w[KV_W_QNORM], n * h, dh, g->dqr,
+                     GW(KV_W_QNORM), NULL);
+            norm_bwd(c, g->dk, y->kraw, y->kmu, y->krs, w[KV_W_KNORM], n * c->n_kv_heads, dh,
+                     g->dkr, GW(KV_W_KNORM), NULL);
+            memcpy(g->dq, g->dqr, (size_t)(n * qd) * sizeof(float));
+            memcpy(g->dk, g->dkr, (size_t)(n * kd) * sizeof(float));
         }
         memcpy(y->gk, g->dk, (size_t)(n * kd) * sizeof(float));
         memcpy(y->gv, g->dv, (size_t)(n * kd) * sizeof(float));

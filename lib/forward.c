@@ -246,6 +246,13 @@ static void norm(const struct kv_fwd *f, float *out, const float *x, enum kv_wki
         rmsnorm(out, x, w, n, c->dim, c->norm_eps);
 }
 
+/* Qwen3's per-head RMSNorm of q or k (rows [n, nh*d_h], weight w [d_h]), in
+ * place, before RoPE; nothing for an architecture without it (w NULL). */
+static void head_norm(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, const float *w) {
+    if (!w) return;
+    rmsnorm(v, v, w, n * nh, f->m->cfg.head_dim, f->m->cfg.norm_eps);
+}
+
 /* Rotate every head of rows [n, nh*d_h] at positions pos0.. (nothing for an
  * architecture without rope: its queries and keys are used as projected). */
 static void rope(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, int64_t pos0) {
@@ -517,6 +524,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     } else {
         linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
         add_bias(f->q, w[KV_W_BQ], n, qd);
+        head_norm(f, f->q, n, h, w[KV_W_QNORM]);
         rope(f, f->q, n, h, pos0);
     }
     /* keys */
@@ -524,6 +532,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         float *k = kc + pos0 * kd;
         linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
         add_bias(k, w[KV_W_BK], n, kd);
+        head_norm(f, k, n, g, w[KV_W_KNORM]);
         rope(f, k, n, g, pos0);
     } else if (Y->k.mode == KV_LR_PREROPE_LATENT) {
         lr_latents(f, &Y->k, zk, P->zkw, P->kunit_off, n, pos0);
@@ -534,6 +543,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
                         (int)un->rank, 1.0f, zk + P->kunit_off[u], (int)P->zkw, un->up,
                         (int)un->rank, 0.0f, f->kfull + un->head0 * dh, (int)kd);
         }
+        head_norm(f, f->kfull, T, g, w[KV_W_KNORM]); /* the rebuilt key, normalised, then rotated */
         rope(f, f->kfull, T, g, 0);
         kb = f->kfull;
     } else if (Y->k.mode == KV_LR_FUSED_QUERY) { /* score q'·z, no reconstruction */
@@ -543,6 +553,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         float *k = f->kfull;
         linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);
         add_bias(k, w[KV_W_BK], n, kd);
+        head_norm(f, k, n, g, w[KV_W_KNORM]);
         rope(f, k, n, g, pos0);
         for (int64_t u = 0; u < Y->k.n_units; u++) {
             const struct kv_lr_unit *un = &Y->k.units[u];
@@ -610,6 +621,8 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
             add_bias(f->q, w[KV_W_BQ], n, qd);
             add_bias(k, w[KV_W_BK], n, kd);
             add_bias(v, w[KV_W_BV], n, kd);
+            head_norm(f, f->q, n, c->n_heads, w[KV_W_QNORM]);
+            head_norm(f, k, n, c->n_kv_heads, w[KV_W_KNORM]);
             rope(f, f->q, n, c->n_heads, pos0);
             rope(f, k, n, c->n_kv_heads, pos0);
             if (hk->qk_rope && (rc = hk->qk_rope(hk->ctx, l, f->q, k, n, pos0))) return rc;

@@ -110,6 +110,7 @@ enum kv_arch {
     KV_ARCH_MISTRAL = 2, /* llama with an optional sliding window */
     KV_ARCH_QWEN2 = 3,   /* llama with q/k/v biases always, optional sliding window */
     KV_ARCH_PHI3 = 4,    /* llama with fused qkv and gate_up projections */
+    KV_ARCH_QWEN3 = 5,   /* qwen2 with per-head RMSNorm of q and k, optional biases */
 };
 const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
 /* 1 when the architecture rotates queries and keys (RoPE), 0 when it adds

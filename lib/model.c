@@ -46,6 +46,7 @@ static const char *const wkind_names[KV_W_COUNT] = {
     [KV_W_OUT_NORM_B] = "output norm bias", [KV_W_ATTN_NORM_B] = "attention norm bias",
     [KV_W_BO] = "output projection bias",   [KV_W_FFN_NORM_B] = "ffn norm bias",
     [KV_W_BUP] = "ffn up bias",             [KV_W_BDOWN] = "ffn down bias",
+    [KV_W_QNORM] = "q norm",                [KV_W_KNORM] = "k norm",
 };
 
 int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
@@ -63,6 +64,8 @@ int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
     case KV_W_BO:
     case KV_W_BUP:
     case KV_W_BDOWN: return a->block_biases ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
+    case KV_W_QNORM:
+    case KV_W_KNORM: return a->qk_norm ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
     case KV_W_COUNT: return KV_WUSE_NONE;
     default: return KV_WUSE_REQUIRED;
     }
@@ -107,6 +110,8 @@ int kv_model_expected_shape(const struct kv_config *c, enum kv_wkind kind, int64
     case KV_W_FFN_NORM_B:
     case KV_W_BDOWN: s[0] = c->dim; return 1;
     case KV_W_BUP: s[0] = c->hidden_dim; return 1;
+    case KV_W_QNORM:
+    case KV_W_KNORM: s[0] = c->head_dim; return 1;
     case KV_W_COUNT: break;
     }
     KV_ASSERT(0);
@@ -444,7 +449,8 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
                 kv_model_close(m);
                 return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
             }
-            int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM;
+            int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
+                          k == KV_W_QNORM || k == KV_W_KNORM;
             /* GPT-2 keeps every weight random (biases included) so tests see them */
             if (is_norm)
                 for (int64_t i = 0; i < n; i++) p[i] = 1.0f;

@@ -42,6 +42,8 @@ enum kv_wkind {
     KV_W_FFN_NORM_B,  /* [d] */
     KV_W_BUP,         /* [hidden] c_fc bias */
     KV_W_BDOWN,       /* [d]      c_proj bias */
+    KV_W_QNORM,       /* [d_h] per-head RMSNorm of q before RoPE (Qwen3) */
+    KV_W_KNORM,       /* [d_h] per-head RMSNorm of k before RoPE (Qwen3) */
     KV_W_COUNT
 };
 #define KV_W_FIRST_LAYER KV_W_ATTN_NORM

@@ -50,6 +50,18 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                     for (int64_t j = 0; j < d; j++) s += pr[p].W[r * d + j] * xn[t * d + j];
                     pr[p].out[t * pr[p].rows + r] = s;
                 }
+        /* Qwen3: RMSNorm of each head of q and k with its [dh] weight */
+        for (int p = 0; p < 2; p++) {
+            const float *nw = w[p ? KV_W_KNORM : KV_W_QNORM];
+            double *buf = p ? k : q;
+            int64_t nh = p ? g : h;
+            for (int64_t r = 0; nw && r < n * nh; r++) {
+                double ss = 0, *e = buf + r * dh;
+                for (int64_t i = 0; i < dh; i++) ss += e[i] * e[i];
+                double inv = 1.0 / sqrt(ss / (double)dh + c->norm_eps);
+                for (int64_t i = 0; i < dh; i++) e[i] = e[i] * inv * nw[i];
+            }
+        }
         /* rope: rotate pair (a, b) of each head by its angle (naive_rope.h) */
         for (int p = 0; p < 2; p++) {
             double *buf = p ? k : q;
@@ -153,6 +165,11 @@ static inline void sharpen(struct kv_model *m) {
         float *wq = (float *)m->layers[l].w[KV_W_Q], *wk = (float *)m->layers[l].w[KV_W_K];
         for (int64_t i = 0; i < qd; i++) wq[i] *= 20;
         for (int64_t i = 0; i < kd; i++) wk[i] *= 20;
+        /* Qwen3's per-head norms: uneven gains, large enough for sharp scores */
+        for (int k = KV_W_QNORM; k <= KV_W_KNORM; k++) {
+            float *nw = (float *)m->layers[l].w[k];
+            for (int64_t i = 0; nw && i < c->head_dim; i++) nw[i] = 0.5f + 0.4f * (float)((i * 5 + k + l) % 7);
+        }
     }
 }
 

@@ -45,7 +45,8 @@ static void spread_weights(struct kv_model *m, double spread) {
             if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
             float *w = kv_model_weight_mut(m, k, l);
             if (!w) continue;
-            int gain = k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM;
+            int gain = k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM ||
+                       k == KV_W_QNORM || k == KV_W_KNORM;
             for (int64_t i = 0; i < cnt; i++)
                 w[i] = gain ? (float)(1.0 + 0.5 * urand()) : (float)(spread * urand());
         }
@@ -138,6 +139,12 @@ static struct kv_config windowed_llama(void) {
     return c;
 }
 Test(backward, llama_sliding_window_and_scaled_rope) { run_case(windowed_llama(), 0.4, 7); }
+static struct kv_config qwen3_like(void) {
+    struct kv_config c = small_llama(1, 0, KV_ROPE_HALF);
+    c.arch = KV_ARCH_QWEN3;
+    return c;
+}
+Test(backward, qwen3_per_head_qk_norms) { run_case(qwen3_like(), 0.4, 7); }
 
 /* The training forward scores a window like the inference forward. */
 static void loss_matches_forward(struct kv_config c) {
@@ -169,6 +176,7 @@ Test(backward, loss_matches_inference_forward) {
     loss_matches_forward(small_llama(1, 0, KV_ROPE_HALF));
     loss_matches_forward(small_gpt2());
     loss_matches_forward(windowed_llama());
+    loss_matches_forward(qwen3_like());
 }
 
 /* ∂L/∂k and ∂L/∂v are the gradients the weight gradients came from:

@@ -57,6 +57,7 @@ static char *write_text(const char *dir) {
 
 static struct kv_config family_cfg(enum kv_arch arch) {
     struct kv_config c = tiny_cfg(KV_ROPE_HALF, arch == KV_ARCH_QWEN2, 0);
+    if (arch == KV_ARCH_QWEN3) c.window_period = 0; /* plain rope, no window: the norms alone */
     c.arch = arch;
     c.dim = 256, c.hidden_dim = 512, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2;
     c.head_dim = 64, c.vocab_size = 4096, c.max_seq_len = 2048, c.rope_theta = 10000.0f;
@@ -74,6 +75,8 @@ static struct kv_config family_cfg(enum kv_arch arch) {
         s->n_factors = c.head_dim / 2;
         for (int64_t i = 0; i < s->n_factors; i++)
             s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
+    } else if (arch == KV_ARCH_QWEN3) {
+        s->type = KV_ROPE_SCALING_NONE;
     } else {
         c.sliding_window = 40, c.window_from = 1, c.window_period = 1;
         s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 512;
@@ -100,6 +103,11 @@ static void run_family(enum kv_arch arch) {
     struct kv_err err;
     cr_assert_eq(kv_model_init_random(&c, 11, &m, &err), KV_OK, "%s", err.msg);
     sharpen(m);
+    for (int64_t l = 0; l < c.n_layers; l++) /* Qwen3's norms away from 1 */
+        for (int k = KV_W_QNORM; k <= KV_W_KNORM; k++) {
+            float *nw = kv_model_weight_mut(m, (enum kv_wkind)k, l);
+            for (int64_t i = 0; nw && i < c.head_dim; i++) nw[i] = 0.6f + 0.8f * (float)((i * 37 + l * 11 + k) % 17) / 17.0f;
+        }
     char *dir = kvt_temp_dir(), *model = kvt_path(dir, "model"), *text = write_text(dir);
     cr_assert_eq(kv_hf_write(m, model, KV_DTYPE_F32, TOKJSON, &err), KV_OK, "%s", err.msg);
     kv_model_close(m);
@@ -157,3 +165,4 @@ Test(families, llama_with_llama3_scaling, .timeout = 300) { run_family(KV_ARCH_L
 Test(families, mistral_with_a_sliding_window, .timeout = 300) { run_family(KV_ARCH_MISTRAL); }
 Test(families, qwen2_with_biases_yarn_and_a_window, .timeout = 300) { run_family(KV_ARCH_QWEN2); }
 Test(families, phi3_fused_with_longrope_and_a_window, .timeout = 300) { run_family(KV_ARCH_PHI3); }
+Test(families, qwen3_with_per_head_qk_norms, .timeout = 300) { run_family(KV_ARCH_QWEN3); }

@@ -130,6 +130,17 @@ Test(forward, matches_naive_with_sliding_windows) {
     kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
 }
 
+/* Qwen3: per-head RMSNorm of q and k before RoPE, norms away from 1 */
+Test(forward, matches_naive_with_per_head_qk_norms) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 0);
+    c.arch = KV_ARCH_QWEN3;
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_init_random(&c, 42, &m, &err), KV_OK, "%s", err.msg);
+    kv_model_close(m);
+    check_against_naive(c, 40);
+}
+
 Test(forward, refuses_a_length_dependent_scaling_past_its_context) {
     struct kv_config c = scaled_cfg(KV_ROPE_SCALING_LONGROPE);
     struct kv_model *m;

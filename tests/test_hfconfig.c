@@ -250,10 +250,12 @@ static struct kv_model *fast_random_model(const struct kv_config *c) {
             int64_t n = t.shape[0] * (t.ndim == 2 ? t.shape[1] : 1);
             float *w = malloc((size_t)n * sizeof *w);
             cr_assert_not_null(w);
-            int is_norm = t.ndim == 1 && (k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM);
+            int is_norm = t.ndim == 1 && (k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM ||
+                                          k == KV_W_QNORM || k == KV_W_KNORM);
             for (int64_t i = 0; i < n; i++) {
                 st ^= st << 13, st ^= st >> 7, st ^= st << 17;
-                w[i] = is_norm ? 1.0f : (float)((double)(st >> 11) / 9007199254740992.0 * 0.08 - 0.04);
+                double u = (double)(st >> 11) / 9007199254740992.0;
+                w[i] = (float)(is_norm ? 0.5 + u : u * 0.08 - 0.04);
             }
             t.data = w;
             t.nbytes = (uint64_t)n * 4;
@@ -311,6 +313,10 @@ Test(hf_config, real_configs_load_and_run, .timeout = 120) {
          1000000.0f, 0},
         {"tests/configs/Phi-3-mini-4k-instruct.json", KV_ARCH_PHI3, 3072, 8192, 32, 32, 96, 2047,
          10000.0f, 0},
+        {"tests/configs/Qwen3-0.6B.json", KV_ARCH_QWEN3, 1024, 3072, 16, 8, 128, 0, 1000000.0f, 1},
+        {"tests/configs/Qwen3-8B.json", KV_ARCH_QWEN3, 4096, 12288, 32, 8, 128, 0, 1000000.0f, 0},
+        {"tests/configs/Qwen3-8B-resaved-transformers-4.57.1.json", KV_ARCH_QWEN3, 4096, 12288, 32, 8,
+         128, 0, 1000000.0f, 0},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) run_real(&rows[i]);
 }
