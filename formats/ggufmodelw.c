@@ -74,22 +74,32 @@ static const struct hp_key llama_keys[] = {
     {"vocab_size", HP_VOCAB, 0},
 };
 
-/* One architecture llama.cpp knows: its name (general.architecture and the
- * key prefix), the RoPE pairing its graph uses on stored q/k rows (llama:
- * NORM, pairs (2i, 2i+1); qwen2, phi3, gptneox, gemma2: NEOX, pairs (i,
- * i + d/2)), whether it reads rope_freqs.weight, and its keys. Tensor names
- * come from lib/arch.c's .gguf table of the same kvcal architecture. */
+/* How one kvcal architecture is written for llama.cpp: the GGUF
+ * architecture (general.architecture and the key prefix), the RoPE pairing
+ * llama.cpp's graph uses on stored q/k rows (llama: NORM, pairs (2i,
+ * 2i+1); qwen2, phi3, gptneox, gemma2: NEOX, pairs (i, i + d/2)), whether it
+ * reads rope_freqs.weight, whether its graph sizes q and the output
+ * projection as [dim, dim] (square_attn: n_heads * head_dim must be dim),
+ * and its keys. Tensor names come from lib/arch.c's .gguf table of the same
+ * kvcal architecture. */
 struct gguf_arch {
     enum kv_arch arch;
     const char *name;
     enum kv_rope_layout rope_layout;
     int rope_freqs;
+    int square_attn;
     const struct hp_key *keys;
     int n_keys;
 };
 
+/* Mistral is written as "llama", as convert_hf_to_gguf.py does: the same
+ * graph, and its sliding window has no key (refused below). qwen2 stores
+ * q/k rows as HF does (rotate-half) and reads neither rope_freqs.weight nor
+ * key_length / value_length. */
 static const struct gguf_arch gguf_archs[] = {
-    {KV_ARCH_LLAMA, "llama", KV_ROPE_INTERLEAVED, 1, llama_keys, COUNT(llama_keys)},
+    {KV_ARCH_LLAMA, "llama", KV_ROPE_INTERLEAVED, 1, 0, llama_keys, COUNT(llama_keys)},
+    {KV_ARCH_MISTRAL, "llama", KV_ROPE_INTERLEAVED, 1, 0, llama_keys, COUNT(llama_keys)},
+    {KV_ARCH_QWEN2, "qwen2", KV_ROPE_HALF, 0, 1, llama_keys, COUNT(llama_keys)},
 };
 
 static const struct gguf_arch *find_arch(enum kv_arch a) {
@@ -474,6 +484,8 @@ static int64_t src_row(const struct wtensor *t, int64_t r) {
 
 struct plan {
     const struct kv_model *m;
+    int fallback;          /* opts.fallback */
+    int64_t n_fallback;    /* matrices written in the fallback type */
     const struct gguf_arch *ga;
     struct meta meta;
     struct wtensor *t;
@@ -505,6 +517,13 @@ static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, c
         t->rows = 1, t->cols = shape[0];
     int64_t be = kv_ggml_block_elems(type), bb = kv_ggml_block_bytes(type);
     KV_ASSERT(be > 0 && bb > 0);
+    if (t->cols % be && p->fallback && kv_ggml_k_fallback(type) != type) {
+        /* llama.cpp's quantiser does the same for rows that hold no whole
+         * super-block */
+        t->type = type = kv_ggml_k_fallback(type);
+        be = kv_ggml_block_elems(type), bb = kv_ggml_block_bytes(type);
+        p->n_fallback++;
+    }
     if (t->cols % be) {
         char sb[64];
         kv_shape_str(sb, sizeof sb, shape, ndim);
@@ -615,12 +634,63 @@ static void meta_hparams(struct plan *p) {
         case HP_VOCAB: m_u32(m, key, (uint32_t)c->vocab_size); break;
         }
     }
-    if (c->rope_scaling.type == KV_ROPE_SCALING_LINEAR) {
+    const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
+    if (s->type == KV_ROPE_SCALING_LINEAR || s->type == KV_ROPE_SCALING_YARN) {
         snprintf(key, sizeof key, "%s.rope.scaling.type", ga->name);
-        m_str(m, key, "linear");
+        m_str(m, key, s->type == KV_ROPE_SCALING_LINEAR ? "linear" : "yarn");
         snprintf(key, sizeof key, "%s.rope.scaling.factor", ga->name);
-        m_f32(m, key, (float)c->rope_scaling.factor);
+        m_f32(m, key, (float)s->factor);
     }
+    if (s->type == KV_ROPE_SCALING_YARN) {
+        snprintf(key, sizeof key, "%s.rope.scaling.original_context_length", ga->name);
+        m_u32(m, key, (uint32_t)s->original_ctx);
+        if (s->attention_factor > 0) {
+            /* llama.cpp multiplies cos and sin by attn_factor times its own
+             * 1 + 0.1 ln(factor) (1 for factor <= 1), which is what kvcal
+             * uses when attention_factor is 0 */
+            double dflt = s->factor <= 1 ? 1.0 : 1.0 + 0.1 * log(s->factor);
+            snprintf(key, sizeof key, "%s.rope.scaling.attn_factor", ga->name);
+            m_f32(m, key, (float)(s->attention_factor / dflt));
+        }
+    }
+}
+
+/* The rope scaling of c, refused unless ga's keys express it exactly:
+ * none, linear, yarn as llama.cpp computes it (beta_fast 32 and beta_slow 1,
+ * the only values its llama and qwen2 graphs use: they read no
+ * yarn_beta_* key; the correction range rounded to whole dimensions), and,
+ * where ga reads rope_freqs.weight, llama3 and per-pair divisors. */
+static int check_rope(const struct kv_config *c, const struct gguf_arch *ga, const char *path,
+                      struct kv_err *err) {
+    const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
+    enum kv_rope_scaling rs = s->type;
+    if (!kv_arch_desc(c->arch)->rope || rs == KV_ROPE_SCALING_NONE || rs == KV_ROPE_SCALING_LINEAR)
+        return KV_OK;
+    if (ga->rope_freqs && (rs == KV_ROPE_SCALING_LLAMA3 || rs == KV_ROPE_SCALING_FREQS)) return KV_OK;
+    if (rs != KV_ROPE_SCALING_YARN)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope scaling '%s' cannot be written to gguf '%s' yet; kvcal writes %s",
+                       kv_rope_scaling_name(rs), ga->name,
+                       ga->rope_freqs ? "default, linear, yarn, llama3 and per-pair divisors "
+                                        "(rope_freqs.weight)"
+                                      : "default, linear and yarn (llama.cpp reads no "
+                                        "rope_freqs.weight for it)");
+    if (s->beta_fast != 32 || s->beta_slow != 1)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope scaling 'yarn' with beta_fast %g and beta_slow %g cannot be written "
+                       "to gguf '%s'; llama.cpp uses 32 and 1 there",
+                       s->beta_fast, s->beta_slow, ga->name);
+    if (!s->truncate)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope scaling 'yarn' with truncate false cannot be written to gguf '%s'; "
+                       "llama.cpp rounds the correction range to whole dimensions",
+                       ga->name);
+    if (s->original_ctx > (int64_t)UINT32_MAX)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "rope scaling 'yarn': original context %lld does not fit gguf's u32 "
+                       "original_context_length",
+                       (long long)s->original_ctx);
+    return KV_OK;
 }
 
 /* ================================================================ output */
@@ -730,7 +800,7 @@ static const char *TYPES_WRITTEN =
     "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K";
 
 int kv_gguf_write_model(const struct kv_model *m, const char *path,
-                        const struct kv_gguf_write_opts *o, struct kv_err *err) {
+                        struct kv_gguf_write_opts *o, struct kv_err *err) {
     KV_ASSERT(m && path);
     const struct kv_config *c = &m->cfg;
     uint32_t mtype = o ? o->matrix_type : KV_GGML_F32;
@@ -740,29 +810,41 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
                        "matrix type %u (%s) is not one kvcal can write; expected %s", mtype,
                        strcmp(tn, "?") ? tn : "unknown", TYPES_WRITTEN);
     }
-    struct plan p = {.m = m, .ga = find_arch(c->arch)};
+    struct plan p = {.m = m, .ga = find_arch(c->arch), .fallback = o && o->fallback};
     if (!p.ga) {
         char names[256];
         size_t k = 0;
         for (int i = 0; i < COUNT(gguf_archs) && k < sizeof names; i++)
-            k += (size_t)snprintf(names + k, sizeof names - k, "%s'%s'", i ? ", " : "",
-                                  gguf_archs[i].name);
+            k += (size_t)snprintf(names + k, sizeof names - k, "%s'%s'",
+                                  i == 0 ? "" : i + 1 == COUNT(gguf_archs) ? " and " : ", ",
+                                  kv_arch_name(gguf_archs[i].arch));
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "architecture '%s' cannot be written to gguf yet; kvcal writes %s",
                        kv_arch_name(c->arch), names);
     }
-    enum kv_rope_scaling rs = c->rope_scaling.type;
-    int rope_ok = rs == KV_ROPE_SCALING_NONE || rs == KV_ROPE_SCALING_LINEAR ||
-                  (p.ga->rope_freqs && (rs == KV_ROPE_SCALING_LLAMA3 || rs == KV_ROPE_SCALING_FREQS));
-    if (kv_arch_desc(c->arch)->rope && !rope_ok)
+    if (c->sliding_window > 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "rope scaling '%s' cannot be written to gguf yet; kvcal writes default, "
-                       "linear, llama3 and per-pair divisors (rope_freqs.weight)",
-                       kv_rope_scaling_name(rs));
+                       "sliding window of %lld positions cannot be written to gguf '%s': neither "
+                       "kvcal nor llama.cpp reads a window key there, so the file would attend "
+                       "to every earlier position",
+                       (long long)c->sliding_window, p.ga->name);
+    if (p.ga->square_attn && c->n_heads * c->head_dim != c->dim)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "n_heads * head_dim is %lld * %lld = %lld but dim is %lld; llama.cpp's "
+                       "'%s' needs them equal",
+                       (long long)c->n_heads, (long long)c->head_dim,
+                       (long long)(c->n_heads * c->head_dim), (long long)c->dim, p.ga->name);
+    int rc = check_rope(c, p.ga, path, err);
+    if (rc) return rc;
+    /* a row of gguf_archs needs a GGUF name for every weight its
+     * architecture can hold, or plan_tensors would drop the weight */
+    for (int k = 0; k < KV_W_COUNT; k++)
+        KV_ASSERT(kv_wkind_use(c, (enum kv_wkind)k) == KV_WUSE_NONE ||
+                  kv_arch_find(&kv_arch_desc(c->arch)->gguf, (enum kv_wkind)k, NULL));
 
     struct vocab v = {0};
     const struct kv_tokenizer *tok = kv_model_tokenizer(m);
-    int rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
+    rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
     if (!rc) rc = vocab_check_unique(&v, path, err);
     if (!rc) rc = plan_tensors(&p, mtype, path, err);
     if (!rc) {
@@ -774,5 +856,6 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
     if (!rc) rc = kv_write_atomic(path, fill, &p, err);
     free(p.meta.b.p);
     free(p.t);
+    if (!rc && o) o->n_fallback = p.n_fallback;
     return rc;
 }

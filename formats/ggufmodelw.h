@@ -4,7 +4,20 @@
  * order below, then the tensor infos, then the data), written atomically
  * (kv_write_atomic: PATH.tmp-*, fsync, rename, fsync of the directory).
  *
- * Metadata, for architecture A (general.architecture; today only "llama"):
+ * Architectures (kvcal's -> GGUF general.architecture A):
+ *
+ *   llama   -> "llama"  q/k rows in interleaved pairs; rope_freqs.weight
+ *   mistral -> "llama"  as convert_hf_to_gguf.py writes Mistral
+ *   qwen2   -> "qwen2"  q/k rows in rotate-half pairs (llama.cpp's qwen2
+ *                       graph is NEOX), q/k/v biases; no rope_freqs.weight;
+ *                       n_heads * head_dim must equal dim (llama.cpp sizes
+ *                       attn_q and attn_output [dim, dim])
+ *
+ * A model with a sliding window (sliding_window > 0) is refused: neither
+ * kvcal's reader nor llama.cpp's llama and qwen2 read a window key, so the
+ * file would be a different model that attends to every earlier position.
+ *
+ * Metadata:
  *
  *   general.architecture        string A
  *   general.name                string "kvcal"
@@ -20,16 +33,24 @@
  *   A.rope.freq_base            f32 rope_theta
  *   A.attention.layer_norm_rms_epsilon  f32 norm_eps
  *   A.vocab_size                u32 vocab_size
- *   A.rope.scaling.type         string "linear"  } linear scaling only
- *   A.rope.scaling.factor       f32 factor       }
+ *   A.rope.scaling.type         string "linear" or "yarn"  } linear and
+ *   A.rope.scaling.factor       f32 factor                 } yarn only
+ *   A.rope.scaling.original_context_length  u32 original_ctx      } yarn
+ *   A.rope.scaling.attn_factor  f32 attention_factor / m   } yarn with an
+ *                               explicit attention_factor; m = 1 + 0.1 ln
+ *                               factor (1 for factor <= 1)
  *   tokenizer.ggml.*            (below)
  *
- * Rope scaling: none; linear (the two keys above); llama3, and the
- * per-pair divisors of a GGUF-loaded model (KV_ROPE_SCALING_FREQS), as the
- * F32 tensor rope_freqs.weight [head_dim/2] holding, for pair i,
+ * Rope scaling: none; linear (the two keys above); yarn as transformers
+ * computes it with beta_fast 32, beta_slow 1 and truncate true (llama.cpp's
+ * llama and qwen2 read no yarn_beta_* key and always round the correction
+ * range to whole dimensions; it multiplies cos and sin by attn_factor times
+ * m, kvcal by attention_factor, or m when that is 0); other yarn
+ * parameters are refused. For "llama" also llama3, and the per-pair
+ * divisors of a GGUF-loaded model (KV_ROPE_SCALING_FREQS), as the F32
+ * tensor rope_freqs.weight [head_dim/2] holding, for pair i,
  * theta^(-2i/d) / inv_freq_i (kv_rope_freqs), as llama.cpp's converter
- * writes Llama 3's. Dynamic, yarn and longrope are refused
- * (KV_EUNSUPPORTED).
+ * writes Llama 3's. Dynamic and longrope are refused (KV_EUNSUPPORTED).
  *
  * Tensors: the names of the architecture table (lib/arch.c, .gguf), stored
  * with ne[0] the input axis (a [out, in] weight has ne = {in, out}):
@@ -43,7 +64,10 @@
  * RoPE layout to the architecture's: llama.cpp rotates pairs (2i, 2i+1) for
  * "llama", so a model loaded from HF (pairs (i, i + d_h/2)) has row
  * s*d_h/2 + i of each head written as row 2i + s, as convert_hf_to_gguf.py
- * does; an interleaved model (GGUF, llama2.c) is written as it is.
+ * does; an interleaved model (GGUF, llama2.c) is written as it is. For
+ * "qwen2" (pairs (i, i + d_h/2), as HF) it is the other way round: an HF
+ * model is written as it is, an interleaved one has row 2i + s written as
+ * row s*d_h/2 + i.
  *
  * Tokenizer (tokenizer.ggml.*). llama.cpp requires unique pieces and one
  * piece per embedding row, so a tokenizer with fewer pieces than
@@ -107,18 +131,26 @@ struct kv_gguf_write_opts {
      * Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14).
      * 1-D tensors (norms, biases, rope_freqs) are always F32. */
     uint32_t matrix_type;
+    /* 1: a matrix whose rows hold no whole number of a K-quant's 256-element
+     * super-blocks is written in the type llama.cpp's quantiser falls back
+     * to (Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0)
+     * instead of refused; n_fallback receives how many were. */
+    int fallback;
+    int64_t n_fallback;
 };
 
-/* Write m (a "llama" model: kvcal's other architectures have no GGUF row
- * yet) to path as described above; o may be NULL for the defaults.
- * Nothing is written unless the whole model can be: the type, the rope
- * scaling, every quantised row length and the tokenizer are checked first.
+/* Write m (a llama, mistral or qwen2 model: kvcal's other architectures
+ * have no GGUF row yet) to path as described above; o may be NULL for the
+ * defaults. Nothing is written unless the whole model can be: the type, the
+ * architecture, the sliding window, the head shape, the rope scaling, every
+ * quantised row length and the tokenizer are checked first.
  * Errors: KV_EINVAL (a matrix type kvcal cannot encode: "matrix type ..."; a
  * row that is not a whole number of blocks, naming the tensor; a tokenizer
- * llama.cpp would refuse), KV_EUNSUPPORTED (the architecture, the rope
- * scaling), KV_ENUMERIC (a non-finite weight for a block type, naming the
- * tensor), KV_EIO naming path, KV_ENOMEM. */
+ * llama.cpp would refuse), KV_EUNSUPPORTED (the architecture, a sliding
+ * window, qwen2 heads that do not add up to dim, the rope scaling),
+ * KV_ENUMERIC (a non-finite weight for a block type, naming the tensor),
+ * KV_EIO naming path, KV_ENOMEM. */
 int kv_gguf_write_model(const struct kv_model *m, const char *path,
-                        const struct kv_gguf_write_opts *o, struct kv_err *err);
+                        struct kv_gguf_write_opts *o, struct kv_err *err);
 
 #endif

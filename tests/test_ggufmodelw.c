@@ -1,11 +1,12 @@
-/* The GGUF model writer (formats/ggufmodelw.c): random Llama models written
- * and read back by kvcal's own loader give the same logits; matrices in
- * F16/BF16 and block types are stored as exactly the bytes kv_ggml_quant
- * gives (read back through kv_ggml_dequant); the keys llama.cpp reads are
- * there with the types it insists on; the vocabularies (synthetic,
- * SentencePiece, byte-level BPE) read back; and what cannot be written is
- * refused with exact messages, leaving no file. llama.cpp itself reads
- * these files in test_llamacpp.c. */
+/* The GGUF model writer (formats/ggufmodelw.c): random Llama, Mistral and
+ * Qwen2 models written and read back by kvcal's own loader give the same
+ * logits; matrices in F16/BF16 and block types are stored as exactly the
+ * bytes kv_ggml_quant gives (read back through kv_ggml_dequant); the keys
+ * llama.cpp reads are there with the types it insists on (yarn's
+ * included); the vocabularies (synthetic, SentencePiece, byte-level BPE)
+ * read back; and what cannot be written (sliding windows, rope scalings
+ * llama.cpp cannot express) is refused with exact messages, leaving no
+ * file. llama.cpp itself reads these files in test_llamacpp.c. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,14 +77,15 @@ static void remove_file(char *path, char *dir) {
     kvt_rm_dir(dir);
 }
 
-/* Write m in F32, read it back: the same model in GGUF's interleaved
- * layout, with the same logits. */
+/* Write m in F32, read it back: the same model in the GGUF architecture's
+ * layout (llama and mistral as "llama", interleaved; qwen2 as "qwen2",
+ * rotate-half), with the same logits. */
 static struct kv_model *round_trip(struct kv_model *m) {
     const struct kv_config *a = kv_model_config(m);
     char *dir, *path = write_gguf(m, T_F32, &dir);
     struct kv_model *back = open_model(path);
     const struct kv_config *b = kv_model_config(back);
-    cr_assert_eq(b->arch, KV_ARCH_LLAMA);
+    cr_assert_eq(b->arch, a->arch == KV_ARCH_MISTRAL ? KV_ARCH_LLAMA : a->arch);
     cr_assert_eq(b->dim, a->dim);
     cr_assert_eq(b->hidden_dim, a->hidden_dim);
     cr_assert_eq(b->n_layers, a->n_layers);
@@ -93,7 +95,8 @@ static struct kv_model *round_trip(struct kv_model *m) {
     cr_assert_eq(b->vocab_size, a->vocab_size);
     cr_assert_eq(b->max_seq_len, a->max_seq_len);
     cr_assert(b->norm_eps == a->norm_eps && b->rope_theta == a->rope_theta);
-    cr_assert_eq(b->rope_layout, KV_ROPE_INTERLEAVED);
+    cr_assert_eq(b->rope_layout, a->arch == KV_ARCH_QWEN2 ? KV_ROPE_HALF : KV_ROPE_INTERLEAVED,
+                 "rope layout %d read back", (int)b->rope_layout);
     cr_assert_eq(b->tied_embeddings, a->tied_embeddings);
     cr_assert_eq(b->has_qkv_bias, a->has_qkv_bias);
     cr_assert_eq(b->bos_id, a->bos_id);
@@ -208,6 +211,121 @@ Test(ggufmodelw, linear_rope_scaling_round_trip) {
     kv_model_close(m);
 }
 
+static void check_stored(const struct kv_model *m, const char *path, uint32_t t);
+
+/* A small Qwen2: q/k/v biases, theta 1e6, tied head, GQA 3:1, n_heads *
+ * head_dim = dim as llama.cpp's qwen2 needs. */
+static struct kv_config qwen2_cfg(enum kv_rope_layout layout) {
+    struct kv_config c = tiny_cfg(layout, 1, 1);
+    c.arch = KV_ARCH_QWEN2;
+    c.rope_theta = 1000000.0f, c.norm_eps = 1e-6f;
+    return c;
+}
+
+Test(ggufmodelw, qwen2_round_trip_keeps_rotate_half_rows) {
+    /* HF's rotate-half rows are what llama.cpp's qwen2 rotates: stored as
+     * they are, read back as rotate-half */
+    struct kv_model *m = random_model(qwen2_cfg(KV_ROPE_HALF), 61);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, qwen2_round_trip_from_interleaved_rows) {
+    /* an interleaved model's rows are permuted to rotate-half */
+    struct kv_config c = qwen2_cfg(KV_ROPE_INTERLEAVED);
+    c.tied_embeddings = 0;
+    struct kv_model *m = random_model(c, 62);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, mistral_round_trip_is_written_as_llama) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 0);
+    c.arch = KV_ARCH_MISTRAL, c.rope_theta = 1000000.0f;
+    struct kv_model *m = random_model(c, 63);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, qwen2_file_has_its_keys_and_hf_rows) {
+    struct kv_model *m = random_model(qwen2_cfg(KV_ROPE_HALF), 64);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    check_stored(m, path, T_F32);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    struct kv_gguf_str s;
+    cr_assert_eq(kv_gguf_get_str(f, "general.architecture", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "qwen2"));
+    const char *keys[] = {"qwen2.context_length", "qwen2.embedding_length", "qwen2.block_count",
+                          "qwen2.feed_forward_length", "qwen2.attention.head_count",
+                          "qwen2.attention.head_count_kv", "qwen2.rope.dimension_count",
+                          "qwen2.rope.freq_base", "qwen2.attention.layer_norm_rms_epsilon"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        cr_assert_not_null(kv_gguf_find(f, keys[i]), "no key '%s'", keys[i]);
+    float theta;
+    cr_assert_eq(kv_gguf_get_f32(f, "qwen2.rope.freq_base", &theta, &e), KV_OK);
+    cr_assert(theta == 1000000.0f);
+    cr_assert_null(kv_gguf_find(f, "llama.embedding_length"));
+    cr_assert_not_null(kv_gguf_find_tensor(f, "blk.1.attn_k.bias"));
+    kv_gguf_close(f);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
+static struct kv_config yarn_cfg(enum kv_arch arch, double attention_factor) {
+    struct kv_config c = arch == KV_ARCH_QWEN2 ? qwen2_cfg(KV_ROPE_HALF) : tiny_cfg(KV_ROPE_HALF, 0, 1);
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 32;
+    s->beta_fast = 32, s->beta_slow = 1, s->truncate = 1, s->attention_factor = attention_factor;
+    return c;
+}
+
+/* The yarn keys of path under prefix ar; *attn: the attn_factor key's
+ * value, or -1 when absent. */
+static void yarn_keys(const char *path, const char *ar, float *factor, uint32_t *orig, float *attn) {
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    char key[128];
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    struct kv_gguf_str s;
+    snprintf(key, sizeof key, "%s.rope.scaling.type", ar);
+    cr_assert_eq(kv_gguf_get_str(f, key, &s, &e), KV_OK, "%s", e.msg);
+    cr_assert(kv_gguf_str_eq(s, "yarn"));
+    snprintf(key, sizeof key, "%s.rope.scaling.factor", ar);
+    cr_assert_eq(kv_gguf_get_f32(f, key, factor, &e), KV_OK, "%s", e.msg);
+    snprintf(key, sizeof key, "%s.rope.scaling.original_context_length", ar);
+    cr_assert_eq(kv_gguf_get_u32(f, key, orig, &e), KV_OK, "%s", e.msg);
+    snprintf(key, sizeof key, "%s.rope.scaling.attn_factor", ar);
+    *attn = -1;
+    if (kv_gguf_find(f, key)) cr_assert_eq(kv_gguf_get_f32(f, key, attn, &e), KV_OK, "%s", e.msg);
+    /* llama.cpp's llama and qwen2 read no yarn_beta_* key: none is written */
+    snprintf(key, sizeof key, "%s.rope.scaling.yarn_beta_fast", ar);
+    cr_assert_null(kv_gguf_find(f, key));
+    kv_gguf_close(f);
+}
+
+Test(ggufmodelw, yarn_rope_scaling_writes_llama_cpp_keys) {
+    /* default attention factor: no attn_factor key (llama.cpp's own
+     * 1 + 0.1 ln factor is transformers' default) */
+    struct kv_model *m = random_model(yarn_cfg(KV_ARCH_QWEN2, 0), 65);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    float factor, attn;
+    uint32_t orig;
+    yarn_keys(path, "qwen2", &factor, &orig, &attn);
+    cr_assert(factor == 4 && orig == 32 && attn == -1, "factor %g orig %u attn %g", factor, orig, attn);
+    remove_file(path, dir);
+    kv_model_close(m);
+    /* an explicit one is divided by what llama.cpp multiplies in itself */
+    m = random_model(yarn_cfg(KV_ARCH_LLAMA, 1.5), 66);
+    path = write_gguf(m, T_F32, &dir);
+    yarn_keys(path, "llama", &factor, &orig, &attn);
+    cr_assert(factor == 4 && orig == 32, "factor %g orig %u", factor, orig);
+    cr_assert(attn == (float)(1.5 / (1 + 0.1 * log(4.0))), "attn_factor %.9g", attn);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
 /* ---------------------------------------------------------------- the file itself */
 
 Test(ggufmodelw, writes_the_keys_llama_cpp_reads_with_their_types) {
@@ -283,20 +401,32 @@ static int64_t hf_row(int64_t r, int64_t hd) {
     return r - j + (j % 2) * (hd / 2) + j / 2;
 }
 
+/* qwen2 row r of a q/k weight of an interleaved model: row h*hd + s*hd/2 + i
+ * holds the model's row h*hd + 2i + s. */
+static int64_t il_row(int64_t r, int64_t hd) {
+    int64_t j = r % hd, half = hd / 2;
+    return r - j + 2 * (j % half) + j / half;
+}
+
 /* The rows of w ([rows, cols]) as stored: permuted for the q/k kinds of a
- * rotate-half model, then through type t and back. */
+ * model whose layout is not the architecture's (llama: interleaved, qwen2:
+ * rotate-half), then through type t and back. */
 static float *expected(const struct kv_config *c, enum kv_wkind k, const float *w, int64_t rows,
                        int64_t cols, uint32_t t) {
     int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
-    int perm = qk && c->rope_layout == KV_ROPE_HALF;
+    int half = c->arch == KV_ARCH_QWEN2; /* llama.cpp's qwen2 rotates (i, i + hd/2) */
+    int perm = qk && (c->rope_layout == KV_ROPE_HALF) != half;
     float *x = malloc((size_t)(rows * cols) * sizeof *x);
     if (cols == 1 || rows == 1) { /* a 1-D tensor: f32, elements permuted */
         int64_t n = rows * cols;
-        for (int64_t i = 0; i < n; i++) x[i] = w[perm ? hf_row(i, c->head_dim) : i];
+        for (int64_t i = 0; i < n; i++)
+            x[i] = w[!perm ? i : half ? il_row(i, c->head_dim) : hf_row(i, c->head_dim)];
         return x;
     }
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(x + r * cols, w + (perm ? hf_row(r, c->head_dim) : r) * cols, (size_t)cols * 4);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t from = !perm ? r : half ? il_row(r, c->head_dim) : hf_row(r, c->head_dim);
+        memcpy(x + r * cols, w + from * cols, (size_t)cols * 4);
+    }
     void *q = malloc((size_t)(rows * cols / kv_ggml_block_elems(t) * kv_ggml_block_bytes(t)));
     cr_assert_eq(kv_ggml_quant(t, x, q, rows * cols), KV_OK);
     cr_assert_eq(kv_ggml_dequant(t, q, x, rows * cols), KV_OK);
@@ -709,21 +839,69 @@ Test(ggufmodelw, refuses_non_finite_weights_for_block_types) {
 }
 
 Test(ggufmodelw, refuses_rope_scalings_gguf_cannot_hold_yet) {
-    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
+    /* llama.cpp's yarn: beta_fast 32, beta_slow 1, whole correction dims */
+    struct kv_config c = yarn_cfg(KV_ARCH_LLAMA, 0);
     struct kv_rope_scaling_cfg *s = &c.rope_scaling;
-    s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 32;
-    s->beta_fast = 32, s->beta_slow = 1;
+    s->beta_fast = 16;
     struct kv_model *m = random_model(c, 55);
     refused(m, T_F32, KV_EUNSUPPORTED,
-            "rope scaling 'yarn' cannot be written to gguf yet; kvcal writes default, linear, "
-            "llama3 and per-pair divisors (rope_freqs.weight)");
+            "rope scaling 'yarn' with beta_fast 16 and beta_slow 1 cannot be written to gguf "
+            "'llama'; llama.cpp uses 32 and 1 there");
+    kv_model_close(m);
+    s->beta_fast = 32, s->truncate = 0;
+    m = random_model(c, 55);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "rope scaling 'yarn' with truncate false cannot be written to gguf 'llama'; "
+            "llama.cpp rounds the correction range to whole dimensions");
     kv_model_close(m);
     memset(s, 0, sizeof *s);
     s->type = KV_ROPE_SCALING_DYNAMIC, s->factor = 2, s->original_ctx = 32;
     m = random_model(c, 56);
     refused(m, T_F32, KV_EUNSUPPORTED,
-            "rope scaling 'dynamic' cannot be written to gguf yet; kvcal writes default, linear, "
-            "llama3 and per-pair divisors (rope_freqs.weight)");
+            "rope scaling 'dynamic' cannot be written to gguf 'llama' yet; kvcal writes default, "
+            "linear, yarn, llama3 and per-pair divisors (rope_freqs.weight)");
+    kv_model_close(m);
+    /* qwen2 has no rope_freqs.weight in llama.cpp */
+    struct kv_config q = qwen2_cfg(KV_ROPE_HALF);
+    q.head_dim = 16, q.n_heads = 3, q.n_kv_heads = 1;
+    q.rope_theta = 500000.0f;
+    s = &q.rope_scaling;
+    s->type = KV_ROPE_SCALING_LLAMA3, s->factor = 8, s->low_freq_factor = 1;
+    s->high_freq_factor = 4, s->original_ctx = 64;
+    m = random_model(q, 57);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "rope scaling 'llama3' cannot be written to gguf 'qwen2' yet; kvcal writes default, "
+            "linear and yarn (llama.cpp reads no rope_freqs.weight for it)");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_sliding_windows) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 0);
+    c.arch = KV_ARCH_MISTRAL, c.sliding_window = 4096, c.window_period = 1;
+    struct kv_model *m = random_model(c, 67);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "sliding window of 4096 positions cannot be written to gguf 'llama': neither kvcal "
+            "nor llama.cpp reads a window key there, so the file would attend to every earlier "
+            "position");
+    kv_model_close(m);
+    /* Qwen2 windows only some layers, and only 32 positions here */
+    c = qwen2_cfg(KV_ROPE_HALF);
+    c.sliding_window = 32, c.window_from = 1, c.window_period = 1;
+    m = random_model(c, 68);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "sliding window of 32 positions cannot be written to gguf 'qwen2': neither kvcal "
+            "nor llama.cpp reads a window key there, so the file would attend to every earlier "
+            "position");
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, refuses_qwen2_heads_that_do_not_add_up_to_dim) {
+    struct kv_config c = qwen2_cfg(KV_ROPE_HALF);
+    c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16; /* 64 != 48 */
+    struct kv_model *m = random_model(c, 69);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "n_heads * head_dim is 4 * 16 = 64 but dim is 48; llama.cpp's 'qwen2' needs them "
+            "equal");
     kv_model_close(m);
 }
 
@@ -737,7 +915,8 @@ Test(ggufmodelw, refuses_architectures_without_a_gguf_row) {
     struct kv_err e;
     cr_assert_eq(kv_model_init_random(&c, 57, &m, &e), KV_OK, "%s", e.msg);
     refused(m, T_F32, KV_EUNSUPPORTED,
-            "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama'");
+            "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama', "
+            "'mistral' and 'qwen2'");
     kv_model_close(m);
 }
 

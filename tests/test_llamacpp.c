@@ -6,11 +6,12 @@
  * cache) are compared with kvcal's own (kv_fwd_run, then the log-softmax of
  * tests/llamacpp/kvcal_logprobs.c, in process):
  *
- *   - random-weight Llama models at real head and GQA shapes (head_dim 64
- *     and 128, GQA 4:1 and 2:1, llama3 and linear rope scaling, biases,
- *     tied and untied heads), 128 ids from BOS, F32, Q8_0 and Q4_K
- *     matrices: the largest |Δ log p| must stay within the case's
- *     tolerance;
+ *   - random-weight Llama, Qwen2 and Mistral models at real head and GQA
+ *     shapes (head_dim 64 and 128, GQA 4:1, 2:1 and Qwen2.5's 7:1, llama3,
+ *     linear and yarn rope scaling, biases, tied and untied heads; Qwen2
+ *     written as "qwen2" with rotate-half q/k rows, Mistral as "llama"),
+ *     128 ids from BOS, F32, Q8_0 and Q4_K matrices: the largest |Δ log p|
+ *     must stay within the case's tolerance;
  *   - the real models at hand (data/kjv-llama, data/kjv-bpe-llama and,
  *     from ../shared, stories260K as GGUF and as llama2.c + tok512.bin,
  *     tinystories-656K) on an English text they tokenize: |Δ log p| within
@@ -191,9 +192,15 @@ static void write_ids(const char *path, const int32_t *ids, int64_t n) {
 
 struct lc_case {
     const char *name;
+    enum kv_arch arch; /* llama, mistral (written as "llama") or qwen2 */
     int64_t dim, hidden, layers, heads, kv_heads, head_dim, vocab;
     enum kv_rope_layout layout;
-    enum kv_rope_scaling scaling; /* NONE, LINEAR (factor 4) or LLAMA3 (Llama 3.2's) */
+    /* NONE, LINEAR (factor 4), LLAMA3 (Llama 3.2's) or YARN (Qwen2.5's
+     * long-context setting: factor 4, original context 32768, beta_fast 32,
+     * beta_slow 1, truncated) */
+    enum kv_rope_scaling scaling;
+    float theta;     /* rope theta; 0: 10000 (500000 with llama3) */
+    double attn;     /* yarn: attention_factor, 0 for transformers' default */
     int tied, bias;
     uint32_t mtype;
     double tol; /* max |Δ log p| allowed */
@@ -204,11 +211,12 @@ struct lc_case {
 static void run_case(const struct lc_case *k) {
     need_llamacpp();
     struct kv_config c = {0};
-    c.arch = KV_ARCH_LLAMA;
+    c.arch = k->arch;
     c.dim = k->dim, c.hidden_dim = k->hidden, c.n_layers = k->layers;
     c.n_heads = k->heads, c.n_kv_heads = k->kv_heads, c.head_dim = k->head_dim;
     c.vocab_size = k->vocab, c.max_seq_len = 2048;
-    c.norm_eps = 1e-5f, c.rope_theta = 10000.0f;
+    c.norm_eps = k->arch == KV_ARCH_QWEN2 ? 1e-6f : 1e-5f;
+    c.rope_theta = k->theta > 0 ? k->theta : 10000.0f;
     c.rope_layout = k->layout;
     c.tied_embeddings = k->tied, c.has_qkv_bias = k->bias;
     c.bos_id = 1, c.eos_id = 2;
@@ -217,7 +225,11 @@ static void run_case(const struct lc_case *k) {
     if (k->scaling == KV_ROPE_SCALING_LINEAR) s->factor = 4;
     if (k->scaling == KV_ROPE_SCALING_LLAMA3) {
         s->factor = 32, s->low_freq_factor = 1, s->high_freq_factor = 4, s->original_ctx = 8192;
-        c.rope_theta = 500000.0f;
+        if (!(k->theta > 0)) c.rope_theta = 500000.0f;
+    }
+    if (k->scaling == KV_ROPE_SCALING_YARN) {
+        s->factor = 4, s->original_ctx = 32768, s->beta_fast = 32, s->beta_slow = 1;
+        s->truncate = 1, s->attention_factor = k->attn;
     }
     struct kv_model *m;
     struct kv_err e;
@@ -283,20 +295,34 @@ static void run_case(const struct lc_case *k) {
 #define NONE KV_ROPE_SCALING_NONE
 #define LIN KV_ROPE_SCALING_LINEAR
 #define L3 KV_ROPE_SCALING_LLAMA3
+#define YARN KV_ROPE_SCALING_YARN
+#define LLAMA KV_ARCH_LLAMA
+#define MISTRAL KV_ARCH_MISTRAL
+#define QWEN2 KV_ARCH_QWEN2
 
 /* llama.cpp rounds the activations of each product with a Q8_0 or Q4_K
  * weight to 8 bits: measured 0.13 and 0.16 at most (tests/llamacpp/README.md),
  * against 0.23 and 2.4 between llama.cpp and kvcal's run of the weights
- * before quantisation; a block layout kvcal got wrong gives garbage. */
+ * before quantisation; a block layout kvcal got wrong gives garbage.
+ *
+ * The qwen2 rows are Qwen2.5 scaled down: GQA 7:1 (0.5B has 14:2, 7B
+ * 28:4), heads of 64 and 128, n_heads * head_dim = dim (llama.cpp's qwen2
+ * needs it), FFN 5.4 times dim, q/k/v biases, theta 1e6, tied head.
+ * Mistral 7B scaled down: GQA 4:1, heads of 128, theta 1e6, untied. */
 static const struct lc_case cases[] = {
-    /* name                   dim  hid  L  h  g  d_h vocab layout scaling tied bias type  tol */
-    {"hd64-gqa4-llama3-f32", 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 1, 0, KV_GGML_F32, 2e-3},
-    {"hd128-gqa2-bias-f32", 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 1, KV_GGML_F32, 2e-3},
-    {"hd64-heads-wider-f32", 256, 512, 2, 8, 4, 64, 512, HALF, NONE, 0, 0, KV_GGML_F32, 2e-3},
-    {"hd64-gqa2-linear-f32", 384, 768, 2, 6, 3, 64, 768, HALF, LIN, 1, 1, KV_GGML_F32, 2e-3},
-    {"hd64-vocab200-f32", 256, 512, 1, 4, 2, 64, 200, HALF, NONE, 1, 0, KV_GGML_F32, 2e-3},
-    {"hd64-gqa4-llama3-q8_0", 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 1, 0, 8, 0.5},
-    {"hd128-gqa2-bias-q4_k", 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 1, 12, 0.5},
+    /* name                   arch  dim  hid  L  h  g  d_h vocab layout scaling theta attn tied bias type  tol */
+    {"hd64-gqa4-llama3-f32", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, KV_GGML_F32, 2e-3},
+    {"hd128-gqa2-bias-f32", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, KV_GGML_F32, 2e-3},
+    {"hd64-heads-wider-f32", LLAMA, 256, 512, 2, 8, 4, 64, 512, HALF, NONE, 0, 0, 0, 0, KV_GGML_F32, 2e-3},
+    {"hd64-gqa2-linear-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, LIN, 0, 0, 1, 1, KV_GGML_F32, 2e-3},
+    {"hd64-vocab200-f32", LLAMA, 256, 512, 1, 4, 2, 64, 200, HALF, NONE, 0, 0, 1, 0, KV_GGML_F32, 2e-3},
+    {"hd64-gqa4-llama3-q8_0", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, 8, 0.5},
+    {"hd128-gqa2-bias-q4_k", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, 12, 0.5},
+    {"hd64-gqa2-yarn-attn-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, YARN, 0, 1.2, 1, 0, KV_GGML_F32, 2e-3},
+    {"qwen2-hd64-gqa7-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3},
+    {"qwen2-hd128-gqa7-f32", QWEN2, 896, 4864, 2, 7, 1, 128, 2048, INTL, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3},
+    {"qwen2-hd64-gqa7-yarn-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, YARN, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3},
+    {"mistral-hd128-gqa4-f32", MISTRAL, 512, 1792, 2, 4, 1, 128, 1024, HALF, NONE, 1e6f, 0, 0, 0, KV_GGML_F32, 2e-3},
 };
 
 Test(llamacpp, hd64_gqa4_llama3_f32) { run_case(&cases[0]); }
@@ -306,6 +332,11 @@ Test(llamacpp, hd64_gqa2_linear_scaling_f32) { run_case(&cases[3]); }
 Test(llamacpp, hd64_small_byte_level_vocabulary_f32) { run_case(&cases[4]); }
 Test(llamacpp, hd64_gqa4_llama3_q8_0) { run_case(&cases[5]); }
 Test(llamacpp, hd128_gqa2_bias_q4_k) { run_case(&cases[6]); }
+Test(llamacpp, hd64_gqa2_yarn_attention_factor_f32) { run_case(&cases[7]); }
+Test(llamacpp, qwen2_hd64_gqa7_rotate_half_f32) { run_case(&cases[8]); }
+Test(llamacpp, qwen2_hd128_gqa7_from_interleaved_f32) { run_case(&cases[9]); }
+Test(llamacpp, qwen2_hd64_gqa7_yarn_f32) { run_case(&cases[10]); }
+Test(llamacpp, mistral_hd128_gqa4_as_llama_f32) { run_case(&cases[11]); }
 
 /* ---------------------------------------------------------------- real models */
 
