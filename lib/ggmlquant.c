@@ -552,3 +552,14 @@ int kv_ggml_quant(uint32_t t, const float *in, void *out, int64_t n) {
     for (int64_t i = 0; i < n / c->elems; i++) c->q(in + i * c->elems, b + i * c->bytes);
     return KV_OK;
 }
+
+uint32_t kv_ggml_k_fallback(uint32_t t) {
+    switch (t) {
+    case 10: /* Q2_K */
+    case 11: return 2; /* Q3_K -> Q4_0 (llama.cpp picks IQ4_NL, which kvcal has not) */
+    case 12: return 6;  /* Q4_K -> Q5_0 */
+    case 13: return 7;  /* Q5_K -> Q5_1 */
+    case 14: return 8;  /* Q6_K -> Q8_0 */
+    default: return t;
+    }
+}

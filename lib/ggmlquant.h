@@ -69,6 +69,11 @@
 /* The quantized types kv_ggml_dequant decodes, for messages. */
 #define KV_GGML_LOADABLE "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K"
 
+/* The legacy block type llama.cpp's quantiser writes instead of K-quant t
+ * for rows without a whole 256-element super-block (Q2_K, Q3_K -> Q4_0;
+ * Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0); t itself for other types. */
+uint32_t kv_ggml_k_fallback(uint32_t t);
+
 /* 1 when kv_ggml_dequant can decode ggml type t. */
 int kv_ggml_can_dequant(uint32_t t);
 /* Elements per block and bytes per block of t (1 and the element size for
