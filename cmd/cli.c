@@ -24,6 +24,38 @@ double cli_peak_rss_mib(void) {
     return (double)ru.ru_maxrss / 1024.0; /* ru_maxrss is KiB on Linux */
 }
 
+char *openblas_get_corename(void); /* OpenBLAS's own, not in every cblas.h */
+
+const char *cli_blas_kernels(const char **better) {
+    const char *k = openblas_get_corename();
+    k = k ? k : "unknown";
+    *better = NULL;
+    static const char *const avx512[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+    int has = 0;
+    for (size_t i = 0; i < sizeof avx512 / sizeof avx512[0]; i++) has |= !strcmp(k, avx512[i]);
+    __builtin_cpu_init();
+    if (!has && __builtin_cpu_supports("avx512f"))
+        *better = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+    return k;
+}
+
+const char *cli_blas_note(char *buf, size_t cap) {
+    const char *better, *k = cli_blas_kernels(&better);
+    if (better)
+        snprintf(buf, cap, "OpenBLAS %s kernels; OPENBLAS_CORETYPE=%s is faster here, docs/performance.md",
+                 k, better);
+    else
+        snprintf(buf, cap, "OpenBLAS %s kernels", k);
+    return buf;
+}
+
+void cli_json_blas(json_t *o) {
+    const char *better, *k = cli_blas_kernels(&better);
+    if (!o) return;
+    json_object_set_new(o, "blas_kernels", json_string(k));
+    json_object_set_new(o, "blas_faster", better ? json_string(better) : json_null());
+}
+
 static void print_help(const struct cli_cmd *cmd) {
     printf("usage: kvcal %s %s\n\n%s\n", cmd->name, cmd->usage, cmd->summary);
     if (cmd->n_opts) printf("\noptions:\n");

@@ -98,6 +98,16 @@ void cli_progress_end(struct cli_progress *p);
 /* Peak resident set size of this process in MiB. */
 double cli_peak_rss_mib(void);
 
+/* The OpenBLAS kernel set this process runs ("Haswell", "SkylakeX", ...;
+ * OPENBLAS_CORETYPE chooses it at start), and in *better the one to select
+ * when the CPU offers AVX-512 that the running set does not use, else NULL. */
+const char *cli_blas_kernels(const char **better);
+/* " (OpenBLAS K kernels)" or " (OpenBLAS K kernels; OPENBLAS_CORETYPE=B is
+ * faster here, docs/performance.md)" into buf, for the speed lines. */
+const char *cli_blas_note(char *buf, size_t cap);
+/* Add "blas_kernels" and "blas_faster" (the better set, or null) to o. */
+void cli_json_blas(json_t *o);
+
 /* Load a model, honouring --tokenizer; prints errors. Returns 0 or EXIT_ERR. */
 int cli_load_model(const char *path, const char *tok_path, struct kv_model **m);
 

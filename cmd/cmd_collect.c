@@ -134,6 +134,7 @@ static int print_json(const struct collect_args *a, const struct kv_stats *s,
         "tokens_per_s", cli_json_real(o->tokens_per_s), "seconds", cli_json_real(o->seconds),
         "threads", omp_get_max_threads(), "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
     if (out) {
+        cli_json_blas(out);
         json_object_set_new(out, "fisher", json_boolean(si.has_fisher));
         json_object_set_new(out, "tokenization", json_string(si.tokenization));
         json_object_set_new(out, "special_strings", json_integer(C_specials));
@@ -178,9 +179,12 @@ static void print_text(const struct collect_args *a, const struct kv_model *m,
                    (long long)o->run_windows);
         printf("\n");
     }
+    char bn[160];
     if (o->run_windows > 0)
-        printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", o->tokens_per_s,
-               omp_get_max_threads(), o->seconds, cli_peak_rss_mib());
+        printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n"
+               "blas      %s\n",
+               o->tokens_per_s, omp_get_max_threads(), o->seconds, cli_peak_rss_mib(),
+               cli_blas_note(bn, sizeof bn));
     if (o->run_windows > 0)
         printf("wrote     %s\n", a->output);
     else

@@ -252,6 +252,7 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
             "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
             "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
         json_tokenization(o, a, m);
+        cli_json_blas(o);
         if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);
         return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     }
@@ -275,8 +276,10 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
     printf("kv bytes    %-11lld %lld per token   (%.4f of base)\n", (long long)base, (long long)comp, ratio);
     printf("kl          %.6f nats per token, KL(base || compressed)\n", r->kl);
     printf("top-1       %.4f of positions agree\n", r->top1);
-    printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n", tb, tc,
-           cli_peak_rss_mib());
+    char bn[160];
+    printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n"
+           "blas        %s\n",
+           tb, tc, cli_peak_rss_mib(), cli_blas_note(bn, sizeof bn));
     if (dv->on) device_print(dv, r, &r->comp, seq_len, NULL);
     return EXIT_OK;
 }
@@ -320,6 +323,7 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
                               cli_json_real(tps), "seconds", cli_json_real(r->seconds), "threads",
                               nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
         json_tokenization(o, a, m);
+        cli_json_blas(o);
         if (o && dv->on) device_print(dv, cr, r, a->seq_len, o);
         return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     }
@@ -338,8 +342,10 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
     printf("windows   %lld, %lld scored tokens\n", (long long)r->windows, (long long)r->scored);
     printf("nll       %.6f\n", r->nll);
     printf("ppl       %.4f\n", r->ppl);
+    char bn[160];
     printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
            r->seconds, cli_peak_rss_mib());
+    printf("blas      %s\n", cli_blas_note(bn, sizeof bn));
     if (dv->on) device_print(dv, cr, r, a->seq_len, NULL);
     return EXIT_OK;
 }

@@ -33,6 +33,8 @@
 #               "N tokens/s base, N compressed"
 #   memory      a number followed by " MiB" (peak RSS)
 #   JSON        the values of "seconds", "tokens_per_s" and "peak_rss_mib"
+#   blas        the OpenBLAS kernel set and its hint on a "blas" line, and
+#               the values of "blas_kernels" and "blas_faster"
 #   temp names  ".tmp-<digits>", and the 6-character suffix of a mktemp name
 #               (tmp.XXXXXX, kvcal-NAME.XXXXXX)
 #   bench-attn  its timing table's µs/step, µs attn, GB/s, % peak and speedup
@@ -71,6 +73,8 @@ mask() {
         -e 's#(tokens/s base, )[0-9]+ compressed#\1\# compressed#g' \
         -e 's/[0-9]+(\.[0-9]+)? MiB/# MiB/g' \
         -e 's/"(seconds|tokens_per_s|peak_rss_mib)": [-+0-9.eE]+/"\1": #/g' \
+        -e 's/^(blas +)OpenBLAS .*/\1#/' \
+        -e 's/"blas_(kernels|faster)": ("[^"]*"|null)/"blas_\1": #/g' \
         -e 's/\.tmp-[0-9]+/.tmp-#/g' \
         -e 's/\b(tmp|kvcal-[A-Za-z0-9_-]+)\.[A-Za-z0-9]{6}\b/\1.XXXXXX/g' \
         -e 's/^(\|([^|]*\|){4})([^|]*\|){4}[ 0-9.]+x \|$/\1 # | # | # | # | # |/'

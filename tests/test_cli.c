@@ -749,9 +749,11 @@ Test(cli, invalid_config_json_is_refused) {
     expect_hf_error(d, "config.json",
                     "offset 207: invalid json: duplicate object key near '\"hidden_size\"'");
     free(d), free(c1);
-    c1 = replace(cfg, "\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}");
+    c1 = replace(cfg, "\"rope_scaling\": null",
+                 "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, \"low_freq_factor\": 1}");
     d = hf_dir("ropescale", st, len, c1);
-    expect_hf_error(d, "config.json", "rope_scaling type 'linear' is not supported");
+    expect_hf_error(d, "config.json",
+                    "rope_scaling: key 'low_freq_factor' of rope type 'linear' is not supported");
     free(d), free(c1), free(cfg), free(st);
 }
 
