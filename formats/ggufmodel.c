@@ -452,6 +452,31 @@ static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_w
     return 0;
 }
 
+/* Yarn as llama.cpp computes it for these architectures: rope.scaling.factor,
+ * rope.scaling.original_context_length (else context_length), beta_fast 32
+ * and beta_slow 1 with the correction range rounded to whole dimensions,
+ * and cos, sin multiplied by rope.scaling.attn_factor (default 1) times
+ * 1 + 0.1 ln factor. */
+static int read_yarn(const struct kv_gguf_file *f, const char *ar, struct kv_config *cfg,
+                     struct kv_err *err) {
+    struct kv_rope_scaling_cfg *sc = &cfg->rope_scaling;
+    float factor = 0, af = 1;
+    uint32_t orig = 0;
+    int rc;
+    if ((rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.factor"), &factor, err))) return rc;
+    if (kv_gguf_find(f, akey(ar, "rope.scaling.original_context_length")) &&
+        (rc = kv_gguf_get_u32(f, akey(ar, "rope.scaling.original_context_length"), &orig, err)))
+        return rc;
+    if (kv_gguf_find(f, akey(ar, "rope.scaling.attn_factor")) &&
+        (rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.attn_factor"), &af, err)))
+        return rc;
+    sc->type = KV_ROPE_SCALING_YARN, sc->factor = factor;
+    sc->original_ctx = orig ? (int64_t)orig : cfg->max_seq_len;
+    sc->beta_fast = 32, sc->beta_slow = 1, sc->truncate = 1;
+    sc->attention_factor = (double)af * (factor > 1 ? 1 + 0.1 * log((double)factor) : 1.0);
+    return KV_OK;
+}
+
 /* GGUF's rope scaling: rope.scaling.type none or linear with
  * rope.scaling.factor (or the older rope.scale_linear), and the per-pair
  * frequency divisors of a rope_freqs.weight tensor (Llama 3's scaling, as
@@ -469,9 +494,11 @@ static int read_rope_scaling(const struct kv_gguf_file *f, const char *ar, struc
             float v = 1;
             if ((rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.factor"), &v, err))) return rc;
             sc->type = KV_ROPE_SCALING_LINEAR, sc->factor = v;
+        } else if (kv_gguf_str_eq(s, "yarn")) {
+            if ((rc = read_yarn(f, ar, cfg, err))) return rc;
         } else if (!kv_gguf_str_eq(s, "none")) {
             return kv_fail(err, KV_EUNSUPPORTED, f->path, rs->val_off,
-                           "rope scaling '%s' is not supported, expected none or linear",
+                           "rope scaling '%s' is not supported, expected none, linear or yarn",
                            kv_gguf_excerpt(s.p, s.len, sb, sizeof sb));
         }
     }

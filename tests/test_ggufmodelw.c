@@ -326,6 +326,25 @@ Test(ggufmodelw, yarn_rope_scaling_writes_llama_cpp_keys) {
     kv_model_close(m);
 }
 
+/* and kvcal reads them back to the same model */
+Test(ggufmodelw, yarn_round_trip) {
+    const struct {
+        enum kv_arch arch;
+        double af;
+    } rows[] = {{KV_ARCH_QWEN2, 0}, {KV_ARCH_LLAMA, 1.5}};
+    for (int i = 0; i < 2; i++) {
+        struct kv_model *m = random_model(yarn_cfg(rows[i].arch, rows[i].af), 67 + (uint64_t)i);
+        struct kv_model *back = round_trip(m);
+        const struct kv_rope_scaling_cfg *s = &kv_model_config(back)->rope_scaling;
+        cr_assert_eq(s->type, KV_ROPE_SCALING_YARN);
+        cr_assert_eq(s->original_ctx, 32);
+        double want = rows[i].af ? rows[i].af : 1 + 0.1 * log(4.0);
+        cr_assert_float_eq(s->attention_factor, want, 1e-6, "attention factor %.9g", s->attention_factor);
+        kv_model_close(back);
+        kv_model_close(m);
+    }
+}
+
 /* ---------------------------------------------------------------- the file itself */
 
 Test(ggufmodelw, writes_the_keys_llama_cpp_reads_with_their_types) {
