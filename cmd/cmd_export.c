@@ -70,7 +70,8 @@ int cmd_export(int argc, char **argv) {
         return cli_report(&err);
     }
     double t0 = kv_now();
-    rc = kv_lr_export_dense(m, model, lr, out, &err);
+    struct kv_export_report rep;
+    rc = kv_lr_export_dense(m, model, lr, out, &rep, &err);
     double secs = kv_now() - t0;
     if (rc) {
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", dense);
@@ -86,9 +87,17 @@ int cmd_export(int argc, char **argv) {
                               cli_json_text(model), "format", fmt, "n_layers", (json_int_t)L,
                               "k_layers_replaced", (json_int_t)nk, "v_layers_replaced",
                               (json_int_t)nv, "seconds", cli_json_real(secs));
+        if (o) {
+            json_object_set_new(o, "retyped_f16", json_integer(rep.retyped));
+            json_object_set_new(o, "retyped_from", rep.retyped ? json_string(rep.from) : json_null());
+        }
         rc = cli_print_json(o, JSON_INDENT(2));
     } else {
-        printf("wrote     %s (%s, the layout and size of %s)\n", out, fmt, model);
+        if (rep.retyped)
+            printf("wrote     %s (%s; %s with its %lld replaced %s K/V tensors written as F16)\n", out,
+                   fmt, model, (long long)rep.retyped, rep.from);
+        else
+            printf("wrote     %s (%s, the layout and size of %s)\n", out, fmt, model);
         printf("replaced  k in %lld of %lld layers, v in %lld of %lld, by up·down of %s\n",
                (long long)nk, (long long)L, (long long)nv, (long long)L, dense);
         printf("note      a quality proxy: the compressed model's keys and values, no memory "

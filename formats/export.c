@@ -15,6 +15,7 @@
 
 #include "arch.h"
 #include "err.h"
+#include "ggmlquant.h"
 #include "gguf.h"
 #include "hfdir.h"
 #include "json.h"
@@ -33,6 +34,7 @@ struct target {
     int file;           /* index into struct job's files */
     char name[KV_MAX_NAME_LEN + 1];
     enum kv_dtype dtype;
+    uint32_t block_type;  /* a block-quantized GGUF tensor (dtype KV_DTYPE_COUNT), else 0 */
     uint64_t off, nbytes; /* the whole stored tensor */
     int64_t stored_n;     /* its elements */
     int64_t rows, cols;   /* the weight: [g*d_h, d], or [g*d_h] with cols 1 for a bias */
@@ -219,12 +221,10 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
         }
     }
     const int conv = e && e->conv;
-    if (t->dtype == KV_DTYPE_COUNT && t->block_type)
-        return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
-                       "tensor '%s' is quantized (%s); dense export of a quantized model is not "
-                       "supported yet: export from an F32, F16 or BF16 copy of it",
-                       t->name, kv_ggml_type_name(t->block_type));
-    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
+    /* a quantized GGUF tensor is rewritten as F16 (fill_gguf_retyped) */
+    const int blocks = t->dtype == KV_DTYPE_COUNT && t->block_type &&
+                       kv_ggml_can_dequant(t->block_type) && j->m->format == KV_FORMAT_GGUF;
+    if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16 && !blocks)
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
                        "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",
                        t->name, kv_dtype_name(t->dtype));
@@ -234,7 +234,10 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     int ok = t->ndim == nd;
     for (int i = 0; i < nd && ok; i++) ok = t->shape[i] == want[i];
     int64_t stored_n = want[0] * (is_bias ? 1 : want[1]);
-    if (!ok || t->nbytes != (uint64_t)stored_n * kv_dtype_size(t->dtype)) {
+    uint64_t want_bytes = blocks ? (uint64_t)(stored_n / kv_ggml_block_elems(t->block_type)) *
+                                       (uint64_t)kv_ggml_block_bytes(t->block_type)
+                                 : (uint64_t)stored_n * kv_dtype_size(t->dtype);
+    if (!ok || t->nbytes != want_bytes) {
         char a[96], b[96];
         kv_shape_str(a, sizeof a, t->shape, t->ndim);
         kv_shape_str(b, sizeof b, want, nd);
@@ -249,6 +252,7 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     x->file = file;
     snprintf(x->name, sizeof x->name, "%s", t->name);
     x->dtype = t->dtype;
+    x->block_type = blocks ? t->block_type : 0;
     x->off = t->offset;
     x->nbytes = t->nbytes;
     x->stored_n = stored_n;
@@ -504,10 +508,13 @@ static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t off) {
 static int verify_sources(const struct job *j, struct kv_err *err) {
     char eb[128];
     uint64_t maxb = 0;
-    for (int64_t i = 0; i < j->n_t; i++)
+    int64_t maxn = 1;
+    for (int64_t i = 0; i < j->n_t; i++) {
         if (j->t[i].nbytes > maxb) maxb = j->t[i].nbytes;
+        if (j->t[i].stored_n > maxn) maxn = j->t[i].stored_n;
+    }
     uint8_t *raw = malloc(maxb ? (size_t)maxb : 1);
-    float *f = malloc((maxb ? (size_t)maxb : 1) * 2); /* f32 of up to maxb/2 elements */
+    float *f = malloc((size_t)maxn * sizeof *f);
     int rc = KV_OK;
     if (!raw || !f) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     int fd = -1, fd_file = -1;
@@ -530,7 +537,10 @@ static int verify_sources(const struct job *j, struct kv_err *err) {
                                  t->name, kv_errtext(e, eb, sizeof eb));
             break;
         }
-        kv_convert_to_f32(t->dtype, raw, f, t->stored_n);
+        if (t->block_type)
+            KV_ASSERT(kv_ggml_dequant(t->block_type, raw, f, t->stored_n) == KV_OK);
+        else
+            kv_convert_to_f32(t->dtype, raw, f, t->stored_n);
         const float *w = kv_model_weight(j->m, t->kind, t->layer);
         KV_ASSERT(w);
         int same = 1;
@@ -690,6 +700,101 @@ static int fill_file(int fd, const char *path, const char *tmp, void *vctx, stru
     return rc;
 }
 
+/* A GGUF source whose compressed K/V tensors are block-quantized: the file
+ * rewritten with those tensors as F16 (their dense products rounded once),
+ * the header's key-value section and every other tensor's bytes copied, the
+ * tensor infos and offsets recomputed. */
+static int put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return 4;
+}
+static int put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return 8;
+}
+
+/* The target rewriting GGUF tensor i of f, or NULL when it is copied. */
+static const struct target *retyped(const struct job *j, const struct kv_gguf_file *f, int64_t i) {
+    for (int64_t k = 0; k < j->n_t; k++)
+        if (j->t[k].block_type && j->t[k].off == f->tensors[i].t.offset) return &j->t[k];
+    return NULL;
+}
+
+static int fill_gguf_retyped(int fd, const char *path, const char *tmp, void *vctx,
+                             struct kv_err *err) {
+    const struct fill_ctx *ctx = vctx;
+    const struct job *j = ctx->j;
+    const char *src = j->files[ctx->file];
+    struct kv_gguf_file *f;
+    int rc = kv_gguf_open(src, &f, err);
+    if (rc) return rc;
+    char eb[128];
+    const uint64_t al = f->alignment;
+    /* sizes: the header (key-values kept, infos rewritten), then the data */
+    uint64_t kv_end = f->n_tensors ? f->tensors[0].info_off : f->data_off;
+    uint64_t hdr = kv_end, data = 0;
+    uint64_t *rel = calloc((size_t)(f->n_tensors ? f->n_tensors : 1), sizeof *rel);
+    if (!rel) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    for (int64_t i = 0; i < f->n_tensors && !rc; i++) {
+        const struct kv_gguf_tensor *t = &f->tensors[i];
+        hdr += (t->type_off - t->info_off) + 4 + 8; /* name and dims as stored, type, offset */
+        data = (data + al - 1) / al * al;
+        rel[i] = data;
+        data += retyped(j, f, i) ? (uint64_t)kv_tensor_numel(&t->t) * 2 : t->t.nbytes;
+    }
+    uint64_t data_off = (hdr + al - 1) / al * al;
+    uint8_t *h = rc ? NULL : calloc(1, (size_t)data_off);
+    if (!rc && !h) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    if (!rc) {
+        memcpy(h, f->buf, (size_t)kv_end); /* magic, version, counts, key-values */
+        uint64_t o = kv_end;
+        for (int64_t i = 0; i < f->n_tensors; i++) {
+            const struct kv_gguf_tensor *t = &f->tensors[i];
+            memcpy(h + o, f->buf + t->info_off, (size_t)(t->type_off - t->info_off));
+            o += t->type_off - t->info_off;
+            o += (uint64_t)put_u32(h + o, retyped(j, f, i) ? KV_GGML_F16 : t->ggml_type);
+            o += (uint64_t)put_u64(h + o, rel[i]);
+        }
+        int e = pwrite_all(fd, h, data_off, 0);
+        if (e) rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp, kv_errtext(e, eb, sizeof eb));
+    }
+    for (int64_t i = 0; i < f->n_tensors && !rc; i++) {
+        const struct kv_gguf_tensor *t = &f->tensors[i];
+        const struct target *x = retyped(j, f, i);
+        if (!x) {
+            int e = pwrite_all(fd, t->t.data, t->t.nbytes, data_off + rel[i]);
+            if (e) rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp, kv_errtext(e, eb, sizeof eb));
+            continue;
+        }
+        int64_t n = x->rows * x->cols;
+        float *w = malloc((size_t)n * sizeof *w);
+        uint16_t *h16 = malloc((size_t)n * sizeof *h16);
+        if (!w || !h16) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        if (!rc) rc = dense_rows(j, x, w, err);
+        for (int64_t k = 0; k < n && !rc; k++) {
+            h16[k] = kv_f32_to_f16(w[k]);
+            if (!isfinite(kv_f16_to_f32(h16[k])))
+                rc = kv_fail(err, KV_ENUMERIC, path, x->off,
+                             "tensor '%s': dense %s element %lld is %g, beyond the range of F16",
+                             x->name, kv_wkind_name(x->kind), (long long)k, (double)w[k]);
+        }
+        if (!rc) {
+            uint8_t *le = (uint8_t *)h16; /* little-endian bytes, as GGUF stores them */
+            for (int64_t k = 0; k < n; k++) {
+                uint16_t v = h16[k];
+                le[2 * k] = (uint8_t)v, le[2 * k + 1] = (uint8_t)(v >> 8);
+            }
+            int e = pwrite_all(fd, le, (uint64_t)n * 2, data_off + rel[i]);
+            if (e) rc = kv_fail(err, KV_EIO, path, KV_NO_OFFSET, "cannot write '%s': %s", tmp, kv_errtext(e, eb, sizeof eb));
+        }
+        free(w), free(h16);
+    }
+    /* the last tensor's padding: the file ends where its data does */
+    free(h), free(rel);
+    kv_gguf_close(f);
+    return rc;
+}
+
 /* ================================================================ output */
 
 static void remove_tree(const char *dir) {
@@ -767,8 +872,10 @@ static void job_free(struct job *j) {
 }
 
 int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
-                       const struct kv_lowrank *lr, const char *out, struct kv_err *err) {
+                       const struct kv_lowrank *lr, const char *out, struct kv_export_report *rep,
+                       struct kv_err *err) {
     KV_ASSERT(m && model_path && lr && out);
+    if (rep) memset(rep, 0, sizeof *rep);
     enum kv_format fmt = kv_model_format(m);
     if (fmt == KV_FORMAT_SYNTHETIC)
         return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
@@ -813,7 +920,15 @@ int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
             rc = write_dir(&j, out, err);
         } else {
             struct fill_ctx ctx = {&j, 0};
-            rc = kv_write_atomic(out, fill_file, &ctx, err);
+            int64_t n_retyped = 0;
+            for (int64_t i = 0; i < j.n_t; i++) n_retyped += j.t[i].block_type != 0;
+            rc = kv_write_atomic(out, n_retyped ? fill_gguf_retyped : fill_file, &ctx, err);
+            if (!rc && rep) {
+                rep->retyped = n_retyped;
+                for (int64_t i = 0; i < j.n_t && !rep->from[0]; i++)
+                    if (j.t[i].block_type)
+                        snprintf(rep->from, sizeof rep->from, "%s", kv_ggml_type_name(j.t[i].block_type));
+            }
         }
     }
     job_free(&j);

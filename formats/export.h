@@ -21,7 +21,12 @@
  *                 a Conv1D stored [in, out] = [d, qd + 2 kd] whose columns
  *                 qd.. are K and qd+kd.. are V (so W'ᵀ goes there), and of
  *                 c_attn.bias [qd + 2 kd]; the Q columns keep their bytes
- *   GGUF file     OUT is one file; blk.N.attn_{k,v}.{weight,bias} patched
+ *   GGUF file     OUT is one file; blk.N.attn_{k,v}.{weight,bias} patched.
+ *                 When a compressed K/V tensor is block-quantized (Q4_K,
+ *                 ...), the file is rewritten instead: the same key-value
+ *                 section and tensors in the same order, those K/V tensors
+ *                 as F16 (the dense product rounded once), every other
+ *                 tensor's bytes copied, offsets recomputed
  *   llama2.c .bin OUT is one file; layers.N.w{k,v} patched
  *
  * No other loader permutes or transposes these tensors (GGUF's ne[] =

@@ -228,9 +228,17 @@ int kv_lr_manifest_read(const char *path, struct kv_lowrank **out, struct kv_err
  * file; only the K/V tensors' bytes change (for gpt2 the K and V columns of
  * each Conv1D c_attn and its bias). postrope_rotation keys have no
  * dense form: KV_EUNSUPPORTED naming the layer, before anything is written.
- * Atomic; see formats/export.h for every rule. */
+ * A GGUF whose compressed K/V tensors are block-quantized is rewritten with
+ * those tensors as F16 (rep->retyped of them, rep->from naming the type they
+ * had); rep may be NULL. Atomic; see formats/export.h for every
+ * rule. */
+struct kv_export_report {
+    int64_t retyped;    /* quantized K/V tensors written as F16 */
+    char from[16];      /* the type they had ("Q4_K"; the first one's) */
+};
 int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
-                       const struct kv_lowrank *lr, const char *out, struct kv_err *err);
+                       const struct kv_lowrank *lr, const char *out,
+                       struct kv_export_report *rep, struct kv_err *err);
 
 
 #ifdef __cplusplus

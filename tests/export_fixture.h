@@ -102,7 +102,7 @@ static inline void export_ok(const struct kv_model *m, const char *path, const s
                              const char *out) {
     struct kv_err err;
     kv_err_clear(&err);
-    int rc = kv_lr_export_dense(m, path, lr, out, &err);
+    int rc = kv_lr_export_dense(m, path, lr, out, NULL, &err);
     char line[2200];
     kv_err_format(&err, line, sizeof line, 1);
     cr_assert_eq(rc, KV_OK, "export of %s: %s", path, line);

@@ -35,7 +35,7 @@ static void export_fails(const struct kv_model *m, const char *path, const struc
                          const char *f3) {
     struct kv_err err;
     kv_err_clear(&err);
-    int rc = kv_lr_export_dense(m, path, lr, out, &err);
+    int rc = kv_lr_export_dense(m, path, lr, out, NULL, &err);
     char line[2200];
     kv_err_format(&err, line, sizeof line, 1);
     cr_assert_eq(rc, code, "expected %s, got %s: %s", kv_status_name(code), kv_status_name(rc), line);
@@ -99,7 +99,7 @@ Test(export_dense, output_that_is_the_source_is_refused) {
     char *x = kvt_path(dir, "x.bin");
     struct kv_err xe;
     kv_err_clear(&xe);
-    cr_assert_eq(kv_lr_export_dense(m, copy, lr, x, &xe), KV_OK, "%s", xe.msg);
+    cr_assert_eq(kv_lr_export_dense(m, copy, lr, x, NULL, &xe), KV_OK, "%s", xe.msg);
     cr_assert_eq(kvt_tmp_left(x), 0);
     unlink(x);
     size_t n1;

@@ -72,3 +72,92 @@ Test(quantppl, kjv_llama_quantized_by_kvcal, .timeout = 300) {
     kv_model_close(m);
     kvt_rm_dir(dir);
 }
+
+static void run_ok(const char *args, char **out) {
+    char *o, *e;
+    int rc = kvt_run_cli(args, &o, &e);
+    cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e);
+    free(e);
+    if (out) *out = o;
+    else free(o);
+}
+
+static double ppl_of(const char *args_fmt, const char *a, const char *b) {
+    char args[4096], *out;
+    snprintf(args, sizeof args, args_fmt, a, b);
+    run_ok(args, &out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert(o, "not JSON: %s", out);
+    double p = json_number_value(json_object_get(o, "ppl"));
+    json_decref(o);
+    free(out);
+    return p;
+}
+
+/* A Q4_K model compressed and exported dense: the patched K/V tensors are
+ * written as F16 (said so), the other tensors keep their blocks, and the
+ * dense file scores what the latent cache does, to F16 rounding. */
+Test(quantppl, dense_export_of_a_quantized_model, .timeout = 300) {
+    if (access(MODEL "/model.safetensors", R_OK) || access(GOSPELS, R_OK))
+        cr_skip("%s or %s is missing (make data writes the Gospels; run from the repository root)",
+                MODEL, GOSPELS);
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_open(MODEL, NULL, &m, &err), KV_OK, "%s", err.msg);
+    char *dir = kvt_temp_dir(), q[1200], st[1200], lr[1200], full[1200], dense[1200], args[8192];
+    snprintf(q, sizeof q, "%s/q4k.gguf", dir);
+    snprintf(st, sizeof st, "%s/s.kvstats", dir);
+    snprintf(lr, sizeof lr, "%s/half", dir);
+    snprintf(full, sizeof full, "%s/full", dir);
+    snprintf(dense, sizeof dense, "%s/dense.gguf", dir);
+    struct kv_gguf_write_opts o = {.matrix_type = 12, .fallback = 1};
+    cr_assert_eq(kv_gguf_write_model(m, q, &o, &err), KV_OK, "%s", err.msg);
+    kv_model_close(m);
+    snprintf(args, sizeof args,
+             "collect -m '%s' --tokenizer '%s' -t '%s' --seq-len 128 --samples 8 --sequential -q --threads 2 -o '%s'",
+             q, TOKJSON, GOSPELS, st);
+    run_ok(args, NULL);
+    const char *vfmt = "verify -m '%s' --tokenizer " TOKJSON " --text " GOSPELS
+                       " --seq-len 128 --max-windows 8 --threads 2 --json %s";
+    /* full rank over quantized weights: the base model again */
+    snprintf(args, sizeof args, "decompose -m '%s' --tokenizer '%s' -s '%s' --method palu --eps 1 -o '%s' -q",
+             q, TOKJSON, st, full);
+    run_ok(args, NULL);
+    char extra[1400];
+    snprintf(extra, sizeof extra, "--compressed '%s'", full);
+    double base = ppl_of(vfmt, q, ""), at1 = ppl_of(vfmt, q, extra);
+    cr_assert(fabs(at1 - base) <= 1e-4 * base, "--eps 1 over Q4_K: %.8f vs %.8f", at1, base);
+    /* half the cache, exported dense */
+    snprintf(args, sizeof args, "decompose -m '%s' --tokenizer '%s' -s '%s' --method palu --ratio 0.5 -o '%s' -q",
+             q, TOKJSON, st, lr);
+    run_ok(args, NULL);
+    snprintf(extra, sizeof extra, "--compressed '%s'", lr);
+    double latent = ppl_of(vfmt, q, extra);
+    char *out;
+    snprintf(args, sizeof args, "export --dense '%s' -m '%s' --tokenizer '%s' -o '%s'", lr, q, TOKJSON, dense);
+    run_ok(args, &out);
+    cr_assert(strstr(out, "replaced Q4_K K/V tensors written as F16"), "export did not say so:\n%s", out);
+    free(out);
+    double dp = ppl_of(vfmt, dense, "");
+    cr_log_info("Q4_K: base %.6f, half-cache latent %.6f, dense export (K/V F16) %.6f", base, latent, dp);
+    cr_assert(fabs(latent - dp) <= 2e-3 * dp, "latent %.8f vs dense %.8f", latent, dp);
+    /* the file: K/V as F16, every other matrix as it was */
+    struct kv_gguf_file *f, *g;
+    cr_assert_eq(kv_gguf_open(dense, &f, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_gguf_open(q, &g, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(f->n_tensors, g->n_tensors);
+    int64_t f16 = 0;
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        const struct kv_gguf_tensor *a = &f->tensors[i], *b = &g->tensors[i];
+        cr_assert_str_eq(a->t.name, b->t.name);
+        int kv = strstr(a->t.name, "attn_k.weight") || strstr(a->t.name, "attn_v.weight");
+        if (kv && a->ggml_type == 1) f16++;
+        else {
+            cr_assert_eq(a->ggml_type, b->ggml_type, "%s changed type", a->t.name);
+            cr_assert_eq(memcmp(a->t.data, b->t.data, a->t.nbytes), 0, "%s changed bytes", a->t.name);
+        }
+    }
+    cr_assert_gt(f16, 0, "no K/V tensor was written as F16");
+    kv_gguf_close(f), kv_gguf_close(g);
+    kvt_rm_dir(dir);
+}
