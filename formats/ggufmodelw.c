@@ -77,10 +77,10 @@ static const struct hp_key llama_keys[] = {
 /* How one kvcal architecture is written for llama.cpp: the GGUF
  * architecture (general.architecture and the key prefix), the RoPE pairing
  * llama.cpp's graph uses on stored q/k rows (llama: NORM, pairs (2i,
- * 2i+1); qwen2, phi3, gptneox, gemma2: NEOX, pairs (i, i + d/2)), whether it
- * reads rope_freqs.weight, whether its graph sizes q and the output
- * projection as [dim, dim] (square_attn: n_heads * head_dim must be dim),
- * and its keys. Tensor names come from lib/arch.c's .gguf table of the same
+ * 2i+1); qwen2, qwen3, phi3, gptneox, gemma2: NEOX, pairs (i, i + d/2)),
+ * whether it reads rope_freqs.weight, whether its graph sizes q and the
+ * output projection as [dim, dim] (square_attn: n_heads * head_dim must be
+ * dim), and its keys. Tensor names come from lib/arch.c's .gguf table of the same
  * kvcal architecture. */
 struct gguf_arch {
     enum kv_arch arch;
@@ -95,11 +95,14 @@ struct gguf_arch {
 /* Mistral is written as "llama", as convert_hf_to_gguf.py does: the same
  * graph, and its sliding window has no key (refused below). qwen2 stores
  * q/k rows as HF does (rotate-half) and reads neither rope_freqs.weight nor
- * key_length / value_length. */
+ * key_length / value_length. qwen3 is qwen2's NEOX graph with the per-head
+ * q/k norms, optional biases and heads sized by key_length, so n_heads *
+ * head_dim may differ from dim (Qwen3-0.6B: 16 * 128 against 1024). */
 static const struct gguf_arch gguf_archs[] = {
     {KV_ARCH_LLAMA, "llama", KV_ROPE_INTERLEAVED, 1, 0, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_MISTRAL, "llama", KV_ROPE_INTERLEAVED, 1, 0, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_QWEN2, "qwen2", KV_ROPE_HALF, 0, 1, llama_keys, COUNT(llama_keys)},
+    {KV_ARCH_QWEN3, "qwen3", KV_ROPE_HALF, 0, 0, llama_keys, COUNT(llama_keys)},
 };
 
 static const struct gguf_arch *find_arch(enum kv_arch a) {
@@ -467,7 +470,9 @@ struct wtensor {
     int ndim;
     int64_t shape[2]; /* row-major, as stored */
     int64_t rows, cols;
-    const float *src;
+    const float *src; /* NULL for a streamed model's weight: fetched as written */
+    int kind;
+    int64_t layer;
     enum perm perm;
     int64_t head_dim;
     uint64_t row_bytes, nbytes, rel;
@@ -599,11 +604,18 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
                 snprintf(name, sizeof name, "%s", e->name);
             else
                 snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
-            int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
+            /* the per-head norms scale q and k element by element before
+             * RoPE: their weights move with the rows they scale */
+            int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK ||
+                     k == KV_W_QNORM || k == KV_W_KNORM;
             if ((rc = plan_add(p, name, nd == 2 ? mtype : KV_GGML_F32, nd, shape, w,
                                qk ? perm : PERM_NONE, path, err)) ||
                 (rc = check_finite(&p->t[p->n_t - 1], path, err)))
                 return rc;
+            /* a streamed model's layer slot is reused: fetch it again when writing */
+            struct wtensor *t = &p->t[p->n_t - 1];
+            t->kind = k, t->layer = l < 0 ? 0 : l;
+            if (kv_model_is_streamed(m)) t->src = NULL;
         }
     }
     return KV_OK;
@@ -657,7 +669,7 @@ static void meta_hparams(struct plan *p) {
 
 /* The rope scaling of c, refused unless ga's keys express it exactly:
  * none, linear, yarn as llama.cpp computes it (beta_fast 32 and beta_slow 1,
- * the only values its llama and qwen2 graphs use: they read no
+ * the only values its llama, qwen2 and qwen3 graphs use: they read no
  * yarn_beta_* key; the correction range rounded to whole dimensions), and,
  * where ga reads rope_freqs.weight, llama3 and per-pair divisors. */
 static int check_rope(const struct kv_config *c, const struct gguf_arch *ga, const char *path,
@@ -777,8 +789,9 @@ static int fill(int fd, const char *path, const char *tmp, void *ctx, struct kv_
     for (int64_t i = 0; i < p->n_t && !o.e; i++) {
         const struct wtensor *t = &p->t[i];
         KV_ASSERT(o.pos == data_off + t->rel);
+        const float *src = t->src ? t->src : kv_model_weight(p->m, (enum kv_wkind)t->kind, t->layer);
         for (int64_t r = 0; r < t->rows && !o.e; r++) {
-            int qrc = kv_ggml_quant(t->type, t->src + src_row(t, r) * t->cols, row, t->cols);
+            int qrc = kv_ggml_quant(t->type, src + src_row(t, r) * t->cols, row, t->cols);
             KV_ASSERT(qrc == KV_OK); /* type, row length and values checked by the plan */
             o_put(&o, row, (size_t)t->row_bytes);
         }

@@ -12,10 +12,17 @@
  *                       graph is NEOX), q/k/v biases; no rope_freqs.weight;
  *                       n_heads * head_dim must equal dim (llama.cpp sizes
  *                       attn_q and attn_output [dim, dim])
+ *   qwen3   -> "qwen3"  as qwen2 (rotate-half rows, no rope_freqs.weight),
+ *                       plus the per-head q/k norms attn_q_norm.weight and
+ *                       attn_k_norm.weight [head_dim]; q/k/v biases
+ *                       optional; n_heads * head_dim may differ from dim
+ *                       (llama.cpp sizes attn_q [dim, n_heads * key_length],
+ *                       attn_output [n_heads * key_length, dim])
  *
  * A model with a sliding window (sliding_window > 0) is refused: neither
- * kvcal's reader nor llama.cpp's llama and qwen2 read a window key, so the
- * file would be a different model that attends to every earlier position.
+ * kvcal's reader nor llama.cpp's llama, qwen2 and qwen3 read a window key,
+ * so the file would be a different model that attends to every earlier
+ * position.
  *
  * Metadata:
  *
@@ -43,10 +50,10 @@
  *
  * Rope scaling: none; linear (the two keys above); yarn as transformers
  * computes it with beta_fast 32, beta_slow 1 and truncate true (llama.cpp's
- * llama and qwen2 read no yarn_beta_* key and always round the correction
- * range to whole dimensions; it multiplies cos and sin by attn_factor times
- * m, kvcal by attention_factor, or m when that is 0); other yarn
- * parameters are refused. For "llama" also llama3, and the per-pair
+ * llama, qwen2 and qwen3 read no yarn_beta_* key and always round the
+ * correction range to whole dimensions; it multiplies cos and sin by
+ * attn_factor times m, kvcal by attention_factor, or m when that is 0);
+ * other yarn parameters are refused. For "llama" also llama3, and the per-pair
  * divisors of a GGUF-loaded model (KV_ROPE_SCALING_FREQS), as the F32
  * tensor rope_freqs.weight [head_dim/2] holding, for pair i,
  * theta^(-2i/d) / inv_freq_i (kv_rope_freqs), as llama.cpp's converter
@@ -65,9 +72,10 @@
  * "llama", so a model loaded from HF (pairs (i, i + d_h/2)) has row
  * s*d_h/2 + i of each head written as row 2i + s, as convert_hf_to_gguf.py
  * does; an interleaved model (GGUF, llama2.c) is written as it is. For
- * "qwen2" (pairs (i, i + d_h/2), as HF) it is the other way round: an HF
- * model is written as it is, an interleaved one has row 2i + s written as
- * row s*d_h/2 + i.
+ * "qwen2" and "qwen3" (pairs (i, i + d_h/2), as HF) it is the other way
+ * round: an HF model is written as it is, an interleaved one has row 2i + s
+ * written as row s*d_h/2 + i. qwen3's q/k norm weights scale q and k element
+ * by element before RoPE, so they are permuted with the rows they scale.
  *
  * Tokenizer (tokenizer.ggml.*). llama.cpp requires unique pieces and one
  * piece per embedding row, so a tokenizer with fewer pieces than
@@ -139,11 +147,11 @@ struct kv_gguf_write_opts {
     int64_t n_fallback;
 };
 
-/* Write m (a llama, mistral or qwen2 model: kvcal's other architectures
- * have no GGUF row yet) to path as described above; o may be NULL for the
- * defaults. Nothing is written unless the whole model can be: the type, the
- * architecture, the sliding window, the head shape, the rope scaling, every
- * quantised row length and the tokenizer are checked first.
+/* Write m (a llama, mistral, qwen2 or qwen3 model: kvcal's other
+ * architectures have no GGUF row yet) to path as described above; o may be
+ * NULL for the defaults. Nothing is written unless the whole model can be:
+ * the type, the architecture, the sliding window, the head shape, the rope
+ * scaling, every quantised row length and the tokenizer are checked first.
  * Errors: KV_EINVAL (a matrix type kvcal cannot encode: "matrix type ..."; a
  * row that is not a whole number of blocks, naming the tensor; a tokenizer
  * llama.cpp would refuse), KV_EUNSUPPORTED (the architecture, a sliding

@@ -1,6 +1,6 @@
-/* The GGUF model writer (formats/ggufmodelw.c): random Llama, Mistral and
- * Qwen2 models written and read back by kvcal's own loader give the same
- * logits; matrices in F16/BF16 and block types are stored as exactly the
+/* The GGUF model writer (formats/ggufmodelw.c): random Llama, Mistral,
+ * Qwen2 and Qwen3 models written and read back by kvcal's own loader give
+ * the same logits (Qwen3's per-head q/k norms with gains away from 1); matrices in F16/BF16 and block types are stored as exactly the
  * bytes kv_ggml_quant gives (read back through kv_ggml_dequant); the keys
  * llama.cpp reads are there with the types it insists on (yarn's
  * included); the vocabularies (synthetic, SentencePiece, byte-level BPE)
@@ -78,8 +78,8 @@ static void remove_file(char *path, char *dir) {
 }
 
 /* Write m in F32, read it back: the same model in the GGUF architecture's
- * layout (llama and mistral as "llama", interleaved; qwen2 as "qwen2",
- * rotate-half), with the same logits. */
+ * layout (llama and mistral as "llama", interleaved; qwen2 and qwen3 as
+ * themselves, rotate-half), with the same logits. */
 static struct kv_model *round_trip(struct kv_model *m) {
     const struct kv_config *a = kv_model_config(m);
     char *dir, *path = write_gguf(m, T_F32, &dir);
@@ -95,7 +95,8 @@ static struct kv_model *round_trip(struct kv_model *m) {
     cr_assert_eq(b->vocab_size, a->vocab_size);
     cr_assert_eq(b->max_seq_len, a->max_seq_len);
     cr_assert(b->norm_eps == a->norm_eps && b->rope_theta == a->rope_theta);
-    cr_assert_eq(b->rope_layout, a->arch == KV_ARCH_QWEN2 ? KV_ROPE_HALF : KV_ROPE_INTERLEAVED,
+    int half = a->arch == KV_ARCH_QWEN2 || a->arch == KV_ARCH_QWEN3;
+    cr_assert_eq(b->rope_layout, half ? KV_ROPE_HALF : KV_ROPE_INTERLEAVED,
                  "rope layout %d read back", (int)b->rope_layout);
     cr_assert_eq(b->tied_embeddings, a->tied_embeddings);
     cr_assert_eq(b->has_qkv_bias, a->has_qkv_bias);
@@ -273,8 +274,93 @@ Test(ggufmodelw, qwen2_file_has_its_keys_and_hf_rows) {
     kv_model_close(m);
 }
 
+/* A small Qwen3 as Qwen3-0.6B has it, scaled down: heads wider than dim
+ * (4 * 16 = 64 against 48), GQA 2:1, theta 1e6, tied head; q/k/v biases
+ * as asked (Qwen3 has none, kvcal allows them). */
+static struct kv_config qwen3_cfg(enum kv_rope_layout layout, int bias, int tied) {
+    struct kv_config c = tiny_cfg(layout, bias, tied);
+    c.arch = KV_ARCH_QWEN3;
+    c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16;
+    c.rope_theta = 1000000.0f, c.norm_eps = 1e-6f;
+    return c;
+}
+
+/* A random Qwen3 whose q and k norm gains differ from 1, from each other,
+ * from layer to layer and along the head (so a norm dropped, swapped or
+ * left unpermuted shows in the logits). */
+static struct kv_model *qwen3_model(struct kv_config c, uint64_t seed) {
+    struct kv_model *m = random_model(c, seed);
+    for (int64_t l = 0; l < c.n_layers; l++)
+        for (int k = KV_W_QNORM; k <= KV_W_KNORM; k++) {
+            float *w = kv_model_weight_mut(m, k, l);
+            cr_assert_not_null(w);
+            for (int64_t i = 0; i < c.head_dim; i++)
+                w[i] = (k == KV_W_QNORM ? 0.6f : 1.3f) + 0.1f * (float)((i * 7 + 3 * l) % 9);
+        }
+    return m;
+}
+
+Test(ggufmodelw, qwen3_round_trip_keeps_rotate_half_rows_and_norms) {
+    struct kv_model *m = qwen3_model(qwen3_cfg(KV_ROPE_HALF, 0, 1), 71);
+    struct kv_model *back = round_trip(m);
+    for (int64_t l = 0; l < 2; l++)
+        for (int k = KV_W_QNORM; k <= KV_W_KNORM; k++)
+            cr_assert(memcmp(kv_model_weight(back, k, l), kv_model_weight(m, k, l), 16 * 4) == 0,
+                      "%s of layer %lld read back differs", kv_wkind_name(k), (long long)l);
+    kv_model_close(back);
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, qwen3_round_trip_from_interleaved_rows_permutes_the_norms) {
+    /* the q/k rows go to rotate-half, and the norm gains with them */
+    struct kv_model *m = qwen3_model(qwen3_cfg(KV_ROPE_INTERLEAVED, 1, 0), 72);
+    kv_model_close(round_trip(m));
+    kv_model_close(m);
+}
+
+Test(ggufmodelw, qwen3_file_has_its_keys_norms_and_head_size) {
+    struct kv_model *m = qwen3_model(qwen3_cfg(KV_ROPE_INTERLEAVED, 0, 1), 73);
+    char *dir, *path = write_gguf(m, T_F32, &dir);
+    check_stored(m, path, T_F32);
+    struct kv_gguf_file *f;
+    struct kv_err e;
+    cr_assert_eq(kv_gguf_open(path, &f, &e), KV_OK, "%s", e.msg);
+    struct kv_gguf_str s;
+    cr_assert_eq(kv_gguf_get_str(f, "general.architecture", &s, &e), KV_OK);
+    cr_assert(kv_gguf_str_eq(s, "qwen3"));
+    /* heads of 16 where dim / n_heads is 12: llama.cpp needs the lengths */
+    const struct {
+        const char *key;
+        uint32_t v;
+    } want[] = {{"qwen3.embedding_length", 48}, {"qwen3.attention.head_count", 4},
+                {"qwen3.attention.head_count_kv", 2}, {"qwen3.attention.key_length", 16},
+                {"qwen3.attention.value_length", 16}, {"qwen3.rope.dimension_count", 16}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        uint32_t v;
+        cr_assert_eq(kv_gguf_get_u32(f, want[i].key, &v, &e), KV_OK, "%s", e.msg);
+        cr_assert_eq(v, want[i].v, "key '%s' is %u, expected %u", want[i].key, v, want[i].v);
+    }
+    float theta;
+    cr_assert_eq(kv_gguf_get_f32(f, "qwen3.rope.freq_base", &theta, &e), KV_OK);
+    cr_assert(theta == 1000000.0f);
+    cr_assert_null(kv_gguf_find(f, "qwen2.embedding_length"));
+    const struct kv_gguf_tensor *t = kv_gguf_find_tensor(f, "blk.1.attn_k_norm.weight");
+    cr_assert(t && t->n_dims == 1 && t->ne[0] == 16 && t->ggml_type == T_F32);
+    t = kv_gguf_find_tensor(f, "blk.0.attn_q.weight");
+    cr_assert(t && t->ne[0] == 48 && t->ne[1] == 64);
+    t = kv_gguf_find_tensor(f, "blk.0.attn_output.weight");
+    cr_assert(t && t->ne[0] == 64 && t->ne[1] == 48);
+    cr_assert_null(kv_gguf_find_tensor(f, "blk.0.attn_q.bias"));
+    cr_assert_null(kv_gguf_find_tensor(f, "rope_freqs.weight"));
+    kv_gguf_close(f);
+    remove_file(path, dir);
+    kv_model_close(m);
+}
+
 static struct kv_config yarn_cfg(enum kv_arch arch, double attention_factor) {
-    struct kv_config c = arch == KV_ARCH_QWEN2 ? qwen2_cfg(KV_ROPE_HALF) : tiny_cfg(KV_ROPE_HALF, 0, 1);
+    struct kv_config c = arch == KV_ARCH_QWEN2   ? qwen2_cfg(KV_ROPE_HALF)
+                         : arch == KV_ARCH_QWEN3 ? qwen3_cfg(KV_ROPE_HALF, 0, 1)
+                                                 : tiny_cfg(KV_ROPE_HALF, 0, 1);
     struct kv_rope_scaling_cfg *s = &c.rope_scaling;
     s->type = KV_ROPE_SCALING_YARN, s->factor = 4, s->original_ctx = 32;
     s->beta_fast = 32, s->beta_slow = 1, s->truncate = 1, s->attention_factor = attention_factor;
@@ -331,8 +417,8 @@ Test(ggufmodelw, yarn_round_trip) {
     const struct {
         enum kv_arch arch;
         double af;
-    } rows[] = {{KV_ARCH_QWEN2, 0}, {KV_ARCH_LLAMA, 1.5}};
-    for (int i = 0; i < 2; i++) {
+    } rows[] = {{KV_ARCH_QWEN2, 0}, {KV_ARCH_LLAMA, 1.5}, {KV_ARCH_QWEN3, 0}};
+    for (int i = 0; i < 3; i++) {
         struct kv_model *m = random_model(yarn_cfg(rows[i].arch, rows[i].af), 67 + (uint64_t)i);
         struct kv_model *back = round_trip(m);
         const struct kv_rope_scaling_cfg *s = &kv_model_config(back)->rope_scaling;
@@ -427,13 +513,16 @@ static int64_t il_row(int64_t r, int64_t hd) {
     return r - j + 2 * (j % half) + j / half;
 }
 
-/* The rows of w ([rows, cols]) as stored: permuted for the q/k kinds of a
- * model whose layout is not the architecture's (llama: interleaved, qwen2:
- * rotate-half), then through type t and back. */
+/* The rows of w ([rows, cols]) as stored: permuted for the q/k kinds (and
+ * qwen3's q/k norms) of a model whose layout is not the architecture's
+ * (llama: interleaved, qwen2 and qwen3: rotate-half), then through type t
+ * and back. */
 static float *expected(const struct kv_config *c, enum kv_wkind k, const float *w, int64_t rows,
                        int64_t cols, uint32_t t) {
-    int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
-    int half = c->arch == KV_ARCH_QWEN2; /* llama.cpp's qwen2 rotates (i, i + hd/2) */
+    int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK || k == KV_W_QNORM ||
+             k == KV_W_KNORM;
+    /* llama.cpp's qwen2 and qwen3 rotate (i, i + hd/2) */
+    int half = c->arch == KV_ARCH_QWEN2 || c->arch == KV_ARCH_QWEN3;
     int perm = qk && (c->rope_layout == KV_ROPE_HALF) != half;
     float *x = malloc((size_t)(rows * cols) * sizeof *x);
     if (cols == 1 || rows == 1) { /* a 1-D tensor: f32, elements permuted */
@@ -470,7 +559,8 @@ static void check_stored(const struct kv_model *m, const char *path, uint32_t t)
         {"attn_q.bias", KV_W_BQ},            {"attn_k.bias", KV_W_BK},
         {"attn_v.bias", KV_W_BV},            {"ffn_norm.weight", KV_W_FFN_NORM},
         {"ffn_gate.weight", KV_W_GATE},      {"ffn_down.weight", KV_W_DOWN},
-        {"ffn_up.weight", KV_W_UP},
+        {"ffn_up.weight", KV_W_UP},          {"attn_q_norm.weight", KV_W_QNORM},
+        {"attn_k_norm.weight", KV_W_KNORM},
     };
     int64_t checked = 0;
     for (int64_t l = -1; l < c->n_layers; l++)
@@ -479,6 +569,7 @@ static void check_stored(const struct kv_model *m, const char *path, uint32_t t)
             if ((l < 0) != (k < KV_W_FIRST_LAYER)) continue;
             if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
             if ((k == KV_W_BQ || k == KV_W_BK || k == KV_W_BV) && !c->has_qkv_bias) continue;
+            if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
             char name[128];
             if (l < 0)
                 snprintf(name, sizeof name, "%s", names[i].name);
@@ -935,7 +1026,7 @@ Test(ggufmodelw, refuses_architectures_without_a_gguf_row) {
     cr_assert_eq(kv_model_init_random(&c, 57, &m, &e), KV_OK, "%s", e.msg);
     refused(m, T_F32, KV_EUNSUPPORTED,
             "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama', "
-            "'mistral' and 'qwen2'");
+            "'mistral', 'qwen2' and 'qwen3'");
     kv_model_close(m);
 }
 

@@ -6,10 +6,12 @@
  * cache) are compared with kvcal's own (kv_fwd_run, then the log-softmax of
  * tests/llamacpp/kvcal_logprobs.c, in process):
  *
- *   - random-weight Llama, Qwen2 and Mistral models at real head and GQA
- *     shapes (head_dim 64 and 128, GQA 4:1, 2:1 and Qwen2.5's 7:1, llama3,
- *     linear and yarn rope scaling, biases, tied and untied heads; Qwen2
- *     written as "qwen2" with rotate-half q/k rows, Mistral as "llama"),
+ *   - random-weight Llama, Qwen2, Qwen3 and Mistral models at real head and
+ *     GQA shapes (head_dim 64 and 128, GQA 4:1, 2:1 and Qwen2.5's 7:1,
+ *     llama3, linear and yarn rope scaling, biases, tied and untied heads;
+ *     Qwen2 and Qwen3 written as themselves with rotate-half q/k rows,
+ *     Qwen3 with its per-head q/k norms at gains away from 1 and heads
+ *     wider than dim as Qwen3-0.6B has them, Mistral as "llama"),
  *     128 ids from BOS, F32, Q8_0 and Q4_K matrices: the largest |Δ log p|
  *     must stay within the case's tolerance;
  *   - the real models at hand (data/kjv-llama, data/kjv-bpe-llama and,
@@ -80,6 +82,22 @@ static void shape_weights(struct kv_model *m) {
         }
     float *head = kv_model_weight_mut(m, c->tied_embeddings ? KV_W_TOK_EMB : KV_W_LM_HEAD, 0);
     for (int64_t i = 0; i < c->vocab_size * c->dim; i++) head[i] *= 4;
+}
+
+/* Qwen3's per-head q/k RMSNorm gains, away from 1 and uneven along the head
+ * and across layers (a norm dropped or misplaced changes the model): q
+ * 0.8 to 1.6, k 1.2 to 2.0, so the normalised scores have a standard
+ * deviation of about 1 to 3. Nothing for architectures without them. */
+static void shape_norms(struct kv_model *m) {
+    const struct kv_config *c = kv_model_config(m);
+    if (kv_wkind_use(c, KV_W_QNORM) == KV_WUSE_NONE) return;
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int k = KV_W_QNORM; k <= KV_W_KNORM; k++) {
+            float *w = kv_model_weight_mut(m, k, l);
+            cr_assert_not_null(w);
+            for (int64_t i = 0; i < c->head_dim; i++)
+                w[i] = (k == KV_W_QNORM ? 0.8f : 1.2f) + 0.1f * (float)((i * 5 + 3 * l + k) % 9);
+        }
 }
 
 /* Every 2-D weight of m through type t and back, in place. */
@@ -192,7 +210,7 @@ static void write_ids(const char *path, const int32_t *ids, int64_t n) {
 
 struct lc_case {
     const char *name;
-    enum kv_arch arch; /* llama, mistral (written as "llama") or qwen2 */
+    enum kv_arch arch; /* llama, mistral (written as "llama"), qwen2 or qwen3 */
     int64_t dim, hidden, layers, heads, kv_heads, head_dim, vocab;
     enum kv_rope_layout layout;
     /* NONE, LINEAR (factor 4), LLAMA3 (Llama 3.2's) or YARN (Qwen2.5's
@@ -215,7 +233,7 @@ static void run_case(const struct lc_case *k) {
     c.dim = k->dim, c.hidden_dim = k->hidden, c.n_layers = k->layers;
     c.n_heads = k->heads, c.n_kv_heads = k->kv_heads, c.head_dim = k->head_dim;
     c.vocab_size = k->vocab, c.max_seq_len = 2048;
-    c.norm_eps = k->arch == KV_ARCH_QWEN2 ? 1e-6f : 1e-5f;
+    c.norm_eps = k->arch == KV_ARCH_QWEN2 || k->arch == KV_ARCH_QWEN3 ? 1e-6f : 1e-5f;
     c.rope_theta = k->theta > 0 ? k->theta : 10000.0f;
     c.rope_layout = k->layout;
     c.tied_embeddings = k->tied, c.has_qkv_bias = k->bias;
@@ -236,6 +254,7 @@ static void run_case(const struct lc_case *k) {
     cr_assert_eq(kv_model_init_random(&c, 1000 + (uint64_t)k->dim + (uint64_t)k->head_dim, &m, &e),
                  KV_OK, "%s", e.msg);
     shape_weights(m);
+    shape_norms(m);
 
     /* BOS, then random ids */
     const int64_t n = N_IDS, P = n - 1, V = c.vocab_size;
@@ -299,6 +318,7 @@ static void run_case(const struct lc_case *k) {
 #define LLAMA KV_ARCH_LLAMA
 #define MISTRAL KV_ARCH_MISTRAL
 #define QWEN2 KV_ARCH_QWEN2
+#define QWEN3 KV_ARCH_QWEN3
 
 /* llama.cpp rounds the activations of each product with a Q8_0 or Q4_K
  * weight to 8 bits: measured 0.13 and 0.16 at most (tests/llamacpp/README.md),
@@ -308,7 +328,14 @@ static void run_case(const struct lc_case *k) {
  * The qwen2 rows are Qwen2.5 scaled down: GQA 7:1 (0.5B has 14:2, 7B
  * 28:4), heads of 64 and 128, n_heads * head_dim = dim (llama.cpp's qwen2
  * needs it), FFN 5.4 times dim, q/k/v biases, theta 1e6, tied head.
- * Mistral 7B scaled down: GQA 4:1, heads of 128, theta 1e6, untied. */
+ * Mistral 7B scaled down: GQA 4:1, heads of 128, theta 1e6, untied.
+ * The qwen3 rows are Qwen3-0.6B scaled down: heads of 128, GQA 2:1 (0.6B
+ * has 16:8), n_heads * head_dim twice dim (16 * 128 against 1024, which
+ * llama.cpp's qwen3 sizes by key_length), FFN 3 times dim, theta 1e6, tied
+ * head, no biases, q/k norms away from 1 (shape_norms); one from
+ * interleaved rows with biases and an untied head (the norms are permuted
+ * with the rows), one with Qwen3's yarn (factor 4, original context
+ * 32768). */
 static const struct lc_case cases[] = {
     /* name                   arch  dim  hid  L  h  g  d_h vocab layout scaling theta attn tied bias type  tol */
     {"hd64-gqa4-llama3-f32", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, KV_GGML_F32, 2e-3},
@@ -323,6 +350,9 @@ static const struct lc_case cases[] = {
     {"qwen2-hd128-gqa7-f32", QWEN2, 896, 4864, 2, 7, 1, 128, 2048, INTL, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3},
     {"qwen2-hd64-gqa7-yarn-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, YARN, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3},
     {"mistral-hd128-gqa4-f32", MISTRAL, 512, 1792, 2, 4, 1, 128, 1024, HALF, NONE, 1e6f, 0, 0, 0, KV_GGML_F32, 2e-3},
+    {"qwen3-hd128-gqa2-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, NONE, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3},
+    {"qwen3-hd128-gqa2-intl-bias-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, INTL, NONE, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3},
+    {"qwen3-hd128-gqa2-yarn-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, YARN, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3},
 };
 
 Test(llamacpp, hd64_gqa4_llama3_f32) { run_case(&cases[0]); }
@@ -337,6 +367,9 @@ Test(llamacpp, qwen2_hd64_gqa7_rotate_half_f32) { run_case(&cases[8]); }
 Test(llamacpp, qwen2_hd128_gqa7_from_interleaved_f32) { run_case(&cases[9]); }
 Test(llamacpp, qwen2_hd64_gqa7_yarn_f32) { run_case(&cases[10]); }
 Test(llamacpp, mistral_hd128_gqa4_as_llama_f32) { run_case(&cases[11]); }
+Test(llamacpp, qwen3_hd128_gqa2_heads_wider_than_dim_qk_norms_f32) { run_case(&cases[12]); }
+Test(llamacpp, qwen3_hd128_gqa2_from_interleaved_bias_f32) { run_case(&cases[13]); }
+Test(llamacpp, qwen3_hd128_gqa2_yarn_f32) { run_case(&cases[14]); }
 
 /* ---------------------------------------------------------------- real models */
 
