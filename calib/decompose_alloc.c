@@ -188,7 +188,7 @@ int kv_dec_lorc_conditions(struct kv_dec_ctx *x) {
     }
     for (int64_t l = 0; l < L && !rc; l++)
         for (int side = 0; side < 2 && !rc; side++) {
-            if ((rc = kv_dec_weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], 0, kd, d, g, x->err)))
+            if ((rc = kv_dec_weight_gram(kv_model_weight(x->m, side ? KV_W_V : KV_W_K, l), 0, kd, d, g, x->err)))
                 break;
             char what[64];
             snprintf(what, sizeof what, "layer %lld %s weight", (long long)l, side ? "v" : "k");

@@ -48,8 +48,8 @@ static int build_unit(struct kv_dec_ctx *x, const struct kv_dec_slot *sl, const 
             for (int64_t a = 0; a < dh; a++) out->rot[j * dh + a] = (float)B[a * r + j];
     } else {
         /* down [r, d] = Bᵀ W_u; up [mm, r] = B; down_bias = Bᵀ b_u */
-        const float *w = x->m->layers[sl->layer].w[sl->side ? KV_W_V : KV_W_K] + un->head0 * dh * d;
-        const float *bias = x->m->layers[sl->layer].w[sl->side ? KV_W_BV : KV_W_BK];
+        const float *w = kv_model_weight(x->m, sl->side ? KV_W_V : KV_W_K, sl->layer) + un->head0 * dh * d;
+        const float *bias = kv_model_weight(x->m, sl->side ? KV_W_BV : KV_W_BK, sl->layer);
         double *wd = malloc((size_t)(mm * d) * sizeof *wd), *dn = malloc((size_t)(r * d) * sizeof *dn);
         out->down = malloc((size_t)(r * d) * sizeof(float));
         out->up = malloc((size_t)(mm * r) * sizeof(float));
@@ -96,7 +96,7 @@ static int fuse_output(const struct kv_model *m, int64_t l, struct kv_lr_layer *
     L->o_cols = cols;
     L->o_fused = calloc((size_t)(d * cols), sizeof(float));
     if (!L->o_fused) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    const float *wo = m->layers[l].w[KV_W_O];
+    const float *wo = kv_model_weight(m, KV_W_O, l);
     int64_t off = 0;
     for (int64_t i = 0; i < h; i++) {
         int64_t j = i / grp;
@@ -121,7 +121,7 @@ static int fuse_query(const struct kv_model *m, int64_t l, struct kv_lr_layer *L
     const struct kv_config *c = &m->cfg;
     int64_t d = c->dim, dh = c->head_dim, h = c->n_heads, grp = h / c->n_kv_heads;
     const struct kv_lr_side *k = &L->k;
-    const float *wq = m->layers[l].w[KV_W_Q], *bq = m->layers[l].w[KV_W_BQ];
+    const float *wq = kv_model_weight(m, KV_W_Q, l), *bq = kv_model_weight(m, KV_W_BQ, l);
     const struct kv_lr_unit **of = calloc((size_t)h, sizeof *of);
     if (!of) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     int64_t cols = 0;

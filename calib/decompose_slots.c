@@ -59,7 +59,7 @@ static int out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, d
     } else {
         static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
         for (int64_t k = 0; k < heads / block && !rc; k++)
-            rc = kv_dec_weight_gram(x->m->layers[l].w[wk[which]], k * bw, bw, c->dim, o + k * bw * bw, x->err);
+            rc = kv_dec_weight_gram(kv_model_weight(x->m, wk[which], l), k * bw, bw, c->dim, o + k * bw * bw, x->err);
     }
     if (rc) {
         free(o);
@@ -120,7 +120,7 @@ static int plain_slots(struct kv_dec_ctx *x, int64_t l, int side, int64_t s, int
         memcpy(sl->units[0].cov, covs + (h0 / s) * mm * mm, (size_t)(mm * mm) * sizeof *covs);
         const double *gram = sl->units[0].cov;
         if (wg) {
-            if ((rc = kv_dec_weight_gram(x->m->layers[l].w[side ? KV_W_V : KV_W_K], h0 * dh, mm, c->dim, wg,
+            if ((rc = kv_dec_weight_gram(kv_model_weight(x->m, side ? KV_W_V : KV_W_K, l), h0 * dh, mm, c->dim, wg,
                                   x->err)))
                 break;
             gram = wg;
@@ -222,7 +222,7 @@ static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, dh = c->head_dim, d = c->dim, grp = c->n_heads / g;
     int64_t qd = c->n_heads * dh;
-    const float *wo = x->m->layers[l].w[KV_W_O]; /* [d, h*d_h] */
+    const float *wo = kv_model_weight(x->m, KV_W_O, l); /* [d, h*d_h] */
     double *gram = malloc((size_t)(dh * dh) * sizeof *gram);
     double *blk = malloc((size_t)(d * dh) * sizeof *blk), *vc = NULL;
     if (!gram || !blk) {

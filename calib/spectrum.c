@@ -25,7 +25,7 @@ static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int6
     KV_ASSERT(block > 0 && nh % block == 0);
     int64_t d = c->dim, dh = c->head_dim, bw = block * dh;
     static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q}, bk[3] = {KV_W_BK, KV_W_BV, KV_W_BQ};
-    const float *bias = m->layers[layer].w[bk[which]];
+    const float *bias = kv_model_weight(m, bk[which], layer);
     const struct kv_stats_layer *L = &s->layers[layer];
     double *wd = malloc((size_t)(bw * d) * sizeof *wd), *t = malloc((size_t)(bw * d) * sizeof *t);
     if (!wd || !t) {
@@ -35,7 +35,7 @@ static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int6
     for (int64_t k = 0; k < nh / block; k++) {
         int64_t r0 = (head0 + k * block) * dh; /* first row of the block in W */
         /* W_k: rows r0 .. r0+bw-1 of the [heads*d_h, d] projection (HF layout) */
-        const float *w = m->layers[layer].w[wk[which]] + r0 * d;
+        const float *w = kv_model_weight(m, wk[which], layer) + r0 * d;
         double *o = out + k * bw * bw;
         for (int64_t i = 0; i < bw * d; i++) wd[i] = (double)w[i];
         /* t = W_k C_x [bw, d]; o = t W_kᵀ [bw, bw] */

@@ -1,6 +1,7 @@
 /* kvcal: the command table and dispatch. */
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -56,6 +57,11 @@ int main(int argc, char **argv) {
      * which every writer reports and cleans up after, instead of the
      * process dying silently with its temporary left behind */
     signal(SIGXFSZ, SIG_IGN);
+    /* KVCAL_STREAM_WEIGHTS=1 keeps every model's weights in their stored
+     * dtype, converted a layer at a time; 0 converts all at load; unset,
+     * models past 2 GiB of float32 weights stream (kv_model_streaming) */
+    const char *sw = getenv("KVCAL_STREAM_WEIGHTS");
+    if (sw && *sw) kv_model_streaming(!strcmp(sw, "0") ? -1 : 1);
     if (argc < 2) {
         list_commands(stdout);
         return EXIT_OK;

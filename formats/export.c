@@ -111,7 +111,7 @@ static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
                              (long long)g);
                 break;
             }
-            int has_bias = m->layers[l].w[bias_kind(wk)] != NULL;
+            int has_bias = kv_model_has(m, bias_kind(wk), l);
             memset(seen, 0, (size_t)g);
             for (int64_t u = 0; u < s->n_units && !rc; u++) {
                 const struct kv_lr_unit *x = &s->units[u];
@@ -291,7 +291,7 @@ static int64_t count_targets(const struct job *j) {
         for (int which = 0; which < 2; which++) {
             enum kv_wkind wk = which ? KV_W_V : KV_W_K;
             if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
-            n += 1 + (j->m->layers[l].w[bias_kind(wk)] != NULL);
+            n += 1 + kv_model_has(j->m, bias_kind(wk), l);
         }
     return n;
 }
@@ -306,7 +306,7 @@ static int targets_from_table(struct job *j, const char *path, struct kv_err *er
             if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
             enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
             for (int b = 0; b < 2; b++) {
-                if (b && !m->layers[l].w[kinds[1]]) continue;
+                if (b && !kv_model_has(m, kinds[1], l)) continue;
                 stored_name(m->format, m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
                 for (int64_t i = 0; i < m->n_tensors && !t; i++)
@@ -445,7 +445,7 @@ static int targets_from_shards(struct job *j, const char *dir, struct kv_err *er
             if (side_of(j->lr, l, wk)->mode == KV_LR_FULL) continue;
             enum kv_wkind kinds[2] = {wk, bias_kind(wk)};
             for (int b = 0; b < 2 && !rc; b++) {
-                if (b && !j->m->layers[l].w[kinds[1]]) continue;
+                if (b && !kv_model_has(j->m, kinds[1], l)) continue;
                 stored_name(KV_FORMAT_HF, j->m->cfg.arch, l, kinds[b], name, sizeof name);
                 const struct kv_tensor *t = NULL;
                 const char *alt = kv_arch_unprefixed(&kv_arch_desc(j->m->cfg.arch)->hf, name);

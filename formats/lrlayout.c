@@ -170,7 +170,7 @@ int kv_lrl_check(const struct kv_lowrank *lr, const struct kv_model *m, const ch
                                "expected %lld",
                                (long long)l, y->q_fused ? "set" : "NULL", (long long)y->q_cols,
                                (long long)want);
-            int qb = kv_model_weight(m, KV_W_BQ, l) != NULL;
+            int qb = kv_model_has(m, KV_W_BQ, l);
             if ((y->q_fused_bias != NULL) != qb)
                 return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
                                "layer %lld k: fused query bias is %s but the model has %s",

@@ -47,6 +47,15 @@ static int add_f32(struct kv_stw *w, const char *name, const float *data, int64_
     return kv_stw_add(w, name, KV_DTYPE_F32, nd, shape, data, n * 4, err);
 }
 
+/* A weight of m: borrowed, or for a streamed model (whose layer slots are
+ * reused) copied now. */
+static int add_model_f32(struct kv_stw *w, const struct kv_model *m, const char *name,
+                         const float *data, int64_t rows, int64_t cols, struct kv_err *err) {
+    if (!kv_model_is_streamed(m)) return add_f32(w, name, data, rows, cols, err);
+    int64_t shape[2] = {rows, cols};
+    return kv_stw_add_f32(w, name, KV_DTYPE_F32, cols ? 2 : 1, shape, data, err);
+}
+
 static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_model *m,
                     const struct kv_lowrank *lr, int64_t l, int which, const char *path,
                     struct kv_err *err) {
@@ -59,9 +68,9 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
         const float *wt = kv_model_weight(m, which ? KV_W_V : KV_W_K, l);
         const float *bias = kv_model_weight(m, which ? KV_W_BV : KV_W_BK, l);
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.weight");
-        if ((rc = add_f32(w, name, wt, kvd, d, err))) return rc;
+        if ((rc = add_model_f32(w, m, name, wt, kvd, d, err))) return rc;
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.bias");
-        if (bias && (rc = add_f32(w, name, bias, kvd, 0, err))) return rc;
+        if (bias && (rc = add_model_f32(w, m, name, bias, kvd, 0, err))) return rc;
         for (int64_t u = 0; u < s->n_units && !rc; u++) {
             kv_lrl_unit_name(name, c->arch, l, which, "rot", u);
             rc = add_f32(w, name, s->units[u].rot, s->units[u].rank, dh, err);
@@ -99,7 +108,7 @@ static int add_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind 
     if (!data) return KV_OK;
     int64_t shape[2];
     int nd = kv_model_expected_shape(&m->cfg, kind, shape);
-    return add_f32(w, name, data, shape[0], nd == 2 ? shape[1] : 0, err);
+    return add_model_f32(w, m, name, data, shape[0], nd == 2 ? shape[1] : 0, err);
 }
 
 /* Every tensor of the file (data borrowed from m, lr and bufs): the globals

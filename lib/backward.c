@@ -139,7 +139,7 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : L;
         for (int64_t l = 0; l < nl; l++) {
             if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
-            if (!kv_model_weight(m, k, l)) continue;
+            if (!kv_model_has(m, k, l)) continue;
             int64_t s[2];
             int nd = kv_model_expected_shape(c, k, s);
             struct gtensor *t = &g->t[g->n_t++];
@@ -323,12 +323,14 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
     int64_t qd = h * dh, kd = c->n_kv_heads * dh, grp = h / c->n_kv_heads;
     float scale = (float)(1.0 / sqrt((double)dh));
     float *x = g->dx; /* the running residual (dx is free during the forward) */
+    /* a streamed model's embedding is converted once here (the backward needs all of it) */
+    const float *emb = kv_model_weight(m, KV_W_TOK_EMB, 0), *pos = kv_model_weight(m, KV_W_POS_EMB, 0);
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++)
             x[i * d + j] =
-                m->tok_emb[(int64_t)tok[i] * d + j] + (m->pos_emb ? m->pos_emb[i * d + j] : 0.0f);
+                emb[(int64_t)tok[i] * d + j] + (pos ? pos[i * d + j] : 0.0f);
     for (int64_t l = 0; l < c->n_layers; l++) {
-        const float *const *w = m->layers[l].w;
+        const float *const *w = kv_model_layer(m, l);
         struct glayer *y = &g->ly[l];
         memcpy(y->x_in, x, (size_t)(n * d) * sizeof(float));
         norm_fwd(c, y->xn1, y->mu1, y->rs1, x, w[KV_W_ATTN_NORM], w[KV_W_ATTN_NORM_B], n, d);
@@ -395,8 +397,9 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
                 for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BDOWN][j];
     }
     memcpy(g->xf, x, (size_t)(n * d) * sizeof(float));
-    norm_fwd(c, g->xnf, g->muf, g->rsf, x, m->out_norm, m->out_norm_b, n, d);
-    lin_fwd(g->logits, g->xnf, m->lm_head, NULL, n, d, V);
+    norm_fwd(c, g->xnf, g->muf, g->rsf, x, kv_model_weight(m, KV_W_OUT_NORM, 0),
+             kv_model_weight(m, KV_W_OUT_NORM_B, 0), n, d);
+    lin_fwd(g->logits, g->xnf, kv_model_weight(m, KV_W_LM_HEAD, 0), NULL, n, d, V);
     double nll = 0;
     for (int64_t i = 0; i < n; i++) nll += kv_nll_row(g->logits + i * V, V, tok[i + 1]);
     *loss = nll / (double)n;
@@ -475,14 +478,15 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         r[tok[i + 1]] -= 1.0f / (float)n;
     }
     float *dhead = kv_grad_of(g, KV_W_LM_HEAD, 0);
-    lin_bwd(dl, g->xnf, m->lm_head, n, d, V, dhead, NULL, g->dxn, 0);
+    lin_bwd(dl, g->xnf, kv_model_weight(m, KV_W_LM_HEAD, 0), n, d, V, dhead, NULL, g->dxn, 0);
     float *dx = g->dx;
     memset(dx, 0, (size_t)(n * d) * sizeof(float));
-    norm_bwd(c, g->dxn, g->xf, g->muf, g->rsf, m->out_norm, n, d, dx, kv_grad_of(g, KV_W_OUT_NORM, 0),
-             m->out_norm_b ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
+    norm_bwd(c, g->dxn, g->xf, g->muf, g->rsf, kv_model_weight(m, KV_W_OUT_NORM, 0), n, d, dx,
+             kv_grad_of(g, KV_W_OUT_NORM, 0),
+             kv_model_has(m, KV_W_OUT_NORM_B, 0) ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
 
     for (int64_t l = c->n_layers - 1; l >= 0; l--) {
-        const float *const *w = m->layers[l].w;
+        const float *const *w = kv_model_layer(m, l);
         struct glayer *y = &g->ly[l];
 #define GW(kind) kv_grad_of(g, kind, l)
         /* ffn: x_out = x_mid + act W_downᵀ + b_down; dx carries ∂/∂x_out */
@@ -542,7 +546,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
     }
     /* embeddings: x0 = tok_emb[tok] (+ pos_emb) */
     float *de = kv_grad_of(g, KV_W_TOK_EMB, 0),
-          *dpos = m->pos_emb ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
+          *dpos = kv_model_has(m, KV_W_POS_EMB, 0) ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++) {
             de[(int64_t)tok[i] * d + j] += dx[i * d + j];

@@ -24,6 +24,7 @@
 #include "model.h"
 
 #define QBLOCK 128 /* query rows per attention block */
+#define HEAD_ROWS 4096 /* rows of a streamed head converted at a time */
 
 /* Where attention reads and writes, per query head i: scores use
  * q[:, qoff[i] .. +kw[i]] · k[:, koff[i] .. +kw[i]]ᵀ, the output
@@ -52,6 +53,7 @@ struct kv_fwd {
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
     float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
+    float *head_buf;        /* [HEAD_ROWS][d] a streamed model's head, converted in slices */
     const float *last_logits; /* where the last run wrote its logits */
     int n_threads;
     struct attn_desc *base_desc; /* full K/V attention (every layer alike) */
@@ -104,6 +106,7 @@ void kv_fwd_free(struct kv_fwd *f) {
     free(f->x), free(f->xn), free(f->q), free(f->att), free(f->a), free(f->b);
     free(f->logits), free(f->y), free(f->kc), free(f->vc), free(f->rope_cos), free(f->rope_sin);
     free(f->scores);
+    free(f->head_buf);
     free(f);
 }
 
@@ -145,8 +148,9 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     f->rope_cos = falloc(max_ctx * half);
     f->rope_sin = falloc(max_ctx * half);
     f->scores = falloc((int64_t)f->n_threads * QBLOCK * max_ctx);
+    if (!m->lm_head) f->head_buf = falloc((c->vocab_size < HEAD_ROWS ? c->vocab_size : HEAD_ROWS) * d);
     if (!f->x || !f->xn || !f->q || !f->att || !f->a || !f->b || !f->logits || !f->y || !f->kc ||
-        !f->vc || !f->rope_cos || !f->rope_sin || !f->scores) {
+        !f->vc || !f->rope_cos || !f->rope_sin || !f->scores || (!m->lm_head && !f->head_buf)) {
         kv_fwd_free(f);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
                        "out of memory for a forward state of %lld positions", (long long)max_ctx);
@@ -507,7 +511,7 @@ static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *
  * (without the output projection's bias). */
 static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     const struct kv_config *c = &f->m->cfg;
-    const float *const *w = f->m->layers[l].w;
+    const float *const *w = kv_model_layer(f->m, l);
     const struct kv_lr_layer *Y = &f->lr->layers[l];
     const struct lr_plan *P = &f->plan[l];
     int64_t d = c->dim, g = c->n_kv_heads, dh = c->head_dim, h = c->n_heads;
@@ -584,6 +588,23 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     return out_proj(f, l, f->attl, Y->o_fused, Y->o_cols, n, pos0);
 }
 
+/* logits [n, vocab] = xn headᵀ: the head as bound, or for a streamed model
+ * converted HEAD_ROWS rows at a time into f->head_buf */
+static void head(struct kv_fwd *f, float *lg, int64_t n) {
+    const struct kv_model *m = f->m;
+    const struct kv_config *c = &m->cfg;
+    int64_t d = c->dim, V = c->vocab_size;
+    if (m->lm_head) {
+        linear(lg, V, f->xn, m->lm_head, n, d, V, 0.0f);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < V; r0 += HEAD_ROWS) {
+        int64_t nr = V - r0 < HEAD_ROWS ? V - r0 : HEAD_ROWS;
+        kv_model_rows(m, KV_W_LM_HEAD, 0, r0, nr, f->head_buf);
+        linear(lg + r0, V, f->xn, f->head_buf, n, d, nr, 0.0f);
+    }
+}
+
 int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
                struct kv_err *err) {
     const struct kv_model *m = f->m;
@@ -599,12 +620,13 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
             return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                            "token id %d at position %lld is outside the vocabulary of %lld",
                            tokens[i], (long long)(pos0 + i), (long long)c->vocab_size);
-        memcpy(f->x + i * d, m->tok_emb + (int64_t)tokens[i] * d, (size_t)d * sizeof(float));
+        kv_model_rows(m, KV_W_TOK_EMB, 0, tokens[i], 1, f->x + i * d);
     }
-    if (m->pos_emb) add_rows(f->x, m->pos_emb + pos0 * d, n, d); /* learned positions */
+    if (kv_model_has(m, KV_W_POS_EMB, 0)) /* learned positions */
+        add_rows(f->x, kv_model_weight(m, KV_W_POS_EMB, 0) + pos0 * d, n, d);
     const struct kv_fwd_hooks *hk = &f->hooks;
     for (int64_t l = 0; l < c->n_layers; l++) {
-        const float *const *w = m->layers[l].w;
+        const float *const *w = kv_model_layer(m, l);
         float *kc = f->kc + l * f->max_ctx * kd, *vc = f->vc + l * f->max_ctx * kd;
         float *k = kc + pos0 * kd, *v = vc + pos0 * kd;
         norm(f, f->xn, f->x, KV_W_ATTN_NORM, KV_W_ATTN_NORM_B, l, n);
@@ -656,7 +678,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
     }
     norm(f, f->xn, f->x, KV_W_OUT_NORM, KV_W_OUT_NORM_B, 0, n);
     float *lg = logits ? logits : f->logits;
-    linear(lg, c->vocab_size, f->xn, m->lm_head, n, d, c->vocab_size, 0.0f);
+    head(f, lg, n);
     f->last_logits = lg;
     return KV_OK;
 }

@@ -50,11 +50,14 @@ static void put_str(struct sha256_ctx *ctx, const char *s) {
 
 /* One weight: its canonical name, shape and the bytes of its f32 values in
  * little-endian order (the host order on every platform kvcal builds for). */
+#define FP_SLICE (1 << 20) /* floats per thread converted at a time */
+
 struct fp_item {
     char name[48];
     int64_t shape[2];
     int nd;
-    const float *w;
+    int kind;
+    int64_t layer;
     uint8_t digest[SHA256_DIGEST_SIZE];
 };
 
@@ -108,26 +111,46 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
     for (int k = 0; k < KV_W_COUNT; k++) {
         int64_t nl = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
         for (int64_t l = 0; l < nl; l++) {
-            const float *w = k == KV_W_LM_HEAD && c->tied_embeddings ? NULL
-                                                                     : kv_model_weight(m, k, l);
-            if (!w) continue; /* absent biases; a tied head is the embedding */
+            int has = !(k == KV_W_LM_HEAD && c->tied_embeddings) && kv_model_has(m, k, l);
+            if (!has) continue; /* absent biases; a tied head is the embedding */
             struct fp_item *p = &it[n++];
             p->nd = kv_model_expected_shape(c, k, p->shape);
             if (p->nd == 1) p->shape[1] = 1;
-            p->w = w;
+            p->kind = k, p->layer = l;
             if (k < KV_W_FIRST_LAYER)
                 snprintf(p->name, sizeof p->name, "%s", kv_wkind_name(k));
             else
                 snprintf(p->name, sizeof p->name, "blk.%lld.%s", (long long)l, kv_wkind_name(k));
         }
     }
-    /* each weight hashed on its own (in parallel), then the list in order */
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t i = 0; i < n; i++) {
-        struct sha256_ctx t;
-        sha256_init(&t);
-        update(&t, it[i].w, (size_t)(it[i].shape[0] * it[i].shape[1]) * sizeof(float));
-        sha256_digest(&t, SHA256_DIGEST_SIZE, it[i].digest);
+    /* each weight hashed on its own (in parallel), then the list in order:
+     * its f32 values, read a slice of rows at a time (a streamed model
+     * converts them from the file, so memory stays bounded) */
+    int bad = 0;
+#pragma omp parallel reduction(| : bad)
+    {
+        float *buf = malloc((size_t)FP_SLICE * sizeof *buf);
+        bad |= !buf;
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < n; i++) {
+            if (!buf) continue;
+            struct sha256_ctx t;
+            sha256_init(&t);
+            int64_t rows = it[i].shape[0], cols = it[i].shape[1];
+            if (it[i].nd == 1) rows = 1, cols = it[i].shape[0];
+            int64_t step = FP_SLICE / cols > 0 ? FP_SLICE / cols : 1;
+            for (int64_t r0 = 0; r0 < rows; r0 += step) {
+                int64_t nr = rows - r0 < step ? rows - r0 : step;
+                kv_model_rows(m, (enum kv_wkind)it[i].kind, it[i].layer, r0, nr, buf);
+                update(&t, buf, (size_t)(nr * cols) * sizeof(float));
+            }
+            sha256_digest(&t, SHA256_DIGEST_SIZE, it[i].digest);
+        }
+        free(buf);
+    }
+    if (bad) {
+        free(it);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
     for (int64_t i = 0; i < n; i++) {
         put_str(&ctx, it[i].name);

@@ -199,6 +199,13 @@ struct kv_tokenizer;  /* opaque (kv_tok_open in kvformats.h) */
 int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_model **out,
                          struct kv_err *err);
 
+/* Whether models opened from now on keep their weights in the file's dtype,
+ * converting one layer at a time into float32 as it is used (streamed), or
+ * convert them all at load: 0 (the default) streams a model whose float32
+ * weights would pass 2 GiB, 1 streams every model, -1 none. Aligned F32
+ * weights are always used in place. Process-wide; set it before opening. */
+void kv_model_streaming(int mode);
+
 /* Release a model: its weights, tokenizer and the file mappings they view. */
 void kv_model_close(struct kv_model *m);
 

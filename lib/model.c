@@ -2,6 +2,7 @@
 #include "arch.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,6 +176,13 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     return KV_OK;
 }
 
+/* kv_model_streaming's mode, and the f32 size from which mode 0 streams */
+static int stream_mode;
+#define KV_STREAM_BYTES (2.0 * 1024 * 1024 * 1024)
+
+void kv_model_streaming(int mode) { stream_mode = mode; }
+int kv_model_is_streamed(const struct kv_model *m) { return m->streamed; }
+
 int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char *path,
                     struct kv_model **out, struct kv_err *err) {
     int rc = check_cfg(cfg, path, err);
@@ -183,6 +191,19 @@ int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char 
     if (!m) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     m->cfg = *cfg;
     m->format = fmt;
+    double bytes = 0;
+    for (int k = 0; k < KV_W_COUNT; k++) bytes += 4.0 * kv_model_random_elems(cfg, (enum kv_wkind)k);
+    m->streamed = stream_mode > 0 || (stream_mode == 0 && bytes > KV_STREAM_BYTES);
+    for (int i = 0; i < 2; i++) m->slots[i].layer = -1;
+    if (m->streamed) {
+        pthread_mutex_t *mx = malloc(sizeof *mx);
+        if (!mx || pthread_mutex_init(mx, NULL)) {
+            free(mx);
+            free(m);
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+        }
+        m->lock = mx;
+    }
     m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) {
         free(m);
@@ -289,11 +310,99 @@ static const float **slot(struct kv_model *m, enum kv_wkind kind, int64_t layer)
     }
 }
 
-const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+static struct kv_wsrc *src_of(struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+    return kind < KV_W_FIRST_LAYER ? &m->gsrc[kind] : &m->layers[layer].src[kind];
+}
+
+/* n elements of s starting at element e0 (a whole number of blocks for a
+ * block type) as f32 */
+static void convert_src(const struct kv_wsrc *s, int64_t e0, int64_t n, float *out) {
+    if (s->block_type) {
+        int64_t be = kv_ggml_block_elems(s->block_type), bb = kv_ggml_block_bytes(s->block_type);
+        const uint8_t *p = (const uint8_t *)s->data + (size_t)(e0 / be * bb);
+        KV_ASSERT(e0 % be == 0 && kv_ggml_dequant(s->block_type, p, out, n) == KV_OK);
+    } else {
+        kv_convert_to_f32(s->dtype, (const uint8_t *)s->data + (size_t)e0 * kv_dtype_size(s->dtype),
+                          out, n);
+    }
+}
+
+const float *const *kv_model_layer(const struct kv_model *cm, int64_t l) {
+    KV_ASSERT(l >= 0 && l < cm->cfg.n_layers);
+    if (!cm->streamed) return cm->layers[l].w;
+    struct kv_model *m = (struct kv_model *)cm;
+    pthread_mutex_lock(m->lock);
+    struct kv_lslot *sl = NULL;
+    for (int i = 0; i < 2 && !sl; i++)
+        if (m->slots[i].layer == l) sl = &m->slots[i];
+    if (!sl) { /* the least recently used slot takes layer l */
+        sl = m->slots[0].tick <= m->slots[1].tick ? &m->slots[0] : &m->slots[1];
+        const struct kv_layer *y = &m->layers[l];
+        int64_t need = 0;
+        for (int k = 0; k < KV_W_COUNT; k++) need += y->src[k].data ? y->src[k].n : 0;
+        if (need > sl->cap) {
+            float *b = realloc(sl->buf, (size_t)need * sizeof *b);
+            KV_ASSERT(b); /* bounded by one layer; an allocation failure here has no caller to tell */
+            sl->buf = b, sl->cap = need;
+        }
+        int64_t off = 0;
+        for (int k = 0; k < KV_W_COUNT; k++) {
+            if (!y->src[k].data) {
+                sl->w[k] = y->w[k];
+                continue;
+            }
+            convert_src(&y->src[k], 0, y->src[k].n, sl->buf + off);
+            sl->w[k] = sl->buf + off;
+            off += y->src[k].n;
+        }
+        sl->layer = l;
+    }
+    sl->tick = ++m->tick;
+    pthread_mutex_unlock(m->lock);
+    return sl->w;
+}
+
+const float *kv_model_weight(const struct kv_model *cm, enum kv_wkind kind, int64_t layer) {
     if ((unsigned)kind >= KV_W_COUNT) return NULL;
-    if (kind < KV_W_FIRST_LAYER) return *slot((struct kv_model *)m, kind, 0);
+    struct kv_model *m = (struct kv_model *)cm;
+    if (kind < KV_W_FIRST_LAYER) {
+        const float **p = slot(m, kind, 0);
+        if (!*p && m->gsrc[kind].data) { /* a streamed global, converted once */
+            float *f = own_floats(m, m->gsrc[kind].n);
+            KV_ASSERT(f);
+            convert_src(&m->gsrc[kind], 0, m->gsrc[kind].n, f);
+            *p = f;
+            if (m->cfg.tied_embeddings && (kind == KV_W_TOK_EMB || kind == KV_W_LM_HEAD))
+                m->tok_emb = m->lm_head = f;
+        }
+        return *p;
+    }
     if (layer < 0 || layer >= m->cfg.n_layers) return NULL;
-    return m->layers[layer].w[kind];
+    return kv_model_layer(m, layer)[kind];
+}
+
+int kv_model_has(const struct kv_model *m, enum kv_wkind kind, int64_t layer) {
+    if ((unsigned)kind >= KV_W_COUNT) return 0;
+    if (kind >= KV_W_FIRST_LAYER && (layer < 0 || layer >= m->cfg.n_layers)) return 0;
+    struct kv_model *mm = (struct kv_model *)m;
+    return *slot(mm, kind, kind < KV_W_FIRST_LAYER ? 0 : layer) != NULL ||
+           src_of(mm, kind, layer)->data != NULL;
+}
+
+void kv_model_rows(const struct kv_model *cm, enum kv_wkind kind, int64_t layer, int64_t r0,
+                   int64_t n, float *out) {
+    struct kv_model *m = (struct kv_model *)cm;
+    const float *w = *slot(m, kind, kind < KV_W_FIRST_LAYER ? 0 : layer);
+    const struct kv_wsrc *s = src_of(m, kind, layer);
+    int64_t shp[2];
+    int nd = kv_model_expected_shape(&m->cfg, kind, shp);
+    int64_t cols = nd == 2 ? shp[1] : shp[0];
+    if (w)
+        memcpy(out, w + r0 * cols, (size_t)(n * cols) * sizeof *out);
+    else if (s->data)
+        convert_src(s, r0 * cols, n * cols, out);
+    else
+        KV_ASSERT(0 && "rows of an absent weight");
 }
 
 float *kv_model_weight_mut(struct kv_model *m, enum kv_wkind kind, int64_t layer) {
@@ -324,7 +433,33 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
     }
     int64_t n = kv_tensor_numel(t);
     const float *w;
-    if (t->dtype == KV_DTYPE_F32 && ((uintptr_t)t->data % _Alignof(float)) == 0) {
+    int view = t->dtype == KV_DTYPE_F32 && ((uintptr_t)t->data % _Alignof(float)) == 0;
+    if (!view && m->streamed) { /* kept as stored, checked for finite values a chunk at a time */
+        struct kv_wsrc s = {t->data, t->dtype, blocks ? t->block_type : 0, n, nd == 2 ? want[1] : want[0]};
+        int64_t chunk = 1 << 16, be = blocks ? kv_ggml_block_elems(t->block_type) : 1;
+        chunk = (chunk + be - 1) / be * be;
+        float *tmp = malloc((size_t)chunk * sizeof *tmp);
+        if (!tmp) return kv_fail(err, KV_ENOMEM, path, t->offset, "out of memory checking '%s'", t->name);
+        for (int64_t e0 = 0; e0 < n; e0 += chunk) {
+            int64_t c = n - e0 < chunk ? n - e0 : chunk;
+            convert_src(&s, e0, c, tmp);
+            for (int64_t i = 0; i < c; i++)
+                if (!isfinite(tmp[i])) {
+                    int64_t e = e0 + i;
+                    uint64_t off = blocks ? (uint64_t)(e / be) * (uint64_t)kv_ggml_block_bytes(t->block_type)
+                                          : (uint64_t)e * kv_dtype_size(t->dtype);
+                    const char *what = isnan(tmp[i]) ? "nan" : "inf";
+                    free(tmp);
+                    return kv_fail(err, KV_ENUMERIC, path, t->offset + off,
+                                   "tensor '%s' element %lld is %s", t->name, (long long)e, what);
+                }
+        }
+        free(tmp);
+        *src_of(m, kind, layer) = s;
+        *slot(m, kind, layer) = NULL;
+        return KV_OK;
+    }
+    if (view) {
         w = t->data; /* view into the mapping */
     } else {
         float *p = own_floats(m, n);
@@ -350,22 +485,25 @@ int kv_model_bind(struct kv_model *m, enum kv_wkind kind, int64_t layer,
 }
 
 int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err) {
-    if (m->cfg.tied_embeddings && !m->lm_head) m->lm_head = m->tok_emb;
-    if (!m->tok_emb && m->lm_head && m->cfg.tied_embeddings) m->tok_emb = m->lm_head;
+    if (m->cfg.tied_embeddings && !kv_model_has(m, KV_W_LM_HEAD, 0))
+        m->lm_head = m->tok_emb, m->gsrc[KV_W_LM_HEAD] = m->gsrc[KV_W_TOK_EMB];
+    if (!kv_model_has(m, KV_W_TOK_EMB, 0) && kv_model_has(m, KV_W_LM_HEAD, 0) && m->cfg.tied_embeddings)
+        m->tok_emb = m->lm_head, m->gsrc[KV_W_TOK_EMB] = m->gsrc[KV_W_LM_HEAD];
     for (int k = 0; k < KV_W_FIRST_LAYER; k++)
-        if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !*slot(m, k, 0))
+        if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !kv_model_has(m, k, 0))
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "missing tensor for the %s",
                            kv_wkind_name(k));
     for (int64_t l = 0; l < m->cfg.n_layers; l++)
         for (int k = KV_W_FIRST_LAYER; k < KV_W_COUNT; k++) {
-            if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !m->layers[l].w[k])
+            if (kv_wkind_use(&m->cfg, k) == KV_WUSE_REQUIRED && !kv_model_has(m, k, l))
                 return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                                "missing tensor for the %s of layer %lld", kv_wkind_name(k),
                                (long long)l);
         }
     int any_bias = 0;
     for (int64_t l = 0; l < m->cfg.n_layers; l++)
-        any_bias |= m->layers[l].w[KV_W_BQ] || m->layers[l].w[KV_W_BK] || m->layers[l].w[KV_W_BV];
+        any_bias |= kv_model_has(m, KV_W_BQ, l) || kv_model_has(m, KV_W_BK, l) ||
+                    kv_model_has(m, KV_W_BV, l);
     m->cfg.has_qkv_bias = any_bias;
     if (m->tok && kv_tok_n_vocab(m->tok) > m->cfg.vocab_size)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
@@ -380,6 +518,11 @@ void kv_model_close(struct kv_model *m) {
     for (int64_t i = m->n_cleanups - 1; i >= 0; i--) m->cleanups[i].fn(m->cleanups[i].ctx);
     for (int64_t i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
+    for (int i = 0; i < 2; i++) free(m->slots[i].buf);
+    if (m->lock) {
+        pthread_mutex_destroy(m->lock);
+        free(m->lock);
+    }
     free(m->cleanups);
     free(m->tensors);
     free(m->layers);
@@ -399,7 +542,7 @@ int64_t kv_model_n_params(const struct kv_model *m) {
     int64_t s[2], n = 0;
     for (int k = 0; k < KV_W_COUNT; k++) {
         if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
-        if (kv_wkind_use(c, k) == KV_WUSE_OPTIONAL && !kv_model_weight(m, k, 0)) continue;
+        if (kv_wkind_use(c, k) == KV_WUSE_OPTIONAL && !kv_model_has(m, k, 0)) continue;
         int nd = kv_model_expected_shape(c, k, s);
         n += (nd == 2 ? s[0] * s[1] : s[0]) * (k < KV_W_FIRST_LAYER ? 1 : c->n_layers);
     }

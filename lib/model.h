@@ -48,8 +48,31 @@ enum kv_wkind {
 };
 #define KV_W_FIRST_LAYER KV_W_ATTN_NORM
 
+/* A weight as its file stores it (F16, BF16, unaligned F32 or a GGUF
+ * block type), kept mapped and converted when used: a streamed model's
+ * weights (kv_model_streaming). */
+struct kv_wsrc {
+    const void *data; /* NULL: the weight is an f32 pointer (or absent) */
+    enum kv_dtype dtype; /* KV_DTYPE_COUNT with block_type for a block type */
+    uint32_t block_type;
+    int64_t n, cols;  /* elements, and the row length */
+};
+
 struct kv_layer {
-    const float *w[KV_W_COUNT]; /* indexed by per-layer enum kv_wkind */
+    /* indexed by per-layer enum kv_wkind: f32 views or converted blocks of a
+     * resident model; NULL where a streamed model keeps src (use
+     * kv_model_layer / kv_model_weight, which convert) */
+    const float *w[KV_W_COUNT];
+    struct kv_wsrc src[KV_W_COUNT];
+};
+
+/* One converted layer of a streamed model. */
+struct kv_lslot {
+    int64_t layer; /* -1: empty */
+    uint64_t tick;
+    const float *w[KV_W_COUNT];
+    float *buf;
+    int64_t cap;
 };
 
 struct kv_cleanup {
@@ -60,6 +83,13 @@ struct kv_cleanup {
 struct kv_model {
     struct kv_config cfg;
     enum kv_format format;
+    /* streamed: weights not stored as aligned f32 stay in the file's dtype
+     * (src) and are converted per layer into two slots as used */
+    int streamed;
+    struct kv_wsrc gsrc[KV_W_FIRST_LAYER];
+    struct kv_lslot slots[2];
+    uint64_t tick;
+    void *lock;                                /* pthread_mutex_t, streamed only */
     const float *tok_emb, *out_norm, *lm_head; /* lm_head == tok_emb when tied */
     const float *pos_emb, *out_norm_b;         /* GPT-2 only, else NULL */
     struct kv_layer *layers;                   /* [n_layers] */
@@ -138,8 +168,22 @@ int kv_wkind_use(const struct kv_config *cfg, enum kv_wkind kind);
  * every layer (0 when it allocates none): the count to check against
  * memory before building a model. */
 double kv_model_random_elems(const struct kv_config *cfg, enum kv_wkind kind);
-/* The bound weight of kind (layer ignored for global kinds), or NULL. */
+/* The bound weight of kind (layer ignored for global kinds), or NULL. For a
+ * streamed model a layer's weight is converted with its whole layer into
+ * one of two slots, valid until two other layers are asked for; a global
+ * one is converted once and kept (use kv_model_rows for the embedding and
+ * the head of large models instead). One thread at a time per model. */
 const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer);
+/* Layer l's weights as f32 [KV_W_COUNT] (NULL where absent), as above. */
+const float *const *kv_model_layer(const struct kv_model *m, int64_t l);
+/* 1 when the model holds weight kind (of layer), streamed or not. */
+int kv_model_has(const struct kv_model *m, enum kv_wkind kind, int64_t layer);
+/* Rows r0 .. r0+n-1 of weight kind (a matrix [rows, cols], or a vector as
+ * one row) as f32 into out, converted from the file when streamed. */
+void kv_model_rows(const struct kv_model *m, enum kv_wkind kind, int64_t layer, int64_t r0,
+                   int64_t n, float *out);
+/* 1 when m keeps its weights in their stored dtype (kv_model_streaming). */
+int kv_model_is_streamed(const struct kv_model *m);
 /* Mutable weight of a model whose weights kvcal allocated (kv_model_init_random,
  * the trainer); NULL when absent. Never use on a loaded (mapped) model. */
 float *kv_model_weight_mut(struct kv_model *m, enum kv_wkind kind, int64_t layer);
