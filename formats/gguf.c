@@ -93,7 +93,7 @@ int kv_ggml_is_quantized(uint32_t type) {
 
 /* ------------------------------------------------------------ hashing */
 
-static uint64_t hash_bytes(const char *p, uint64_t n) {
+uint64_t kv_gguf_hash(const char *p, uint64_t n) {
     uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
     for (uint64_t i = 0; i < n; i++) {
         h ^= (uint8_t)p[i];
@@ -122,7 +122,7 @@ static int str_eq(struct kv_gguf_str a, const char *b, uint64_t blen) {
 int kv_gguf_str_eq(struct kv_gguf_str s, const char *lit) { return str_eq(s, lit, strlen(lit)); }
 
 static uint64_t kv_slot(const struct kv_gguf_file *f, const char *k, uint64_t n, int *found) {
-    uint64_t i = hash_bytes(k, n) & (f->kv_index_cap - 1);
+    uint64_t i = kv_gguf_hash(k, n) & (f->kv_index_cap - 1);
     *found = 0;
     while (f->kv_index[i] >= 0) {
         if (str_eq(f->kv[f->kv_index[i]].key, k, n)) {
@@ -135,7 +135,7 @@ static uint64_t kv_slot(const struct kv_gguf_file *f, const char *k, uint64_t n,
 }
 
 static uint64_t tensor_slot(const struct kv_gguf_file *f, const char *k, uint64_t n, int *found) {
-    uint64_t i = hash_bytes(k, n) & (f->tensor_index_cap - 1);
+    uint64_t i = kv_gguf_hash(k, n) & (f->tensor_index_cap - 1);
     *found = 0;
     while (f->tensor_index[i] >= 0) {
         const struct kv_tensor *t = &f->tensors[f->tensor_index[i]].t;

@@ -133,6 +133,9 @@ void kv_gguf_release(struct kv_gguf_file *f);
 int kv_gguf_open(const char *path, struct kv_gguf_file **out, struct kv_err *err);
 void kv_gguf_close(struct kv_gguf_file *f);
 
+/* FNV-1a of n bytes: the lookup tables' hash (and the GGUF writer's). */
+uint64_t kv_gguf_hash(const char *p, uint64_t n);
+
 /* Name of a ggml type ("F32", "Q4_0", ...) or "?" when unknown. */
 const char *kv_ggml_type_name(uint32_t type);
 /* 1 if type is a block-quantized ggml type. */

@@ -244,15 +244,6 @@ static int vocab_set(struct vocab *v, int32_t i, const char *p, size_t n, float 
     return KV_OK;
 }
 
-static uint64_t hash_bytes(const char *p, size_t n) {
-    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++) {
-        h ^= (uint8_t)p[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
 /* llama.cpp maps pieces to ids one to one (an assertion, not an error):
  * refuse two equal pieces. Empty pieces it renames itself. */
 static int vocab_check_unique(const struct vocab *v, const char *path, struct kv_err *err) {
@@ -264,7 +255,7 @@ static int vocab_check_unique(const struct vocab *v, const char *path, struct kv
     int rc = KV_OK;
     for (int32_t i = 0; i < v->n && !rc; i++) {
         if (!v->len[i]) continue;
-        size_t s = (size_t)hash_bytes(v->piece[i], v->len[i]) & (cap - 1);
+        size_t s = (size_t)kv_gguf_hash(v->piece[i], v->len[i]) & (cap - 1);
         for (; slot[s] >= 0; s = (s + 1) & (cap - 1)) {
             int32_t j = slot[s];
             if (v->len[j] == v->len[i] && !memcmp(v->piece[j], v->piece[i], v->len[i])) {

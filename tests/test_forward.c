@@ -29,6 +29,33 @@ static void check_against_naive(struct kv_config c, int64_t n) {
     kv_model_close(m);
 }
 
+/* The largest |Δ logit| between random models of configs a and b (the same
+ * seed, sharpened) on n tokens, over positions < split into *first and the
+ * rest into *later. */
+static void logit_diff(struct kv_config a, struct kv_config b, int64_t n, int64_t split,
+                       double *first, double *later) {
+    struct kv_model *ma, *mb;
+    struct kv_err err;
+    cr_assert_eq(kv_model_init_random(&a, 7, &ma, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_model_init_random(&b, 7, &mb, &err), KV_OK, "%s", err.msg);
+    sharpen(ma), sharpen(mb);
+    int32_t *tok = malloc((size_t)n * sizeof *tok);
+    for (int64_t i = 0; i < n; i++) tok[i] = (int32_t)((i * 5 + 3) % a.vocab_size);
+    struct kv_fwd *fa, *fb;
+    cr_assert_eq(kv_fwd_init(ma, n, &fa, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_fwd_init(mb, n, &fb, &err), KV_OK, "%s", err.msg);
+    kv_fwd_run(fa, tok, n, 0, NULL, &err);
+    kv_fwd_run(fb, tok, n, 0, NULL, &err);
+    *first = *later = 0;
+    for (int64_t i = 0; i < n * a.vocab_size; i++) {
+        double dd = fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]);
+        if (i < split * a.vocab_size) *first = fmax(*first, dd);
+        else *later = fmax(*later, dd);
+    }
+    free(tok);
+    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
+}
+
 Test(forward, matches_naive_interleaved_rope_gqa) { check_against_naive(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), 40); }
 Test(forward, matches_naive_rotate_half_with_bias_untied) { check_against_naive(tiny_cfg(KV_ROPE_HALF, 1, 0), 40); }
 Test(forward, matches_naive_across_query_blocks) {
@@ -67,28 +94,14 @@ Test(forward, matches_naive_under_every_rope_scaling) {
         /* and the scaling shows in the logits */
         struct kv_config plain = c;
         plain.rope_scaling.type = KV_ROPE_SCALING_NONE;
-        struct kv_model *ma, *mb;
-        struct kv_err err;
-        kv_model_init_random(&c, 7, &ma, &err);
-        kv_model_init_random(&plain, 7, &mb, &err);
-        sharpen(ma), sharpen(mb);
-        int32_t tok[40];
-        for (int i = 0; i < 40; i++) tok[i] = (i * 5 + 3) % 97;
-        struct kv_fwd *fa, *fb;
-        kv_fwd_init(ma, 40, &fa, &err);
-        kv_fwd_init(mb, 40, &fb, &err);
-        kv_fwd_run(fa, tok, 40, 0, NULL, &err);
-        kv_fwd_run(fb, tok, 40, 0, NULL, &err);
-        double diff = 0;
-        for (int i = 0; i < 40 * 97; i++)
-            diff = fmax(diff, fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]));
+        double none, diff;
+        logit_diff(c, plain, 40, 0, &none, &diff);
         /* dynamic is plain RoPE within its original context */
         if (types[k] == KV_ROPE_SCALING_DYNAMIC)
             cr_assert_eq(diff, 0, "dynamic changed a window inside its context (%g)", diff);
         else
             cr_assert_gt(diff, 1e-3, "rope scaling '%s' left the logits alone (max diff %g)",
                          kv_rope_scaling_name(types[k]), diff);
-        kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
     }
 }
 
@@ -107,27 +120,10 @@ Test(forward, matches_naive_with_sliding_windows) {
     }
     struct kv_config a = tiny_cfg(KV_ROPE_HALF, 1, 0), b = a;
     b.sliding_window = 5, b.window_period = 1;
-    struct kv_model *ma, *mb;
-    struct kv_err err;
-    kv_model_init_random(&a, 7, &ma, &err);
-    kv_model_init_random(&b, 7, &mb, &err);
-    sharpen(ma), sharpen(mb);
-    int32_t tok[40];
-    for (int i = 0; i < 40; i++) tok[i] = (i * 5 + 3) % 97;
-    struct kv_fwd *fa, *fb;
-    kv_fwd_init(ma, 40, &fa, &err);
-    kv_fwd_init(mb, 40, &fb, &err);
-    kv_fwd_run(fa, tok, 40, 0, NULL, &err);
-    kv_fwd_run(fb, tok, 40, 0, NULL, &err);
-    double first = 0, later = 0;
-    for (int i = 0; i < 40 * 97; i++) {
-        double dd = fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]);
-        if (i < 5 * 97) first = fmax(first, dd);
-        else later = fmax(later, dd);
-    }
+    double first, later;
+    logit_diff(a, b, 40, 5, &first, &later);
     cr_assert_eq(first, 0, "positions inside the window changed (%g)", first);
     cr_assert_gt(later, 1e-3, "the window changed nothing (max diff %g)", later);
-    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
 }
 
 /* Qwen3: per-head RMSNorm of q and k before RoPE, norms away from 1 */
@@ -159,22 +155,9 @@ Test(forward, refuses_a_length_dependent_scaling_past_its_context) {
 Test(forward, rope_layouts_differ) {
     /* guard against a test that cannot tell the layouts apart */
     struct kv_config a = tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), b = tiny_cfg(KV_ROPE_HALF, 0, 1);
-    struct kv_model *ma, *mb;
-    struct kv_err err;
-    kv_model_init_random(&a, 7, &ma, &err);
-    kv_model_init_random(&b, 7, &mb, &err);
-    sharpen(ma), sharpen(mb);
-    int32_t tok[16];
-    for (int i = 0; i < 16; i++) tok[i] = (i * 5 + 3) % 97;
-    struct kv_fwd *fa, *fb;
-    kv_fwd_init(ma, 16, &fa, &err);
-    kv_fwd_init(mb, 16, &fb, &err);
-    kv_fwd_run(fa, tok, 16, 0, NULL, &err);
-    kv_fwd_run(fb, tok, 16, 0, NULL, &err);
-    double diff = 0;
-    for (int i = 0; i < 16 * 97; i++) diff = fmax(diff, fabs(kv_fwd_logits(fa)[i] - kv_fwd_logits(fb)[i]));
+    double none, diff;
+    logit_diff(a, b, 16, 0, &none, &diff);
     cr_assert_gt(diff, 1e-3, "interleaved and rotate-half gave the same logits (max diff %g)", diff);
-    kv_fwd_free(fa), kv_fwd_free(fb), kv_model_close(ma), kv_model_close(mb);
 }
 
 Test(forward, incremental_cache_equals_whole_window) {

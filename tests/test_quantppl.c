@@ -21,19 +21,32 @@
 #define TOKJSON "data/kjv-llama/tokenizer.json"
 #define GOSPELS "data/kjv/gospels.txt"
 
-static double verify_ppl(const char *model) {
-    char args[4096], *out, *e;
-    snprintf(args, sizeof args,
-             "verify -m '%s' --tokenizer '%s' --text '%s' --seq-len 256 --max-windows 24 --threads 2 --json",
-             model, TOKJSON, GOSPELS);
-    int rc = kvt_run_cli(args, &out, &e);
+static void run_ok(const char *args, char **out) {
+    char *o, *e;
+    int rc = kvt_run_cli(args, &o, &e);
     cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e);
+    free(e);
+    if (out) *out = o;
+    else free(o);
+}
+
+static double ppl_of(const char *args_fmt, const char *a, const char *b) {
+    char args[4096], *out;
+    snprintf(args, sizeof args, args_fmt, a, b);
+    run_ok(args, &out);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert(o, "not JSON: %s", out);
     double p = json_number_value(json_object_get(o, "ppl"));
     json_decref(o);
-    free(out), free(e);
+    free(out);
     return p;
+}
+
+/* verify's perplexity of model on the first 24 Gospel windows of 256 */
+static double verify_ppl(const char *model) {
+    return ppl_of("verify -m '%s' --tokenizer " TOKJSON " --text " GOSPELS
+                  " --seq-len 256 --max-windows 24 --threads 2 --json %s",
+                  model, "");
 }
 
 Test(quantppl, kjv_llama_quantized_by_kvcal, .timeout = 300) {
@@ -71,27 +84,6 @@ Test(quantppl, kjv_llama_quantized_by_kvcal, .timeout = 300) {
     cr_assert_lt(rel[2], rel[4], "Q6_K (%.3g) is not closer than Q4_0 (%.3g)", rel[2], rel[4]);
     kv_model_close(m);
     kvt_rm_dir(dir);
-}
-
-static void run_ok(const char *args, char **out) {
-    char *o, *e;
-    int rc = kvt_run_cli(args, &o, &e);
-    cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e);
-    free(e);
-    if (out) *out = o;
-    else free(o);
-}
-
-static double ppl_of(const char *args_fmt, const char *a, const char *b) {
-    char args[4096], *out;
-    snprintf(args, sizeof args, args_fmt, a, b);
-    run_ok(args, &out);
-    json_t *o = json_loads(out, 0, NULL);
-    cr_assert(o, "not JSON: %s", out);
-    double p = json_number_value(json_object_get(o, "ppl"));
-    json_decref(o);
-    free(out);
-    return p;
 }
 
 /* A Q4_K model compressed and exported dense: the patched K/V tensors are
