@@ -47,13 +47,46 @@ static int add_f32(struct kv_stw *w, const char *name, const float *data, int64_
     return kv_stw_add(w, name, KV_DTYPE_F32, nd, shape, data, n * 4, err);
 }
 
+/* A streamed model's weight, produced while the file is written: its rows
+ * converted from the model file, in its stored F16 or BF16 (exact), else
+ * F32. */
+struct wfill {
+    const struct kv_model *m;
+    enum kv_wkind kind;
+    int64_t layer, cols;
+    enum kv_dtype dtype;
+};
+
+static int fill_weight(void *ctx, uint64_t off, uint64_t n, void *out, struct kv_err *err) {
+    const struct wfill *f = ctx;
+    size_t es = kv_dtype_size(f->dtype);
+    int64_t e0 = (int64_t)(off / es), ne = (int64_t)(n / es);
+    int64_t r0 = e0 / f->cols, r1 = (e0 + ne + f->cols - 1) / f->cols;
+    float *tmp = malloc((size_t)((r1 - r0) * f->cols) * sizeof *tmp);
+    if (!tmp) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    kv_model_rows(f->m, f->kind, f->layer, r0, r1 - r0, tmp);
+    kv_convert_from_f32(f->dtype, tmp + (e0 - r0 * f->cols), out, ne);
+    free(tmp);
+    return KV_OK;
+}
+
 /* A weight of m: borrowed, or for a streamed model (whose layer slots are
- * reused) copied now. */
-static int add_model_f32(struct kv_stw *w, const struct kv_model *m, const char *name,
-                         const float *data, int64_t rows, int64_t cols, struct kv_err *err) {
-    if (!kv_model_is_streamed(m)) return add_f32(w, name, data, rows, cols, err);
-    int64_t shape[2] = {rows, cols};
-    return kv_stw_add_f32(w, name, KV_DTYPE_F32, cols ? 2 : 1, shape, data, err);
+ * reused, and whose weights may not fit in memory) produced as written. */
+static int add_model_w(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
+                       enum kv_wkind kind, int64_t l, const char *name, struct kv_err *err) {
+    int64_t shape[2];
+    int nd = kv_model_expected_shape(&m->cfg, kind, shape);
+    if (!kv_model_is_streamed(m))
+        return add_f32(w, name, kv_model_weight(m, kind, l), shape[0], nd == 2 ? shape[1] : 0, err);
+    struct wfill *f = (struct wfill *)own(bufs, (int64_t)((sizeof *f + sizeof(float) - 1) / sizeof(float)));
+    if (!f) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    const struct kv_wsrc *src = kind < KV_W_FIRST_LAYER ? &m->gsrc[kind] : &m->layers[l].src[kind];
+    enum kv_dtype dt = src->data && !src->block_type &&
+                               (src->dtype == KV_DTYPE_F16 || src->dtype == KV_DTYPE_BF16)
+                           ? src->dtype
+                           : KV_DTYPE_F32;
+    *f = (struct wfill){m, kind, l, nd == 2 ? shape[1] : shape[0], dt};
+    return kv_stw_add_fn(w, name, dt, nd, shape, fill_weight, f, err);
 }
 
 static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_model *m,
@@ -61,16 +94,16 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
                     struct kv_err *err) {
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
     const struct kv_config *c = &m->cfg;
-    int64_t d = c->dim, dh = c->head_dim, kvd = c->n_kv_heads * dh;
+    int64_t d = c->dim, dh = c->head_dim;
     char sc = kv_lrl_side_char(which), name[KV_LRL_NAME_CAP];
     int rc = KV_OK;
     if (!kv_lrl_has_down(s->mode)) {
-        const float *wt = kv_model_weight(m, which ? KV_W_V : KV_W_K, l);
-        const float *bias = kv_model_weight(m, which ? KV_W_BV : KV_W_BK, l);
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.weight");
-        if ((rc = add_model_f32(w, m, name, wt, kvd, d, err))) return rc;
+        if ((rc = add_model_w(w, own_bufs, m, which ? KV_W_V : KV_W_K, l, name, err))) return rc;
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.bias");
-        if (bias && (rc = add_model_f32(w, m, name, bias, kvd, 0, err))) return rc;
+        if (kv_model_has(m, which ? KV_W_BV : KV_W_BK, l) &&
+            (rc = add_model_w(w, own_bufs, m, which ? KV_W_BV : KV_W_BK, l, name, err)))
+            return rc;
         for (int64_t u = 0; u < s->n_units && !rc; u++) {
             kv_lrl_unit_name(name, c->arch, l, which, "rot", u);
             rc = add_f32(w, name, s->units[u].rot, s->units[u].rank, dh, err);
@@ -102,13 +135,10 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
 
 /* Weight kind of m (layer l) as a tensor [rows, cols] (cols 0: a vector);
  * absent optional weights are skipped. */
-static int add_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind kind, int64_t l,
-                      const char *name, struct kv_err *err) {
-    const float *data = kv_model_weight(m, kind, l);
-    if (!data) return KV_OK;
-    int64_t shape[2];
-    int nd = kv_model_expected_shape(&m->cfg, kind, shape);
-    return add_model_f32(w, m, name, data, shape[0], nd == 2 ? shape[1] : 0, err);
+static int add_weight(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
+                      enum kv_wkind kind, int64_t l, const char *name, struct kv_err *err) {
+    if (!kv_model_has(m, kind, l)) return KV_OK;
+    return add_model_w(w, bufs, m, kind, l, name, err);
 }
 
 /* Every tensor of the file (data borrowed from m, lr and bufs): the globals
@@ -125,7 +155,7 @@ static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_mod
         enum kv_wkind k = e->kinds[0];
         KV_ASSERT(e->n_kinds == 1 && !e->conv);
         if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
-        rc = add_weight(w, m, k, 0, e->name, err);
+        rc = add_weight(w, bufs, m, k, 0, e->name, err);
     }
     for (int64_t l = 0; l < c->n_layers && !rc; l++) {
         const struct kv_lr_layer *z = &lr->layers[l];
@@ -147,7 +177,7 @@ static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_mod
                 rc = add_f32(w, name, z->o_fused, d, z->o_cols, err);
             } else {
                 kv_lrl_layer_name(name, c->arch, l, rest);
-                rc = add_weight(w, m, k, l, name, err);
+                rc = add_weight(w, bufs, m, k, l, name, err);
             }
         }
     }

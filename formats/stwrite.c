@@ -37,6 +37,8 @@ struct stw_tensor {
     uint64_t nbytes;
     uint64_t begin;       /* offset in the data section */
     void *owned;          /* converted copy from kv_stw_add_f32, or NULL */
+    kv_stw_fill_fn fill;  /* kv_stw_add_fn: bytes produced as they are written */
+    void *fill_ctx;
 };
 
 struct kv_stw {
@@ -214,6 +216,16 @@ int kv_stw_add(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim
     return append(w, name, dtype, ndim, shape, data, nbytes, NULL, err);
 }
 
+int kv_stw_add_fn(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
+                  const int64_t *shape, kv_stw_fill_fn fill, void *ctx, struct kv_err *err) {
+    KV_ASSERT(w && name && fill);
+    uint64_t need;
+    int rc = check_tensor(w, name, dtype, ndim, shape, &need, err);
+    if (!rc) rc = append(w, name, dtype, ndim, shape, NULL, need, NULL, err);
+    if (!rc) w->t[w->n_t - 1].fill = fill, w->t[w->n_t - 1].fill_ctx = ctx;
+    return rc;
+}
+
 int kv_stw_add_f32(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
                    const int64_t *shape, const float *data, struct kv_err *err) {
     KV_ASSERT(w && name);
@@ -323,10 +335,32 @@ static int fill_st(int fd, const char *path, const char *tmp, void *ctx, struct 
     const struct stw_out *o = ctx;
     char eb[128];
     struct sink s = {.fd = fd, .cap = STW_STAGE};
-    if (!(s.buf = malloc(s.cap)))
+    if (!(s.buf = calloc(1, s.cap)))
         return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     sink_put(&s, o->head, o->head_len);
-    for (int64_t i = 0; i < o->w->n_t; i++) sink_put(&s, o->w->t[i].data, o->w->t[i].nbytes);
+    uint8_t *chunk = NULL;
+    int frc = KV_OK;
+    for (int64_t i = 0; i < o->w->n_t && !frc; i++) {
+        const struct stw_tensor *t = &o->w->t[i];
+        if (!t->fill) {
+            sink_put(&s, t->data, t->nbytes);
+            continue;
+        }
+        if (!chunk && !(chunk = malloc(STW_STAGE))) {
+            frc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        for (uint64_t off = 0; off < t->nbytes && !frc; off += STW_STAGE) {
+            uint64_t n = t->nbytes - off < STW_STAGE ? t->nbytes - off : STW_STAGE;
+            if ((frc = t->fill(t->fill_ctx, off, n, chunk, err))) break;
+            sink_put(&s, chunk, n);
+        }
+    }
+    free(chunk);
+    if (frc) {
+        free(s.buf);
+        return frc;
+    }
     sink_flush(&s);
     free(s.buf);
     if (s.e)

@@ -52,6 +52,17 @@ int kv_stw_add_meta(struct kv_stw *w, const char *key, const char *val, struct k
 int kv_stw_add(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
                const int64_t *shape, const void *data, uint64_t nbytes, struct kv_err *err);
 
+/* Produces n bytes of a tensor's data starting at byte off into out (off
+ * and n are multiples of 1 MiB but for the last piece); returns KV_OK or an
+ * error recorded in err, which ends the write. */
+typedef int (*kv_stw_fill_fn)(void *ctx, uint64_t off, uint64_t n, void *out, struct kv_err *err);
+
+/* A tensor whose bytes fill produces while the file is written, a piece at
+ * a time (for data too large to hold: a streamed model's weights). ctx
+ * must stay valid until kv_stw_write returns. Errors as kv_stw_add. */
+int kv_stw_add_fn(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
+                  const int64_t *shape, kv_stw_fill_fn fill, void *ctx, struct kv_err *err);
+
 /* As kv_stw_add, from f32 values converted to dtype (F32, F16 or BF16,
  * rounding to nearest even) into a buffer the writer owns, so data need not
  * outlive the call. Errors: KV_EINVAL (also for another dtype), KV_ENOMEM. */

@@ -12,6 +12,7 @@
 
 #include "model.h"
 #include "safetensors.h"
+#include "err.h"
 #include "stwrite.h"
 #include "mapfile.h"
 #include "testutil.h"
@@ -720,4 +721,46 @@ Test(stw, write_never_follows_a_planted_temporary) {
     free(path);
     free(victim);
     free(dir);
+}
+
+/* kv_stw_add_fn: bytes produced while writing, in 1 MiB pieces, equal to
+ * the same bytes added whole; a fill error ends the write and leaves no
+ * file. */
+static int fill_pattern(void *ctx, uint64_t off, uint64_t n, void *out, struct kv_err *err) {
+    const uint8_t *src = ctx;
+    if (!src) return kv_fail(err, KV_EIO, NULL, KV_NO_OFFSET, "fill failed at %llu", (unsigned long long)off);
+    memcpy(out, src + off, (size_t)n);
+    return KV_OK;
+}
+
+Test(stw, fill_function_tensors_equal_added_ones) {
+    int64_t shape[2] = {700, 1000}; /* 2.8 MB: three pieces */
+    size_t nb = 700 * 1000 * 4;
+    uint8_t *data = malloc(nb);
+    fill_random(data, nb, 9);
+    char *dir = kvt_temp_dir(), *a = kvt_path(dir, "a.safetensors"), *b = kvt_path(dir, "b.safetensors");
+    struct kv_err err;
+    struct kv_stw *w = new_writer();
+    cr_assert_eq(kv_stw_add(w, "x", KV_DTYPE_F32, 2, shape, data, nb, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_stw_write(w, a, &err), KV_OK, "%s", err.msg);
+    kv_stw_free(w);
+    w = new_writer();
+    cr_assert_eq(kv_stw_add_fn(w, "x", KV_DTYPE_F32, 2, shape, fill_pattern, data, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_stw_write(w, b, &err), KV_OK, "%s", err.msg);
+    kv_stw_free(w);
+    size_t la, lb;
+    char *fa = kvt_read_file(a, &la), *fb = kvt_read_file(b, &lb);
+    cr_assert(la == lb && !memcmp(fa, fb, la), "the files differ (%zu and %zu bytes)", la, lb);
+    free(fa), free(fb);
+    /* a failing fill */
+    char *c = kvt_path(dir, "c.safetensors");
+    w = new_writer();
+    cr_assert_eq(kv_stw_add_fn(w, "x", KV_DTYPE_F32, 2, shape, fill_pattern, NULL, &err), KV_OK);
+    cr_assert_eq(kv_stw_write(w, c, &err), KV_EIO);
+    cr_assert_str_eq(err.msg, "fill failed at 0");
+    cr_assert(!exists(c), "a failed write left %s", c);
+    cr_assert(!kvt_tmp_left(c), "a failed write left its temporary");
+    kv_stw_free(w);
+    free(data), free(a), free(b), free(c);
+    kvt_rm_dir(dir);
 }
