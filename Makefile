@@ -78,7 +78,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 KVCAL_SHARED ?= ../shared
 export KVCAL_SHARED
 
-.PHONY: all deps node-deps golden-tokenizers test bench results clean install fuzz check-san data fixtures demo layer-flags \
+.PHONY: all deps node-deps golden-tokenizers test bench bench-8b results clean install fuzz check-san data fixtures demo layer-flags \
         installed-headers
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) \
      $(INSTALLED_H)
@@ -193,6 +193,14 @@ test: all $(TEST_BIN) $(BUILD)/tests/libfault.so
 
 bench: all $(BENCH_BIN)
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVCAL_BIN=$(BUILD)/kvcal $$b || exit 1; done
+
+# Llama-3.1-8B's exact shape with random BF16 weights (16 GB written to
+# $$TMPDIR and removed): collect, decompose, verify, their wall time and
+# peak anonymous memory, and forward throughput against OpenBLAS sgemm at
+# the same shapes (docs/bench-8b.md). LAYERS=2 for a quick run.
+LAYERS ?= 32
+bench-8b: all $(BUILD)/bench/bench_8b_model
+	@KVCAL_BIN=$(BUILD)/kvcal bash tests/bench/bench_8b.sh $(LAYERS)
 
 # The README results table (markdown on stdout, JSON lines in $(BUILD)/results);
 # minutes of decompose and verify runs, so not part of test or bench.
