@@ -68,12 +68,28 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 echo "bench_8b: working in $WORK (removed at the end)"
 
+# CPU seconds: busy time of the whole machine (/proc/stat), and the user +
+# system time of this shell's reaped children (bash's times builtin)
+HZ=$(getconf CLK_TCK)
+machine_cpu() {
+    local _c u n s i w q sq st _r
+    read -r _c u n s i w q sq st _r </proc/stat
+    awk -v j=$((u + n + s + q + sq + st)) -v hz="$HZ" 'BEGIN { printf "%.2f", j / hz }'
+}
+# (times must run in this shell, not in a command substitution's subshell)
+times_cpu() {
+    awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.2f", t }' "$1"
+}
+
 # run_step NAME CMD...: run CMD with stdout to $WORK/NAME.out and stderr to
 # $WORK/NAME.err, polling its memory; sets S_RC, S_WALL, S_ANON, S_FILE
-# (peak kB), S_LAST (the last sample, "anon file" kB).
+# (peak kB), S_LAST (the last sample, "anon file" kB), S_OTHER (the share
+# of the machine other processes used meanwhile, "N%").
 run_step() {
-    local name=$1 k v _ a f t0 t1
+    local name=$1 k v _ a f t0 t1 m0 m1 c0 c1
     shift
+    times >"$WORK/.times"
+    m0=$(machine_cpu) c0=$(times_cpu "$WORK/.times")
     t0=$(date +%s.%N)
     "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
     local pid=$!
@@ -95,7 +111,11 @@ run_step() {
     S_RC=$?
     CHILD=""
     t1=$(date +%s.%N)
+    times >"$WORK/.times"
+    m1=$(machine_cpu) c1=$(times_cpu "$WORK/.times")
     S_WALL=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    S_OTHER=$(awk -v w="$S_WALL" -v m="$m1" -v mm="$m0" -v c="$c1" -v cc="$c0" -v n="$(nproc)" \
+        'BEGIN { o = (m - mm) - (c - cc); if (o < 0) o = 0; printf "%.0f%%", (w > 0 ? 100 * o / (w * n) : 0) }')
     if [ "$S_RC" -ne 0 ]; then
         echo "bench_8b: $name failed with exit status $S_RC; last RSS sample: anon $(kb_mib ${S_LAST% *}) MiB, file $(kb_mib ${S_LAST#* }) MiB" >&2
         echo "bench_8b: $name's stderr ends:" >&2
@@ -137,10 +157,11 @@ row() {
     [ -n "${5:-}" ] && note="$note ${5}"
     local ra rf
     ra=$(kb_mib "$S_ANON") rf=$(kb_mib "$S_FILE")
-    [ "$S_WALL" = same ] && ra=same rf=same
-    [ "$S_RC" -ne 0 ] && [ "$S_WALL" = same ] && S_WALL=- ra=- rf=-
-    ROWS+=("$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |' "$1" "$st" "$S_WALL" \
-        "$ra" "$rf" "$tps" "$gf" "$pct" "$note")")
+    local oth=${S_OTHER:--}
+    [ "$S_WALL" = same ] && ra=same rf=same oth=same
+    [ "$S_RC" -ne 0 ] && [ "$S_WALL" = same ] && S_WALL=- ra=- rf=- oth=-
+    ROWS+=("$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |' "$1" "$st" "$S_WALL" \
+        "$ra" "$rf" "$tps" "$gf" "$pct" "$oth" "$note")")
 }
 
 # 0. sgemm at the forward's shapes, with the threads kvcal uses
@@ -216,12 +237,14 @@ echo
 echo "kvcal at Llama-3.1-8B's shape, $LAYERS layers (random BF16 weights, streamed), $(nproc) cores," \
     "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
 echo "text: $TEXTS"
+echo "others' CPU: the share of the machine's $(nproc) cores that other processes used during the step" \
+    "(above a few %, the timings are slowed by them)"
 [ -n "$FPT_V" ] && echo "forward FLOPs per token: verify $(awk -v f="$FPT_V" 'BEGIN { printf "%.3f", f / 1e9 }') G," \
     "collect $(awk -v f="$FPT_C" 'BEGIN { printf "%.3f", f / 1e9 }') G (matrix products and attention at $SEQ tokens;" \
     "collect measured against the sgemm rate of the layers alone, it runs no head;" \
     "collect's float64 sums not counted)"
 echo
-echo "| step | status | wall s | peak RssAnon MiB | peak RssFile MiB | tokens/s | GFLOP/s | of sgemm | blas |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| step | status | wall s | peak RssAnon MiB | peak RssFile MiB | tokens/s | GFLOP/s | of sgemm | others' CPU | blas |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${ROWS[@]}"
 exit $FAILED
