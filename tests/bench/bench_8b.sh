@@ -26,8 +26,12 @@ set -u
 
 LAYERS=${1:-32}
 case $LAYERS in '' | *[!0-9]* | 0) echo "usage: bash tests/bench/bench_8b.sh [LAYERS]" >&2; exit 2 ;; esac
-KVCAL=${KVCAL_BIN:-build/kvcal}
-GEN=${BENCH_8B_MODEL:-build/bench/bench_8b_model}
+# paths given relative to the caller's directory; the rest from the repository root
+KVCAL=${KVCAL_BIN:-} GEN=${BENCH_8B_MODEL:-}
+[ -n "$KVCAL" ] && [ "${KVCAL#/}" = "$KVCAL" ] && KVCAL=$PWD/$KVCAL
+[ -n "$GEN" ] && [ "${GEN#/}" = "$GEN" ] && GEN=$PWD/$GEN
+cd "$(dirname "$0")/../.." || exit 1
+KVCAL=${KVCAL:-$PWD/build/kvcal} GEN=${GEN:-$PWD/build/bench/bench_8b_model}
 SEQ=2048
 for b in "$KVCAL" "$GEN"; do
     if [ ! -x "$b" ]; then
