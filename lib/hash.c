@@ -138,6 +138,12 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
             sha256_init(&t);
             int64_t rows = it[i].shape[0], cols = it[i].shape[1];
             if (it[i].nd == 1) rows = 1, cols = it[i].shape[0];
+            if (!kv_model_is_streamed(m)) { /* resident: hash the weight in place */
+                update(&t, kv_model_weight(m, (enum kv_wkind)it[i].kind, it[i].layer),
+                       (size_t)(rows * cols) * sizeof(float));
+                sha256_digest(&t, SHA256_DIGEST_SIZE, it[i].digest);
+                continue;
+            }
             int64_t step = FP_SLICE / cols > 0 ? FP_SLICE / cols : 1;
             for (int64_t r0 = 0; r0 < rows; r0 += step) {
                 int64_t nr = rows - r0 < step ? rows - r0 : step;
