@@ -194,7 +194,7 @@ int kv_model_create(const struct kv_config *cfg, enum kv_format fmt, const char 
     double bytes = 0;
     for (int k = 0; k < KV_W_COUNT; k++) bytes += 4.0 * kv_model_random_elems(cfg, (enum kv_wkind)k);
     m->streamed = stream_mode > 0 || (stream_mode == 0 && bytes > KV_STREAM_BYTES);
-    for (int i = 0; i < 2; i++) m->slots[i].layer = -1;
+    m->lslot.layer = -1;
     if (m->streamed) {
         pthread_mutex_t *mx = malloc(sizeof *mx);
         if (!mx || pthread_mutex_init(mx, NULL)) {
@@ -327,24 +327,24 @@ static void convert_src(const struct kv_wsrc *s, int64_t e0, int64_t n, float *o
     }
 }
 
+/* f32 elements of layer l's streamed weights */
+static int64_t layer_src_elems(const struct kv_model *m, int64_t l) {
+    int64_t need = 0;
+    for (int k = 0; k < KV_W_COUNT; k++) need += m->layers[l].src[k].data ? m->layers[l].src[k].n : 0;
+    return need;
+}
+
 const float *const *kv_model_layer(const struct kv_model *cm, int64_t l) {
     KV_ASSERT(l >= 0 && l < cm->cfg.n_layers);
     if (!cm->streamed) return cm->layers[l].w;
     struct kv_model *m = (struct kv_model *)cm;
     pthread_mutex_lock(m->lock);
-    struct kv_lslot *sl = NULL;
-    for (int i = 0; i < 2 && !sl; i++)
-        if (m->slots[i].layer == l) sl = &m->slots[i];
-    if (!sl) { /* the least recently used slot takes layer l */
-        sl = m->slots[0].tick <= m->slots[1].tick ? &m->slots[0] : &m->slots[1];
+    struct kv_lslot *sl = &m->lslot;
+    if (sl->layer != l) { /* one slot: a forward or backward pass visits each layer in turn */
         const struct kv_layer *y = &m->layers[l];
-        int64_t need = 0;
-        for (int k = 0; k < KV_W_COUNT; k++) need += y->src[k].data ? y->src[k].n : 0;
-        if (need > sl->cap) {
-            float *b = realloc(sl->buf, (size_t)need * sizeof *b);
-            KV_ASSERT(b); /* bounded by one layer; an allocation failure here has no caller to tell */
-            sl->buf = b, sl->cap = need;
-        }
+        int64_t need = layer_src_elems(m, l);
+        /* kv_model_finish sized the slot for the largest layer */
+        KV_ASSERT(need <= sl->cap);
         int64_t off = 0;
         for (int k = 0; k < KV_W_COUNT; k++) {
             if (!y->src[k].data) {
@@ -357,7 +357,6 @@ const float *const *kv_model_layer(const struct kv_model *cm, int64_t l) {
         }
         sl->layer = l;
     }
-    sl->tick = ++m->tick;
     pthread_mutex_unlock(m->lock);
     return sl->w;
 }
@@ -505,6 +504,19 @@ int kv_model_finish(struct kv_model *m, const char *path, struct kv_err *err) {
         any_bias |= kv_model_has(m, KV_W_BQ, l) || kv_model_has(m, KV_W_BK, l) ||
                     kv_model_has(m, KV_W_BV, l);
     m->cfg.has_qkv_bias = any_bias;
+    if (m->streamed) { /* the one layer slot, allocated now so a pass cannot fail halfway */
+        int64_t need = 0;
+        for (int64_t l = 0; l < m->cfg.n_layers; l++) {
+            int64_t e = layer_src_elems(m, l);
+            if (e > need) need = e;
+        }
+        float *b = need > m->lslot.cap ? realloc(m->lslot.buf, (size_t)need * sizeof *b) : m->lslot.buf;
+        if (need > m->lslot.cap && !b)
+            return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
+                           "out of memory for one layer's weights as f32 (%.1f MiB)",
+                           (double)need * 4.0 / 1048576.0);
+        if (need > m->lslot.cap) m->lslot.buf = b, m->lslot.cap = need, m->lslot.layer = -1;
+    }
     if (m->tok && kv_tok_n_vocab(m->tok) > m->cfg.vocab_size)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "tokenizer has %d pieces but the model's vocabulary is %lld",
@@ -518,7 +530,7 @@ void kv_model_close(struct kv_model *m) {
     for (int64_t i = m->n_cleanups - 1; i >= 0; i--) m->cleanups[i].fn(m->cleanups[i].ctx);
     for (int64_t i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
-    for (int i = 0; i < 2; i++) free(m->slots[i].buf);
+    free(m->lslot.buf);
     if (m->lock) {
         pthread_mutex_destroy(m->lock);
         free(m->lock);

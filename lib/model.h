@@ -69,7 +69,6 @@ struct kv_layer {
 /* One converted layer of a streamed model. */
 struct kv_lslot {
     int64_t layer; /* -1: empty */
-    uint64_t tick;
     const float *w[KV_W_COUNT];
     float *buf;
     int64_t cap;
@@ -84,11 +83,10 @@ struct kv_model {
     struct kv_config cfg;
     enum kv_format format;
     /* streamed: weights not stored as aligned f32 stay in the file's dtype
-     * (src) and are converted per layer into two slots as used */
+     * (src) and are converted per layer into one slot as used */
     int streamed;
     struct kv_wsrc gsrc[KV_W_FIRST_LAYER];
-    struct kv_lslot slots[2];
-    uint64_t tick;
+    struct kv_lslot lslot;
     void *lock;                                /* pthread_mutex_t, streamed only */
     const float *tok_emb, *out_norm, *lm_head; /* lm_head == tok_emb when tied */
     const float *pos_emb, *out_norm_b;         /* GPT-2 only, else NULL */
@@ -170,7 +168,7 @@ int kv_wkind_use(const struct kv_config *cfg, enum kv_wkind kind);
 double kv_model_random_elems(const struct kv_config *cfg, enum kv_wkind kind);
 /* The bound weight of kind (layer ignored for global kinds), or NULL. For a
  * streamed model a layer's weight is converted with its whole layer into
- * one of two slots, valid until two other layers are asked for; a global
+ * one slot, valid until another layer is asked for; a global
  * one is converted once and kept (use kv_model_rows for the embedding and
  * the head of large models instead). One thread at a time per model. */
 const float *kv_model_weight(const struct kv_model *m, enum kv_wkind kind, int64_t layer);
