@@ -12,8 +12,11 @@
  *   ∂L/∂k [n, g*d_h]    -> grad_k_cov[j] += G_jᵀ G_j  (dsyrk as above)
  * and the same for V. Each window's row sums are formed whole and then
  * added, so a resumed run adds in the same order as an uninterrupted one.
- * Only upper triangles are updated; kv_accum_sync mirrors them before the
- * sums are written, so the lower halves never feed back into a sum. */
+ * Only upper triangles are updated, and s->upper says so: the writer
+ * mirrors them as it writes, and kv_accum_sync fills the lower halves in
+ * memory, which never feed back into a sum. Left unwritten, the lower
+ * halves of the calloc'd sums are never made resident: about 44% of an
+ * xtx at d = 4096. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -167,6 +170,7 @@ int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
         kv_accum_free(a);
         return rc;
     }
+    kv_fwd_one_window(a->f); /* windows from position 0: one layer's cache serves all */
     if (s->info.has_fisher && seq_len < 2) {
         kv_accum_free(a);
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
@@ -197,6 +201,7 @@ int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
 
 int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err) {
     a->bad_what = NULL;
+    a->s->upper = 1; /* the lower triangles are stale from here on */
     int rc = kv_fwd_run(a->f, ids, a->seq_len, 0, NULL, err);
     if (rc && a->bad_what)
         return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
@@ -208,24 +213,7 @@ int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err) 
 
 double kv_accum_loss(const struct kv_accum *a) { return a->g ? a->loss : 0; }
 
-static void mirror(double *a, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
-}
-
-void kv_accum_sync(struct kv_accum *a) {
-    struct kv_stats *s = a->s;
-    int64_t dh = s->info.head_dim;
-    for (int64_t l = 0; l < s->info.n_layers; l++) {
-        mirror(s->layers[l].xtx, s->info.dim);
-        for (int64_t i = 0; i < s->info.n_heads; i++) mirror(s->layers[l].q_cov + i * dh * dh, dh);
-        for (int64_t i = 0; i < s->info.n_kv_heads; i++) mirror(s->layers[l].k_cov + i * dh * dh, dh);
-        for (int64_t i = 0; i < s->info.n_kv_heads && s->info.has_fisher; i++) {
-            mirror(s->layers[l].grad_k_cov + i * dh * dh, dh);
-            mirror(s->layers[l].grad_v_cov + i * dh * dh, dh);
-        }
-    }
-}
+void kv_accum_sync(struct kv_accum *a) { kv_stats_mirror(a->s); }
 
 /* ------------------------------------------------------------------ merge */
 
@@ -290,6 +278,7 @@ int kv_stats_merge(struct kv_stats *acc, const struct kv_stats *b, const char *b
                        acc->info.tokenization[0] ? acc->info.tokenization : "(not recorded)");
     int rc = kv_stats_check_complete(b, b_path, err);
     if (rc) return rc;
+    KV_ASSERT(!b->upper && "kv_stats_mirror the statistics to add first");
     if (acc->info.next_window < acc->info.plan_windows)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "the first shard is an unfinished checkpoint (%lld of %lld windows)",

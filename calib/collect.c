@@ -135,14 +135,12 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
                                   (i + 1 - start) * o->seq_len);
         int ckpt = opts->checkpoint_every > 0 && (i + 1) % opts->checkpoint_every == 0;
         if (out && (ckpt || stop) && i + 1 < n) {
-            kv_accum_sync(a);
             if ((rc = kv_stats_write(s, out, err))) break;
             opts->checkpoints_written++;
             since_write = 0;
         }
     }
     if (!rc) {
-        kv_accum_sync(a);
         if (stop && s->info.next_window < n)
             rc = out ? kv_fail(err, KV_EINVAL, out, KV_NO_OFFSET,
                                "interrupted after %lld of %lld windows; the checkpoint is saved, "
@@ -153,6 +151,7 @@ int kv_collect_run(const struct kv_model *m, struct kv_calib *c, struct kv_stats
         else if (out && (since_write || fresh))
             rc = kv_stats_write(s, out, err);
     }
+    if (!opts->upper_only) kv_accum_sync(a);
     opts->seconds = kv_now() - t0;
     opts->loss = s->info.next_window > start ? loss_sum / (double)(s->info.next_window - start) : 0;
     opts->run_windows = s->info.next_window - start;

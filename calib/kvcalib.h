@@ -243,7 +243,9 @@ void kv_accum_free(struct kv_accum *a);
 int kv_accum_window(struct kv_accum *a, const int32_t *ids, struct kv_err *err);
 /* Mean loss of the last window's backward pass (with Fisher sums), else 0. */
 double kv_accum_loss(const struct kv_accum *a);
-/* Copy each upper triangle to its lower half (before s is written or read). */
+/* Copy each upper triangle to its lower half, so s's matrices are whole in
+ * memory (kv_stats_mirror). kv_stats_write needs no sync: it mirrors as it
+ * writes. */
 void kv_accum_sync(struct kv_accum *a);
 
 /* The whole collect run: plan entries s->next_window .. end of c, with a
@@ -259,6 +261,10 @@ struct kv_collect_opts {
     int resume;                       /* s is a checkpoint read back (else fresh) */
     int fisher;                       /* Fisher statistics too: a backward pass per window */
     int64_t checkpoint_every;
+    /* 1: leave s's symmetric sums as upper triangles at the end (s->upper),
+     * so their lower halves are never resident (the files are whole either
+     * way); 0: mirror them, so s is whole in memory */
+    int upper_only;
     kv_progress_fn progress;  /* done/total count this run's windows */
     void *progress_ctx;
     int64_t resumed_from;        /* out of kv_collect_start: the checkpoint's next window,

@@ -271,7 +271,7 @@ int cmd_collect(int argc, char **argv) {
     struct kv_calib_opts copt = {a->seq_len, a->samples, a->sequential, (uint64_t)a->seed, 0, 1,
                                  cli_parse_special};
     struct kv_collect_opts o = {.out_path = a->output, .data = &copt, .fisher = a->fisher,
-                                .checkpoint_every = a->every};
+                                .checkpoint_every = a->every, .upper_only = 1};
     struct kv_err err;
     kv_err_clear(&err);
     /* the library's rules and the command line's own, in the order the

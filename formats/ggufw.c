@@ -41,7 +41,9 @@ struct wtensor {
     uint32_t ggml_type;
     uint32_t n_dims;
     uint64_t ne[4];            /* innermost first, as stored */
-    const void *data;          /* borrowed */
+    const void *data;          /* borrowed, or NULL with gen */
+    kv_ggufw_gen_fn gen;       /* fills the data piece by piece instead */
+    void *gen_ctx;
     uint64_t nbytes;
     uint64_t rel;              /* offset in the data section */
 };
@@ -304,10 +306,10 @@ static uint64_t elem_size(uint32_t t) {
     }
 }
 
-int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
-                        const int64_t *shape, const void *data, uint64_t nbytes,
-                        struct kv_err *err) {
-    KV_ASSERT(w && name && shape && data);
+static int add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
+                      const int64_t *shape, const void *data, kv_ggufw_gen_fn gen, void *gen_ctx,
+                      uint64_t nbytes, struct kv_err *err) {
+    KV_ASSERT(w && name && shape && (data || gen));
     size_t nlen = strlen(name);
     if (nlen == 0) return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "empty tensor name");
     if (nlen > KV_MAX_NAME_LEN)
@@ -367,7 +369,7 @@ int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type
         w->cap_t = cap;
     }
     struct wtensor t = {.ggml_type = ggml_type, .n_dims = (uint32_t)ndim, .data = data,
-                        .nbytes = nbytes, .rel = rel};
+                        .gen = gen, .gen_ctx = gen_ctx, .nbytes = nbytes, .rel = rel};
     for (int i = 0; i < ndim; i++) t.ne[i] = (uint64_t)shape[ndim - 1 - i];
     if (!(t.name = strdup(name)) || !set_add(&w->names, t.name)) {
         free(t.name);
@@ -376,6 +378,20 @@ int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type
     w->t[w->n_t++] = t;
     w->data_end = end;
     return KV_OK;
+}
+
+int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
+                        const int64_t *shape, const void *data, uint64_t nbytes,
+                        struct kv_err *err) {
+    KV_ASSERT(data);
+    return add_tensor(w, name, ggml_type, ndim, shape, data, NULL, NULL, nbytes, err);
+}
+
+int kv_ggufw_add_tensor_gen(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
+                            const int64_t *shape, uint64_t nbytes, kv_ggufw_gen_fn gen, void *ctx,
+                            struct kv_err *err) {
+    KV_ASSERT(gen);
+    return add_tensor(w, name, ggml_type, ndim, shape, NULL, gen, ctx, nbytes, err);
 }
 
 /* ------------------------------------------------------------ output */
@@ -500,8 +516,18 @@ static void put_file(struct out *o, const struct kv_ggufw *w) {
     put_pad(o);
     uint64_t data_off = o->pos;
     for (int64_t i = 0; i < w->n_t && !o->e; i++) {
-        KV_ASSERT(o->pos == data_off + w->t[i].rel);
-        put(o, w->t[i].data, w->t[i].nbytes);
+        const struct wtensor *t = &w->t[i];
+        KV_ASSERT(o->pos == data_off + t->rel);
+        if (t->data) {
+            put(o, t->data, t->nbytes);
+        } else { /* generated into the staging buffer, a piece at a time */
+            for (uint64_t at = 0; at < t->nbytes && !o->e;) {
+                if (o->len == o->cap) flush(o);
+                uint64_t k = t->nbytes - at < o->cap - o->len ? t->nbytes - at : o->cap - o->len;
+                t->gen(t->gen_ctx, at, o->buf + o->len, k);
+                o->len += k, o->pos += k, at += k;
+            }
+        }
         put_pad(o);
     }
     flush(o);

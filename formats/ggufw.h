@@ -43,6 +43,16 @@ int kv_ggufw_add_tensor(struct kv_ggufw *w, const char *name, uint32_t ggml_type
                         const int64_t *shape, const void *data, uint64_t nbytes,
                         struct kv_err *err);
 
+/* Writes bytes [off, off + n) of a generated tensor's data into out. */
+typedef void (*kv_ggufw_gen_fn)(void *ctx, uint64_t off, void *out, uint64_t n);
+
+/* A tensor as kv_ggufw_add_tensor, whose nbytes of data gen produces while
+ * the file is written, in pieces of any size and offset, in order; ctx must
+ * outlive kv_ggufw_write. */
+int kv_ggufw_add_tensor_gen(struct kv_ggufw *w, const char *name, uint32_t ggml_type, int ndim,
+                            const int64_t *shape, uint64_t nbytes, kv_ggufw_gen_fn gen, void *ctx,
+                            struct kv_err *err);
+
 /* Write the file atomically (see above). Errors are KV_EIO naming path. */
 int kv_ggufw_write(struct kv_ggufw *w, const char *path, struct kv_err *err);
 

@@ -52,19 +52,69 @@ static int64_t numel(const int64_t *shape, int nd) {
     return n;
 }
 
+/* The side of tensor t's symmetric matrices, or 0 for a vector. */
+static int64_t sym_side(const struct kv_stats *s, int t) {
+    return t == 0 ? s->info.dim : (t == 2 || t == 3 || t == 6 || t == 7) ? s->info.head_dim : 0;
+}
+
+static void mirror(double *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = i + 1; j < n; j++) a[j * n + i] = a[i * n + j];
+}
+
+void kv_stats_mirror(struct kv_stats *s) {
+    if (!s->upper) return;
+    for (int64_t l = 0; l < s->info.n_layers; l++)
+        for (int t = 0; t < kv_stats_layer_tensors(s); t++) {
+            int64_t n = sym_side(s, t), shape[3];
+            char name[64];
+            if (!n) continue;
+            int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
+            int64_t mats = nd == 3 ? shape[0] : 1;
+            double *p = kv_stats_tensor_data(s, l, t);
+            for (int64_t i = 0; i < mats; i++) mirror(p + i * n * n, n);
+        }
+    s->upper = 0;
+}
+
+/* Tensor data as the file holds it: p's elements, with a symmetric matrix's
+ * lower triangle read from its upper one when only that is kept. */
+struct sym_view {
+    const double *p;
+    int64_t side; /* 0: p as is */
+};
+
+static double view_elem(const struct sym_view *v, int64_t e) {
+    if (!v->side) return v->p[e];
+    int64_t nn = v->side * v->side, m = e / nn, i = e % nn / v->side, j = e % v->side;
+    return v->p[m * nn + (i <= j ? i * v->side + j : j * v->side + i)];
+}
+
+/* kv_ggufw_gen_fn: bytes [off, off + n) of a view's little-endian doubles */
+static void view_gen(void *ctx, uint64_t off, void *out, uint64_t n) {
+    uint8_t *o = out;
+    while (n) {
+        uint64_t e = off / 8, b = off % 8, k = 8 - b < n ? 8 - b : n;
+        double x = view_elem(ctx, (int64_t)e);
+        memcpy(o, (const uint8_t *)&x + b, (size_t)k);
+        o += k, off += k, n -= k;
+    }
+}
+
 /* The first element of tensor t's data p [n] that no stats file holds, or
  * -1: a non-finite value anywhere, or a negative one where a sum of squares
  * belongs (the Fisher sums, the gradient covariances' diagonals). */
-static int64_t bad_element(const struct kv_stats *s, int t, const double *p, int64_t n,
+static int64_t bad_element(const struct kv_stats *s, int t, const struct sym_view *v, int64_t n,
                            int *negative) {
     int64_t dh = s->info.head_dim;
     int squares = t == 4 || t == 5, diagonals = t == 6 || t == 7;
     for (int64_t i = 0; i < n; i++) {
         *negative = 0;
-        if (!isfinite(p[i])) return i;
+        double x = view_elem(v, i);
+        if (!isfinite(x)) return i;
         /* element i of a [.., d_h, d_h] tensor is diagonal when its offset
          * within its matrix is a multiple of d_h + 1 */
-        if (p[i] < 0 && (squares || (diagonals && i % (dh * dh) % (dh + 1) == 0))) {
+        if (x < 0 && (squares || (diagonals && i % (dh * dh) % (dh + 1) == 0))) {
             *negative = 1;
             return i;
         }
@@ -204,6 +254,19 @@ static uint32_t crc_of(const void *data, uint64_t n) {
     return (uint32_t)c;
 }
 
+/* crc_of the n elements of a view, as the file holds them */
+static uint32_t crc_of_view(const struct sym_view *v, int64_t n) {
+    if (!v->side) return crc_of(v->p, (uint64_t)n * 8);
+    uLong c = crc32(0L, Z_NULL, 0);
+    double buf[4096];
+    for (int64_t e = 0; e < n; e += 4096) {
+        int64_t k = n - e < 4096 ? n - e : 4096;
+        view_gen((void *)v, (uint64_t)e * 8, buf, (uint64_t)k * 8);
+        c = crc32(c, (const Bytef *)buf, (uInt)(k * 8));
+    }
+    return (uint32_t)c;
+}
+
 /* zlib crc32 of the metadata (every key but the crcs, and has_fisher,
  * which the tensors carry) as one canonical text: what kvcal.meta_crc32
  * holds, so a changed count, seed, plan or dataset record is detected as a
@@ -247,12 +310,13 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
     int per = kv_stats_layer_tensors(s);
     int64_t nt = s->info.n_layers * per;
     uint32_t *crc = malloc((size_t)(nt ? nt : 1) * sizeof *crc);
+    struct sym_view *views = malloc((size_t)(nt ? nt : 1) * sizeof *views);
     const char **names = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * sizeof *names);
     const char **shas = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * sizeof *shas);
     uint64_t *arr = malloc((size_t)(s->info.n_inputs ? s->info.n_inputs : 1) * 3 * sizeof *arr);
     struct kv_ggufw *w = NULL;
     int rc = KV_OK;
-    if (!crc || !names || !shas || !arr) {
+    if (!crc || !views || !names || !shas || !arr) {
         rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
         goto done;
     }
@@ -273,20 +337,21 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
-            const double *p = kv_stats_tensor_data(s, l, t);
+            struct sym_view *v = &views[l * per + t];
+            *v = (struct sym_view){kv_stats_tensor_data(s, l, t), s->upper ? sym_side(s, t) : 0};
             int64_t n = numel(shape, nd);
             int neg;
-            int64_t i = bad_element(s, t, p, n, &neg);
+            int64_t i = bad_element(s, t, v, n, &neg);
             if (i >= 0) {
                 rc = neg ? kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
                                    "tensor '%s': negative value %g at element %lld, where a sum "
-                                   "of squares belongs; not written", name, p[i], (long long)i)
+                                   "of squares belongs; not written", name, view_elem(v, i), (long long)i)
                          : kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
                                    "tensor '%s': non-finite value %g at element %lld; not written",
-                                   name, p[i], (long long)i);
+                                   name, view_elem(v, i), (long long)i);
                 goto done;
             }
-            crc[l * per + t] = crc_of(p, (uint64_t)n * 8);
+            crc[l * per + t] = crc_of_view(v, n);
         }
     for (int64_t i = 0; i < s->info.n_inputs; i++) {
         names[i] = s->inputs[i].path;
@@ -330,15 +395,17 @@ int kv_stats_write(const struct kv_stats *s, const char *path, struct kv_err *er
             char name[64];
             int64_t shape[3];
             int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
-            if ((rc = kv_ggufw_add_tensor(w, name, 28 /* F64 */, nd, shape,
-                                          kv_stats_tensor_data(s, l, t),
-                                          (uint64_t)numel(shape, nd) * 8, err)))
+            const struct sym_view *v = &views[l * per + t];
+            uint64_t nb = (uint64_t)numel(shape, nd) * 8;
+            if ((rc = v->side ? kv_ggufw_add_tensor_gen(w, name, 28 /* F64 */, nd, shape, nb,
+                                                        view_gen, (void *)v, err)
+                              : kv_ggufw_add_tensor(w, name, 28, nd, shape, v->p, nb, err)))
                 goto done;
         }
     rc = kv_ggufw_write(w, path, err);
 done:
     kv_ggufw_free(w);
-    free(crc), free(names), free(shas), free(arr);
+    free(crc), free(views), free(names), free(shas), free(arr);
     if (rc && !err->path[0]) snprintf(err->path, sizeof err->path, "%s", path);
     return rc;
 }
@@ -607,7 +674,7 @@ static int read_tensors(const struct kv_gguf_file *f, struct kv_stats *s, struct
         double *dst = kv_stats_tensor_data(s, l, t);
         memcpy(dst, gt->t.data, nb); /* little-endian host and file */
         int neg;
-        int64_t k = bad_element(s, t, dst, numel(shape, nd), &neg);
+        int64_t k = bad_element(s, t, &(struct sym_view){dst, 0}, numel(shape, nd), &neg);
         if (k >= 0) {
             rc = neg ? kv_fail(err, KV_EFORMAT, path, gt->t.offset + (uint64_t)k * 8,
                                "tensor '%s': negative value %g at element %lld, expected a sum "

@@ -62,7 +62,8 @@
 #include "kvformats.h"
 
 /* Per-layer float64 sums over calibration tokens (docs/design.md). Matrices are
- * row-major and symmetric (both triangles stored). */
+ * row-major and symmetric: both triangles stored, or only the upper one while
+ * kv_stats.upper is set. */
 struct kv_stats_layer {
     double *xtx;    /* [d, d]        Σ xᵀx, x = attention input after the norm */
     double *xsum;   /* [d]           Σ x */
@@ -85,8 +86,17 @@ struct kv_stats {
     struct kv_stats_info info;     /* shapes, counts, the plan (kvformats.h) */
     struct kv_stats_input *inputs; /* [info.n_inputs] */
     struct kv_stats_layer *layers; /* [info.n_layers] */
+    /* 1: the symmetric matrices (xtx and the per-head covariances) hold
+     * only their upper triangles, as collect accumulates them, and the
+     * lower ones were never written (so never made resident). kv_stats_write
+     * writes them whole, mirrored as it goes; kv_stats_mirror fills them. */
+    int upper;
 };
 
+
+/* Fill the lower triangles of s's symmetric matrices from the upper ones
+ * and clear s->upper (nothing to do when it is clear). */
+void kv_stats_mirror(struct kv_stats *s);
 
 #define KV_STATS_TYPE "kvcal.stats"
 #define KV_STATS_FORMAT_VERSION 2

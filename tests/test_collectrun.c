@@ -121,6 +121,44 @@ Test(collect, first_64_windows_equal_independent_naive_sums, .timeout = 300) {
     kv_model_close(m);
 }
 
+/* upper_only: the same file, and the lower triangles never written */
+Test(collect, upper_only_writes_the_same_file_and_never_touches_the_lower_triangles,
+     .timeout = 300) {
+    struct kv_model *m = open_stories();
+    char *text = shared_copy(VAL_REL), *dir = kvt_temp_dir();
+    const char *paths[1] = {text};
+    struct kv_calib_opts o = calib_opts(128, 8, 1, 0, 0, 1);
+    char *pa = kvt_path(dir, "whole.kvstats"), *pb = kvt_path(dir, "upper.kvstats");
+    struct kv_stats *sa, *sb;
+    collect(m, paths, 1, &o, pa, &sa);
+    struct kv_calib *c = calib_open(paths, 1, m, &o);
+    sb = stats_for(m);
+    struct kv_collect_opts co = {.out_path = pb, .data = &o, .upper_only = 1};
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_collect_run(m, c, sb, &co, &err), KV_OK, "%s", fmt_err(&err));
+    kv_calib_free(c);
+    assert_same_bytes(pa, pb);
+    cr_assert_eq(sa->upper, 0);
+    cr_assert_eq(sb->upper, 1);
+    int64_t d = sb->info.dim, lower_nonzero = 0, upper_zero = 0;
+    for (int64_t l = 0; l < sb->info.n_layers; l++)
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t j = 0; j < d; j++) {
+                double x = sb->layers[l].xtx[i * d + j];
+                if (j < i) lower_nonzero += x != 0;
+                else upper_zero += x == 0;
+            }
+    cr_assert_eq(lower_nonzero, 0, "the lower triangles were written");
+    cr_assert_eq(upper_zero, 0, "an upper element is still 0");
+    kv_stats_mirror(sb);
+    assert_stats_close(sb, sa, 0, "upper_only mirrored against a whole run");
+    kv_stats_free(sa), kv_stats_free(sb);
+    free(pa), free(pb), free(text);
+    kvt_rm_dir(dir);
+    kv_model_close(m);
+}
+
 /* ---------------------------------------------------------------- merging */
 
 /* Writes a.txt and b.txt in dir: the first ~96 KB of val1k.txt cut in two

@@ -170,6 +170,65 @@ Test(kvstats_write, probe_recognises_only_stats_files) {
     cr_assert_eq(kv_stats_probe(model), 0);
 }
 
+/* NaN into the strict lower triangles of every symmetric matrix of s */
+static void poison_lower(struct kv_stats *s) {
+    for (int64_t l = 0; l < s->info.n_layers; l++)
+        for (int t = 0; t < kv_stats_layer_tensors(s); t++) {
+            if (t == 1 || t == 4 || t == 5) continue; /* the vectors */
+            int64_t shape[3];
+            char name[64];
+            int nd = kv_stats_tensor_desc(s, l, t, name, sizeof name, shape);
+            int64_t mats = nd == 3 ? shape[0] : 1, n = shape[nd - 1];
+            double *p = kv_stats_tensor_data(s, l, t);
+            for (int64_t m = 0; m < mats; m++)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t j = 0; j < i; j++) p[m * n * n + i * n + j] = NAN;
+        }
+}
+
+Test(kvstats_write, upper_triangles_alone_write_the_same_bytes_and_mirror_back) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *whole = make_fisher_stats(&c, 1.0), *up = make_fisher_stats(&c, 1.0);
+    poison_lower(up);
+    up->upper = 1;
+    char *dir = kvt_temp_dir();
+    char *pa = write_stats(whole, dir, "whole.kvstats"), *pb = write_stats(up, dir, "upper.kvstats");
+    size_t la, lb;
+    char *a = kvt_read_file(pa, &la), *b = kvt_read_file(pb, &lb);
+    cr_assert_eq(la, lb, "sizes %zu and %zu", la, lb);
+    size_t i = 0;
+    while (i < la && a[i] == b[i]) i++;
+    cr_assert_eq(i, la, "first difference at byte %zu of %zu", i, la);
+    kv_stats_mirror(up);
+    cr_assert_eq(up->upper, 0);
+    assert_stats_eq(whole, up);
+    free(a), free(b), free(pa), free(pb);
+    kv_stats_free(whole), kv_stats_free(up);
+    rm_tree(dir);
+}
+
+Test(kvstats_write, upper_triangles_alone_refuse_a_non_finite_sum_at_both_its_elements) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *s = make_stats(&c, 1.0);
+    poison_lower(s);
+    s->upper = 1;
+    int64_t d = s->info.dim;
+    s->layers[0].xtx[2 * d + 5] = INFINITY; /* row 2, column 5: the file's (5, 2) too */
+    char *dir = kvt_temp_dir();
+    char *path = kvt_path(dir, "inf.kvstats");
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_stats_write(s, path, &err), KV_ENUMERIC, "%s", fmt_err(&err));
+    char want[128];
+    snprintf(want, sizeof want, "tensor 'blk.0.attn_in.xtx': non-finite value inf at element %lld;",
+             (long long)(2 * d + 5));
+    cr_assert(strstr(err.msg, want), "message '%s' lacks '%s'", err.msg, want);
+    cr_assert_eq(dir_entries(dir), 0, "neither the file nor a .tmp may exist");
+    free(path);
+    kv_stats_free(s);
+    rm_tree(dir);
+}
+
 static void expect_no_write_of_nonfinite(int64_t layer, int t, int64_t k, double x,
                                          const char *name) {
     struct kv_config c = small_cfg();
