@@ -51,6 +51,7 @@ struct kv_fwd {
     float *x, *xn, *q, *att, *a, *b, *logits;
     float *y;               /* [max_ctx][d] attention output for the attn_out hook */
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
+    int one_window;         /* kv_fwd_one_window: every layer uses layer 0's caches */
     float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
     float *head_buf;        /* [HEAD_ROWS][d] a streamed model's head, converted in slices */
@@ -350,6 +351,8 @@ static int64_t unit_of(const struct kv_lr_side *s, int64_t j) {
     return -1;
 }
 
+void kv_fwd_one_window(struct kv_fwd *f) { f->one_window = 1; }
+
 int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bits,
                        struct kv_err *err) {
     plan_free(f);
@@ -516,8 +519,9 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     const struct lr_plan *P = &f->plan[l];
     int64_t d = c->dim, g = c->n_kv_heads, dh = c->head_dim, h = c->n_heads;
     int64_t qd = h * dh, kd = g * dh, grp = h / g, T = pos0 + n;
-    float *kc = f->kc + l * f->max_ctx * kd, *vc = f->vc + l * f->max_ctx * kd;
-    float *zk = f->zk + P->zk_at, *zv = f->zv + P->zv_at;
+    int64_t cl = f->one_window ? 0 : l;
+    float *kc = f->kc + cl * f->max_ctx * kd, *vc = f->vc + cl * f->max_ctx * kd;
+    float *zk = f->zk + (f->one_window ? 0 : P->zk_at), *zv = f->zv + (f->one_window ? 0 : P->zv_at);
     const float *qb = f->q, *kb = kc, *vb = vc;
     float *ob = f->att;
 
@@ -613,6 +617,10 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "positions %lld..%lld exceed the context of %lld", (long long)pos0,
                        (long long)(pos0 + n - 1), (long long)f->max_ctx);
+    if (pos0 && f->one_window)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "this forward state keeps no cache between runs (kv_fwd_one_window); "
+                       "a run must start at position 0, not %lld", (long long)pos0);
     int64_t d = c->dim, hid = c->hidden_dim, qd = c->n_heads * c->head_dim;
     int64_t kd = c->n_kv_heads * c->head_dim;
     for (int64_t i = 0; i < n; i++) {
@@ -627,7 +635,8 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
     const struct kv_fwd_hooks *hk = &f->hooks;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = kv_model_layer(m, l);
-        float *kc = f->kc + l * f->max_ctx * kd, *vc = f->vc + l * f->max_ctx * kd;
+        int64_t cl = f->one_window ? 0 : l; /* which layer's cache slab */
+        float *kc = f->kc + cl * f->max_ctx * kd, *vc = f->vc + cl * f->max_ctx * kd;
         float *k = kc + pos0 * kd, *v = vc + pos0 * kd;
         norm(f, f->xn, f->x, KV_W_ATTN_NORM, KV_W_ATTN_NORM_B, l, n);
         int rc;

@@ -327,6 +327,11 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
                 struct kv_err *err);
 void kv_fwd_free(struct kv_fwd *f);
 void kv_fwd_set_hooks(struct kv_fwd *f, const struct kv_fwd_hooks *hooks);
+/* Every run of f will be one whole window from position 0, keeping nothing
+ * between runs: all layers then share one layer's cache (keys and values,
+ * or latents) instead of each holding its own, so the caches take one
+ * layer's memory, not n_layers'. kv_fwd_run then refuses pos0 > 0. */
+void kv_fwd_one_window(struct kv_fwd *f);
 
 /* Run n tokens at positions pos0..pos0+n-1, attending to the cache [0, pos0)
  * plus themselves (causal). Positions >= pos0 in the cache are overwritten.

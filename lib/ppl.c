@@ -103,6 +103,7 @@ int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int
     struct kv_fwd *f;
     int rc = kv_fwd_init(m, seq_len, &f, err);
     if (rc) return rc;
+    kv_fwd_one_window(f); /* windows from position 0: one layer's cache serves all */
     int64_t vocab = m->cfg.vocab_size;
     double nll = 0, t0 = kv_now();
     for (int64_t w = 0; w < windows; w++) {
@@ -200,6 +201,8 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
         rc = kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
     if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
         kv_fwd_set_hooks(f[RUN_DEV], dev);
+    for (int k = 0; k < N_RUNS && !rc; k++) /* windows from position 0 */
+        if (f[k]) kv_fwd_one_window(f[k]);
     double *rel = dev ? malloc((size_t)seq_len * sizeof *rel) : NULL;
     if (!rc && dev && !rel)
         rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld logit differences",

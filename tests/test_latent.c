@@ -553,3 +553,43 @@ Test(latent_forward, quantized_latents_stay_close_and_fewer_bits_move_more, .tim
     kv_stats_free(s);
     shared_free(&sh);
 }
+
+/* kv_fwd_one_window: all layers share one cache slab, bit for bit the same
+ * logits as per-layer caches (dense and latent), and a run past position 0
+ * is refused. */
+Test(latent_forward, one_window_shares_one_cache_bit_for_bit) {
+    struct kv_model *m = random_model(KV_ROPE_HALF, 1, 53);
+    int64_t n = 40, V = 97;
+    int32_t *cal = random_tokens(3 * 64, V, 510), *tok = random_tokens(n, V, 511);
+    struct kv_stats *s = collect(m, cal, 64, 3);
+    struct kv_lowrank *lr =
+        decompose_ok(m, s, opts_of(KV_METHOD_PALU, KV_ALLOC_DEFAULT, 0, 0.5, 1), "one window");
+    struct kv_err err;
+    kv_err_clear(&err);
+    for (int latent = 0; latent < 2; latent++)
+        for (int bits = 16; bits >= 4; bits -= 12) {
+            float *ref = run_logits(m, latent ? lr : NULL, bits, tok, n);
+            struct kv_fwd *f;
+            cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK);
+            cr_assert_eq(kv_fwd_set_lowrank(f, latent ? lr : NULL, bits, &err), KV_OK, "%s",
+                         fmt_err(&err));
+            kv_fwd_one_window(f);
+            float *got = malloc((size_t)(n * V) * sizeof *got);
+            for (int rep = 0; rep < 2; rep++) { /* a second window reuses the slab */
+                cr_assert_eq(kv_fwd_run(f, tok, n, 0, got, &err), KV_OK, "%s", fmt_err(&err));
+                cr_assert(!memcmp(got, ref, (size_t)(n * V) * sizeof *got),
+                          "latent %d, %d bits, window %d: one_window logits differ", latent, bits,
+                          rep);
+            }
+            cr_assert_eq(kv_fwd_run(f, tok, 1, 5, got, &err), KV_EINVAL);
+            cr_assert_str_eq(err.msg, "this forward state keeps no cache between runs "
+                                      "(kv_fwd_one_window); a run must start at position 0, not 5");
+            kv_err_clear(&err);
+            free(got), free(ref);
+            kv_fwd_free(f);
+        }
+    kv_lr_free(lr);
+    free(cal), free(tok);
+    kv_stats_free(s);
+    kv_model_close(m);
+}
