@@ -52,6 +52,8 @@ struct kv_fwd {
     float *y;               /* [max_ctx][d] attention output for the attn_out hook */
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
     int one_window;         /* kv_fwd_one_window: every layer uses layer 0's caches */
+    int defer_head;         /* kv_fwd_defer_head: runs stop at the final norm */
+    int64_t last_n;         /* positions of the last run (0 before one) */
     float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
     float *head_buf;        /* [HEAD_ROWS][d] a streamed model's head, converted in slices */
@@ -594,19 +596,33 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
 
 /* logits [n, vocab] = xn headᵀ: the head as bound, or for a streamed model
  * converted HEAD_ROWS rows at a time into f->head_buf */
-static void head(struct kv_fwd *f, float *lg, int64_t n) {
+/* lg [n, vocab] = the head applied to normed rows xn [n, d] */
+static void head(struct kv_fwd *f, const float *xn, float *lg, int64_t n) {
     const struct kv_model *m = f->m;
     const struct kv_config *c = &m->cfg;
     int64_t d = c->dim, V = c->vocab_size;
     if (m->lm_head) {
-        linear(lg, V, f->xn, m->lm_head, n, d, V, 0.0f);
+        linear(lg, V, xn, m->lm_head, n, d, V, 0.0f);
         return;
     }
     for (int64_t r0 = 0; r0 < V; r0 += HEAD_ROWS) {
         int64_t nr = V - r0 < HEAD_ROWS ? V - r0 : HEAD_ROWS;
         kv_model_rows(m, KV_W_LM_HEAD, 0, r0, nr, f->head_buf);
-        linear(lg + r0, V, f->xn, f->head_buf, n, d, nr, 0.0f);
+        linear(lg + r0, V, xn, f->head_buf, n, d, nr, 0.0f);
     }
+}
+
+void kv_fwd_defer_head(struct kv_fwd *f) { f->defer_head = 1; }
+
+int kv_fwd_head(struct kv_fwd *f, int64_t i0, int64_t n, float *logits, struct kv_err *err) {
+    if (!f->defer_head || i0 < 0 || n <= 0 || i0 + n > f->last_n)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "no deferred head for positions %lld..%lld (the last run had %lld)",
+                       (long long)i0, (long long)(i0 + n - 1), (long long)f->last_n);
+    float *lg = logits ? logits : f->logits;
+    head(f, f->xn + i0 * f->m->cfg.dim, lg, n);
+    f->last_logits = lg;
+    return KV_OK;
 }
 
 int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
@@ -617,6 +633,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "positions %lld..%lld exceed the context of %lld", (long long)pos0,
                        (long long)(pos0 + n - 1), (long long)f->max_ctx);
+    f->last_n = 0;
     if (pos0 && f->one_window)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "this forward state keeps no cache between runs (kv_fwd_one_window); "
@@ -686,8 +703,13 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         if (hk->layer_out && (rc = hk->layer_out(hk->ctx, l, f->x, n, pos0))) return rc;
     }
     norm(f, f->xn, f->x, KV_W_OUT_NORM, KV_W_OUT_NORM_B, 0, n);
+    f->last_n = n;
+    if (f->defer_head) { /* kv_fwd_head computes the logits from f->xn */
+        f->last_logits = NULL;
+        return KV_OK;
+    }
     float *lg = logits ? logits : f->logits;
-    head(f, lg, n);
+    head(f, f->xn, lg, n);
     f->last_logits = lg;
     return KV_OK;
 }

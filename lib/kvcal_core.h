@@ -340,6 +340,16 @@ void kv_fwd_one_window(struct kv_fwd *f);
 int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0, float *logits,
                struct kv_err *err);
 
+/* Runs of f stop after the final norm and compute no logits (kv_fwd_logits
+ * is NULL after one); kv_fwd_head then computes any rows of them, so a
+ * caller can score a long window with a large vocabulary a slice of
+ * positions at a time. */
+void kv_fwd_defer_head(struct kv_fwd *f);
+/* The logits [n, vocab] of positions i0..i0+n-1 of the last run (deferred
+ * head only) into logits, or into f's own buffer when NULL (kv_fwd_logits
+ * then points there). KV_EINVAL for rows outside the last run. */
+int kv_fwd_head(struct kv_fwd *f, int64_t i0, int64_t n, float *logits, struct kv_err *err);
+
 /* Pointer to the logits of the last run ([n, vocab]), valid until the next run. */
 const float *kv_fwd_logits(const struct kv_fwd *f);
 
@@ -538,6 +548,12 @@ struct kv_compare_result {
     double dev_kl;           /* mean KL(p_cpu ‖ p_dev) per scored token */
     double dev_top1;         /* fraction of scored positions whose argmax agrees with the CPU's */
 };
+/* The most bytes of logits a scoring run holds per forward pass (default,
+ * and for bytes <= 0: 256 MiB). A window whose [seq_len, vocab] float
+ * logits take more is scored a slice of positions at a time from a
+ * deferred head (kv_fwd_defer_head): 1 GiB less per model for a window of
+ * 2048 at a vocabulary of 128256. Process-wide; set before a run. */
+void kv_ppl_slice_bytes(int64_t bytes);
 int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
                    const int32_t *tokens, int64_t n_tokens, int64_t seq_len,
                    int64_t max_windows, kv_progress_fn progress, void *progress_ctx,

@@ -74,6 +74,30 @@ static int count_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows,
     return KV_OK;
 }
 
+/* Positions scored per slice of logits: the whole window while its logits
+ * take at most SLICE_BYTES, else as many rows as fit (a deferred head). */
+static int64_t slice_bytes = (int64_t)256 << 20;
+void kv_ppl_slice_bytes(int64_t bytes) { slice_bytes = bytes > 0 ? bytes : (int64_t)256 << 20; }
+
+static int64_t slice_rows(int64_t seq_len, int64_t vocab) {
+    if (seq_len * vocab * (int64_t)sizeof(float) <= slice_bytes) return seq_len;
+    int64_t r = slice_bytes / (vocab * (int64_t)sizeof(float));
+    return r > 0 ? r : 1;
+}
+
+/* The logits of scored rows i0..i0+n-1 of f's last run: computed now into
+ * f's buffer when its head is deferred (adding the time to *sec), else a
+ * view of the whole window's. */
+static const float *rows_of(struct kv_fwd *f, int sliced, int64_t i0, int64_t n, int64_t vocab,
+                            double *sec, int *rc, struct kv_err *err) {
+    if (!f) return NULL;
+    if (!sliced) return kv_fwd_logits(f) + i0 * vocab;
+    double t0 = kv_now();
+    if ((*rc = kv_fwd_head(f, i0, n, NULL, err))) return NULL;
+    if (sec) *sec += kv_now() - t0;
+    return kv_fwd_logits(f);
+}
+
 /* An array as a kv_token_src. */
 struct array_src {
     const int32_t *tokens;
@@ -104,17 +128,27 @@ int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int
     int rc = kv_fwd_init(m, seq_len, &f, err);
     if (rc) return rc;
     kv_fwd_one_window(f); /* windows from position 0: one layer's cache serves all */
-    int64_t vocab = m->cfg.vocab_size;
+    int64_t vocab = m->cfg.vocab_size, rows = slice_rows(seq_len, vocab);
+    int sliced = rows < seq_len;
+    if (sliced) kv_fwd_defer_head(f);
     double nll = 0, t0 = kv_now();
     for (int64_t w = 0; w < windows; w++) {
         const int32_t *tw;
         if ((rc = src->window(src->ctx, w, seq_len, &tw, err))) break;
         rc = kv_fwd_run(f, tw, seq_len, 0, NULL, err);
         if (rc) break;
-        const float *lg = kv_fwd_logits(f);
         double s = 0;
-#pragma omp parallel for reduction(+ : s) schedule(static)
-        for (int64_t i = 0; i < seq_len - 1; i++) s += kv_nll_row(lg + i * vocab, vocab, tw[i + 1]);
+        for (int64_t i0 = 0; i0 < seq_len - 1 && !rc; i0 += rows) {
+            int64_t nr = seq_len - 1 - i0 < rows ? seq_len - 1 - i0 : rows;
+            const float *lg = rows_of(f, sliced, i0, nr, vocab, NULL, &rc, err);
+            if (rc) break;
+            const int32_t *tg = tw + i0 + 1;
+            double s1 = 0;
+#pragma omp parallel for reduction(+ : s1) schedule(static)
+            for (int64_t i = 0; i < nr; i++) s1 += kv_nll_row(lg + i * vocab, vocab, tg[i]);
+            s += s1;
+        }
+        if (rc) break;
         if (!isfinite(s)) {
             rc = kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
                          "non-finite loss in window %lld (tokens %lld..%lld)", (long long)w,
@@ -201,13 +235,17 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
         rc = kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
     if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
         kv_fwd_set_hooks(f[RUN_DEV], dev);
+    int64_t vocab = m->cfg.vocab_size, rows = slice_rows(seq_len, vocab);
+    int sliced = rows < seq_len;
     for (int k = 0; k < N_RUNS && !rc; k++) /* windows from position 0 */
-        if (f[k]) kv_fwd_one_window(f[k]);
+        if (f[k]) {
+            kv_fwd_one_window(f[k]);
+            if (sliced) kv_fwd_defer_head(f[k]);
+        }
     double *rel = dev ? malloc((size_t)seq_len * sizeof *rel) : NULL;
     if (!rc && dev && !rel)
         rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld logit differences",
                      (long long)seq_len);
-    int64_t vocab = m->cfg.vocab_size;
     double nll[N_RUNS] = {0}, sec[N_RUNS] = {0}, kl = 0, dkl = 0, best = -1;
     int64_t agree = 0, dagree = 0, best_w = 0, best_i = 0;
     for (int64_t w = 0; w < windows && !rc; w++) {
@@ -225,30 +263,40 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                         (long long)((w + 1) * seq_len - 1));
         }
         if (rc) break;
-        const float *lb = kv_fwd_logits(f[RUN_BASE]);
-        const float *lc = f[RUN_COMP] ? kv_fwd_logits(f[RUN_COMP]) : NULL;
-        const float *ld = f[RUN_DEV] ? kv_fwd_logits(f[RUN_DEV]) : NULL;
-        const float *lref = lc ? lc : lb; /* what the device run is compared with */
         double sb = 0, sc = 0, sd = 0, sk = 0, skd = 0;
         int64_t ag = 0, agd = 0;
-#pragma omp parallel for reduction(+ : sb, sc, sd, sk, skd, ag, agd) schedule(static)
-        for (int64_t i = 0; i < seq_len - 1; i++) {
-            const float *rb = lb + i * vocab;
-            sb += kv_nll_row(rb, vocab, tw[i + 1]);
-            if (lc) {
-                const float *rcmp = lc + i * vocab;
-                sc += kv_nll_row(rcmp, vocab, tw[i + 1]);
-                sk += kl_row(rb, rcmp, vocab);
-                ag += argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
+        for (int64_t i0 = 0; i0 < seq_len - 1 && !rc; i0 += rows) { /* one slice of positions */
+            int64_t nr = seq_len - 1 - i0 < rows ? seq_len - 1 - i0 : rows;
+            const float *lb = rows_of(f[RUN_BASE], sliced, i0, nr, vocab, &sec[RUN_BASE], &rc, err);
+            const float *lc = rc ? NULL : rows_of(f[RUN_COMP], sliced, i0, nr, vocab, &sec[RUN_COMP], &rc, err);
+            const float *ld = rc ? NULL : rows_of(f[RUN_DEV], sliced, i0, nr, vocab, &sec[RUN_DEV], &rc, err);
+            if (rc) break;
+            const float *lref = lc ? lc : lb; /* what the device run is compared with */
+            const int32_t *tg = tw + i0 + 1;
+            double *rl = rel ? rel + i0 : NULL;
+            double b1 = 0, c1 = 0, d1 = 0, k1 = 0, kd1 = 0;
+            int64_t ag1 = 0, agd1 = 0;
+#pragma omp parallel for reduction(+ : b1, c1, d1, k1, kd1, ag1, agd1) schedule(static)
+            for (int64_t i = 0; i < nr; i++) {
+                const float *rb = lb + i * vocab;
+                b1 += kv_nll_row(rb, vocab, tg[i]);
+                if (lc) {
+                    const float *rcmp = lc + i * vocab;
+                    c1 += kv_nll_row(rcmp, vocab, tg[i]);
+                    k1 += kl_row(rb, rcmp, vocab);
+                    ag1 += argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
+                }
+                if (ld) {
+                    const float *rd = ld + i * vocab, *rr = lref + i * vocab;
+                    d1 += kv_nll_row(rd, vocab, tg[i]);
+                    kd1 += kl_row(rr, rd, vocab);
+                    agd1 += argmax_row(rr, vocab) == argmax_row(rd, vocab);
+                    rl[i] = rel_row(rr, rd, vocab);
+                }
             }
-            if (ld) {
-                const float *rd = ld + i * vocab, *rr = lref + i * vocab;
-                sd += kv_nll_row(rd, vocab, tw[i + 1]);
-                skd += kl_row(rr, rd, vocab);
-                agd += argmax_row(rr, vocab) == argmax_row(rd, vocab);
-                rel[i] = rel_row(rr, rd, vocab);
-            }
+            sb += b1, sc += c1, sd += d1, sk += k1, skd += kd1, ag += ag1, agd += agd1;
         }
+        if (rc) break;
         int bad = !isfinite(sb) ? RUN_BASE
                   : !isfinite(sc) || !isfinite(sk) ? RUN_COMP
                   : !isfinite(sd) || !isfinite(skd) ? RUN_DEV : -1;
@@ -259,7 +307,7 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                          run_name[bad]);
             break;
         }
-        for (int64_t i = 0; ld && i < seq_len - 1; i++)
+        for (int64_t i = 0; rel && i < seq_len - 1; i++)
             if (!(rel[i] <= best)) best = rel[i], best_w = w, best_i = i;
         nll[RUN_BASE] += sb, nll[RUN_COMP] += sc, nll[RUN_DEV] += sd;
         kl += sk, dkl += skd, agree += ag, dagree += agd;

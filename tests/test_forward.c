@@ -183,6 +183,35 @@ Test(forward, incremental_cache_equals_whole_window) {
     kv_fwd_free(whole), kv_fwd_free(inc), kv_model_close(m);
 }
 
+Test(forward, a_deferred_head_gives_the_logits_of_any_rows) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 0);
+    struct kv_model *m;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_model_init_random(&c, 5, &m, &err), KV_OK);
+    sharpen(m);
+    int64_t n = 24, V = c.vocab_size;
+    int32_t tok[24];
+    for (int i = 0; i < n; i++) tok[i] = (i * 7 + 3) % 97;
+    struct kv_fwd *whole, *def;
+    cr_assert_eq(kv_fwd_init(m, n, &whole, &err), KV_OK);
+    cr_assert_eq(kv_fwd_init(m, n, &def, &err), KV_OK);
+    cr_assert_eq(kv_fwd_head(def, 0, 1, NULL, &err), KV_EINVAL, "no deferred head yet");
+    kv_fwd_defer_head(def);
+    cr_assert_eq(kv_fwd_run(whole, tok, n, 0, NULL, &err), KV_OK);
+    cr_assert_eq(kv_fwd_run(def, tok, n, 0, NULL, &err), KV_OK);
+    cr_assert_null(kv_fwd_logits(def), "a deferred run computes no logits");
+    float *rows = malloc((size_t)(5 * V) * sizeof *rows);
+    cr_assert_eq(kv_fwd_head(def, 17, 5, rows, &err), KV_OK, "%s", err.msg);
+    kvt_assert_close_f32(rows, kv_fwd_logits(whole) + 17 * V, 5 * V, 1e-6, 1e-5, "rows 17..21");
+    cr_assert_eq(kv_fwd_head(def, 0, n, NULL, &err), KV_OK);
+    kvt_assert_close_f32(kv_fwd_logits(def), kv_fwd_logits(whole), n * V, 1e-6, 1e-5, "all rows");
+    cr_assert_eq(kv_fwd_head(def, 20, 5, rows, &err), KV_EINVAL);
+    cr_assert_str_eq(err.msg, "no deferred head for positions 20..24 (the last run had 24)");
+    free(rows);
+    kv_fwd_free(whole), kv_fwd_free(def), kv_model_close(m);
+}
+
 struct hook_rec {
     int calls_x, calls_qk, calls_kv;
     double x_sum;

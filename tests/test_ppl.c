@@ -403,6 +403,52 @@ Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
     kv_model_close(m);
 }
 
+/* Scoring a slice of positions at a time (a deferred head) gives the
+ * whole window's results: base, compressed and device runs (to fp32
+ * rounding: a head of 1 row runs as another sgemm than one of 15). */
+Test(ppl_device, slices_of_positions_score_as_the_whole_window) {
+    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
+    struct kv_decompose_opts o = {.method = KV_METHOD_SVD, .ratio = 0.5, .kv_bits = 16};
+    struct kv_lowrank *lr;
+    struct kv_err err;
+    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
+    int32_t tok[DEV_N];
+    dev_tokens(tok);
+    struct naive_dev D = naive_dev_new(m, DEV_T);
+    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_compare_result whole, part;
+    struct kv_ppl_result pw, pp;
+    cr_assert_eq(kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &whole, &err),
+                 KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_ppl_run(m, tok, DEV_N, DEV_T, 0, NULL, NULL, &pw, &err), KV_OK, "%s", err.msg);
+    int64_t V = m->cfg.vocab_size;
+    int64_t sizes[] = {1, 3, DEV_T - 1}; /* rows per slice: 1, 3 and one short of the window */
+    for (int i = 0; i < 3; i++) {
+        kv_ppl_slice_bytes(sizes[i] * V * (int64_t)sizeof(float));
+        int rc = kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &part, &err);
+        int rc2 = kv_ppl_run(m, tok, DEV_N, DEV_T, 0, NULL, NULL, &pp, &err);
+        kv_ppl_slice_bytes(0);
+        cr_assert_eq(rc, KV_OK, "%s", err.msg);
+        cr_assert_eq(rc2, KV_OK, "%s", err.msg);
+        char what[64];
+        snprintf(what, sizeof what, "%lld rows a slice", (long long)sizes[i]);
+        kvt_assert_close_f64(&part.base.nll, &whole.base.nll, 1, 0, 1e-7, what);
+        kvt_assert_close_f64(&part.comp.nll, &whole.comp.nll, 1, 0, 1e-7, what);
+        kvt_assert_close_f64(&part.dev.nll, &whole.dev.nll, 1, 0, 1e-7, what);
+        kvt_assert_close_f64(&part.kl, &whole.kl, 1, 1e-12, 1e-5, what);
+        kvt_assert_close_f64(&part.dev_kl, &whole.dev_kl, 1, 1e-12, 1e-5, what);
+        kvt_assert_close_f64(&pp.nll, &pw.nll, 1, 0, 1e-7, what);
+        cr_assert_eq(part.top1, whole.top1, "%s: top1", what);
+        cr_assert_eq(part.dev_top1, whole.dev_top1, "%s: device top1", what);
+        cr_assert_eq(part.max_rel_window, whole.max_rel_window, "%s", what);
+        cr_assert_eq(part.max_rel_pos, whole.max_rel_pos, "%s", what);
+        kvt_assert_close_f64(&part.max_rel_logit, &whole.max_rel_logit, 1, 0, 1e-6, what);
+    }
+    kv_lr_free(lr);
+    free(D.kc), free(D.vc);
+    kv_model_close(m);
+}
+
 static int count_progress(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
     ++*(int *)ctx;
     return 0;
