@@ -33,13 +33,19 @@ struct kv_accum {
     struct kv_stats *s;
     int64_t seq_len;
     struct kv_fwd *f;
-    double *buf;        /* [seq_len, max(d, h*d_h)] float64 copy of one activation */
+    double *buf;        /* [rows, max(d, h*d_h)] float64 copy of an activation's rows */
+    int64_t rows;       /* rows widened at a time: the window, or ACC_BYTES' worth */
     double *colsum;     /* [max(d, g*d_h)] one window's column or row sums */
     struct kv_grad *g;  /* the training pass, with Fisher sums only */
     double loss;        /* its last window's mean loss */
     const char *bad_what; /* set when a hook found a non-finite activation */
     int64_t bad_layer, bad_row;
 };
+
+/* The float64 copy takes at most this many bytes: a window's rows are then
+ * widened and summed a block at a time (one block, as before, for every
+ * model whose window fits). */
+#define ACC_BYTES ((int64_t)16 << 20)
 
 /* dst[n, cols] = (double)src, or the first non-finite row (else -1). */
 static int64_t widen(double *dst, const float *src, int64_t n, int64_t cols) {
@@ -68,20 +74,36 @@ static int on_attn_in(void *ctx, int64_t layer, const float *x, int64_t n, int64
     struct kv_accum *a = ctx;
     struct kv_stats_layer *L = &a->s->layers[layer];
     int64_t d = a->s->info.dim;
-    int64_t bad = widen(a->buf, x, n, d);
-    if (bad >= 0) {
-        a->bad_what = "attention input", a->bad_layer = layer, a->bad_row = pos0 + bad;
-        return KV_ENUMERIC;
-    }
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)d, (int)n, 1.0, a->buf, (int)d, 1.0,
-                L->xtx, (int)d);
     /* window column sums first, then one add: the same order on resume */
     double *cs = a->colsum;
     memset(cs, 0, (size_t)d * sizeof *cs);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < d; j++) cs[j] += a->buf[i * d + j];
+    for (int64_t r0 = 0; r0 < n; r0 += a->rows) {
+        int64_t nr = n - r0 < a->rows ? n - r0 : a->rows;
+        int64_t bad = widen(a->buf, x + r0 * d, nr, d);
+        if (bad >= 0) {
+            a->bad_what = "attention input", a->bad_layer = layer, a->bad_row = pos0 + r0 + bad;
+            return KV_ENUMERIC;
+        }
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)d, (int)nr, 1.0, a->buf, (int)d,
+                    1.0, L->xtx, (int)d);
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t j = 0; j < d; j++) cs[j] += a->buf[i * d + j];
+    }
     for (int64_t j = 0; j < d; j++) L->xsum[j] += cs[j];
     return KV_OK;
+}
+
+/* cov[i] += Bᵢᵀ Bᵢ per head of src [n, nh*dh] widened a block of rows at a
+ * time, or the first non-finite row (else -1). */
+static int64_t add_head_grams(struct kv_accum *a, double *cov, const float *src, int64_t n,
+                              int64_t nh, int64_t dh) {
+    for (int64_t r0 = 0; r0 < n; r0 += a->rows) {
+        int64_t nr = n - r0 < a->rows ? n - r0 : a->rows;
+        int64_t bad = widen(a->buf, src + r0 * nh * dh, nr, nh * dh);
+        if (bad >= 0) return r0 + bad;
+        head_grams(cov, a->buf, nr, nh, dh);
+    }
+    return -1;
 }
 
 static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64_t n,
@@ -89,18 +111,16 @@ static int on_qk(void *ctx, int64_t layer, const float *q, const float *k, int64
     struct kv_accum *a = ctx;
     struct kv_stats_layer *L = &a->s->layers[layer];
     int64_t h = a->s->info.n_heads, g = a->s->info.n_kv_heads, dh = a->s->info.head_dim;
-    int64_t bad = widen(a->buf, q, n, h * dh);
+    int64_t bad = add_head_grams(a, L->q_cov, q, n, h, dh);
     if (bad >= 0) {
         a->bad_what = "post-rope query", a->bad_layer = layer, a->bad_row = pos0 + bad;
         return KV_ENUMERIC;
     }
-    head_grams(L->q_cov, a->buf, n, h, dh);
-    bad = widen(a->buf, k, n, g * dh);
+    bad = add_head_grams(a, L->k_cov, k, n, g, dh);
     if (bad >= 0) {
         a->bad_what = "post-rope key", a->bad_layer = layer, a->bad_row = pos0 + bad;
         return KV_ENUMERIC;
     }
-    head_grams(L->k_cov, a->buf, n, g, dh);
     return KV_OK;
 }
 
@@ -133,12 +153,11 @@ static int add_fisher(struct kv_accum *a, const int32_t *ids, struct kv_err *err
             double *fs = side ? L->fisher_v : L->fisher_k;
             for (int64_t r = 0; r < kd; r++) fs[r] += rs[r];
             const float *gy = side ? kv_grad_v(a->g, l) : kv_grad_k(a->g, l); /* [n, kd] */
-            int64_t row = widen(a->buf, gy, n, kd);
+            int64_t row = add_head_grams(a, side ? L->grad_v_cov : L->grad_k_cov, gy, n, g, dh);
             if (row >= 0)
                 return kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
                                "non-finite %s gradient in layer %lld at window position %lld",
                                side ? "value" : "key", (long long)l, (long long)row);
-            head_grams(side ? L->grad_v_cov : L->grad_k_cov, a->buf, n, g, dh);
         }
     return KV_OK;
 }
@@ -183,7 +202,10 @@ int kv_accum_init(const struct kv_model *m, struct kv_stats *s, int64_t seq_len,
     }
     int64_t w = c->dim, kd = c->n_kv_heads * c->head_dim;
     if (c->n_heads * c->head_dim > w) w = c->n_heads * c->head_dim;
-    a->buf = malloc((size_t)(seq_len * w) * sizeof *a->buf);
+    a->rows = ACC_BYTES / (w * (int64_t)sizeof(double));
+    if (a->rows < 1) a->rows = 1;
+    if (a->rows > seq_len) a->rows = seq_len;
+    a->buf = malloc((size_t)(a->rows * w) * sizeof *a->buf);
     a->colsum = malloc((size_t)(c->dim > kd ? c->dim : kd) * sizeof *a->colsum);
     if (!a->buf || !a->colsum) {
         kv_accum_free(a);

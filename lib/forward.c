@@ -25,6 +25,9 @@
 
 #define QBLOCK 128 /* query rows per attention block */
 #define HEAD_ROWS 4096 /* rows of a streamed head converted at a time */
+/* The FFN runs on at most this many bytes of hidden activations per block of
+ * rows (one block, as before, for every model whose window fits) */
+#define FFN_BYTES ((int64_t)32 << 20)
 
 /* Where attention reads and writes, per query head i: scores use
  * q[:, qoff[i] .. +kw[i]] · k[:, koff[i] .. +kw[i]]ᵀ, the output
@@ -53,6 +56,7 @@ struct kv_fwd {
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
     int one_window;         /* kv_fwd_one_window: every layer uses layer 0's caches */
     int defer_head;         /* kv_fwd_defer_head: runs stop at the final norm */
+    int64_t ffn_rows;       /* rows per FFN block: a and b hold [ffn_rows][hidden] */
     int64_t last_n;         /* positions of the last run (0 before one) */
     float *rope_cos, *rope_sin; /* [max_ctx][d_h/2], rotary architectures only */
     float *scores;          /* [threads][QBLOCK][max_ctx] */
@@ -142,8 +146,11 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     f->xn = falloc(max_ctx * d);
     f->q = falloc(max_ctx * qd);
     f->att = falloc(max_ctx * qd);
-    f->a = falloc(max_ctx * c->hidden_dim);
-    f->b = falloc(max_ctx * c->hidden_dim);
+    f->ffn_rows = FFN_BYTES / ((int64_t)sizeof(float) * (c->hidden_dim > 0 ? c->hidden_dim : 1));
+    if (f->ffn_rows < 1) f->ffn_rows = 1;
+    if (f->ffn_rows >= max_ctx) f->ffn_rows = max_ctx;
+    f->a = falloc(f->ffn_rows * c->hidden_dim);
+    f->b = falloc(f->ffn_rows * c->hidden_dim);
     f->logits = falloc(max_ctx * c->vocab_size);
     f->y = falloc(max_ctx * d);
     f->kc = falloc(c->n_layers * max_ctx * kd);
@@ -685,20 +692,23 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         }
         add_bias(f->x, w[KV_W_BO], n, d);
         norm(f, f->xn, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);
-        int64_t nh = n * hid;
         float *a = f->a, *b = f->b;
-        if (f->arch->gelu_mlp) {
-            linear(a, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);
-            add_bias(a, w[KV_W_BUP], n, hid);
+        for (int64_t r0 = 0; r0 < n; r0 += f->ffn_rows) { /* blocks of rows: see FFN_BYTES */
+            int64_t nr = n - r0 < f->ffn_rows ? n - r0 : f->ffn_rows, nh = nr * hid;
+            const float *xn = f->xn + r0 * d;
+            if (f->arch->gelu_mlp) {
+                linear(a, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
+                add_bias(a, w[KV_W_BUP], nr, hid);
 #pragma omp parallel for if (nh > 65536) schedule(static)
-            for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
-        } else {
-            linear(a, hid, f->xn, w[KV_W_GATE], n, d, hid, 0.0f);
-            linear(b, hid, f->xn, w[KV_W_UP], n, d, hid, 0.0f);
+                for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
+            } else {
+                linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
+                linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
 #pragma omp parallel for if (nh > 65536) schedule(static)
-            for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+                for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+            }
+            linear(f->x + r0 * d, d, a, w[KV_W_DOWN], nr, hid, d, 1.0f); /* x += act(a) W2ᵀ */
         }
-        linear(f->x, d, a, w[KV_W_DOWN], n, hid, d, 1.0f); /* x += act(a) W2ᵀ */
         add_bias(f->x, w[KV_W_BDOWN], n, d);
         if (hk->layer_out && (rc = hk->layer_out(hk->ctx, l, f->x, n, pos0))) return rc;
     }

@@ -58,6 +58,35 @@ static void check_synthetic(enum kv_rope_layout layout) {
 }
 
 Test(accum, equals_naive_sums_bias_gqa_interleaved_rope) { check_synthetic(KV_ROPE_INTERLEAVED); }
+
+/* 64 query heads of 32 make rows of 2048 floats, so the float64 copy (at
+ * most 16 MiB) takes 1024 rows at a time: a window of 1100 is summed in two
+ * blocks. */
+Test(accum, equals_naive_sums_over_blocks_of_rows, .timeout = 120) {
+    struct kv_config cfg = tiny_cfg(KV_ROPE_HALF, 1, 0);
+    cfg.dim = 32, cfg.n_heads = 64, cfg.n_kv_heads = 8, cfg.head_dim = 32, cfg.n_layers = 1;
+    cfg.max_seq_len = 1100;
+    struct kv_model *m;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_model_init_random(&cfg, 12, &m, &err), KV_OK, "%s", fmt_err(&err));
+    const int64_t seq_len = 1100;
+    int32_t *ids = malloc((size_t)seq_len * sizeof *ids);
+    for (int64_t i = 0; i < seq_len; i++) ids[i] = (int32_t)((i * 31 + 7) % cfg.vocab_size);
+    struct kv_stats *s = stats_for(m);
+    struct kv_accum *a;
+    cr_assert_eq(kv_accum_init(m, s, seq_len, &a, &err), KV_OK, "%s", fmt_err(&err));
+    cr_assert_eq(kv_accum_window(a, ids, &err), KV_OK, "%s", fmt_err(&err));
+    kv_accum_sync(a);
+    kv_accum_free(a);
+    struct kv_stats *ref = stats_for(m);
+    naive_run(m, ref, ids, 1, seq_len);
+    assert_stats_close(s, ref, STATS_RTOL, "1100 rows in blocks of 1024");
+    assert_symmetric(s);
+    kv_stats_free(ref), kv_stats_free(s);
+    free(ids);
+    kv_model_close(m);
+}
 Test(accum, equals_naive_sums_bias_gqa_rotate_half_rope) { check_synthetic(KV_ROPE_HALF); }
 
 Test(accum, refuses_stats_shaped_for_another_model) {

@@ -58,6 +58,14 @@ static void logit_diff(struct kv_config a, struct kv_config b, int64_t n, int64_
 
 Test(forward, matches_naive_interleaved_rope_gqa) { check_against_naive(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1), 40); }
 Test(forward, matches_naive_rotate_half_with_bias_untied) { check_against_naive(tiny_cfg(KV_ROPE_HALF, 1, 0), 40); }
+/* A hidden width of 8192 makes the FFN run in blocks of 1024 rows (its
+ * 32 MiB of activations), so 1100 tokens take two blocks. */
+Test(forward, matches_naive_across_ffn_row_blocks, .timeout = 120) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 1, 0);
+    c.hidden_dim = 8192, c.n_layers = 1, c.max_seq_len = 1100;
+    check_against_naive(c, 1100);
+}
+
 Test(forward, matches_naive_across_query_blocks) {
     /* more rows than one attention block (128) exercises the block loop */
     struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 1);
