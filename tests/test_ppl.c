@@ -373,19 +373,34 @@ Test(ppl_device, a_perturbed_device_is_detected_where_it_differs) {
     kv_model_close(m);
 }
 
+/* A model, its svd at ratio 0.5, the device tokens and a naive device. */
+struct svd_case {
+    struct kv_model *m;
+    struct kv_lowrank *lr;
+    int32_t tok[DEV_N];
+    struct naive_dev D;
+};
+
+static void svd_case_init(struct svd_case *k) {
+    k->m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
+    struct kv_decompose_opts o = {.method = KV_METHOD_SVD, .ratio = 0.5, .kv_bits = 16};
+    struct kv_err err;
+    cr_assert_eq(kv_decompose(k->m, NULL, &o, &k->lr, &err), KV_OK, "%s", err.msg);
+    dev_tokens(k->tok);
+    k->D = naive_dev_new(k->m, DEV_T);
+}
+
 /* With lr the device run is compared with the compressed CPU run: a device
  * that computes the base model's attention differs from it by what the
  * compression changed, and the base/compressed numbers are kv_ppl_compare's. */
 Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
-    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
-    struct kv_decompose_opts o = {.method = KV_METHOD_SVD, .ratio = 0.5, .kv_bits = 16};
-    struct kv_lowrank *lr;
+    struct svd_case K;
+    svd_case_init(&K);
+    struct kv_model *m = K.m;
+    struct kv_lowrank *lr = K.lr;
+    int32_t *tok = K.tok;
     struct kv_err err;
-    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
-    int32_t tok[DEV_N];
-    dev_tokens(tok);
-    struct naive_dev D = naive_dev_new(m, DEV_T);
-    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_fwd_hooks hk = {.ctx = &K.D, .attn = naive_attn};
     struct kv_compare_result r, c;
     cr_assert_eq(kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &r, &err),
                  KV_OK, "%s", err.msg);
@@ -399,7 +414,7 @@ Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
     check_metrics(&r, &want, "base device against compressed cpu");
     kvt_assert_close_f64(&r.dev.ppl, &r.base.ppl, 1, 0, 1e-5, "device ppl is the base's");
     kv_lr_free(lr);
-    free(D.kc), free(D.vc);
+    free(K.D.kc), free(K.D.vc);
     kv_model_close(m);
 }
 
@@ -407,15 +422,13 @@ Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
  * whole window's results: base, compressed and device runs (to fp32
  * rounding: a head of 1 row runs as another sgemm than one of 15). */
 Test(ppl_device, slices_of_positions_score_as_the_whole_window) {
-    struct kv_model *m = attn_model(tiny_cfg(KV_ROPE_INTERLEAVED, 0, 1));
-    struct kv_decompose_opts o = {.method = KV_METHOD_SVD, .ratio = 0.5, .kv_bits = 16};
-    struct kv_lowrank *lr;
+    struct svd_case K;
+    svd_case_init(&K);
+    struct kv_model *m = K.m;
+    struct kv_lowrank *lr = K.lr;
+    int32_t *tok = K.tok;
     struct kv_err err;
-    cr_assert_eq(kv_decompose(m, NULL, &o, &lr, &err), KV_OK, "%s", err.msg);
-    int32_t tok[DEV_N];
-    dev_tokens(tok);
-    struct naive_dev D = naive_dev_new(m, DEV_T);
-    struct kv_fwd_hooks hk = {.ctx = &D, .attn = naive_attn};
+    struct kv_fwd_hooks hk = {.ctx = &K.D, .attn = naive_attn};
     struct kv_compare_result whole, part;
     struct kv_ppl_result pw, pp;
     cr_assert_eq(kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &whole, &err),
@@ -445,7 +458,7 @@ Test(ppl_device, slices_of_positions_score_as_the_whole_window) {
         kvt_assert_close_f64(&part.max_rel_logit, &whole.max_rel_logit, 1, 0, 1e-6, what);
     }
     kv_lr_free(lr);
-    free(D.kc), free(D.vc);
+    free(K.D.kc), free(K.D.vc);
     kv_model_close(m);
 }
 
