@@ -126,7 +126,7 @@ void kv_stats_free(struct kv_stats *s) {
     if (!s) return;
     if (s->layers)
         for (int64_t l = 0; l < s->info.n_layers; l++) {
-            free(s->layers[l].xtx);
+            free(s->layers[l].block);
             free(s->layers[l].fisher_k);
         }
     free(s->layers);
@@ -151,6 +151,8 @@ double kv_stats_fisher_total(const struct kv_stats *s, int64_t l, int which) {
     return t;
 }
 
+#define PAGE_DOUBLES 512 /* a 4 KiB page */
+
 /* Shape fields must be set and validated; allocates zeroed sums. */
 static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err) {
     s->layers = calloc((size_t)s->info.n_layers, sizeof *s->layers);
@@ -158,11 +160,17 @@ static int alloc_layers(struct kv_stats *s, const char *path, struct kv_err *err
     int64_t d = s->info.dim, hd = s->info.head_dim;
     int64_t per = d * d + d + (s->info.n_heads + s->info.n_kv_heads) * hd * hd;
     for (int64_t l = 0; l < s->info.n_layers; l++) {
-        double *p = calloc((size_t)per, sizeof *p);
-        if (!p)
+        /* xtx starts on a page: a row of d = 512k doubles is then k whole
+         * pages, and the pages wholly below the diagonal are never touched
+         * by sums that only write upper triangles (kv_stats.upper) */
+        double *b = calloc((size_t)(per + PAGE_DOUBLES), sizeof *b);
+        if (!b)
             return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET,
                            "out of memory for the statistics of %lld layers of dim %lld",
                            (long long)s->info.n_layers, (long long)d);
+        uintptr_t mis = (uintptr_t)b % (PAGE_DOUBLES * sizeof *b);
+        double *p = mis ? b + (PAGE_DOUBLES * sizeof *b - mis) / sizeof *b : b;
+        s->layers[l].block = b;
         s->layers[l].xtx = p;
         s->layers[l].xsum = p + d * d;
         s->layers[l].q_cov = p + d * d + d;

@@ -79,6 +79,7 @@ struct kv_stats_layer {
      * kv_grad_k) and ∂L_w/∂v. */
     double *grad_k_cov; /* [g, d_h, d_h] */
     double *grad_v_cov; /* [g, d_h, d_h] */
+    void *block;        /* the allocation xtx, xsum, q_cov and k_cov live in */
 };
 
 /* The sums and their records (the accessors of kvformats.h read these). */

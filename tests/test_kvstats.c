@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -205,6 +206,17 @@ Test(kvstats_write, upper_triangles_alone_write_the_same_bytes_and_mirror_back) 
     free(a), free(b), free(pa), free(pb);
     kv_stats_free(whole), kv_stats_free(up);
     rm_tree(dir);
+}
+
+/* Each layer's xtx starts on a 4 KiB page, so a row of 512k doubles is k
+ * whole pages and upper-triangle sums leave the pages below untouched. */
+Test(kvstats_write, every_xtx_starts_on_a_page) {
+    struct kv_config c = small_cfg();
+    struct kv_stats *s = make_stats(&c, 1.0);
+    for (int64_t l = 0; l < s->info.n_layers; l++)
+        cr_assert_eq((uintptr_t)s->layers[l].xtx % 4096, 0, "layer %lld's xtx at %p",
+                     (long long)l, (void *)s->layers[l].xtx);
+    kv_stats_free(s);
 }
 
 Test(kvstats_write, upper_triangles_alone_refuse_a_non_finite_sum_at_both_its_elements) {
