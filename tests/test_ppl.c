@@ -424,22 +424,19 @@ Test(ppl_device, with_lr_the_device_is_compared_with_the_compressed_run) {
 Test(ppl_device, slices_of_positions_score_as_the_whole_window) {
     struct svd_case K;
     svd_case_init(&K);
-    struct kv_model *m = K.m;
-    struct kv_lowrank *lr = K.lr;
-    int32_t *tok = K.tok;
     struct kv_err err;
     struct kv_fwd_hooks hk = {.ctx = &K.D, .attn = naive_attn};
     struct kv_compare_result whole, part;
     struct kv_ppl_result pw, pp;
-    cr_assert_eq(kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &whole, &err),
+    cr_assert_eq(kv_ppl_compare_attn(K.m, K.lr, 16, &hk, K.tok, DEV_N, DEV_T, 0, NULL, NULL, &whole, &err),
                  KV_OK, "%s", err.msg);
-    cr_assert_eq(kv_ppl_run(m, tok, DEV_N, DEV_T, 0, NULL, NULL, &pw, &err), KV_OK, "%s", err.msg);
-    int64_t V = m->cfg.vocab_size;
+    cr_assert_eq(kv_ppl_run(K.m, K.tok, DEV_N, DEV_T, 0, NULL, NULL, &pw, &err), KV_OK, "%s", err.msg);
+    int64_t V = K.m->cfg.vocab_size;
     int64_t sizes[] = {1, 3, DEV_T - 1}; /* rows per slice: 1, 3 and one short of the window */
     for (int i = 0; i < 3; i++) {
         kv_ppl_slice_bytes(sizes[i] * V * (int64_t)sizeof(float));
-        int rc = kv_ppl_compare_attn(m, lr, 16, &hk, tok, DEV_N, DEV_T, 0, NULL, NULL, &part, &err);
-        int rc2 = kv_ppl_run(m, tok, DEV_N, DEV_T, 0, NULL, NULL, &pp, &err);
+        int rc = kv_ppl_compare_attn(K.m, K.lr, 16, &hk, K.tok, DEV_N, DEV_T, 0, NULL, NULL, &part, &err);
+        int rc2 = kv_ppl_run(K.m, K.tok, DEV_N, DEV_T, 0, NULL, NULL, &pp, &err);
         kv_ppl_slice_bytes(0);
         cr_assert_eq(rc, KV_OK, "%s", err.msg);
         cr_assert_eq(rc2, KV_OK, "%s", err.msg);
@@ -457,9 +454,9 @@ Test(ppl_device, slices_of_positions_score_as_the_whole_window) {
         cr_assert_eq(part.max_rel_pos, whole.max_rel_pos, "%s", what);
         kvt_assert_close_f64(&part.max_rel_logit, &whole.max_rel_logit, 1, 0, 1e-6, what);
     }
-    kv_lr_free(lr);
+    kv_lr_free(K.lr);
     free(K.D.kc), free(K.D.vc);
-    kv_model_close(m);
+    kv_model_close(K.m);
 }
 
 static int count_progress(void *ctx, int64_t done, int64_t total, int64_t tokens_done) {
