@@ -399,6 +399,10 @@ void cli_describe_config(const struct kv_config *c, char *buf, size_t cap) {
         snprintf(sc, sizeof sc, " %s x%g", kv_rope_scaling_name(rs->type), rs->factor);
     if (!kv_arch_has_rope(c->arch))
         snprintf(pos, sizeof pos, "%lld learned positions", (long long)c->max_seq_len);
+    else if (kv_rope_dim(c) != c->head_dim) /* partial: the first dimensions of each head */
+        snprintf(pos, sizeof pos, "rope %s on %lld of %lld dims theta %g%s",
+                 c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
+                 (long long)kv_rope_dim(c), (long long)c->head_dim, (double)c->rope_theta, sc);
     else
         snprintf(pos, sizeof pos, "rope %s theta %g%s",
                  c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",

@@ -462,6 +462,11 @@ int cmd_inspect(int argc, char **argv) {
             c->rope_layout == KV_ROPE_INTERLEAVED ? "interleaved" : "rotate-half",
             "tied_embeddings", c->tied_embeddings, "qkv_bias", c->has_qkv_bias, "bos_id",
             c->bos_id, "eos_id", c->eos_id);
+        if (cfg && c->arch == KV_ARCH_GPTNEOX) {
+            json_object_set_new(cfg, "rotary_dim", json_integer(kv_rope_dim(c)));
+            json_object_set_new(cfg, "parallel_residual", json_boolean(c->parallel_residual));
+            json_object_set_new(cfg, "activation", json_string(c->gelu_erf ? "gelu" : "gelu_new"));
+        }
         if (cfg && kv_arch_has_rope(c->arch))
             json_object_set_new(cfg, "rope_scaling",
                                 c->rope_scaling.type == KV_ROPE_SCALING_NONE

@@ -41,6 +41,9 @@ struct target {
     /* element (o, i) of the weight is stored element base + o*os + i*is:
      * the whole tensor [out, in] for llama, columns of gpt2's c_attn */
     int64_t base, os, is;
+    /* interleaved per head (HF gpt_neox's query_key_value): row o is stored
+     * row (o / hdh) * hstride + hoff + o % hdh; hdh 0 otherwise */
+    int64_t hdh, hstride, hoff;
 };
 
 struct job {
@@ -208,8 +211,11 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     const int64_t kd = c->n_kv_heads * c->head_dim, d = c->dim;
     const int is_bias = kind == KV_W_BK || kind == KV_W_BV;
     int part = 0;
+    const struct kv_arch_desc *ad = kv_arch_desc(c->arch);
     const struct kv_arch_tensor *e =
-        j->m->format == KV_FORMAT_HF ? kv_arch_find(&kv_arch_desc(c->arch)->hf, kind, &part) : NULL;
+        j->m->format == KV_FORMAT_HF     ? kv_arch_find(&ad->hf, kind, &part)
+        : j->m->format == KV_FORMAT_GGUF ? kv_arch_find(&ad->gguf, kind, &part)
+                                         : NULL;
     int64_t out = kd, r0 = 0; /* the tensor's output rows, and this weight's first */
     if (e && e->n_kinds > 1) {
         out = 0;
@@ -228,6 +234,11 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
         return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
                        "tensor '%s' has dtype %s; dense export writes only F32, F16 and BF16",
                        t->name, kv_dtype_name(t->dtype));
+    if (blocks && e && e->n_kinds > 1)
+        return kv_fail(err, KV_EUNSUPPORTED, path, t->offset,
+                       "tensor '%s' stacks q, k and v in quantized type %s; dense export "
+                       "rewrites only whole quantized K or V tensors (as F16)",
+                       t->name, kv_ggml_type_name(t->block_type));
     int64_t want[2] = {out, 0};
     int nd = is_bias ? 1 : 2;
     if (!is_bias) want[0] = conv ? d : out, want[1] = conv ? out : d;
@@ -261,12 +272,18 @@ static int add_target(struct job *j, int64_t layer, enum kv_wkind kind, int file
     x->base = conv ? r0 : r0 * x->cols;
     x->os = conv ? 1 : x->cols;
     x->is = conv ? out : 1;
+    if (e && e->heads) { /* rows [h][n_kinds][d_h]: this kind's rows of head i at i*stride + off */
+        x->hdh = c->head_dim, x->hstride = e->n_kinds * c->head_dim, x->hoff = part * c->head_dim;
+        x->base = 0;
+    }
     return KV_OK;
 }
 
 /* Stored element index of element e (row-major in [rows, cols]) of t. */
 static int64_t stored_at(const struct target *t, int64_t e) {
-    return t->base + (e / t->cols) * t->os + (e % t->cols) * t->is;
+    int64_t o = e / t->cols, i = e % t->cols;
+    if (t->hdh) return ((o / t->hdh) * t->hstride + t->hoff + o % t->hdh) * t->cols + i;
+    return t->base + o * t->os + i * t->is;
 }
 
 /* Stored name of a K/V weight in the source's format, from the

@@ -425,13 +425,13 @@ static int arch_dim(const struct kv_gguf_file *f, const char *arch, const char *
 }
 
 /* Map a GGUF tensor name of the names table nm (lib/arch.h: "token_embd.weight",
- * "blk.N.attn_q.weight", ...) to a weight kind and layer (-1 for a global);
- * 0 if unknown. */
-static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_wkind *kind,
-                     int64_t *layer) {
+ * "blk.N.attn_q.weight", ...) to its table entry and layer (-1 for a global);
+ * NULL if unknown. */
+static const struct kv_arch_tensor *name_entry(const struct kv_arch_names *nm, const char *name,
+                                               int64_t *layer) {
     *layer = -1;
     for (int64_t i = 0; i < nm->n_globals; i++)
-        if (!strcmp(name, nm->globals[i].name)) return *kind = nm->globals[i].kinds[0], 1;
+        if (!strcmp(name, nm->globals[i].name)) return &nm->globals[i];
     size_t np = strlen(nm->layer_prefix);
     if (strncmp(name, nm->layer_prefix, np) != 0) return 0;
     const char *p = name + np;
@@ -441,15 +441,50 @@ static int name_kind(const struct kv_arch_names *nm, const char *name, enum kv_w
         l = l * 10 + (*p++ - '0');
         digits++;
     }
-    if (!digits || *p != '.' || (digits > 1 && name[np] == '0')) return 0;
+    if (!digits || *p != '.' || (digits > 1 && name[np] == '0')) return NULL;
     p++;
     for (int64_t i = 0; i < nm->n_layer; i++)
         if (!strcmp(p, nm->layer[i].name)) {
-            *kind = nm->layer[i].kinds[0];
             *layer = l;
-            return 1;
+            return &nm->layer[i];
         }
-    return 0;
+    return NULL;
+}
+
+/* Bind GGUF tensor t as entry e's weights of layer: one kind as it is, or
+ * the kinds stacked along its rows (gptneox's attn_qkv) as slices of whole
+ * rows (a quantized row holds whole blocks, so each slice does too). */
+static int bind_entry(struct kv_model *m, const struct kv_arch_tensor *e, int64_t layer,
+                      const struct kv_tensor *t, const char *path, struct kv_err *err) {
+    if (e->n_kinds == 1) return kv_model_bind(m, e->kinds[0], layer, t, path, err);
+    int64_t rows[3], s[2], total = 0, cols = 1;
+    int nd = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(&m->cfg, e->kinds[k], s);
+        rows[k] = s[0];
+        total += s[0];
+        if (nd == 2) cols = s[1];
+    }
+    if (t->ndim != nd || t->shape[0] != total || (nd == 2 && t->shape[1] != cols)) {
+        char got[96], exp[64];
+        int64_t want[2] = {total, cols};
+        kv_shape_str(got, sizeof got, t->shape, t->ndim);
+        kv_shape_str(exp, sizeof exp, want, nd);
+        return kv_fail(err, KV_EFORMAT, path, t->offset,
+                       "tensor '%s' has shape %s but the config implies %s", t->name, got, exp);
+    }
+    uint64_t row_bytes = t->nbytes / (uint64_t)total;
+    struct kv_tensor piece = *t;
+    int64_t r0 = 0;
+    for (int k = 0; k < e->n_kinds; r0 += rows[k], k++) {
+        piece.shape[0] = rows[k];
+        piece.data = (const uint8_t *)t->data + (uint64_t)r0 * row_bytes;
+        piece.offset = t->offset + (uint64_t)r0 * row_bytes;
+        piece.nbytes = (uint64_t)rows[k] * row_bytes;
+        int rc = kv_model_bind(m, e->kinds[k], layer, &piece, path, err);
+        if (rc) return rc;
+    }
+    return KV_OK;
 }
 
 /* Yarn as llama.cpp computes it for these architectures: rope.scaling.factor,
@@ -579,8 +614,20 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
                            "%s %lld differs from the key head size %lld",
                            akey(ar, "attention.value_length"), (long long)v, (long long)cfg->head_dim);
     }
-    if ((rc = kv_gguf_get_f32(f, akey(ar, "attention.layer_norm_rms_epsilon"), &cfg->norm_eps, err)))
+    /* LayerNorm architectures (gptneox) say layer_norm_epsilon */
+    if ((rc = kv_gguf_get_f32(f, akey(ar, ad->layernorm ? "attention.layer_norm_epsilon"
+                                                         : "attention.layer_norm_rms_epsilon"),
+                              &cfg->norm_eps, err)))
         return rc;
+    if (ad->id == KV_ARCH_GPTNEOX) {
+        /* llama.cpp runs gptneox with the tanh GELU (ggml_gelu), whatever the
+         * HF model it came from used; parallel unless the file says not */
+        cfg->parallel_residual = 1;
+        if (kv_gguf_find(f, akey(ar, "use_parallel_residual")) &&
+            (rc = kv_gguf_get_bool(f, akey(ar, "use_parallel_residual"), &cfg->parallel_residual,
+                                   err)))
+            return rc;
+    }
     cfg->rope_theta = 10000.0f;
     if (kv_gguf_find(f, akey(ar, "rope.freq_base")) &&
         (rc = kv_gguf_get_f32(f, akey(ar, "rope.freq_base"), &cfg->rope_theta, err)))
@@ -589,7 +636,9 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
     if (rd) {
         uint32_t v;
         if ((rc = kv_gguf_get_u32(f, akey(ar, "rope.dimension_count"), &v, err))) return rc;
-        if ((int64_t)v != cfg->head_dim)
+        if (ad->id == KV_ARCH_GPTNEOX && v < cfg->head_dim && v >= 2 && v % 2 == 0)
+            cfg->rope_dim = v; /* partial rope: the first v dimensions of each head */
+        else if ((int64_t)v != cfg->head_dim)
             return kv_fail(err, KV_EUNSUPPORTED, f->path, rd->val_off,
                            "%s %u differs from the head size %lld: "
                            "partial rotary embeddings are not supported",
@@ -635,13 +684,12 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
                            KV_GGML_LOADABLE,
                            ti->t.name, kv_ggml_is_quantized(gt) ? "quantized " : "",
                            kv_ggml_type_name(gt));
-        enum kv_wkind kind;
         int64_t layer;
-        if (!name_kind(&kv_arch_desc(cfg->arch)->gguf, ti->t.name, &kind, &layer)) {
+        if (!name_entry(&kv_arch_desc(cfg->arch)->gguf, ti->t.name, &layer)) {
             if (!strcmp(ti->t.name, "rope_freqs.weight")) continue; /* read_rope_scaling */
             return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->info_off,
-                           "tensor '%s' is not part of the llama architecture kvcal implements",
-                           ti->t.name);
+                           "tensor '%s' is not part of the %s architecture kvcal implements",
+                           ti->t.name, kv_arch_desc(cfg->arch)->gguf_arch);
         }
         if (layer >= cfg->n_layers)
             return kv_fail(err, KV_EFORMAT, f->path, ti->info_off,
@@ -679,10 +727,10 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
     if (rc) goto fail;
     const struct kv_arch_names *nm = &kv_arch_desc(m->cfg.arch)->gguf;
     for (int64_t i = 0; i < f->n_tensors; i++) {
-        enum kv_wkind kind;
         int64_t layer;
-        if (!name_kind(nm, f->tensors[i].t.name, &kind, &layer)) continue; /* rope_freqs */
-        if ((rc = kv_model_bind(m, kind, layer, &f->tensors[i].t, path, err))) goto fail;
+        const struct kv_arch_tensor *e = name_entry(nm, f->tensors[i].t.name, &layer);
+        if (!e) continue; /* rope_freqs */
+        if ((rc = bind_entry(m, e, layer < 0 ? 0 : layer, &f->tensors[i].t, path, err))) goto fail;
     }
     const struct kv_gguf_kv *tm = kv_gguf_find(f, "tokenizer.ggml.model");
     if (tm && tm->type == KV_GGUF_STRING &&

@@ -49,6 +49,7 @@ enum hp {
     HP_ROPE_BASE, /* f32 rope_theta */
     HP_NORM_EPS,  /* f32 norm_eps */
     HP_VOCAB,     /* u32 vocab_size */
+    HP_ROPE_DIM,  /* u32 kv_rope_dim (partial rope) */
 };
 
 /* One "<arch>.<suffix>" key; odd_head_dim: written only when head_dim is
@@ -71,6 +72,20 @@ static const struct hp_key llama_keys[] = {
     {"rope.dimension_count", HP_HEAD_DIM, 0},
     {"rope.freq_base", HP_ROPE_BASE, 0},
     {"attention.layer_norm_rms_epsilon", HP_NORM_EPS, 0},
+    {"vocab_size", HP_VOCAB, 0},
+};
+
+/* gptneox: LayerNorm's epsilon, the rotated dimensions of a partial rope
+ * (use_parallel_residual is written apart, a bool) */
+static const struct hp_key neox_keys[] = {
+    {"context_length", HP_CTX, 0},
+    {"embedding_length", HP_DIM, 0},
+    {"block_count", HP_LAYERS, 0},
+    {"feed_forward_length", HP_FF, 0},
+    {"attention.head_count", HP_HEADS, 0},
+    {"rope.dimension_count", HP_ROPE_DIM, 0},
+    {"rope.freq_base", HP_ROPE_BASE, 0},
+    {"attention.layer_norm_epsilon", HP_NORM_EPS, 0},
     {"vocab_size", HP_VOCAB, 0},
 };
 
@@ -103,6 +118,7 @@ static const struct gguf_arch gguf_archs[] = {
     {KV_ARCH_MISTRAL, "llama", KV_ROPE_INTERLEAVED, 1, 0, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_QWEN2, "qwen2", KV_ROPE_HALF, 0, 1, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_QWEN3, "qwen3", KV_ROPE_HALF, 0, 0, llama_keys, COUNT(llama_keys)},
+    {KV_ARCH_GPTNEOX, "gptneox", KV_ROPE_HALF, 0, 1, neox_keys, COUNT(neox_keys)},
 };
 
 static const struct gguf_arch *find_arch(enum kv_arch a) {
@@ -488,7 +504,44 @@ struct plan {
     int64_t n_t, cap_t;
     float rope_div[KV_MAX_ROPE_FACTORS];
     uint64_t data_end;
+    float **owned;         /* stacked tensors gathered here (gptneox's attn_qkv) */
+    int64_t n_owned;
 };
+
+/* The kinds of entry e of layer l one after the other along the rows, in a
+ * block p owns: *out, of *ndim dimensions shape. */
+static int gather_stacked(struct plan *p, const struct kv_arch_tensor *e, int64_t l,
+                          int64_t *shape, int *ndim, const float **out, const char *path,
+                          struct kv_err *err) {
+    const struct kv_config *c = &p->m->cfg;
+    int64_t s[2], total = 0, cols = 1;
+    int nd = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(c, e->kinds[k], s);
+        total += s[0];
+        if (nd == 2) cols = s[1];
+    }
+    float **ow = realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *ow);
+    if (!ow) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    p->owned = ow;
+    float *buf = malloc((size_t)(total * cols) * sizeof *buf);
+    if (!buf) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory for '%s'", e->name);
+    p->owned[p->n_owned++] = buf;
+    int64_t r0 = 0;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(c, e->kinds[k], s);
+        const float *w = kv_model_weight(p->m, e->kinds[k], l);
+        if (!w)
+            return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "the model has no %s weight%s",
+                           kv_wkind_name(e->kinds[k]), " in some layer");
+        memcpy(buf + r0 * cols, w, (size_t)(s[0] * cols) * sizeof *buf);
+        r0 += s[0];
+    }
+    shape[0] = total, shape[1] = cols;
+    *out = buf;
+    *ndim = nd;
+    return KV_OK;
+}
 
 static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, const int64_t *shape,
                     const float *src, enum perm perm, const char *path, struct kv_err *err) {
@@ -579,8 +632,22 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
         int64_t n = l < 0 ? nm->n_globals : nm->n_layer;
         for (int64_t i = 0; i < n; i++) {
             const struct kv_arch_tensor *e = &tab[i];
-            KV_ASSERT(e->n_kinds == 1 && !e->conv); /* llama.cpp stores nothing stacked */
+            KV_ASSERT(!e->conv && !e->heads); /* llama.cpp stacks only whole kinds */
             enum kv_wkind k = e->kinds[0];
+            if (e->n_kinds > 1) { /* gptneox's attn_qkv: q, k, v rows one after the other */
+                KV_ASSERT(perm == PERM_NONE && l >= 0);
+                int64_t shape[2];
+                const float *buf = NULL;
+                int nd = 0;
+                if ((rc = gather_stacked(p, e, l, shape, &nd, &buf, path, err))) return rc;
+                char name[KV_MAX_NAME_LEN + 1];
+                snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
+                if ((rc = plan_add(p, name, nd == 2 ? mtype : KV_GGML_F32, nd, shape, buf,
+                                   PERM_NONE, path, err)) ||
+                    (rc = check_finite(&p->t[p->n_t - 1], path, err)))
+                    return rc;
+                continue;
+            }
             if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
             const float *w = kv_model_weight(m, k, l < 0 ? 0 : l);
             if (!w) {
@@ -635,7 +702,12 @@ static void meta_hparams(struct plan *p) {
         case HP_ROPE_BASE: m_f32(m, key, c->rope_theta); break;
         case HP_NORM_EPS: m_f32(m, key, c->norm_eps); break;
         case HP_VOCAB: m_u32(m, key, (uint32_t)c->vocab_size); break;
+        case HP_ROPE_DIM: m_u32(m, key, (uint32_t)kv_rope_dim(c)); break;
         }
+    }
+    if (c->arch == KV_ARCH_GPTNEOX) {
+        snprintf(key, sizeof key, "%s.use_parallel_residual", ga->name);
+        m_bool(m, key, c->parallel_residual);
     }
     const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
     if (s->type == KV_ROPE_SCALING_LINEAR || s->type == KV_ROPE_SCALING_YARN) {
@@ -832,6 +904,11 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
                        "kvcal nor llama.cpp reads a window key there, so the file would attend "
                        "to every earlier position",
                        (long long)c->sliding_window, p.ga->name);
+    if (c->gelu_erf)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "this model's GELU is erf's, but llama.cpp runs gguf '%s' with the tanh "
+                       "approximation, so the file would compute another model",
+                       p.ga->name);
     if (p.ga->square_attn && c->n_heads * c->head_dim != c->dim)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "n_heads * head_dim is %lld * %lld = %lld but dim is %lld; llama.cpp's "
@@ -860,6 +937,8 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
     if (!rc) rc = kv_write_atomic(path, fill, &p, err);
     free(p.meta.b.p);
     free(p.t);
+    for (int64_t i = 0; i < p.n_owned; i++) free(p.owned[i]);
+    free(p.owned);
     if (!rc && o) o->n_fallback = p.n_fallback;
     return rc;
 }

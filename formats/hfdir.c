@@ -117,6 +117,116 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
     return KV_OK;
 }
 
+/* The fraction of each head RoPE turns, from whichever keys the config
+ * spells it with (transformers 4.x's partial_rotary_factor or GPT-NeoX's
+ * rotary_pct, 5.x's rope_parameters.partial_rotary_factor): they must
+ * agree; 1 when none is given. */
+static int read_partial_rotary(const json_t *root, const char *path, double *out,
+                               struct kv_err *err) {
+    static const char *const keys[] = {"partial_rotary_factor", "rotary_pct", NULL};
+    const json_t *objs[] = {root, root, json_object_get(root, "rope_parameters")};
+    const char *names[] = {"partial_rotary_factor", "rotary_pct",
+                           "rope_parameters.partial_rotary_factor"};
+    double v = 0;
+    int have = -1;
+    for (int i = 0; i < 3; i++) {
+        const char *key = keys[i] ? keys[i] : "partial_rotary_factor";
+        if (!json_is_object(objs[i])) continue;
+        double x = 0;
+        int rc = kv_json_get_num(objs[i], key, path, 1, 0, &x, err);
+        if (rc) return rc;
+        if (x == 0) continue;
+        if (x > 1)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "%s %g is above 1 (the fraction of each head RoPE turns)", names[i], x);
+        if (have >= 0 && x != v)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s %g and %s %g disagree",
+                           names[have], v, names[i], x);
+        v = x, have = i;
+    }
+    *out = have >= 0 ? v : 1.0;
+    return KV_OK;
+}
+
+/* GPTNeoXConfig (Pythia): its keys in either layout (rotary_emb_base or
+ * rope_theta, rotary_pct or partial_rotary_factor), and its defaults where
+ * checkpoints omit them (parallel residual, untied head, biases). */
+static int parse_neox_config(const json_t *root, const char *path, struct kv_config *cfg,
+                             struct kv_err *err) {
+    cfg->arch = KV_ARCH_GPTNEOX;
+    const char *act = "gelu";
+    int rc = kv_json_get_str(root, "hidden_act", path, 0, &act, err);
+    if (rc) return rc;
+    int erf = !strcmp(act, "gelu");
+    if (!erf && strcmp(act, "gelu_new") && strcmp(act, "gelu_fast") &&
+        strcmp(act, "gelu_pytorch_tanh"))
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "hidden_act '%.64s' is not supported, expected 'gelu', 'gelu_new', "
+                       "'gelu_fast' or 'gelu_pytorch_tanh'",
+                       act);
+    int64_t dim = 0, hidden = 0, layers = 0, heads = 0, vocab = 0, ctx = 2048;
+    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
+        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
+        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
+        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
+        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
+        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)))
+        return rc;
+    if (dim % heads)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "hidden_size %lld is not a multiple of num_attention_heads %lld",
+                       (long long)dim, (long long)heads);
+    double eps = 1e-5, partial = 1, base = 0;
+    int tied = 0, parallel = 1, bias = 1;
+    if ((rc = kv_json_get_num(root, "layer_norm_eps", path, 1, 0, &eps, err)) ||
+        (rc = as_float(eps, "layer_norm_eps", path, &cfg->norm_eps, err)) ||
+        (rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
+        (rc = kv_json_get_bool(root, "use_parallel_residual", path, 0, &parallel, err)) ||
+        (rc = kv_json_get_bool(root, "attention_bias", path, 0, &bias, err)) ||
+        (rc = kv_json_get_num(root, "rotary_emb_base", path, 1, 0, &base, err)) ||
+        (rc = read_partial_rotary(root, path, &partial, err)) ||
+        (rc = kv_rope_json_read(root, path, ctx, cfg, err)) ||
+        (rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
+        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
+        return rc;
+    if (!bias)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "attention_bias false is not supported: gpt_neox's projections have biases");
+    const json_t *rp = json_object_get(root, "rope_parameters");
+    int theta_given = (json_object_get(root, "rope_theta") &&
+                       !json_is_null(json_object_get(root, "rope_theta"))) ||
+                      (json_is_object(rp) && json_object_get(rp, "rope_theta"));
+    if (base && theta_given && (float)base != cfg->rope_theta)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rotary_emb_base %.15g and rope_theta %.15g disagree", base,
+                       (double)cfg->rope_theta);
+    if (base && !theta_given) {
+        if (base > FLT_MAX)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "key 'rotary_emb_base' is beyond the range of a float");
+        cfg->rope_theta = (float)base;
+    }
+    int64_t hd = dim / heads, rd = (int64_t)((double)hd * partial); /* HF: int(head_size * pct) */
+    if (rd < 2 || rd % 2)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rotary_pct %g of head_dim %lld gives %lld rotated dimensions, expected an "
+                       "even number of at least 2",
+                       partial, (long long)hd, (long long)rd);
+    cfg->dim = dim;
+    cfg->hidden_dim = hidden;
+    cfg->n_layers = layers;
+    cfg->n_heads = cfg->n_kv_heads = heads;
+    cfg->head_dim = hd;
+    cfg->vocab_size = vocab;
+    cfg->max_seq_len = ctx;
+    cfg->tied_embeddings = tied;
+    cfg->has_qkv_bias = 1;
+    cfg->rope_dim = rd == hd ? 0 : rd;
+    cfg->parallel_residual = parallel;
+    cfg->gelu_erf = erf;
+    return KV_OK;
+}
+
 /* The sliding windows of the llama family as each config class defines
  * them: Mistral's sliding_window (MistralConfig's default 4096 when absent,
  * none when null) in every layer; Qwen2's only with use_sliding_window, from
@@ -183,6 +293,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (rc) return rc;
     if (s ? strcmp(s, "gpt2") == 0 : lists_architecture(root, "GPT2LMHeadModel"))
         return parse_gpt2_config(root, path, cfg, err);
+    if (s && !strcmp(s, "gpt_neox")) return parse_neox_config(root, path, cfg, err);
     if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
     const struct kv_arch_desc *ad = kv_arch_by_name(s);
     if (!ad || ad->id == KV_ARCH_GPT2)
@@ -229,7 +340,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (mlp_bias)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
     double partial = 1;
-    if ((rc = kv_json_get_num(root, "partial_rotary_factor", path, 1, 0, &partial, err))) return rc;
+    if ((rc = read_partial_rotary(root, path, &partial, err))) return rc;
     if (partial != 1)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "partial_rotary_factor %g is not supported: kvcal rotates whole heads",
@@ -427,8 +538,9 @@ static void weights_free(struct hf_weights *w) {
 }
 
 /* Bind stored tensor t as the weights e->kinds of layer (see struct
- * kv_arch_tensor). A Conv1D weight is converted to f32 and transposed into a
- * block the model owns; the pieces of a stacked tensor are bound as slices. */
+ * kv_arch_tensor). A Conv1D weight is converted to f32 and transposed, and
+ * one interleaved per head is converted and gathered, into a block the model
+ * owns; the pieces of a stacked tensor are bound as slices. */
 static int bind_entry(struct kv_model *m, const struct hf_weights *w, const struct kv_arch_tensor *e,
                       int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
     const char *path = w->shards[t->file].path;
@@ -452,7 +564,7 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
     }
     struct kv_tensor piece = *t;
     const uint8_t *base = t->data;
-    if (e->conv) {
+    if (e->conv || e->heads) {
         if (t->dtype != KV_DTYPE_F32 && t->dtype != KV_DTYPE_F16 && t->dtype != KV_DTYPE_BF16)
             return kv_model_bind(m, e->kinds[0], layer, t, path, err); /* refuses the dtype */
         int64_t n = total * cols;
@@ -470,8 +582,17 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
                                t->offset + (uint64_t)i * kv_dtype_size(t->dtype),
                                "tensor '%s' element %lld is %s", t->name, (long long)i, what);
             }
-        for (int64_t i = 0; i < cols; i++) /* in [cols, total] -> out [total, cols] */
-            for (int64_t o = 0; o < total; o++) out[o * cols + i] = in[i * total + o];
+        if (e->conv) {
+            for (int64_t i = 0; i < cols; i++) /* in [cols, total] -> out [total, cols] */
+                for (int64_t o = 0; o < total; o++) out[o * cols + i] = in[i * total + o];
+        } else { /* rows [h][kinds][d_h] -> each kind's rows whole, one after the other */
+            int64_t dh = m->cfg.head_dim, r0 = 0;
+            for (int k = 0; k < e->n_kinds; r0 += rows[k], k++)
+                for (int64_t r = 0; r < rows[k]; r++)
+                    memcpy(out + (r0 + r) * cols,
+                           in + ((r / dh) * e->n_kinds * dh + k * dh + r % dh) * cols,
+                           (size_t)cols * sizeof *out);
+        }
         free(in);
         piece.dtype = KV_DTYPE_F32;
         base = (const uint8_t *)out;
@@ -484,8 +605,8 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
         piece.shape[1] = cols;
         piece.data = base + (size_t)(r0 * cols) * es;
         piece.nbytes = (uint64_t)(rows[k] * cols) * es;
-        /* a transposed piece is scattered through the file: name its start */
-        piece.offset = e->conv ? t->offset : t->offset + (uint64_t)(r0 * cols) * es;
+        /* a transposed or interleaved piece is scattered through the file: name its start */
+        piece.offset = e->conv || e->heads ? t->offset : t->offset + (uint64_t)(r0 * cols) * es;
         int rc = kv_model_bind(m, e->kinds[k], layer, &piece, path, err);
         if (rc) return rc;
         r0 += rows[k];

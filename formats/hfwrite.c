@@ -54,6 +54,27 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
         bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
         bad |= jset(o, "layer_norm_epsilon", json_real(short_float(c->norm_eps)));
         bad |= jset(o, "activation_function", json_string("gelu_new"));
+    } else if (c->arch == KV_ARCH_GPTNEOX) { /* GPTNeoXConfig, in transformers 4.x's keys */
+        if (c->rope_scaling.type == KV_ROPE_SCALING_FREQS) {
+            json_decref(o);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "rope scaling by per-pair divisors (a GGUF rope_freqs tensor) has no "
+                           "config.json form");
+        }
+        bad |= jset(o, "hidden_size", json_integer(c->dim));
+        bad |= jset(o, "intermediate_size", json_integer(c->hidden_dim));
+        bad |= jset(o, "num_hidden_layers", json_integer(c->n_layers));
+        bad |= jset(o, "num_attention_heads", json_integer(c->n_heads));
+        bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
+        bad |= jset(o, "max_position_embeddings", json_integer(c->max_seq_len));
+        bad |= jset(o, "layer_norm_eps", json_real(short_float(c->norm_eps)));
+        bad |= jset(o, "rotary_emb_base", json_real(short_float(c->rope_theta)));
+        /* exact: int(d_h * pct) is rope_dim for pct = rope_dim / d_h */
+        bad |= jset(o, "rotary_pct", json_real((double)kv_rope_dim(c) / (double)c->head_dim));
+        bad |= jset(o, "rope_scaling", kv_rope_json_write(&c->rope_scaling));
+        bad |= jset(o, "use_parallel_residual", json_boolean(c->parallel_residual));
+        bad |= jset(o, "hidden_act", json_string(c->gelu_erf ? "gelu" : "gelu_new"));
+        bad |= jset(o, "attention_bias", json_true());
     } else {
         bad |= jset(o, "hidden_size", json_integer(c->dim));
         bad |= jset(o, "intermediate_size", json_integer(c->hidden_dim));
@@ -134,12 +155,14 @@ static int fill_text(int fd, const char *path, const char *tmp, void *ctx, struc
 static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
     int qk = k == KV_W_Q || k == KV_W_K || k == KV_W_BQ || k == KV_W_BK;
     if (!kv_arch_desc(c->arch)->rope || c->rope_layout != KV_ROPE_INTERLEAVED || !qk) return r;
-    int64_t dh = c->head_dim, j = r % dh, half = dh / 2;
+    int64_t dh = c->head_dim, j = r % dh, half = kv_rope_dim(c) / 2;
+    if (j >= 2 * half) return r; /* partial rope: the unturned dimensions stay */
     return r - j + (j % 2 ? half + j / 2 : j / 2);
 }
 
 /* Add table entry e of layer (global entries: layer 0) under name: its
- * kinds stacked along the output axis, then transposed for a Conv1D. An
+ * kinds stacked along the output axis (interleaved per head when e->heads),
+ * then transposed for a Conv1D. An
  * absent optional weight (a Llama bias some layer lacks) is written as
  * zeros. */
 static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv_arch_tensor *e,
@@ -159,7 +182,9 @@ static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv
     for (int k = 0; k < e->n_kinds; k++) {
         const float *src = kv_model_weight(m, e->kinds[k], layer);
         for (int64_t r = 0; r < rows[k]; r++) {
-            float *dst = e->conv ? buf + r0 + r : buf + (r0 + hf_row(c, e->kinds[k], r)) * cols;
+            int64_t hr = hf_row(c, e->kinds[k], r), dh = c->head_dim;
+            int64_t at = e->heads ? ((hr / dh) * e->n_kinds + k) * dh + hr % dh : r0 + hr;
+            float *dst = e->conv ? buf + r0 + r : buf + at * cols;
             int64_t step = e->conv ? total : 1; /* Conv1D: element (r, i) at [i, r0 + r] */
             for (int64_t i = 0; i < cols; i++) dst[i * step] = src ? src[r * cols + i] : 0.0f;
         }

@@ -29,15 +29,20 @@ static double rel_error(double dropped, double energy) {
 /* The words the manifest's model object uses for what an architecture's
  * forward pass does besides attention. */
 struct arch_words {
-    const char *norm, *activation, *mlp, *positions, *qk_norm;
+    const char *norm, *activation, *mlp, *positions, *qk_norm, *residual;
 };
 
-static struct arch_words arch_words(enum kv_arch arch) {
-    const struct kv_arch_desc *d = kv_arch_desc(arch);
+/* activation: "gelu" is x Φ(x) (erf), "gelu_new" its tanh approximation;
+ * residual: "parallel" adds attention and MLP of the same normed input
+ * (x + attn(norm1 x) + mlp(norm2 x)), "sequential" the MLP of x + attn */
+static struct arch_words arch_words(const struct kv_config *c) {
+    const struct kv_arch_desc *d = kv_arch_desc(c->arch);
     struct arch_words w = {d->layernorm ? "layernorm" : "rmsnorm",
-                           d->gelu_mlp ? "gelu_new" : "silu", d->gelu_mlp ? "plain" : "gated",
+                           !d->gelu_mlp ? "silu" : c->gelu_erf ? "gelu" : "gelu_new",
+                           d->gelu_mlp ? "plain" : "gated",
                            d->rope ? "rope" : "learned",
-                           d->qk_norm ? "rmsnorm_per_head_before_rope" : "none"};
+                           d->qk_norm ? "rmsnorm_per_head_before_rope" : "none",
+                           c->parallel_residual ? "parallel" : "sequential"};
     return w;
 }
 
@@ -256,12 +261,13 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     }
     /* what the forward pass does around attention, as words an engine can
      * switch on (the reader checks them against arch) */
-    struct arch_words aw = arch_words(c->arch);
+    struct arch_words aw = arch_words(c);
     jset(&b, mo, "norm", json_string(aw.norm));
     jset(&b, mo, "activation", json_string(aw.activation));
     jset(&b, mo, "mlp", json_string(aw.mlp));
     jset(&b, mo, "positions", json_string(aw.positions));
     jset(&b, mo, "qk_norm", json_string(aw.qk_norm));
+    jset(&b, mo, "residual", json_string(aw.residual));
     json_t *map = jset(&b, mo, "kv_head_of_query", json_array());
     for (int64_t i = 0; i < c->n_heads; i++)
         jappend(&b, map, json_integer(i / (c->n_heads / c->n_kv_heads)));
@@ -271,7 +277,13 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
         json_t *ro = jset(&b, root, "rope", json_object());
         int half = c->rope_layout == KV_ROPE_HALF;
         jset(&b, ro, "layout", json_string(half ? "half" : "interleaved"));
-        jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
+        int64_t rd = kv_rope_dim(c);
+        if (rd == c->head_dim)
+            jset(&b, ro, "pairs", json_string(half ? "(i, i + d_h/2)" : "(2i, 2i+1)"));
+        else /* partial rope: the pairs within the first rotary_dim dimensions */
+            jset(&b, ro, "pairs", json_string(half ? "(i, i + rotary_dim/2), i < rotary_dim/2"
+                                                   : "(2i, 2i+1), i < rotary_dim/2"));
+        jset(&b, ro, "rotary_dim", json_integer(rd));
         jset(&b, ro, "theta", json_float(c->rope_theta));
         jset(&b, ro, "scaling", kv_rope_json_write(&c->rope_scaling));
         /* the frequencies every scaling comes to, for engines: pair i turns
@@ -283,7 +295,7 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
         int64_t seq = kv_rope_depends_on_length(c) ? c->rope_scaling.original_ctx : 1;
         double af = kv_rope_freqs(c, seq, inv);
         json_t *fr = jset(&b, ro, "inv_freq", json_array());
-        for (int64_t i = 0; i < c->head_dim / 2; i++) jappend(&b, fr, json_real(inv[i]));
+        for (int64_t i = 0; i < kv_rope_dim(c) / 2; i++) jappend(&b, fr, json_real(inv[i]));
         jset(&b, ro, "attention_factor", json_real(af));
         }
     } else {
@@ -468,6 +480,15 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
     else
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "rope: layout '%.64s' is not 'half' or 'interleaved'", layout);
+    /* optional (manifests before partial rope turned whole heads) */
+    int64_t rd = c->head_dim;
+    if ((rc = kv_json_get_int(ro, "rotary_dim", path, 2, c->head_dim, 0, &rd, err)))
+        return kv_err_in(rc, err, "rope");
+    if (rd % 2 || (rd != c->head_dim && c->arch != KV_ARCH_GPTNEOX))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rope: rotary_dim %lld must be even%s", (long long)rd,
+                       c->arch != KV_ARCH_GPTNEOX ? " and head_dim for this arch" : "");
+    c->rope_dim = rd == c->head_dim ? 0 : rd;
     json_t *sc = json_object_get(ro, "scaling");
     c->rope_theta = (float)theta;
     if (sc && !json_is_null(sc)) {
@@ -533,14 +554,15 @@ static int check_word(const json_t *o, const char *key, const char *want, const 
  * head i / (n_heads / n_kv_heads). Each may be absent (earlier manifests). */
 static int check_arch_words(const json_t *mo, const struct kv_config *c, const char *path,
                             struct kv_err *err) {
-    struct arch_words w = arch_words(c->arch);
+    struct arch_words w = arch_words(c);
     const char *an = kv_arch_name(c->arch);
     int rc;
     if ((rc = check_word(mo, "norm", w.norm, an, path, err)) ||
         (rc = check_word(mo, "activation", w.activation, an, path, err)) ||
         (rc = check_word(mo, "mlp", w.mlp, an, path, err)) ||
         (rc = check_word(mo, "positions", w.positions, an, path, err)) ||
-        (rc = check_word(mo, "qk_norm", w.qk_norm, an, path, err)))
+        (rc = check_word(mo, "qk_norm", w.qk_norm, an, path, err)) ||
+        (rc = check_word(mo, "residual", w.residual, an, path, err)))
         return rc;
     json_t *map = json_object_get(mo, "kv_head_of_query");
     if (!map) return KV_OK;
@@ -652,6 +674,20 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                        "model: n_heads %lld is not a multiple of n_kv_heads %lld",
                        (long long)c->n_heads, (long long)c->n_kv_heads);
 
+    if (c->arch == KV_ARCH_GPTNEOX) { /* what the words say is the model's, not the arch's */
+        const char *act, *res;
+        if ((rc = kv_json_get_str(mo, "activation", path, 1, &act, err)) ||
+            (rc = kv_json_get_str(mo, "residual", path, 1, &res, err)))
+            return kv_err_in(rc, err, "model");
+        if (strcmp(act, "gelu") && strcmp(act, "gelu_new"))
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "model: activation '%.64s' is not 'gelu' or 'gelu_new'", act);
+        if (strcmp(res, "parallel") && strcmp(res, "sequential"))
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "model: residual '%.64s' is not 'parallel' or 'sequential'", res);
+        c->gelu_erf = !strcmp(act, "gelu");
+        c->parallel_residual = !strcmp(res, "parallel");
+    }
     if ((rc = parse_rope(root, path, c, err))) return rc;
     if ((rc = parse_window(mo, path, c, err))) return rc;
     if ((rc = check_arch_words(mo, c, path, err))) return rc;

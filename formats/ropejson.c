@@ -90,7 +90,8 @@ int kv_rope_json_scaling(const json_t *o, const char *path, int64_t max_pos, int
     json_t *v;
     json_object_foreach((json_t *)o, key, v) {
         int known = !strcmp(key, "rope_type") || !strcmp(key, "type") ||
-                    (in_params == 1 && !strcmp(key, "rope_theta"));
+                    (in_params == 1 && (!strcmp(key, "rope_theta") ||
+                                        !strcmp(key, "partial_rotary_factor")));
         for (int j = 0; k->keys[j] && !known; j++) known = !strcmp(key, k->keys[j]);
         if (!known && !json_is_null(v))
             return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,

@@ -12,51 +12,51 @@
 /* ---------------------------------------------------------------- llama */
 
 static const struct kv_arch_tensor llama_hf_globals[] = {
-    {"model.embed_tokens.weight", ONE(KV_W_TOK_EMB), 0},
-    {"model.norm.weight", ONE(KV_W_OUT_NORM), 0},
-    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
+    {"model.embed_tokens.weight", ONE(KV_W_TOK_EMB), 0, 0},
+    {"model.norm.weight", ONE(KV_W_OUT_NORM), 0, 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0, 0},
 };
 
 static const struct kv_arch_tensor llama_hf_layer[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
-    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
-    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
-    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0, 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0, 0},
+    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
 static const struct kv_arch_tensor llama_gguf_globals[] = {
-    {"token_embd.weight", ONE(KV_W_TOK_EMB), 0},
-    {"output_norm.weight", ONE(KV_W_OUT_NORM), 0},
-    {"output.weight", ONE(KV_W_LM_HEAD), 0},
+    {"token_embd.weight", ONE(KV_W_TOK_EMB), 0, 0},
+    {"output_norm.weight", ONE(KV_W_OUT_NORM), 0, 0},
+    {"output.weight", ONE(KV_W_LM_HEAD), 0, 0},
 };
 
 static const struct kv_arch_tensor llama_gguf_layer[] = {
-    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0}, {"attn_q.weight", ONE(KV_W_Q), 0},
-    {"attn_k.weight", ONE(KV_W_K), 0},            {"attn_v.weight", ONE(KV_W_V), 0},
-    {"attn_output.weight", ONE(KV_W_O), 0},       {"attn_q.bias", ONE(KV_W_BQ), 0},
-    {"attn_k.bias", ONE(KV_W_BK), 0},             {"attn_v.bias", ONE(KV_W_BV), 0},
-    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0},
-    {"ffn_down.weight", ONE(KV_W_DOWN), 0},       {"ffn_up.weight", ONE(KV_W_UP), 0},
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0, 0}, {"attn_q.weight", ONE(KV_W_Q), 0, 0},
+    {"attn_k.weight", ONE(KV_W_K), 0, 0},            {"attn_v.weight", ONE(KV_W_V), 0, 0},
+    {"attn_output.weight", ONE(KV_W_O), 0, 0},       {"attn_q.bias", ONE(KV_W_BQ), 0, 0},
+    {"attn_k.bias", ONE(KV_W_BK), 0, 0},             {"attn_v.bias", ONE(KV_W_BV), 0, 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0, 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0, 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0, 0},       {"ffn_up.weight", ONE(KV_W_UP), 0, 0},
 };
 
 static const struct kv_arch_tensor llama_lr_layer[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {NULL, ONE(KV_W_K), 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
-    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {NULL, ONE(KV_W_K), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
 /* biases HF Llama can carry but kvcal's forward pass has no place for */
@@ -67,61 +67,128 @@ static const char *const llama_hf_refused[] = {
 /* ---------------------------------------------------------------- qwen3 */
 
 static const struct kv_arch_tensor qwen3_hf_layer[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"self_attn.k_proj.weight", ONE(KV_W_K), 0},
-    {"self_attn.v_proj.weight", ONE(KV_W_V), 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0},
-    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0},
-    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0},
-    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
-    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0, 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {"self_attn.k_proj.bias", ONE(KV_W_BK), 0, 0},
+    {"self_attn.v_proj.bias", ONE(KV_W_BV), 0, 0},
+    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0, 0},
+    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
 static const struct kv_arch_tensor qwen3_gguf_layer[] = {
-    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0}, {"attn_q.weight", ONE(KV_W_Q), 0},
-    {"attn_k.weight", ONE(KV_W_K), 0},            {"attn_v.weight", ONE(KV_W_V), 0},
-    {"attn_output.weight", ONE(KV_W_O), 0},       {"attn_q.bias", ONE(KV_W_BQ), 0},
-    {"attn_k.bias", ONE(KV_W_BK), 0},             {"attn_v.bias", ONE(KV_W_BV), 0},
-    {"attn_q_norm.weight", ONE(KV_W_QNORM), 0},   {"attn_k_norm.weight", ONE(KV_W_KNORM), 0},
-    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0},
-    {"ffn_down.weight", ONE(KV_W_DOWN), 0},       {"ffn_up.weight", ONE(KV_W_UP), 0},
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0, 0}, {"attn_q.weight", ONE(KV_W_Q), 0, 0},
+    {"attn_k.weight", ONE(KV_W_K), 0, 0},            {"attn_v.weight", ONE(KV_W_V), 0, 0},
+    {"attn_output.weight", ONE(KV_W_O), 0, 0},       {"attn_q.bias", ONE(KV_W_BQ), 0, 0},
+    {"attn_k.bias", ONE(KV_W_BK), 0, 0},             {"attn_v.bias", ONE(KV_W_BV), 0, 0},
+    {"attn_q_norm.weight", ONE(KV_W_QNORM), 0, 0},   {"attn_k_norm.weight", ONE(KV_W_KNORM), 0, 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0, 0},   {"ffn_gate.weight", ONE(KV_W_GATE), 0, 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0, 0},       {"ffn_up.weight", ONE(KV_W_UP), 0, 0},
 };
 
 /* the compressed directory keeps the norms, which act on the rebuilt key */
 static const struct kv_arch_tensor qwen3_lr_layer[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0},
-    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0},
-    {NULL, ONE(KV_W_K), 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0},
-    {"mlp.up_proj.weight", ONE(KV_W_UP), 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"self_attn.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {"self_attn.q_norm.weight", ONE(KV_W_QNORM), 0, 0},
+    {"self_attn.k_norm.weight", ONE(KV_W_KNORM), 0, 0},
+    {NULL, ONE(KV_W_K), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
 /* ---------------------------------------------------------------- phi3 */
 
 /* Phi-3 stores q, k, v stacked in one projection and gate, up in another */
 static const struct kv_arch_tensor phi3_hf_layer[] = {
-    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"self_attn.qkv_proj.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0},
-    {"self_attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0},
-    {"mlp.gate_up_proj.weight", {KV_W_GATE, KV_W_UP}, 2, 0},
-    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0},
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.qkv_proj.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"mlp.gate_up_proj.weight", {KV_W_GATE, KV_W_UP}, 2, 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
 static const char *const phi3_hf_refused[] = {
     "self_attn.qkv_proj.bias", "self_attn.o_proj.bias", "mlp.gate_up_proj.bias", "mlp.down_proj.bias",
+};
+
+/* ---------------------------------------------------------------- gpt_neox */
+
+#define NEOX_PREFIX "gpt_neox."
+
+static const struct kv_arch_tensor neox_hf_globals[] = {
+    {NEOX_PREFIX "embed_in.weight", ONE(KV_W_TOK_EMB), 0, 0},
+    {NEOX_PREFIX "final_layer_norm.weight", ONE(KV_W_OUT_NORM), 0, 0},
+    {NEOX_PREFIX "final_layer_norm.bias", ONE(KV_W_OUT_NORM_B), 0, 0},
+    {"embed_out.weight", ONE(KV_W_LM_HEAD), 0, 0},
+};
+
+/* q, k and v in one projection, interleaved per head */
+static const struct kv_arch_tensor neox_hf_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"input_layernorm.bias", ONE(KV_W_ATTN_NORM_B), 0, 0},
+    {"attention.query_key_value.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0, 1},
+    {"attention.query_key_value.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0, 1},
+    {"attention.dense.weight", ONE(KV_W_O), 0, 0},
+    {"attention.dense.bias", ONE(KV_W_BO), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"post_attention_layernorm.bias", ONE(KV_W_FFN_NORM_B), 0, 0},
+    {"mlp.dense_h_to_4h.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.dense_h_to_4h.bias", ONE(KV_W_BUP), 0, 0},
+    {"mlp.dense_4h_to_h.weight", ONE(KV_W_DOWN), 0, 0},
+    {"mlp.dense_4h_to_h.bias", ONE(KV_W_BDOWN), 0, 0},
+};
+
+static const struct kv_arch_tensor neox_gguf_globals[] = {
+    {"token_embd.weight", ONE(KV_W_TOK_EMB), 0, 0},
+    {"output_norm.weight", ONE(KV_W_OUT_NORM), 0, 0},
+    {"output_norm.bias", ONE(KV_W_OUT_NORM_B), 0, 0},
+    {"output.weight", ONE(KV_W_LM_HEAD), 0, 0},
+};
+
+/* llama.cpp's converter stores q, k, v one after the other (not per head) */
+static const struct kv_arch_tensor neox_gguf_layer[] = {
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"attn_norm.bias", ONE(KV_W_ATTN_NORM_B), 0, 0},
+    {"attn_qkv.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0, 0},
+    {"attn_qkv.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0, 0},
+    {"attn_output.weight", ONE(KV_W_O), 0, 0},
+    {"attn_output.bias", ONE(KV_W_BO), 0, 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"ffn_norm.bias", ONE(KV_W_FFN_NORM_B), 0, 0},
+    {"ffn_up.weight", ONE(KV_W_UP), 0, 0},
+    {"ffn_up.bias", ONE(KV_W_BUP), 0, 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0, 0},
+    {"ffn_down.bias", ONE(KV_W_BDOWN), 0, 0},
+};
+
+/* a compressed directory stores GPT-NeoX unfused, under its own layer names */
+static const struct kv_arch_tensor neox_lr_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"input_layernorm.bias", ONE(KV_W_ATTN_NORM_B), 0, 0},
+    {"attention.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"attention.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {NULL, ONE(KV_W_K), 0, 0},
+    {"attention.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"attention.o_proj.bias", ONE(KV_W_BO), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"post_attention_layernorm.bias", ONE(KV_W_FFN_NORM_B), 0, 0},
+    {"mlp.dense_h_to_4h.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.dense_h_to_4h.bias", ONE(KV_W_BUP), 0, 0},
+    {"mlp.dense_4h_to_h.weight", ONE(KV_W_DOWN), 0, 0},
+    {"mlp.dense_4h_to_h.bias", ONE(KV_W_BDOWN), 0, 0},
 };
 
 /* ---------------------------------------------------------------- gpt2 */
@@ -129,44 +196,44 @@ static const char *const phi3_hf_refused[] = {
 #define GPT2_PREFIX "transformer."
 
 static const struct kv_arch_tensor gpt2_hf_globals[] = {
-    {GPT2_PREFIX "wte.weight", ONE(KV_W_TOK_EMB), 0},
-    {GPT2_PREFIX "wpe.weight", ONE(KV_W_POS_EMB), 0},
-    {GPT2_PREFIX "ln_f.weight", ONE(KV_W_OUT_NORM), 0},
-    {GPT2_PREFIX "ln_f.bias", ONE(KV_W_OUT_NORM_B), 0},
-    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0},
+    {GPT2_PREFIX "wte.weight", ONE(KV_W_TOK_EMB), 0, 0},
+    {GPT2_PREFIX "wpe.weight", ONE(KV_W_POS_EMB), 0, 0},
+    {GPT2_PREFIX "ln_f.weight", ONE(KV_W_OUT_NORM), 0, 0},
+    {GPT2_PREFIX "ln_f.bias", ONE(KV_W_OUT_NORM_B), 0, 0},
+    {"lm_head.weight", ONE(KV_W_LM_HEAD), 0, 0},
 };
 
 static const struct kv_arch_tensor gpt2_hf_layer[] = {
-    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
-    {"attn.c_attn.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 1},
-    {"attn.c_attn.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0},
-    {"attn.c_proj.weight", ONE(KV_W_O), 1},
-    {"attn.c_proj.bias", ONE(KV_W_BO), 0},
-    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
-    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
-    {"mlp.c_fc.weight", ONE(KV_W_UP), 1},
-    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
-    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 1},
-    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
+    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0, 0},
+    {"attn.c_attn.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 1, 0},
+    {"attn.c_attn.bias", {KV_W_BQ, KV_W_BK, KV_W_BV}, 3, 0, 0},
+    {"attn.c_proj.weight", ONE(KV_W_O), 1, 0},
+    {"attn.c_proj.bias", ONE(KV_W_BO), 0, 0},
+    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0, 0},
+    {"mlp.c_fc.weight", ONE(KV_W_UP), 1, 0},
+    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0, 0},
+    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 1, 0},
+    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0, 0},
 };
 
 /* a compressed directory stores GPT-2 unfused and [out, in], under HF
  * Llama-like names inside GPT-2's layer */
 static const struct kv_arch_tensor gpt2_lr_layer[] = {
-    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0},
-    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0},
-    {"attn.q_proj.weight", ONE(KV_W_Q), 0},
-    {"attn.q_proj.bias", ONE(KV_W_BQ), 0},
-    {NULL, ONE(KV_W_K), 0},
-    {"attn.o_proj.weight", ONE(KV_W_O), 0},
-    {"attn.o_proj.bias", ONE(KV_W_BO), 0},
-    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0},
-    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0},
-    {"mlp.c_fc.weight", ONE(KV_W_UP), 0},
-    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0},
-    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 0},
-    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0},
+    {"ln_1.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"ln_1.bias", ONE(KV_W_ATTN_NORM_B), 0, 0},
+    {"attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"attn.q_proj.bias", ONE(KV_W_BQ), 0, 0},
+    {NULL, ONE(KV_W_K), 0, 0},
+    {"attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"attn.o_proj.bias", ONE(KV_W_BO), 0, 0},
+    {"ln_2.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"ln_2.bias", ONE(KV_W_FFN_NORM_B), 0, 0},
+    {"mlp.c_fc.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.c_fc.bias", ONE(KV_W_BUP), 0, 0},
+    {"mlp.c_proj.weight", ONE(KV_W_DOWN), 0, 0},
+    {"mlp.c_proj.bias", ONE(KV_W_BDOWN), 0, 0},
 };
 
 /* ---------------------------------------------------------------- the table */
@@ -288,6 +355,27 @@ static const struct kv_arch_desc archs[] = {
             .lr_layer = gpt2_lr_layer,
             .n_lr_layer = COUNT(gpt2_lr_layer),
         },
+    [KV_ARCH_GPTNEOX] =
+        {
+            .id = KV_ARCH_GPTNEOX,
+            .name = "gpt_neox",
+            .layernorm = 1,
+            .rope = 1,
+            .gelu_mlp = 1,
+            .qkv_bias = KV_WUSE_REQUIRED,
+            .block_biases = 1,
+            .mha = 1,
+            .hf_class = "GPTNeoXForCausalLM",
+            .gguf_arch = "gptneox",
+            .gguf_rope_half = 1,
+            .hf_attn = "attention.",
+            .hf = {NEOX_PREFIX "layers.", NULL, neox_hf_globals, COUNT(neox_hf_globals),
+                   neox_hf_layer, COUNT(neox_hf_layer)},
+            .gguf = {"blk.", NULL, neox_gguf_globals, COUNT(neox_gguf_globals),
+                     neox_gguf_layer, COUNT(neox_gguf_layer)},
+            .lr_layer = neox_lr_layer,
+            .n_lr_layer = COUNT(neox_lr_layer),
+        },
 };
 
 const struct kv_arch_desc *kv_arch_desc(enum kv_arch a) {
@@ -350,6 +438,8 @@ const char *kv_arch_list(int quoted) {
 }
 
 int kv_arch_has_rope(enum kv_arch a) { return kv_arch_desc(a)->rope; }
+
+int64_t kv_rope_dim(const struct kv_config *c) { return c->rope_dim > 0 ? c->rope_dim : c->head_dim; }
 
 int64_t kv_layer_window(const struct kv_config *c, int64_t l) {
     if (c->sliding_window <= 0 || l < c->window_from) return 0;

@@ -24,6 +24,10 @@ struct kv_arch_tensor {
     enum kv_wkind kinds[3];
     int n_kinds;
     int conv;
+    /* the stacked kinds interleaved per head, rows [h][n_kinds][d_h] (HF
+     * GPT-NeoX's query_key_value: q, k, v of head 0, then of head 1, ...);
+     * 0: each kind's rows whole, one after the other */
+    int heads;
 };
 
 /* One format's names for an architecture. */

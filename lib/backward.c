@@ -54,6 +54,7 @@ struct kv_grad {
     /* backward scratch */
     float *dx, *dxn, *dq, *dk, *dv, *datt, *dh, *da, *db, *dP; /* dP: [threads][n][n] */
     float *dqr, *dkr;             /* per-head norm inputs' gradients (Qwen3), or NULL */
+    float *dxo;                   /* ∂L/∂ the layer's output (parallel residual), or NULL */
     float *gbuf;                  /* every gradient, contiguous */
     int64_t n_gbuf;
     struct gtensor *t;
@@ -77,7 +78,7 @@ void kv_grad_free(struct kv_grad *g) {
     free(g->ly);
     float *p[] = {g->xf, g->xnf, g->muf, g->rsf, g->logits, g->rope_cos, g->rope_sin, g->dx,
                   g->dxn, g->dq, g->dk, g->dv, g->datt, g->dh, g->da, g->db, g->dP, g->gbuf,
-                  g->dqr, g->dkr};
+                  g->dqr, g->dkr, g->dxo};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
     free(g->t);
     free(g);
@@ -131,6 +132,7 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
              g->dP;
         if (ok && kv_arch_desc(c->arch)->qk_norm)
             ok = (g->dqr = falloc(n * qd)) != NULL && (g->dkr = falloc(n * kd)) != NULL;
+        if (ok && c->parallel_residual) ok = (g->dxo = falloc(n * d)) != NULL;
     }
     /* the parameter table: every bound weight, globals first */
     int64_t cap = KV_W_FIRST_LAYER + L * (KV_W_COUNT - KV_W_FIRST_LAYER);
@@ -284,7 +286,7 @@ static void norm_bwd(const struct kv_config *c, const float *dy, const float *x,
 /* Rotate (sign +1) or un-rotate (sign -1) every head of rows [n, nh*d_h]. */
 static void rope_apply(const struct kv_grad *g, float *v, int64_t n, int64_t nh, float sign) {
     const struct kv_config *c = &g->m->cfg;
-    int64_t dh = c->head_dim, half = dh / 2;
+    int64_t dh = c->head_dim, half = kv_rope_dim(c) / 2; /* partial rope: the first dims */
     int il = c->rope_layout == KV_ROPE_INTERLEAVED;
     for (int64_t i = 0; i < n; i++) {
         const float *cs = g->rope_cos + i * half, *sn = g->rope_sin + i * half;
@@ -301,6 +303,13 @@ static void rope_apply(const struct kv_grad *g, float *v, int64_t n, int64_t nh,
 }
 
 static const float GELU_C = 0.7978845608028654f; /* sqrt(2/pi) */
+static const float SQRT1_2 = 0.70710678118654752f;
+
+/* GELU x Φ(x) (erf) and its derivative Φ(x) + x φ(x) */
+static float gelu_erf(float a) { return 0.5f * a * (1.0f + erff(a * SQRT1_2)); }
+static float gelu_erf_grad(float a) {
+    return 0.5f * (1.0f + erff(a * SQRT1_2)) + a * expf(-0.5f * a * a) * 0.39894228040143268f;
+}
 
 /* ---------------------------------------------------------------- forward */
 
@@ -334,6 +343,10 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         struct glayer *y = &g->ly[l];
         memcpy(y->x_in, x, (size_t)(n * d) * sizeof(float));
         norm_fwd(c, y->xn1, y->mu1, y->rs1, x, w[KV_W_ATTN_NORM], w[KV_W_ATTN_NORM_B], n, d);
+        if (c->parallel_residual) { /* the MLP reads the layer's input */
+            memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
+            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+        }
         lin_fwd(y->q, y->xn1, w[KV_W_Q], w[KV_W_BQ], n, d, qd);
         lin_fwd(y->k, y->xn1, w[KV_W_K], w[KV_W_BK], n, d, kd);
         lin_fwd(y->v, y->xn1, w[KV_W_V], w[KV_W_BV], n, d, kd);
@@ -374,15 +387,19 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         if (w[KV_W_BO])
             for (int64_t i = 0; i < n; i++)
                 for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BO][j];
-        memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
-        norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+        if (!c->parallel_residual) {
+            memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
+            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+        }
         int64_t nh = n * hid;
         if (arch->gelu_mlp) {
             lin_fwd(y->a, y->xn2, w[KV_W_UP], w[KV_W_BUP], n, d, hid);
+            int erf_gelu = c->gelu_erf;
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i];
-                y->act[i] = 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a)));
+                y->act[i] = erf_gelu ? gelu_erf(a)
+                                     : 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a)));
             }
         } else {
             lin_fwd(y->a, y->xn2, w[KV_W_GATE], NULL, n, d, hid);
@@ -489,7 +506,10 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         const float *const *w = kv_model_layer(m, l);
         struct glayer *y = &g->ly[l];
 #define GW(kind) kv_grad_of(g, kind, l)
-        /* ffn: x_out = x_mid + act W_downᵀ + b_down; dx carries ∂/∂x_out */
+        /* ffn: x_out = x_mid + act W_downᵀ + b_down; dx carries ∂/∂x_out (with a
+         * parallel residual x_mid is x_in, and attention's branch also sees
+         * ∂/∂x_out: kept in dxo) */
+        if (c->parallel_residual) memcpy(g->dxo, dx, (size_t)(n * d) * sizeof(float));
         lin_bwd(dx, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN),
                 w[KV_W_BDOWN] ? GW(KV_W_BDOWN) : NULL, g->dh, 0);
         int64_t nh = n * hid;
@@ -499,7 +519,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
                 float a = y->a[i], u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
                 float dg = 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * GELU_C *
                                                    (1.0f + 3.0f * 0.044715f * a * a);
-                g->da[i] = g->dh[i] * dg;
+                g->da[i] = g->dh[i] * (c->gelu_erf ? gelu_erf_grad(a) : dg);
             }
             lin_bwd(g->da, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), GW(KV_W_BUP), g->dxn, 0);
         } else {
@@ -515,7 +535,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         norm_bwd(c, g->dxn, y->x_mid, y->mu2, y->rs2, w[KV_W_FFN_NORM], n, d, dx,
                  GW(KV_W_FFN_NORM), w[KV_W_FFN_NORM_B] ? GW(KV_W_FFN_NORM_B) : NULL);
         /* attention: x_mid = x_in + att W_oᵀ + b_o */
-        lin_bwd(dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), w[KV_W_BO] ? GW(KV_W_BO) : NULL,
+        lin_bwd(c->parallel_residual ? g->dxo : dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), w[KV_W_BO] ? GW(KV_W_BO) : NULL,
                 g->datt, 0);
         attn_bwd(g, y, n);
         if (arch->rope) {

@@ -52,6 +52,7 @@ struct kv_fwd {
     int64_t max_ctx;
     struct kv_fwd_hooks hooks;
     float *x, *xn, *q, *att, *a, *b, *logits;
+    float *xn2;             /* [max_ctx][d] the MLP's normed input (parallel residual only) */
     float *y;               /* [max_ctx][d] attention output for the attn_out hook */
     float *kc, *vc;         /* [L][max_ctx][g*d_h] */
     int one_window;         /* kv_fwd_one_window: every layer uses layer 0's caches */
@@ -110,7 +111,7 @@ void kv_fwd_free(struct kv_fwd *f) {
     plan_free(f);
     if (f->base_desc) desc_free(f->base_desc);
     free(f->base_desc);
-    free(f->x), free(f->xn), free(f->q), free(f->att), free(f->a), free(f->b);
+    free(f->x), free(f->xn), free(f->xn2), free(f->q), free(f->att), free(f->a), free(f->b);
     free(f->logits), free(f->y), free(f->kc), free(f->vc), free(f->rope_cos), free(f->rope_sin);
     free(f->scores);
     free(f->head_buf);
@@ -141,8 +142,13 @@ int kv_fwd_init(const struct kv_model *m, int64_t max_ctx, struct kv_fwd **out,
     f->max_ctx = max_ctx;
     f->n_threads = omp_get_max_threads();
     int64_t d = c->dim, qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
-    int64_t half = arch->rope ? c->head_dim / 2 : 0;
+    int64_t half = arch->rope ? kv_rope_dim(c) / 2 : 0;
     f->x = falloc(max_ctx * d);
+    if (c->parallel_residual && !(f->xn2 = falloc(max_ctx * d))) {
+        kv_fwd_free(f);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET,
+                       "out of memory for a forward state of %lld positions", (long long)max_ctx);
+    }
     f->xn = falloc(max_ctx * d);
     f->q = falloc(max_ctx * qd);
     f->att = falloc(max_ctx * qd);
@@ -231,6 +237,9 @@ static float gelu_tanh(float a) {
     return 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
 }
 
+/* GELU as defined, x Φ(x) (GPT-NeoX's "gelu"). */
+static float gelu_erf(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
+
 /* out[i,:] = (x[i,:] - mean) / sqrt(var + eps) * w + b (biased variance),
  * mean and variance accumulated in double. */
 static void layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
@@ -268,11 +277,12 @@ static void head_norm(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, c
 }
 
 /* Rotate every head of rows [n, nh*d_h] at positions pos0.. (nothing for an
- * architecture without rope: its queries and keys are used as projected). */
+ * architecture without rope: its queries and keys are used as projected);
+ * with partial rope, only each head's first kv_rope_dim dimensions. */
 static void rope(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, int64_t pos0) {
     if (!f->arch->rope) return;
     const struct kv_config *c = &f->m->cfg;
-    int64_t dh = c->head_dim, half = dh / 2;
+    int64_t dh = c->head_dim, half = kv_rope_dim(c) / 2;
     int interleaved = c->rope_layout == KV_ROPE_INTERLEAVED;
 #pragma omp parallel for if (n * nh * dh > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -663,6 +673,8 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
         float *kc = f->kc + cl * f->max_ctx * kd, *vc = f->vc + cl * f->max_ctx * kd;
         float *k = kc + pos0 * kd, *v = vc + pos0 * kd;
         norm(f, f->xn, f->x, KV_W_ATTN_NORM, KV_W_ATTN_NORM_B, l, n);
+        if (c->parallel_residual) /* the MLP reads the layer's input, not attention's output */
+            norm(f, f->xn2, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);
         int rc;
         if (hk->attn_in && (rc = hk->attn_in(hk->ctx, l, f->xn, n, pos0))) return rc;
         if (hk->attn) {
@@ -691,16 +703,25 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
             if ((rc = out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0))) return rc; /* x += att Woᵀ */
         }
         add_bias(f->x, w[KV_W_BO], n, d);
-        norm(f, f->xn, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);
+        const float *ffn_in = f->xn2; /* parallel residual: normed before attention */
+        if (!c->parallel_residual) {
+            norm(f, f->xn, f->x, KV_W_FFN_NORM, KV_W_FFN_NORM_B, l, n);
+            ffn_in = f->xn;
+        }
         float *a = f->a, *b = f->b;
         for (int64_t r0 = 0; r0 < n; r0 += f->ffn_rows) { /* blocks of rows: see FFN_BYTES */
             int64_t nr = n - r0 < f->ffn_rows ? n - r0 : f->ffn_rows, nh = nr * hid;
-            const float *xn = f->xn + r0 * d;
+            const float *xn = ffn_in + r0 * d;
             if (f->arch->gelu_mlp) {
                 linear(a, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
                 add_bias(a, w[KV_W_BUP], nr, hid);
+                if (c->gelu_erf) {
 #pragma omp parallel for if (nh > 65536) schedule(static)
-                for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
+                    for (int64_t i = 0; i < nh; i++) a[i] = gelu_erf(a[i]);
+                } else {
+#pragma omp parallel for if (nh > 65536) schedule(static)
+                    for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
+                }
             } else {
                 linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
                 linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);

@@ -93,6 +93,12 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
         put_u64(&ctx, (uint64_t)c->window_from);
         put_u64(&ctx, (uint64_t)c->window_period);
     }
+    if (c->rope_dim || c->parallel_residual || c->gelu_erf) { /* GPT-NeoX's (absent before it) */
+        put_str(&ctx, "gpt_neox");
+        put_u64(&ctx, (uint64_t)c->rope_dim);
+        put_u64(&ctx, (uint64_t)c->parallel_residual);
+        put_u64(&ctx, (uint64_t)c->gelu_erf);
+    }
     const struct kv_rope_scaling_cfg *rs = &c->rope_scaling;
     if (rs->type != KV_ROPE_SCALING_NONE) { /* absent from fingerprints made before scaling */
         put_str(&ctx, "rope_scaling");

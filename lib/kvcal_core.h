@@ -111,6 +111,7 @@ enum kv_arch {
     KV_ARCH_QWEN2 = 3,   /* llama with q/k/v biases always, optional sliding window */
     KV_ARCH_PHI3 = 4,    /* llama with fused qkv and gate_up projections */
     KV_ARCH_QWEN3 = 5,   /* qwen2 with per-head RMSNorm of q and k, optional biases */
+    KV_ARCH_GPTNEOX = 6, /* LayerNorm, partial RoPE, MHA, GELU, biases, parallel residual */
 };
 const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
 /* 1 when the architecture rotates queries and keys (RoPE), 0 when it adds
@@ -184,7 +185,18 @@ struct kv_config {
     int tied_embeddings;  /* output head shares the embedding matrix */
     int has_qkv_bias;
     int32_t bos_id, eos_id; /* -1 if unknown */
+    /* GPT-NeoX (gpt_neox; 0 elsewhere): RoPE turns only the first rope_dim
+     * dimensions of each head (0: all d_h; kv_rope_dim), the layer adds
+     * attention and MLP of the same input (x + attn(norm1 x) + mlp(norm2 x))
+     * when parallel_residual, and the MLP's GELU is erf's, not tanh's, when
+     * gelu_erf */
+    int64_t rope_dim;
+    int parallel_residual;
+    int gelu_erf;
 };
+
+/* The dimensions of each head that RoPE turns: c->rope_dim, or d_h when 0. */
+int64_t kv_rope_dim(const struct kv_config *c);
 
 /* The sliding window of layer l of c, or 0 when it attends to every
  * earlier position. */

@@ -141,7 +141,14 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (!strcmp(kv_arch_name(c->arch), "?"))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "architecture %d is unknown", (int)c->arch);
     const struct kv_arch_desc *a = kv_arch_desc(c->arch);
-    if (a->rope && c->head_dim > 2 * KV_MAX_ROPE_FACTORS)
+    if (c->arch != KV_ARCH_GPTNEOX && (c->rope_dim || c->parallel_residual || c->gelu_erf))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s has no partial rope, parallel residual or erf gelu", a->name);
+    if (c->rope_dim < 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "rope dimensions %lld must be even and within 0..head_dim (%lld)",
+                       (long long)c->rope_dim, (long long)c->head_dim);
+    if (a->rope && kv_rope_dim(c) > 2 * KV_MAX_ROPE_FACTORS)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "head_dim %lld exceeds %d, the most kvcal rotates", (long long)c->head_dim,
                        2 * KV_MAX_ROPE_FACTORS);

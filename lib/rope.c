@@ -73,7 +73,7 @@ static void llama3_freqs(const struct kv_rope_scaling_cfg *s, int64_t half, doub
 
 double kv_rope_freqs(const struct kv_config *c, int64_t seq_len, double *inv_freq) {
     const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
-    int64_t dim = c->head_dim, half = dim / 2;
+    int64_t dim = kv_rope_dim(c), half = dim / 2;
     double base = (double)c->rope_theta, scale = 1.0;
     int past = s->original_ctx > 0 && seq_len > s->original_ctx;
     if (s->type == KV_ROPE_SCALING_DYNAMIC && past)
@@ -108,7 +108,7 @@ double kv_rope_freqs(const struct kv_config *c, int64_t seq_len, double *inv_fre
 
 void kv_rope_table(const struct kv_config *c, int64_t seq_len, int64_t n_pos, float *cos_out,
                    float *sin_out) {
-    int64_t half = c->head_dim / 2;
+    int64_t half = kv_rope_dim(c) / 2;
     double inv_freq[KV_MAX_ROPE_FACTORS];
     KV_ASSERT(half <= KV_MAX_ROPE_FACTORS);
     double scale = kv_rope_freqs(c, seq_len, inv_freq);
@@ -121,12 +121,14 @@ void kv_rope_table(const struct kv_config *c, int64_t seq_len, int64_t n_pos, fl
 }
 
 int kv_rope_same(const struct kv_config *a, const struct kv_config *b) {
-    if (a->head_dim != b->head_dim || a->rope_theta != b->rope_theta) return 0;
+    if (a->head_dim != b->head_dim || kv_rope_dim(a) != kv_rope_dim(b) ||
+        a->rope_theta != b->rope_theta)
+        return 0;
     int64_t lens[] = {1, a->rope_scaling.original_ctx + 1, b->rope_scaling.original_ctx + 1};
     for (int k = 0; k < 3; k++) {
         double fa[KV_MAX_ROPE_FACTORS], fb[KV_MAX_ROPE_FACTORS];
         if (kv_rope_freqs(a, lens[k], fa) != kv_rope_freqs(b, lens[k], fb)) return 0;
-        for (int64_t i = 0; i < a->head_dim / 2; i++)
+        for (int64_t i = 0; i < kv_rope_dim(a) / 2; i++)
             if ((float)fa[i] != (float)fb[i]) return 0;
     }
     return 1;
@@ -162,10 +164,10 @@ int kv_rope_check(const struct kv_config *c, const char *path, struct kv_err *er
                        "rope scaling '%s': attention_factor %g must be positive", name,
                        s->attention_factor);
     if (s->type == KV_ROPE_SCALING_LONGROPE || s->type == KV_ROPE_SCALING_FREQS) {
-        if (s->n_factors != c->head_dim / 2)
+        if (s->n_factors != kv_rope_dim(c) / 2)
             return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                            "rope scaling '%s' has %lld factors, expected one per rotated pair (%lld)",
-                           name, (long long)s->n_factors, (long long)(c->head_dim / 2));
+                           name, (long long)s->n_factors, (long long)(kv_rope_dim(c) / 2));
         for (int64_t i = 0; i < s->n_factors; i++) {
             int bad_long = s->type == KV_ROPE_SCALING_LONGROPE &&
                            !(s->long_factor[i] > 0 && isfinite(s->long_factor[i]));

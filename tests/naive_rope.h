@@ -13,7 +13,8 @@
 static inline double naive_rope_angle(const struct kv_config *c, int64_t seq_len, int64_t t,
                                       int64_t i, double *mscale) {
     const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
-    double n_dims = (double)c->head_dim, base = c->rope_theta;
+    /* partial rope (gpt_neox): frequencies over the rotated dimensions only */
+    double n_dims = (double)(c->rope_dim ? c->rope_dim : c->head_dim), base = c->rope_theta;
     *mscale = 1;
     int past = s->original_ctx > 0 && seq_len > s->original_ctx;
     if (s->type == KV_ROPE_SCALING_DYNAMIC && past) {

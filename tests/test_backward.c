@@ -9,11 +9,14 @@
 #include "model.h"
 #include "naive_gpt2.h"
 #include "naive_llama.h"
+#include "naive_neox.h"
 #include "testutil.h"
 
 /* Mean next-token NLL of tok[0..n] under the float64 oracle. */
 static double oracle_loss(const struct kv_model *m, const int32_t *tok, int64_t n) {
-    double *lg = m->cfg.arch == KV_ARCH_GPT2 ? naive_gpt2_forward(m, tok, n) : naive_forward(m, tok, n);
+    double *lg = m->cfg.arch == KV_ARCH_GPT2      ? naive_gpt2_forward(m, tok, n)
+                 : m->cfg.arch == KV_ARCH_GPTNEOX ? naive_neox_forward(m, tok, n)
+                                                  : naive_forward(m, tok, n);
     int64_t V = m->cfg.vocab_size;
     double s = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -145,6 +148,16 @@ static struct kv_config qwen3_like(void) {
     return c;
 }
 Test(backward, qwen3_per_head_qk_norms) { run_case(qwen3_like(), 0.4, 7); }
+/* partial rope (4 of 8 dimensions), parallel residual, erf GELU; and the
+ * sequential, tanh variant */
+static struct kv_config small_neox(int parallel, int erf_gelu) {
+    struct kv_config c = tiny_neox_cfg();
+    c.dim = 16, c.hidden_dim = 32, c.n_heads = c.n_kv_heads = 2, c.head_dim = 8, c.rope_dim = 4;
+    c.vocab_size = 19, c.parallel_residual = parallel, c.gelu_erf = erf_gelu;
+    return c;
+}
+Test(backward, gpt_neox_parallel_partial_rope_erf_gelu) { run_case(small_neox(1, 1), 0.4, 7); }
+Test(backward, gpt_neox_sequential_tanh_gelu) { run_case(small_neox(0, 0), 0.4, 7); }
 
 /* The training forward scores a window like the inference forward. */
 static void loss_matches_forward(struct kv_config c) {
@@ -177,6 +190,7 @@ Test(backward, loss_matches_inference_forward) {
     loss_matches_forward(small_gpt2());
     loss_matches_forward(windowed_llama());
     loss_matches_forward(qwen3_like());
+    loss_matches_forward(small_neox(1, 1));
 }
 
 /* ∂L/∂k and ∂L/∂v are the gradients the weight gradients came from:
