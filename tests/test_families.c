@@ -1,7 +1,8 @@
 /* The model families end to end through the command line: a random model
  * of each family's features (Llama with llama3 RoPE scaling, Mistral with a
  * sliding window shorter than the windows, Qwen2 with q/k/v biases, yarn
- * scaling and a window in its upper layer) written as an HF directory, then
+ * scaling and a window in its upper layer, Phi-3, Qwen3, GPT-NeoX with a
+ * partial rope and a parallel residual) written as an HF directory, then
  * collect (with --fisher), decompose by every method at --eps 1 (the base
  * model again: 1e-4 relative PPL), and at --ratio 0.5 the latent cache
  * against the dense export (the same computation: 1e-4). */
@@ -76,6 +77,10 @@ static struct kv_config family_cfg(enum kv_arch arch) {
         for (int64_t i = 0; i < s->n_factors; i++)
             s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
     } else if (arch == KV_ARCH_QWEN3) {
+        s->type = KV_ROPE_SCALING_NONE;
+    } else if (arch == KV_ARCH_GPTNEOX) { /* Pythia's: a quarter of each head turned */
+        c.n_kv_heads = c.n_heads, c.rope_dim = 16, c.parallel_residual = 1, c.gelu_erf = 1;
+        c.has_qkv_bias = 1, c.tied_embeddings = 0, c.window_period = 0;
         s->type = KV_ROPE_SCALING_NONE;
     } else {
         c.sliding_window = 40, c.window_from = 1, c.window_period = 1;
@@ -166,3 +171,4 @@ Test(families, mistral_with_a_sliding_window, .timeout = 300) { run_family(KV_AR
 Test(families, qwen2_with_biases_yarn_and_a_window, .timeout = 300) { run_family(KV_ARCH_QWEN2); }
 Test(families, phi3_fused_with_longrope_and_a_window, .timeout = 300) { run_family(KV_ARCH_PHI3); }
 Test(families, qwen3_with_per_head_qk_norms, .timeout = 300) { run_family(KV_ARCH_QWEN3); }
+Test(families, gpt_neox_partial_rope_parallel_residual, .timeout = 300) { run_family(KV_ARCH_GPTNEOX); }
