@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ggufmodelw.h"
 #include "hfdir.h"
@@ -268,5 +269,105 @@ Test(neox, gguf_round_trip_and_the_erf_refusal) {
     kv_model_close(r);
     kv_model_close(m);
     free(path);
+    kvt_rm_dir(dir);
+}
+
+/* ---------------------------------------------------------------- GGUF end to end */
+
+#define TOKJSON "data/kjv-bpe-llama/tokenizer.json" /* 4,096 byte-level BPE ids */
+
+static char *cli_ok(const char *args) {
+    char *o, *e;
+    int rc = kvt_run_cli(args, &o, &e);
+    cr_assert_eq(rc, 0, "kvcal %s: exit %d; stderr:\n%s", args, rc, e);
+    free(e);
+    return o;
+}
+
+static double ppl_of(const char *json, const char *key) {
+    json_t *o = json_loads(json, 0, NULL);
+    cr_assert(o, "not JSON: %s", json);
+    double x = json_number_value(json_object_get(o, key));
+    json_decref(o);
+    return x;
+}
+
+/* A GGUF gptneox (tanh GELU) with a byte-level vocabulary: collect,
+ * decompose to half the cache, and the latent cache against the dense
+ * export, whose attn_qkv gets new k and v rows between untouched q rows;
+ * a Q8_0 file's stacked attn_qkv is refused by name. */
+Test(neox, gguf_collect_decompose_and_dense_export, .timeout = 300) {
+    if (access(TOKJSON, R_OK) != 0) cr_skip("%s is missing: run the tests from the repository root", TOKJSON);
+    struct kv_config c = tiny_neox_cfg();
+    c.dim = 256, c.hidden_dim = 512, c.n_heads = c.n_kv_heads = 4, c.head_dim = 64, c.rope_dim = 16;
+    c.vocab_size = 4096, c.max_seq_len = 2048, c.gelu_erf = 0;
+    struct kv_model *m, *hf;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_model_init_random(&c, 3, &m, &err), KV_OK, "%s", err.msg);
+    for (int64_t l = 0; l < c.n_layers; l++) /* sharp attention, as in the family suite */
+        for (int k = KV_W_Q; k <= KV_W_K; k++) {
+            float *w = kv_model_weight_mut(m, (enum kv_wkind)k, l);
+            for (int64_t i = 0; i < c.dim * c.dim; i++) w[i] *= 20;
+        }
+    char *dir = kvt_temp_dir(), *hfdir = kvt_path(dir, "hf"), *gguf = kvt_path(dir, "m.gguf");
+    char *q8 = kvt_path(dir, "q8.gguf"), *text = kvt_path(dir, "text.txt");
+    cr_assert_eq(kv_hf_write(m, hfdir, KV_DTYPE_F32, TOKJSON, &err), KV_OK, "%s", err.msg);
+    kv_model_close(m);
+    cr_assert_eq(kv_model_open(hfdir, NULL, &hf, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_gguf_write_model(hf, gguf, NULL, &err), KV_OK, "%s", err.msg);
+    struct kv_gguf_write_opts o = {.matrix_type = 8};
+    cr_assert_eq(kv_gguf_write_model(hf, q8, &o, &err), KV_OK, "%s", err.msg);
+    kv_model_close(hf);
+    FILE *f = fopen(text, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 400; i++) fprintf(f, "and the light shall come upon the earth %d. ", i % 37);
+    fclose(f);
+    char args[4096];
+    snprintf(args, sizeof args,
+             "collect -m '%s' -t '%s' --seq-len 64 --samples 8 --sequential --threads 2 -q -o '%s/s.kvstats'",
+             gguf, text, dir);
+    free(cli_ok(args));
+    snprintf(args, sizeof args, "decompose -m '%s' -s '%s/s.kvstats' --method palu --ratio 0.5 -o '%s/c' -q",
+             gguf, dir, dir);
+    free(cli_ok(args));
+    snprintf(args, sizeof args, "verify -m '%s' --text '%s' --seq-len 64 --max-windows 4 --threads 2 --json --compressed '%s/c'",
+             gguf, text, dir);
+    char *out = cli_ok(args);
+    double latent = ppl_of(out, "ppl"), base = ppl_of(out, "base_ppl");
+    free(out);
+    snprintf(args, sizeof args, "export --dense '%s/c' -m '%s' -o '%s/dense.gguf'", dir, gguf, dir);
+    free(cli_ok(args));
+    snprintf(args, sizeof args, "verify -m '%s/dense.gguf' --text '%s' --seq-len 64 --max-windows 4 --threads 2 --json",
+             dir, text);
+    out = cli_ok(args);
+    double dense = ppl_of(out, "ppl");
+    free(out);
+    cr_assert(fabs(latent - dense) <= 1e-4 * dense, "latent ppl %.8f vs dense export %.8f", latent, dense);
+    cr_assert(fabs(latent - base) > 1e-5 * base, "half the cache changed nothing (%.8f)", latent);
+    /* the dense file's q rows are the source's */
+    struct kv_model *a, *b;
+    snprintf(args, sizeof args, "%s/dense.gguf", dir);
+    cr_assert_eq(kv_model_open(gguf, NULL, &a, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_model_open(args, NULL, &b, &err), KV_OK, "%s", err.msg);
+    for (int64_t l = 0; l < c.n_layers; l++)
+        cr_assert(!memcmp(kv_model_weight(a, KV_W_Q, l), kv_model_weight(b, KV_W_Q, l),
+                          (size_t)(c.dim * c.dim) * sizeof(float)),
+                  "q of layer %lld changed", (long long)l);
+    kv_model_close(a), kv_model_close(b);
+    char *o2, *e2;
+    snprintf(args, sizeof args,
+             "collect -m '%s' -t '%s' --seq-len 64 --samples 2 --sequential --threads 2 -q -o '%s/s8.kvstats'",
+             q8, text, dir);
+    free(cli_ok(args));
+    snprintf(args, sizeof args, "decompose -m '%s' -s '%s/s8.kvstats' --method palu --ratio 0.5 -o '%s/c8' -q",
+             q8, dir, dir);
+    free(cli_ok(args));
+    snprintf(args, sizeof args, "export --dense '%s/c8' -m '%s' -o '%s/dense8.gguf'", dir, q8, dir);
+    int rc = kvt_run_cli(args, &o2, &e2);
+    cr_assert_neq(rc, 0, "a Q8_0 attn_qkv was exported");
+    cr_assert(strstr(e2, "tensor 'blk.0.attn_qkv.weight' stacks q, k and v in quantized type Q8_0"),
+              "%s", e2);
+    free(o2), free(e2);
+    free(hfdir), free(gguf), free(q8), free(text);
     kvt_rm_dir(dir);
 }
