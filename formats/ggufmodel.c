@@ -568,6 +568,64 @@ static int read_rope_scaling(const struct kv_gguf_file *f, const char *ar, struc
     return KV_OK; /* values checked by kv_model_create */
 }
 
+/* One of phi3's longrope factor tensors into out: n F32 or F16 values. */
+static int read_factors(const struct kv_gguf_file *f, const char *name, int64_t n, float *out,
+                        struct kv_err *err) {
+    const struct kv_gguf_tensor *t = kv_gguf_find_tensor(f, name);
+    if (!t)
+        return kv_fail(err, KV_EFORMAT, f->path, KV_NO_OFFSET,
+                       "missing tensor '%s' (phi3's longrope needs both factor tensors)", name);
+    if ((t->ggml_type != KV_GGML_F32 && t->ggml_type != KV_GGML_F16) ||
+        kv_tensor_numel(&t->t) != n || n > KV_MAX_ROPE_FACTORS)
+        return kv_fail(err, KV_EFORMAT, f->path, t->info_off,
+                       "tensor '%s' must hold %lld F32 or F16 values, one per rotated pair, "
+                       "found %lld of type %s",
+                       name, (long long)n, (long long)kv_tensor_numel(&t->t),
+                       kv_ggml_type_name(t->ggml_type));
+    kv_convert_to_f32(t->t.dtype, t->t.data, out, n);
+    return KV_OK;
+}
+
+/* Phi-3's longrope as llama.cpp's converter stores it: the factor tensors
+ * rope_factors_short.weight and rope_factors_long.weight, the trained
+ * context phi3.rope.scaling.original_context_length, and cos and sin
+ * multiplied by phi3.rope.scaling.attn_factor (else transformers' default
+ * from factor = context_length / original). And its sliding window,
+ * phi3.attention.sliding_window, in every layer. */
+static int read_phi3(const struct kv_gguf_file *f, const char *ar, struct kv_config *cfg,
+                     struct kv_err *err) {
+    int rc;
+    if (kv_gguf_find(f, akey(ar, "attention.sliding_window"))) {
+        uint32_t w;
+        if ((rc = kv_gguf_get_u32(f, akey(ar, "attention.sliding_window"), &w, err))) return rc;
+        cfg->sliding_window = w, cfg->window_from = 0, cfg->window_period = w ? 1 : 0;
+    }
+    int has_s = kv_gguf_find_tensor(f, "rope_factors_short.weight") != NULL;
+    int has_l = kv_gguf_find_tensor(f, "rope_factors_long.weight") != NULL;
+    if (!has_s && !has_l) return KV_OK;
+    struct kv_rope_scaling_cfg *sc = &cfg->rope_scaling;
+    if (sc->type != KV_ROPE_SCALING_NONE)
+        return kv_fail(err, KV_EUNSUPPORTED, f->path, KV_NO_OFFSET,
+                       "phi3 longrope factor tensors together with rope scaling '%s' are not "
+                       "supported",
+                       kv_rope_scaling_name(sc->type));
+    int64_t half = kv_rope_dim(cfg) / 2;
+    uint32_t orig = 0;
+    float af = 0;
+    if ((rc = read_factors(f, "rope_factors_short.weight", half, sc->short_factor, err)) ||
+        (rc = read_factors(f, "rope_factors_long.weight", half, sc->long_factor, err)) ||
+        (rc = kv_gguf_get_u32(f, akey(ar, "rope.scaling.original_context_length"), &orig, err)))
+        return rc;
+    if (kv_gguf_find(f, akey(ar, "rope.scaling.attn_factor")) &&
+        (rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.attn_factor"), &af, err)))
+        return rc;
+    sc->type = KV_ROPE_SCALING_LONGROPE, sc->n_factors = half;
+    sc->original_ctx = orig;
+    sc->factor = orig ? (double)cfg->max_seq_len / (double)orig : 1.0;
+    sc->attention_factor = af;
+    return KV_OK; /* values checked by kv_model_create */
+}
+
 static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, struct kv_err *err) {
     struct kv_gguf_str s;
     char sb[128];
@@ -645,6 +703,7 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
                            akey(ar, "rope.dimension_count"), v, (long long)cfg->head_dim);
     }
     if ((rc = read_rope_scaling(f, ar, cfg, err))) return rc;
+    if (ad->id == KV_ARCH_PHI3 && (rc = read_phi3(f, ar, cfg, err))) return rc;
 
     const struct kv_gguf_tensor *emb = kv_gguf_find_tensor(f, "token_embd.weight");
     if (!emb)
@@ -687,6 +746,9 @@ static int check_tensors(const struct kv_gguf_file *f, const struct kv_config *c
         int64_t layer;
         if (!name_entry(&kv_arch_desc(cfg->arch)->gguf, ti->t.name, &layer)) {
             if (!strcmp(ti->t.name, "rope_freqs.weight")) continue; /* read_rope_scaling */
+            if (cfg->arch == KV_ARCH_PHI3 && (!strcmp(ti->t.name, "rope_factors_short.weight") ||
+                                              !strcmp(ti->t.name, "rope_factors_long.weight")))
+                continue; /* read_phi3 */
             return kv_fail(err, KV_EUNSUPPORTED, f->path, ti->info_off,
                            "tensor '%s' is not part of the %s architecture kvcal implements",
                            ti->t.name, kv_arch_desc(cfg->arch)->gguf_arch);
@@ -729,7 +791,7 @@ int kv_gguf_load(const char *path, struct kv_model **out, struct kv_err *err) {
     for (int64_t i = 0; i < f->n_tensors; i++) {
         int64_t layer;
         const struct kv_arch_tensor *e = name_entry(nm, f->tensors[i].t.name, &layer);
-        if (!e) continue; /* rope_freqs */
+        if (!e) continue; /* rope_freqs, rope_factors_* */
         if ((rc = bind_entry(m, e, layer < 0 ? 0 : layer, &f->tensors[i].t, path, err))) goto fail;
     }
     const struct kv_gguf_kv *tm = kv_gguf_find(f, "tokenizer.ggml.model");

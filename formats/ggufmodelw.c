@@ -89,6 +89,21 @@ static const struct hp_key neox_keys[] = {
     {"vocab_size", HP_VOCAB, 0},
 };
 
+/* phi3: GQA keys, the rotated dimensions (its longrope keys, factor
+ * tensors and window are written apart) */
+static const struct hp_key phi3_keys[] = {
+    {"context_length", HP_CTX, 0},
+    {"embedding_length", HP_DIM, 0},
+    {"block_count", HP_LAYERS, 0},
+    {"feed_forward_length", HP_FF, 0},
+    {"attention.head_count", HP_HEADS, 0},
+    {"attention.head_count_kv", HP_KV_HEADS, 0},
+    {"rope.dimension_count", HP_ROPE_DIM, 0},
+    {"rope.freq_base", HP_ROPE_BASE, 0},
+    {"attention.layer_norm_rms_epsilon", HP_NORM_EPS, 0},
+    {"vocab_size", HP_VOCAB, 0},
+};
+
 /* How one kvcal architecture is written for llama.cpp: the GGUF
  * architecture (general.architecture and the key prefix), the RoPE pairing
  * llama.cpp's graph uses on stored q/k rows (llama: NORM, pairs (2i,
@@ -119,6 +134,7 @@ static const struct gguf_arch gguf_archs[] = {
     {KV_ARCH_QWEN2, "qwen2", KV_ROPE_HALF, 0, 1, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_QWEN3, "qwen3", KV_ROPE_HALF, 0, 0, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_GPTNEOX, "gptneox", KV_ROPE_HALF, 0, 1, neox_keys, COUNT(neox_keys)},
+    {KV_ARCH_PHI3, "phi3", KV_ROPE_HALF, 0, 1, phi3_keys, COUNT(phi3_keys)},
 };
 
 static const struct gguf_arch *find_arch(enum kv_arch a) {
@@ -624,6 +640,14 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
                            path, err)))
             return rc;
     }
+    if (rs == KV_ROPE_SCALING_LONGROPE) { /* phi3's factors, one per rotated pair */
+        int64_t shape[1] = {c->rope_scaling.n_factors};
+        if ((rc = plan_add(p, "rope_factors_long.weight", KV_GGML_F32, 1, shape,
+                           c->rope_scaling.long_factor, PERM_NONE, path, err)) ||
+            (rc = plan_add(p, "rope_factors_short.weight", KV_GGML_F32, 1, shape,
+                           c->rope_scaling.short_factor, PERM_NONE, path, err)))
+            return rc;
+    }
     enum perm perm = PERM_NONE;
     if (ad->rope && c->rope_layout != p->ga->rope_layout)
         perm = p->ga->rope_layout == KV_ROPE_INTERLEAVED ? PERM_TO_INTERLEAVED : PERM_TO_HALF;
@@ -710,6 +734,15 @@ static void meta_hparams(struct plan *p) {
         m_bool(m, key, c->parallel_residual);
     }
     const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
+    if (s->type == KV_ROPE_SCALING_LONGROPE) { /* phi3 (check_rope): factors are tensors */
+        snprintf(key, sizeof key, "%s.rope.scaling.original_context_length", ga->name);
+        m_u32(m, key, (uint32_t)s->original_ctx);
+        double af = s->attention_factor > 0 ? s->attention_factor
+                    : s->factor <= 1      ? 1.0
+                                          : sqrt(1 + log(s->factor) / log((double)s->original_ctx));
+        snprintf(key, sizeof key, "%s.rope.scaling.attn_factor", ga->name);
+        m_f32(m, key, (float)af);
+    }
     if (s->type == KV_ROPE_SCALING_LINEAR || s->type == KV_ROPE_SCALING_YARN) {
         snprintf(key, sizeof key, "%s.rope.scaling.type", ga->name);
         m_str(m, key, s->type == KV_ROPE_SCALING_LINEAR ? "linear" : "yarn");
@@ -742,6 +775,7 @@ static int check_rope(const struct kv_config *c, const struct gguf_arch *ga, con
     if (!kv_arch_desc(c->arch)->rope || rs == KV_ROPE_SCALING_NONE || rs == KV_ROPE_SCALING_LINEAR)
         return KV_OK;
     if (ga->rope_freqs && (rs == KV_ROPE_SCALING_LLAMA3 || rs == KV_ROPE_SCALING_FREQS)) return KV_OK;
+    if (c->arch == KV_ARCH_PHI3 && rs == KV_ROPE_SCALING_LONGROPE) return KV_OK;
     if (rs != KV_ROPE_SCALING_YARN)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "rope scaling '%s' cannot be written to gguf '%s' yet; kvcal writes %s",
@@ -898,6 +932,12 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
                        "architecture '%s' cannot be written to gguf yet; kvcal writes %s",
                        kv_arch_name(c->arch), names);
     }
+    if (c->sliding_window > 0 && c->arch == KV_ARCH_PHI3)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "sliding window of %lld positions cannot be written to gguf 'phi3': "
+                       "llama.cpp reads phi3.attention.sliding_window but attends to every "
+                       "earlier position (measured), so the file would be another model there",
+                       (long long)c->sliding_window);
     if (c->sliding_window > 0)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "sliding window of %lld positions cannot be written to gguf '%s': neither "

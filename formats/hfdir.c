@@ -122,7 +122,7 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
  * rotary_pct, 5.x's rope_parameters.partial_rotary_factor): they must
  * agree; 1 when none is given. */
 static int read_partial_rotary(const json_t *root, const char *path, double *out,
-                               struct kv_err *err) {
+                               const char **key_out, struct kv_err *err) {
     static const char *const keys[] = {"partial_rotary_factor", "rotary_pct", NULL};
     const json_t *objs[] = {root, root, json_object_get(root, "rope_parameters")};
     const char *names[] = {"partial_rotary_factor", "rotary_pct",
@@ -145,6 +145,7 @@ static int read_partial_rotary(const json_t *root, const char *path, double *out
         v = x, have = i;
     }
     *out = have >= 0 ? v : 1.0;
+    if (key_out) *key_out = have >= 0 ? names[have] : "partial_rotary_factor";
     return KV_OK;
 }
 
@@ -184,7 +185,7 @@ static int parse_neox_config(const json_t *root, const char *path, struct kv_con
         (rc = kv_json_get_bool(root, "use_parallel_residual", path, 0, &parallel, err)) ||
         (rc = kv_json_get_bool(root, "attention_bias", path, 0, &bias, err)) ||
         (rc = kv_json_get_num(root, "rotary_emb_base", path, 1, 0, &base, err)) ||
-        (rc = read_partial_rotary(root, path, &partial, err)) ||
+        (rc = read_partial_rotary(root, path, &partial, NULL, err)) ||
         (rc = kv_rope_json_read(root, path, ctx, cfg, err)) ||
         (rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
         (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
@@ -340,11 +341,13 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (mlp_bias)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "mlp_bias true is not supported");
     double partial = 1;
-    if ((rc = read_partial_rotary(root, path, &partial, err))) return rc;
+    const char *pkey;
+    if ((rc = read_partial_rotary(root, path, &partial, &pkey, err))) return rc;
     if (partial != 1)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                       "partial_rotary_factor %g is not supported: kvcal rotates whole heads",
-                       partial);
+                       "%s %g is not supported for model_type '%s': kvcal turns whole heads "
+                       "there (of these families only gpt_neox turns part of each)",
+                       pkey, partial, ad->name);
 
     if ((rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
         (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)) ||

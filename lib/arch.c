@@ -120,6 +120,16 @@ static const struct kv_arch_tensor phi3_hf_layer[] = {
     {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
 };
 
+/* llama.cpp's phi3: q, k, v stacked in attn_qkv, gate and up in ffn_up */
+static const struct kv_arch_tensor phi3_gguf_layer[] = {
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"attn_qkv.weight", {KV_W_Q, KV_W_K, KV_W_V}, 3, 0, 0},
+    {"attn_output.weight", ONE(KV_W_O), 0, 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"ffn_up.weight", {KV_W_GATE, KV_W_UP}, 2, 0, 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0, 0},
+};
+
 static const char *const phi3_hf_refused[] = {
     "self_attn.qkv_proj.bias", "self_attn.o_proj.bias", "mlp.gate_up_proj.bias", "mlp.down_proj.bias",
 };
@@ -306,13 +316,15 @@ static const struct kv_arch_desc archs[] = {
             .rope = 1,
             .qkv_bias = KV_WUSE_NONE,
             .hf_class = "Phi3ForCausalLM",
-            .gguf_arch = NULL, /* llama.cpp's phi3 GGUF is not read yet */
+            .gguf_arch = "phi3",
+            .gguf_rope_half = 1,
             .hf_attn = "self_attn.",
             .hf_refused = phi3_hf_refused,
             .n_hf_refused = COUNT(phi3_hf_refused),
             .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
                    phi3_hf_layer, COUNT(phi3_hf_layer)},
-            .gguf = {"blk.", NULL, NULL, 0, NULL, 0},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     phi3_gguf_layer, COUNT(phi3_gguf_layer)},
             .lr_layer = llama_lr_layer,
             .n_lr_layer = COUNT(llama_lr_layer),
         },

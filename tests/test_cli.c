@@ -520,6 +520,7 @@ Test(cli, bench_attn_refuses_a_manifest_too_large_to_time, .timeout = 120) {
     json_t *model = json_object_get(root, "model"), *kb = json_object_get(root, "kv_bytes_per_token");
     json_object_set_new(model, "dim", json_integer(1 << 20));
     json_object_set_new(model, "head_dim", json_integer(1 << 14));
+    json_object_set_new(json_object_get(root, "rope"), "rotary_dim", json_integer(1 << 14));
     /* the base bytes follow the shapes: 4 layers, 2 KV heads, k and v, f16 */
     json_int_t base = 4 * 2 * 2 * (1 << 14) * 2;
     json_object_set_new(kb, "base", json_integer(base));

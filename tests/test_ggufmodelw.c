@@ -1026,7 +1026,7 @@ Test(ggufmodelw, refuses_architectures_without_a_gguf_row) {
     cr_assert_eq(kv_model_init_random(&c, 57, &m, &e), KV_OK, "%s", e.msg);
     refused(m, T_F32, KV_EUNSUPPORTED,
             "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama', "
-            "'mistral', 'qwen2' and 'qwen3'");
+            "'mistral', 'qwen2', 'qwen3', 'gpt_neox' and 'phi3'");
     kv_model_close(m);
 }
 
@@ -1046,4 +1046,66 @@ Test(ggufmodelw, refuses_tokenizers_llama_cpp_cannot_load) {
             "tokenizer has 271 pieces but the model's vocabulary has 270 rows; llama.cpp needs "
             "one piece per row");
     kv_model_close(m);
+}
+
+/* Phi-3 as llama.cpp's phi3 stores it: q, k, v stacked in attn_qkv, gate
+ * and up in ffn_up, longrope as two factor tensors and its keys. Reading
+ * the file back gives the same weights, the same scaling and the same
+ * logits; a sliding window is refused (llama.cpp ignores its key). */
+Test(ggufmodelw, phi3_round_trip_with_longrope) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 0);
+    c.arch = KV_ARCH_PHI3, c.n_kv_heads = c.n_heads;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = KV_ROPE_SCALING_LONGROPE, s->factor = 4, s->original_ctx = 64;
+    s->n_factors = c.head_dim / 2;
+    for (int64_t i = 0; i < s->n_factors; i++)
+        s->short_factor[i] = 1.0f + 0.25f * (float)i, s->long_factor[i] = 2.0f + (float)i;
+    c.max_seq_len = 256; /* factor 4 = 256 / 64, as the reader derives it */
+    struct kv_model *m, *r;
+    struct kv_err e = {0};
+    cr_assert_eq(kv_model_init_random(&c, 91, &m, &e), KV_OK, "%s", e.msg);
+    char *path = kvt_write_temp("", 0, ".gguf");
+    cr_assert_eq(kv_gguf_write_model(m, path, NULL, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_gguf_load(path, &r, &e), KV_OK, "%s", e.msg);
+    const struct kv_config *rc = kv_model_config(r);
+    cr_assert(rc->arch == KV_ARCH_PHI3 && rc->rope_scaling.type == KV_ROPE_SCALING_LONGROPE &&
+              rc->rope_scaling.original_ctx == 64 && rc->rope_scaling.factor == 4 &&
+              rc->rope_scaling.n_factors == c.head_dim / 2);
+    for (int64_t i = 0; i < s->n_factors; i++)
+        cr_assert(rc->rope_scaling.short_factor[i] == s->short_factor[i] &&
+                  rc->rope_scaling.long_factor[i] == s->long_factor[i], "factor %lld", (long long)i);
+    for (int k = 0; k < KV_W_COUNT; k++)
+        for (int64_t l = 0; l < (k < KV_W_FIRST_LAYER ? 1 : c.n_layers); l++) {
+            const float *a = kv_model_weight(m, (enum kv_wkind)k, l), *b = kv_model_weight(r, (enum kv_wkind)k, l);
+            cr_assert(!a == !b, "%s of layer %lld", kv_wkind_name((enum kv_wkind)k), (long long)l);
+            int64_t sh[2];
+            int nd = kv_model_expected_shape(&c, (enum kv_wkind)k, sh);
+            if (a) cr_assert(!memcmp(a, b, (size_t)(nd == 2 ? sh[0] * sh[1] : sh[0]) * sizeof *a),
+                             "%s of layer %lld differs", kv_wkind_name((enum kv_wkind)k), (long long)l);
+        }
+    /* the short factors and the attention factor (sqrt(1 + ln 4 / ln 64)), in both */
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++) tok[i] = (i * 7 + 3) % (int32_t)c.vocab_size;
+    float *la = malloc(40 * (size_t)c.vocab_size * sizeof *la), *lb = malloc(40 * (size_t)c.vocab_size * sizeof *lb);
+    struct kv_fwd *f;
+    cr_assert_eq(kv_fwd_init(m, 40, &f, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_fwd_run(f, tok, 40, 0, la, &e), KV_OK, "%s", e.msg);
+    kv_fwd_free(f);
+    cr_assert_eq(kv_fwd_init(r, 40, &f, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_fwd_run(f, tok, 40, 0, lb, &e), KV_OK, "%s", e.msg);
+    kv_fwd_free(f);
+    /* the file holds the attention factor as f32, the source computes it in double */
+    kvt_assert_close_f32(lb, la, 40 * c.vocab_size, 1e-5, 1e-5, "phi3 logits read back");
+    free(la), free(lb);
+    kv_model_close(r);
+    kv_model_close(m);
+    c.rope_scaling.type = KV_ROPE_SCALING_NONE, c.sliding_window = 8, c.window_period = 1;
+    cr_assert_eq(kv_model_init_random(&c, 91, &m, &e), KV_OK, "%s", e.msg);
+    refused(m, T_F32, KV_EUNSUPPORTED,
+            "sliding window of 8 positions cannot be written to gguf 'phi3': llama.cpp reads "
+            "phi3.attention.sliding_window but attends to every earlier position (measured), so "
+            "the file would be another model there");
+    kv_model_close(m);
+    unlink(path);
+    free(path);
 }

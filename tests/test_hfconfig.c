@@ -196,7 +196,8 @@ Test(hf_config, refuses_what_it_would_otherwise_get_wrong) {
                "rope_scaling: key 'low_freq_factor' of rope type 'linear' is not supported");
     read_fails(dir, "\"rope_parameters\": {\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5}",
                KV_EUNSUPPORTED,
-               "rope_parameters: key 'partial_rotary_factor' of rope type 'default' is not supported");
+               "rope_parameters.partial_rotary_factor 0.5 is not supported for model_type 'llama': "
+               "kvcal turns whole heads there (of these families only gpt_neox turns part of each)");
     read_fails(dir, "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8}", KV_EFORMAT,
                "rope_scaling: missing key 'low_freq_factor'");
     read_fails(dir,

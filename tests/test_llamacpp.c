@@ -225,6 +225,7 @@ struct lc_case {
     double tol; /* max |Δ log p| allowed */
     int64_t rope_dim; /* gptneox: the dimensions of each head rope turns */
     int parallel;     /* gptneox: parallel residual */
+    int64_t window;   /* phi3: a sliding window in every layer, 0 for none */
 };
 
 #define N_IDS 128
@@ -250,6 +251,13 @@ static void run_case(const struct lc_case *k) {
         s->factor = 32, s->low_freq_factor = 1, s->high_freq_factor = 4, s->original_ctx = 8192;
         if (!(k->theta > 0)) c.rope_theta = 500000.0f;
     }
+    if (k->scaling == KV_ROPE_SCALING_LONGROPE) { /* Phi-3-mini-128k's shape of factors */
+        s->factor = 32, s->original_ctx = 4096, s->attention_factor = k->attn;
+        s->n_factors = c.head_dim / 2;
+        for (int64_t i = 0; i < s->n_factors; i++)
+            s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
+    }
+    c.sliding_window = k->window, c.window_period = k->window ? 1 : 0;
     if (k->scaling == KV_ROPE_SCALING_YARN) {
         s->factor = 4, s->original_ctx = 32768, s->beta_fast = 32, s->beta_slow = 1;
         s->truncate = 1, s->attention_factor = k->attn;
@@ -325,6 +333,8 @@ static void run_case(const struct lc_case *k) {
 #define QWEN2 KV_ARCH_QWEN2
 #define QWEN3 KV_ARCH_QWEN3
 #define NEOX KV_ARCH_GPTNEOX
+#define PHI3 KV_ARCH_PHI3
+#define LONG KV_ROPE_SCALING_LONGROPE
 
 /* llama.cpp rounds the activations of each product with a Q8_0 or Q4_K
  * weight to 8 bits: measured 0.13 and 0.16 at most (tests/llamacpp/README.md),
@@ -352,24 +362,27 @@ static void run_case(const struct lc_case *k) {
  * same way for the measurement; hence their 5e-3. */
 static const struct lc_case cases[] = {
     /* name                   arch  dim  hid  L  h  g  d_h vocab layout scaling theta attn tied bias type  tol */
-    {"hd64-gqa4-llama3-f32", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"hd128-gqa2-bias-f32", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"hd64-heads-wider-f32", LLAMA, 256, 512, 2, 8, 4, 64, 512, HALF, NONE, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"hd64-gqa2-linear-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, LIN, 0, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"hd64-vocab200-f32", LLAMA, 256, 512, 1, 4, 2, 64, 200, HALF, NONE, 0, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"hd64-gqa4-llama3-q8_0", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, 8, 0.5, 0, 0},
-    {"hd128-gqa2-bias-q4_k", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, 12, 0.5, 0, 0},
-    {"hd64-gqa2-yarn-attn-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, YARN, 0, 1.2, 1, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen2-hd64-gqa7-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen2-hd128-gqa7-f32", QWEN2, 896, 4864, 2, 7, 1, 128, 2048, INTL, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen2-hd64-gqa7-yarn-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, YARN, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"mistral-hd128-gqa4-f32", MISTRAL, 512, 1792, 2, 4, 1, 128, 1024, HALF, NONE, 1e6f, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen3-hd128-gqa2-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, NONE, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen3-hd128-gqa2-intl-bias-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, INTL, NONE, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0},
-    {"qwen3-hd128-gqa2-yarn-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, YARN, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0},
-    {"neox-hd64-rot16-parallel-f32", NEOX, 512, 2048, 2, 8, 8, 64, 1024, HALF, NONE, 0, 0, 0, 1, KV_GGML_F32, 5e-3, 16, 1},
-    {"neox-hd128-rot32-sequential-f32", NEOX, 512, 2048, 2, 4, 4, 128, 1024, HALF, NONE, 0, 0, 0, 1, KV_GGML_F32, 5e-3, 32, 0},
-    {"neox-hd64-rot16-parallel-q8_0", NEOX, 512, 2048, 2, 8, 8, 64, 1024, HALF, NONE, 0, 0, 0, 1, 8, 0.5, 16, 1},
+    {"hd64-gqa4-llama3-f32", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"hd128-gqa2-bias-f32", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"hd64-heads-wider-f32", LLAMA, 256, 512, 2, 8, 4, 64, 512, HALF, NONE, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"hd64-gqa2-linear-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, LIN, 0, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"hd64-vocab200-f32", LLAMA, 256, 512, 1, 4, 2, 64, 200, HALF, NONE, 0, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"hd64-gqa4-llama3-q8_0", LLAMA, 512, 1024, 2, 8, 2, 64, 1024, HALF, L3, 0, 0, 1, 0, 8, 0.5, 0, 0, 0},
+    {"hd128-gqa2-bias-q4_k", LLAMA, 512, 768, 3, 4, 2, 128, 2048, INTL, NONE, 0, 0, 0, 1, 12, 0.5, 0, 0, 0},
+    {"hd64-gqa2-yarn-attn-f32", LLAMA, 384, 768, 2, 6, 3, 64, 768, HALF, YARN, 0, 1.2, 1, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen2-hd64-gqa7-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen2-hd128-gqa7-f32", QWEN2, 896, 4864, 2, 7, 1, 128, 2048, INTL, NONE, 1e6f, 0, 1, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen2-hd64-gqa7-yarn-f32", QWEN2, 448, 2432, 2, 7, 1, 64, 1024, HALF, YARN, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"mistral-hd128-gqa4-f32", MISTRAL, 512, 1792, 2, 4, 1, 128, 1024, HALF, NONE, 1e6f, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen3-hd128-gqa2-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, NONE, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen3-hd128-gqa2-intl-bias-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, INTL, NONE, 1e6f, 0, 0, 1, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"qwen3-hd128-gqa2-yarn-f32", QWEN3, 256, 768, 2, 4, 2, 128, 1024, HALF, YARN, 1e6f, 0, 1, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"neox-hd64-rot16-parallel-f32", NEOX, 512, 2048, 2, 8, 8, 64, 1024, HALF, NONE, 0, 0, 0, 1, KV_GGML_F32, 5e-3, 16, 1, 0},
+    {"neox-hd128-rot32-sequential-f32", NEOX, 512, 2048, 2, 4, 4, 128, 1024, HALF, NONE, 0, 0, 0, 1, KV_GGML_F32, 5e-3, 32, 0, 0},
+    {"neox-hd64-rot16-parallel-q4_k", NEOX, 512, 2048, 2, 8, 8, 64, 1024, HALF, NONE, 0, 0, 0, 1, 12, 0.5, 16, 1, 0},
+    {"phi3-hd96-f32", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, NONE, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"phi3-hd96-longrope-f32", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, LONG, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
+    {"phi3-hd96-q8_0", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, NONE, 0, 0, 0, 0, 8, 0.5, 0, 0, 0},
 };
 
 Test(llamacpp, hd64_gqa4_llama3_f32) { run_case(&cases[0]); }
@@ -389,7 +402,10 @@ Test(llamacpp, qwen3_hd128_gqa2_from_interleaved_bias_f32) { run_case(&cases[13]
 Test(llamacpp, qwen3_hd128_gqa2_yarn_f32) { run_case(&cases[14]); }
 Test(llamacpp, gptneox_hd64_rope16_parallel_f32) { run_case(&cases[15]); }
 Test(llamacpp, gptneox_hd128_rope32_sequential_f32) { run_case(&cases[16]); }
-Test(llamacpp, gptneox_hd64_rope16_parallel_q8_0) { run_case(&cases[17]); }
+Test(llamacpp, gptneox_hd64_rope16_parallel_q4_k) { run_case(&cases[17]); }
+Test(llamacpp, phi3_hd96_f32) { run_case(&cases[18]); }
+Test(llamacpp, phi3_hd96_longrope_f32) { run_case(&cases[19]); }
+Test(llamacpp, phi3_hd96_q8_0) { run_case(&cases[20]); }
 
 /* ---------------------------------------------------------------- real models */
 
