@@ -22,7 +22,11 @@
 # and wiki.test.raw; `data`, a link to the repository's data/ folder; and
 # cal.txt and eval.txt, the first and the last 500 stories of val1k.txt.
 # Commands run with LC_ALL=C, one thread (OMP_NUM_THREADS=1,
-# OPENBLAS_NUM_THREADS=1), stdin from /dev/null and at most 300 s each.
+# OPENBLAS_NUM_THREADS=1), OpenBLAS's Haswell kernels (OPENBLAS_CORETYPE=
+# Haswell, or $DOCS_OPENBLAS_CORETYPE: AVX2 and FMA, which Intel and AMD
+# machines alike run, so the last digits of a perplexity or a checksum of
+# float sums do not change with the CPU the checks run on), stdin from
+# /dev/null and at most 300 s each.
 #
 # Masks. Before comparing, these are replaced by '#' in the expected and the
 # actual text alike, because they vary from run to run and machine to machine;
@@ -108,6 +112,7 @@ make_scratch() {
 # run CMD: its output, stdout and stderr together, trailing newlines dropped.
 run() {
     (cd "$SCRATCH" && PATH="$BINDIR:$PATH" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+        OPENBLAS_CORETYPE="${DOCS_OPENBLAS_CORETYPE:-Haswell}" \
         timeout 300 bash -c "$1" </dev/null 2>&1)
 }
 
