@@ -172,13 +172,17 @@ $(BUILD)/tests/libfault.so: tests/fault/faultinject.c
 	@mkdir -p $(dir $@)
 	$(CC) -shared -fPIC -O1 -Wall -Wextra $< -ldl -o $@
 
+# Criterion runs two tests at once (--jobs 2), each with OpenMP threads: with
+# OMP_WAIT_POLICY=passive an idle thread sleeps instead of spinning on a core
+# the other test needs (measured on the 2-core machine: test_kvrt 363 s -> 23 s,
+# test_families 84 s -> 7 s); the numbers computed do not change.
 test: all $(TEST_BIN) $(BUILD)/tests/libfault.so
 	@if command -v bible >/dev/null; then $(MAKE) --no-print-directory -s data; \
 	 else echo "make test: no 'bible' command (make deps installs bible-kjv): the KJV tests will skip"; fi
 	@pass=0; fail=0; skip=0; failed=""; log=$$(mktemp); \
 	for t in $(TEST_BIN); do \
 	  echo "== $$t"; \
-	  if KVCAL_BIN=$(BUILD)/kvcal $$t --jobs 2 --verbose >$$log 2>&1; then :; else failed="$$failed $$t"; fi; \
+	  if KVCAL_BIN=$(BUILD)/kvcal OMP_WAIT_POLICY=passive $$t --jobs 2 --verbose >$$log 2>&1; then :; else failed="$$failed $$t"; fi; \
 	  grep -av '^\[RUN \]\|^\[PASS\]' $$log; \
 	  syn=$$(grep -a 'Synthesis: Tested' $$log | tail -n 1); \
 	  p=$$(echo "$$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); \
