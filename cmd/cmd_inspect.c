@@ -467,6 +467,12 @@ int cmd_inspect(int argc, char **argv) {
             json_object_set_new(cfg, "parallel_residual", json_boolean(c->parallel_residual));
             json_object_set_new(cfg, "activation", json_string(c->gelu_erf ? "gelu" : "gelu_new"));
         }
+        if (cfg && c->arch == KV_ARCH_GEMMA2) {
+            json_object_set_new(cfg, "attn_scale", cli_json_real(kv_attn_scale(c)));
+            json_object_set_new(cfg, "attn_softcap", c->attn_softcap > 0 ? cli_json_real(c->attn_softcap) : json_null());
+            json_object_set_new(cfg, "final_softcap", c->final_softcap > 0 ? cli_json_real(c->final_softcap) : json_null());
+            json_object_set_new(cfg, "norm_offset", cli_json_real(c->norm_offset));
+        }
         if (cfg && kv_arch_has_rope(c->arch))
             json_object_set_new(cfg, "rope_scaling",
                                 c->rope_scaling.type == KV_ROPE_SCALING_NONE

@@ -626,6 +626,31 @@ static int read_phi3(const struct kv_gguf_file *f, const char *ar, struct kv_con
     return KV_OK; /* values checked by kv_model_create */
 }
 
+/* Gemma 2 as llama.cpp's converter stores it: RMSNorm gains with the 1
+ * already added (norm_offset 0), attention.sliding_window on every even
+ * layer, the two soft-caps, and no key for the attention scale, which
+ * llama.cpp derives: 1/sqrt(dim / heads) for the 27B model (46 layers),
+ * 1/sqrt(key_length) otherwise. */
+static int read_gemma2(const struct kv_gguf_file *f, const char *ar, struct kv_config *cfg,
+                       struct kv_err *err) {
+    int rc;
+    cfg->norm_offset = 0;
+    cfg->attn_scale = (float)(1.0 / sqrt((double)(cfg->n_layers == 46 ? cfg->dim / cfg->n_heads
+                                                                         : cfg->head_dim)));
+    if (kv_gguf_find(f, akey(ar, "attention.sliding_window"))) {
+        uint32_t w;
+        if ((rc = kv_gguf_get_u32(f, akey(ar, "attention.sliding_window"), &w, err))) return rc;
+        cfg->sliding_window = w, cfg->window_from = 0, cfg->window_period = w ? 2 : 0;
+    }
+    const char *caps[2] = {"attn_logit_softcapping", "final_logit_softcapping"};
+    float *outs[2] = {&cfg->attn_softcap, &cfg->final_softcap};
+    for (int i = 0; i < 2; i++)
+        if (kv_gguf_find(f, akey(ar, caps[i])) &&
+            (rc = kv_gguf_get_f32(f, akey(ar, caps[i]), outs[i], err)))
+            return rc;
+    return KV_OK;
+}
+
 static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, struct kv_err *err) {
     struct kv_gguf_str s;
     char sb[128];
@@ -704,6 +729,7 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
     }
     if ((rc = read_rope_scaling(f, ar, cfg, err))) return rc;
     if (ad->id == KV_ARCH_PHI3 && (rc = read_phi3(f, ar, cfg, err))) return rc;
+    if (ad->id == KV_ARCH_GEMMA2 && (rc = read_gemma2(f, ar, cfg, err))) return rc;
 
     const struct kv_gguf_tensor *emb = kv_gguf_find_tensor(f, "token_embd.weight");
     if (!emb)

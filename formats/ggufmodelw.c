@@ -104,6 +104,22 @@ static const struct hp_key phi3_keys[] = {
     {"vocab_size", HP_VOCAB, 0},
 };
 
+/* gemma2: heads sized by key_length (Gemma 2 2B: 8 · 256 on 2304); its
+ * window and soft-caps are written apart */
+static const struct hp_key gemma2_keys[] = {
+    {"context_length", HP_CTX, 0},
+    {"embedding_length", HP_DIM, 0},
+    {"block_count", HP_LAYERS, 0},
+    {"feed_forward_length", HP_FF, 0},
+    {"attention.head_count", HP_HEADS, 0},
+    {"attention.head_count_kv", HP_KV_HEADS, 0},
+    {"attention.key_length", HP_HEAD_DIM, 0},
+    {"attention.value_length", HP_HEAD_DIM, 0},
+    {"rope.freq_base", HP_ROPE_BASE, 0},
+    {"attention.layer_norm_rms_epsilon", HP_NORM_EPS, 0},
+    {"vocab_size", HP_VOCAB, 0},
+};
+
 /* How one kvcal architecture is written for llama.cpp: the GGUF
  * architecture (general.architecture and the key prefix), the RoPE pairing
  * llama.cpp's graph uses on stored q/k rows (llama: NORM, pairs (2i,
@@ -135,6 +151,7 @@ static const struct gguf_arch gguf_archs[] = {
     {KV_ARCH_QWEN3, "qwen3", KV_ROPE_HALF, 0, 0, llama_keys, COUNT(llama_keys)},
     {KV_ARCH_GPTNEOX, "gptneox", KV_ROPE_HALF, 0, 1, neox_keys, COUNT(neox_keys)},
     {KV_ARCH_PHI3, "phi3", KV_ROPE_HALF, 0, 1, phi3_keys, COUNT(phi3_keys)},
+    {KV_ARCH_GEMMA2, "gemma2", KV_ROPE_HALF, 0, 0, gemma2_keys, COUNT(gemma2_keys)},
 };
 
 static const struct gguf_arch *find_arch(enum kv_arch a) {
@@ -681,6 +698,19 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
             }
             int64_t shape[2];
             int nd = kv_model_expected_shape(c, k, shape);
+            int gain = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
+                       k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
+            float *shifted = NULL;
+            if (ad->post_norms && gain && c->norm_offset != 0) { /* llama.cpp: gains with the 1 added */
+                float **ow = realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *ow);
+                if (!ow || !(shifted = malloc((size_t)shape[0] * sizeof *shifted))) {
+                    if (ow) p->owned = ow;
+                    return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+                }
+                p->owned = ow, p->owned[p->n_owned++] = shifted;
+                for (int64_t i = 0; i < shape[0]; i++) shifted[i] = c->norm_offset + w[i];
+                w = shifted;
+            }
             char name[KV_MAX_NAME_LEN + 1];
             if (l < 0)
                 snprintf(name, sizeof name, "%s", e->name);
@@ -697,7 +727,7 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
             /* a streamed model's layer slot is reused: fetch it again when writing */
             struct wtensor *t = &p->t[p->n_t - 1];
             t->kind = k, t->layer = l < 0 ? 0 : l;
-            if (kv_model_is_streamed(m)) t->src = NULL;
+            if (kv_model_is_streamed(m) && !shifted) t->src = NULL;
         }
     }
     return KV_OK;
@@ -732,6 +762,20 @@ static void meta_hparams(struct plan *p) {
     if (c->arch == KV_ARCH_GPTNEOX) {
         snprintf(key, sizeof key, "%s.use_parallel_residual", ga->name);
         m_bool(m, key, c->parallel_residual);
+    }
+    if (c->arch == KV_ARCH_GEMMA2) { /* every even layer's window; the soft-caps */
+        if (c->sliding_window > 0) {
+            snprintf(key, sizeof key, "%s.attention.sliding_window", ga->name);
+            m_u32(m, key, (uint32_t)c->sliding_window);
+        }
+        if (c->attn_softcap > 0) {
+            snprintf(key, sizeof key, "%s.attn_logit_softcapping", ga->name);
+            m_f32(m, key, c->attn_softcap);
+        }
+        if (c->final_softcap > 0) {
+            snprintf(key, sizeof key, "%s.final_logit_softcapping", ga->name);
+            m_f32(m, key, c->final_softcap);
+        }
     }
     const struct kv_rope_scaling_cfg *s = &c->rope_scaling;
     if (s->type == KV_ROPE_SCALING_LONGROPE) { /* phi3 (check_rope): factors are tensors */
@@ -932,13 +976,27 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
                        "architecture '%s' cannot be written to gguf yet; kvcal writes %s",
                        kv_arch_name(c->arch), names);
     }
+    if (c->arch == KV_ARCH_GEMMA2) {
+        float want = (float)(1.0 / sqrt((double)(c->n_layers == 46 ? c->dim / c->n_heads : c->head_dim)));
+        if (kv_attn_scale(c) != want)
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "attention scale %g cannot be written to gguf 'gemma2': llama.cpp "
+                           "takes 1/sqrt(%s) = %g, with no key to say otherwise",
+                           (double)kv_attn_scale(c), c->n_layers == 46 ? "dim / heads" : "head_dim",
+                           (double)want);
+        if (c->sliding_window > 0 && (c->window_from || c->window_period != 2))
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "gguf 'gemma2' windows every even layer; this model's window is on "
+                           "every %d from layer %d",
+                           c->window_period, c->window_from);
+    }
     if (c->sliding_window > 0 && c->arch == KV_ARCH_PHI3)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "sliding window of %lld positions cannot be written to gguf 'phi3': "
                        "llama.cpp reads phi3.attention.sliding_window but attends to every "
                        "earlier position (measured), so the file would be another model there",
                        (long long)c->sliding_window);
-    if (c->sliding_window > 0)
+    if (c->sliding_window > 0 && c->arch != KV_ARCH_GEMMA2)
         return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                        "sliding window of %lld positions cannot be written to gguf '%s': neither "
                        "kvcal nor llama.cpp reads a window key there, so the file would attend "

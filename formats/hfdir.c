@@ -228,6 +228,102 @@ static int parse_neox_config(const json_t *root, const char *path, struct kv_con
     return KV_OK;
 }
 
+/* A soft-cap of Gemma2Config: its default when absent, none when null. */
+static int get_softcap(const json_t *root, const char *key, double dflt, const char *path,
+                       float *out, struct kv_err *err) {
+    const json_t *v = json_object_get(root, key);
+    double x = dflt;
+    if (v && json_is_null(v)) x = 0;
+    else if (v) {
+        int rc = kv_json_get_num(root, key, path, 1, 1, &x, err);
+        if (rc) return rc;
+    }
+    return as_float(x, key, path, out, err);
+}
+
+/* Gemma2Config: GeGLU with the tanh GELU, query_pre_attn_scalar, the two
+ * soft-caps, a window on every even layer, (1 + w) norms, tied head. */
+static int parse_gemma2_config(const json_t *root, const char *path, struct kv_config *cfg,
+                               struct kv_err *err) {
+    cfg->arch = KV_ARCH_GEMMA2;
+    const char *act = NULL, *act2 = NULL;
+    int rc;
+    if ((rc = kv_json_get_str(root, "hidden_activation", path, 0, &act, err)) ||
+        (rc = kv_json_get_str(root, "hidden_act", path, 0, &act2, err)))
+        return rc;
+    if (!act) act = act2 ? act2 : "gelu_pytorch_tanh";
+    if (strcmp(act, "gelu_pytorch_tanh") && strcmp(act, "gelu_new") && strcmp(act, "gelu_fast"))
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "hidden_activation '%.64s' is not supported, expected 'gelu_pytorch_tanh'",
+                       act);
+    int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 256, vocab = 0;
+    int64_t ctx = 8192, win = 4096;
+    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
+        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
+        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
+        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
+        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
+        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)) ||
+        (rc = kv_json_get_int(root, "head_dim", path, 1, KV_MAX_DIM, 0, &head_dim, err)))
+        return rc;
+    kv_heads = heads;
+    if ((rc = kv_json_get_int(root, "num_key_value_heads", path, 1, KV_MAX_DIM, 0, &kv_heads, err)))
+        return rc;
+    const json_t *sw = json_object_get(root, "sliding_window");
+    if (sw && json_is_null(sw)) win = 0;
+    else if ((rc = kv_json_get_int(root, "sliding_window", path, 1, KV_MAX_CTX, 0, &win, err)))
+        return rc;
+    double eps = 1e-6, qpas = 256, partial = 1;
+    const char *pkey;
+    int tied = 1, bias = 0;
+    if ((rc = kv_json_get_num(root, "rms_norm_eps", path, 1, 0, &eps, err)) ||
+        (rc = as_float(eps, "rms_norm_eps", path, &cfg->norm_eps, err)) ||
+        (rc = kv_json_get_num(root, "query_pre_attn_scalar", path, 1, 0, &qpas, err)) ||
+        (rc = get_softcap(root, "attn_logit_softcapping", 50.0, path, &cfg->attn_softcap, err)) ||
+        (rc = get_softcap(root, "final_logit_softcapping", 30.0, path, &cfg->final_softcap, err)) ||
+        (rc = kv_json_get_bool(root, "tie_word_embeddings", path, 0, &tied, err)) ||
+        (rc = kv_json_get_bool(root, "attention_bias", path, 0, &bias, err)) ||
+        (rc = read_partial_rotary(root, path, &partial, &pkey, err)) ||
+        (rc = kv_rope_json_read(root, path, ctx, cfg, err)) ||
+        (rc = get_token_id(root, "bos_token_id", path, &cfg->bos_id, err)) ||
+        (rc = get_token_id(root, "eos_token_id", path, &cfg->eos_id, err)))
+        return rc;
+    if (bias)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET, "attention_bias true is not supported");
+    if (partial != 1)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "%s %g is not supported for model_type 'gemma2'", pkey, partial);
+    /* transformers' Gemma 2: layer i slides when i is even; a layer_types
+     * list must say the same */
+    json_t *lt = json_object_get(root, "layer_types");
+    if (lt && !json_is_null(lt)) {
+        if (!json_is_array(lt) || (int64_t)json_array_size(lt) != layers)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "key 'layer_types' must be a list of %lld strings", (long long)layers);
+        for (int64_t l = 0; l < layers; l++) {
+            const char *t = json_string_value(json_array_get(lt, (size_t)l));
+            int sliding = t && !strcmp(t, "sliding_attention");
+            if (!t || (!sliding && strcmp(t, "full_attention")))
+                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                               "layer_types entry %lld is not 'full_attention' or "
+                               "'sliding_attention'",
+                               (long long)l);
+            if (sliding != (win > 0 && l % 2 == 0))
+                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                               "layer_types says layer %lld is %s; kvcal's gemma2 windows every "
+                               "even layer",
+                               (long long)l, t);
+        }
+    }
+    cfg->dim = dim, cfg->hidden_dim = hidden, cfg->n_layers = layers;
+    cfg->n_heads = heads, cfg->n_kv_heads = kv_heads, cfg->head_dim = head_dim;
+    cfg->vocab_size = vocab, cfg->max_seq_len = ctx, cfg->tied_embeddings = tied;
+    cfg->sliding_window = win, cfg->window_from = 0, cfg->window_period = win ? 2 : 0;
+    cfg->attn_scale = (float)(1.0 / sqrt(qpas));
+    cfg->norm_offset = 1.0f;
+    return KV_OK;
+}
+
 /* The sliding windows of the llama family as each config class defines
  * them: Mistral's sliding_window (MistralConfig's default 4096 when absent,
  * none when null) in every layer; Qwen2's only with use_sliding_window, from
@@ -295,6 +391,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
     if (s ? strcmp(s, "gpt2") == 0 : lists_architecture(root, "GPT2LMHeadModel"))
         return parse_gpt2_config(root, path, cfg, err);
     if (s && !strcmp(s, "gpt_neox")) return parse_neox_config(root, path, cfg, err);
+    if (s && !strcmp(s, "gemma2")) return parse_gemma2_config(root, path, cfg, err);
     if ((rc = kv_json_get_str(root, "model_type", path, 1, &s, err))) return rc;
     const struct kv_arch_desc *ad = kv_arch_by_name(s);
     if (!ad || ad->id == KV_ARCH_GPT2)

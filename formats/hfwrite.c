@@ -54,6 +54,35 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
         bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
         bad |= jset(o, "layer_norm_epsilon", json_real(short_float(c->norm_eps)));
         bad |= jset(o, "activation_function", json_string("gelu_new"));
+    } else if (c->arch == KV_ARCH_GEMMA2) { /* Gemma2Config */
+        if (c->rope_scaling.type != KV_ROPE_SCALING_NONE || c->rope_dim ||
+            (c->sliding_window && (c->window_from || c->window_period != 2))) {
+            json_decref(o);
+            return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                           "a gemma2 model with rope scaling, or windows other than every even "
+                           "layer, has no config.json form");
+        }
+        bad |= jset(o, "hidden_size", json_integer(c->dim));
+        bad |= jset(o, "intermediate_size", json_integer(c->hidden_dim));
+        bad |= jset(o, "num_hidden_layers", json_integer(c->n_layers));
+        bad |= jset(o, "num_attention_heads", json_integer(c->n_heads));
+        bad |= jset(o, "num_key_value_heads", json_integer(c->n_kv_heads));
+        bad |= jset(o, "head_dim", json_integer(c->head_dim));
+        bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
+        bad |= jset(o, "max_position_embeddings", json_integer(c->max_seq_len));
+        bad |= jset(o, "rms_norm_eps", json_real(short_float(c->norm_eps)));
+        bad |= jset(o, "rope_theta", json_real(short_float(c->rope_theta)));
+        bad |= jset(o, "hidden_activation", json_string("gelu_pytorch_tanh"));
+        /* scale = qpas^-1/2: qpas = 1 / scale², the shortest decimal that reads back */
+        double sc = kv_attn_scale(c);
+        bad |= jset(o, "query_pre_attn_scalar", json_real(short_float((float)(1.0 / (sc * sc)))));
+        bad |= jset(o, "attn_logit_softcapping",
+                    c->attn_softcap > 0 ? json_real(short_float(c->attn_softcap)) : json_null());
+        bad |= jset(o, "final_logit_softcapping",
+                    c->final_softcap > 0 ? json_real(short_float(c->final_softcap)) : json_null());
+        bad |= jset(o, "sliding_window",
+                    c->sliding_window ? json_integer(c->sliding_window) : json_null());
+        bad |= jset(o, "attention_bias", json_false());
     } else if (c->arch == KV_ARCH_GPTNEOX) { /* GPTNeoXConfig, in transformers 4.x's keys */
         if (c->rope_scaling.type == KV_ROPE_SCALING_FREQS) {
             json_decref(o);
@@ -160,6 +189,12 @@ static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
     return r - j + (j % 2 ? half + j / 2 : j / 2);
 }
 
+/* A norm of the residual stream, whose gain Gemma offsets by norm_offset. */
+static int is_model_norm(enum kv_wkind k) {
+    return k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
+           k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
+}
+
 /* Add table entry e of layer (global entries: layer 0) under name: its
  * kinds stacked along the output axis (interleaved per head when e->heads),
  * then transposed for a Conv1D. An
@@ -181,12 +216,18 @@ static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv
     int64_t r0 = 0;
     for (int k = 0; k < e->n_kinds; k++) {
         const float *src = kv_model_weight(m, e->kinds[k], layer);
+        /* HF's Gemma stores each RMSNorm gain minus 1 (a model read from
+         * GGUF holds the gains themselves: norm_offset 0) */
+        float shift = kv_arch_desc(c->arch)->post_norms && c->norm_offset == 0 &&
+                              is_model_norm(e->kinds[k])
+                          ? -1.0f
+                          : 0.0f;
         for (int64_t r = 0; r < rows[k]; r++) {
             int64_t hr = hf_row(c, e->kinds[k], r), dh = c->head_dim;
             int64_t at = e->heads ? ((hr / dh) * e->n_kinds + k) * dh + hr % dh : r0 + hr;
             float *dst = e->conv ? buf + r0 + r : buf + at * cols;
             int64_t step = e->conv ? total : 1; /* Conv1D: element (r, i) at [i, r0 + r] */
-            for (int64_t i = 0; i < cols; i++) dst[i * step] = src ? src[r * cols + i] : 0.0f;
+            for (int64_t i = 0; i < cols; i++) dst[i * step] = src ? src[r * cols + i] + shift : 0.0f;
         }
         r0 += rows[k];
     }

@@ -38,7 +38,7 @@ struct arch_words {
 static struct arch_words arch_words(const struct kv_config *c) {
     const struct kv_arch_desc *d = kv_arch_desc(c->arch);
     struct arch_words w = {d->layernorm ? "layernorm" : "rmsnorm",
-                           !d->gelu_mlp ? "silu" : c->gelu_erf ? "gelu" : "gelu_new",
+                           d->geglu ? "gelu_new" : !d->gelu_mlp ? "silu" : c->gelu_erf ? "gelu" : "gelu_new",
                            d->gelu_mlp ? "plain" : "gated",
                            d->rope ? "rope" : "learned",
                            d->qk_norm ? "rmsnorm_per_head_before_rope" : "none",
@@ -253,6 +253,8 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     if (c->sliding_window > 0) { /* the layers whose queries see only the last size keys */
         json_t *sw = jset(&b, mo, "sliding_window", json_object());
         jset(&b, sw, "size", json_integer(c->sliding_window));
+        /* every period-th layer from the first listed (one listed layer cannot say) */
+        jset(&b, sw, "period", json_integer(c->window_period));
         json_t *ls = jset(&b, sw, "layers", json_array());
         for (int64_t l = 0; l < c->n_layers; l++)
             if (kv_layer_window(c, l)) jappend(&b, ls, json_integer(l));
@@ -268,6 +270,15 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     jset(&b, mo, "positions", json_string(aw.positions));
     jset(&b, mo, "qk_norm", json_string(aw.qk_norm));
     jset(&b, mo, "residual", json_string(aw.residual));
+    if (kv_arch_desc(c->arch)->post_norms) {
+        /* Gemma 2: what its forward pass adds (formats.md) */
+        jset(&b, mo, "post_norms", json_string("attention_and_mlp"));
+        jset(&b, mo, "embedding_scale", json_real((double)(float)sqrt((double)c->dim)));
+        jset(&b, mo, "norm_offset", json_float(c->norm_offset));
+        jset(&b, mo, "attn_scale", json_float(kv_attn_scale(c)));
+        jset(&b, mo, "attn_softcap", c->attn_softcap > 0 ? json_float(c->attn_softcap) : json_null());
+        jset(&b, mo, "final_softcap", c->final_softcap > 0 ? json_float(c->final_softcap) : json_null());
+    }
     json_t *map = jset(&b, mo, "kv_head_of_query", json_array());
     for (int64_t i = 0; i < c->n_heads; i++)
         jappend(&b, map, json_integer(i / (c->n_heads / c->n_kv_heads)));
@@ -506,7 +517,7 @@ static int parse_rope(const json_t *root, const char *path, struct kv_config *c,
 }
 
 /* "sliding_window": absent or null (manifests before windows), or {size,
- * layers} with the layers every period-th from the first. */
+ * period, layers} with the layers every period-th from the first. */
 static int parse_window(const json_t *mo, const char *path, struct kv_config *c,
                         struct kv_err *err) {
     json_t *sw = json_object_get(mo, "sliding_window");
@@ -520,6 +531,10 @@ static int parse_window(const json_t *mo, const char *path, struct kv_config *c,
     size_t n = json_array_size(ls);
     int64_t first = n ? json_integer_value(json_array_get(ls, 0)) : -1;
     int64_t period = n > 1 ? json_integer_value(json_array_get(ls, 1)) - first : 1;
+    /* optional (manifests before Gemma 2's two-layer models inferred it) */
+    if (json_object_get(sw, "period") &&
+        (rc = kv_json_get_int(sw, "period", path, 1, KV_MAX_LAYERS, 0, &period, err)))
+        return kv_err_in(rc, err, "model: sliding_window");
     int ok = json_is_array(ls) && n > 0 && first >= 0 && period >= 1;
     c->sliding_window = size, c->window_from = (int32_t)first, c->window_period = (int32_t)period;
     for (int64_t l = 0, i = 0; ok && l < c->n_layers; l++)
@@ -687,6 +702,25 @@ static int parse_model(const json_t *root, const char *path, struct kv_mf *mf,
                            "model: residual '%.64s' is not 'parallel' or 'sequential'", res);
         c->gelu_erf = !strcmp(act, "gelu");
         c->parallel_residual = !strcmp(res, "parallel");
+    }
+    if (kv_arch_desc(c->arch)->post_norms) { /* Gemma 2's numbers, all required */
+        double off = 0, sc = 0, caps[2] = {0, 0};
+        const char *ck[2] = {"attn_softcap", "final_softcap"};
+        if ((rc = kv_json_get_num(mo, "norm_offset", path, 0, 1, &off, err)) ||
+            (rc = kv_json_get_num(mo, "attn_scale", path, 1, 1, &sc, err)))
+            return kv_err_in(rc, err, "model");
+        for (int i = 0; i < 2; i++) {
+            const json_t *v = json_object_get(mo, ck[i]);
+            if (!v)
+                return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "model: missing key '%s'", ck[i]);
+            if (!json_is_null(v) && (rc = kv_json_get_num(mo, ck[i], path, 1, 1, &caps[i], err)))
+                return kv_err_in(rc, err, "model");
+        }
+        if (off != 0 && off != 1)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "model: norm_offset %g is not 0 or 1", off);
+        c->norm_offset = (float)off, c->attn_scale = (float)sc;
+        c->attn_softcap = (float)caps[0], c->final_softcap = (float)caps[1];
     }
     if ((rc = parse_rope(root, path, c, err))) return rc;
     if ((rc = parse_window(mo, path, c, err))) return rc;

@@ -318,6 +318,11 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
     if (kv_arch_desc(c->arch)->qk_norm)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                        "the runtime has no per-head q/k norm (%s models)", kv_arch_name(c->arch));
+    if (kv_arch_desc(c->arch)->post_norms || c->attn_softcap > 0 || c->attn_scale > 0)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "the runtime has no %s attention (scaled and soft-capped scores, a norm "
+                       "of the output)",
+                       kv_arch_name(c->arch));
     if (kv_arch_desc(c->arch)->rope && kv_rope_dim(c) != c->head_dim)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                        "the runtime has no partial rope: this model turns %lld of each head's %lld "

@@ -1,6 +1,7 @@
 /* The architecture table (arch.h). */
 #include "arch.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -132,6 +133,57 @@ static const struct kv_arch_tensor phi3_gguf_layer[] = {
 
 static const char *const phi3_hf_refused[] = {
     "self_attn.qkv_proj.bias", "self_attn.o_proj.bias", "mlp.gate_up_proj.bias", "mlp.down_proj.bias",
+};
+
+/* ---------------------------------------------------------------- gemma2 */
+
+/* HF's post_attention_layernorm is Gemma 2's norm of attention's output;
+ * the MLP's input norm is pre_feedforward_layernorm */
+static const struct kv_arch_tensor gemma2_hf_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {"self_attn.k_proj.weight", ONE(KV_W_K), 0, 0},
+    {"self_attn.v_proj.weight", ONE(KV_W_V), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_POST_ATTN_NORM), 0, 0},
+    {"pre_feedforward_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"post_feedforward_layernorm.weight", ONE(KV_W_POST_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
+};
+
+static const struct kv_arch_tensor gemma2_gguf_layer[] = {
+    {"attn_norm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"attn_q.weight", ONE(KV_W_Q), 0, 0},
+    {"attn_k.weight", ONE(KV_W_K), 0, 0},
+    {"attn_v.weight", ONE(KV_W_V), 0, 0},
+    {"attn_output.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_norm.weight", ONE(KV_W_POST_ATTN_NORM), 0, 0},
+    {"ffn_norm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"post_ffw_norm.weight", ONE(KV_W_POST_FFN_NORM), 0, 0},
+    {"ffn_gate.weight", ONE(KV_W_GATE), 0, 0},
+    {"ffn_up.weight", ONE(KV_W_UP), 0, 0},
+    {"ffn_down.weight", ONE(KV_W_DOWN), 0, 0},
+};
+
+static const struct kv_arch_tensor gemma2_lr_layer[] = {
+    {"input_layernorm.weight", ONE(KV_W_ATTN_NORM), 0, 0},
+    {"self_attn.q_proj.weight", ONE(KV_W_Q), 0, 0},
+    {NULL, ONE(KV_W_K), 0, 0},
+    {"self_attn.o_proj.weight", ONE(KV_W_O), 0, 0},
+    {"post_attention_layernorm.weight", ONE(KV_W_POST_ATTN_NORM), 0, 0},
+    {"pre_feedforward_layernorm.weight", ONE(KV_W_FFN_NORM), 0, 0},
+    {"post_feedforward_layernorm.weight", ONE(KV_W_POST_FFN_NORM), 0, 0},
+    {"mlp.gate_proj.weight", ONE(KV_W_GATE), 0, 0},
+    {"mlp.up_proj.weight", ONE(KV_W_UP), 0, 0},
+    {"mlp.down_proj.weight", ONE(KV_W_DOWN), 0, 0},
+};
+
+static const char *const gemma2_hf_refused[] = {
+    "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias", "mlp.gate_proj.bias",    "mlp.up_proj.bias",
+    "mlp.down_proj.bias",
 };
 
 /* ---------------------------------------------------------------- gpt_neox */
@@ -367,6 +419,29 @@ static const struct kv_arch_desc archs[] = {
             .lr_layer = gpt2_lr_layer,
             .n_lr_layer = COUNT(gpt2_lr_layer),
         },
+    [KV_ARCH_GEMMA2] =
+        {
+            .id = KV_ARCH_GEMMA2,
+            .name = "gemma2",
+            .rope = 1,
+            .geglu = 1,
+            .post_norms = 1,
+            .embed_scale = 1,
+            .qkv_bias = KV_WUSE_NONE,
+            .tied_default = 1,
+            .hf_class = "Gemma2ForCausalLM",
+            .gguf_arch = "gemma2",
+            .gguf_rope_half = 1,
+            .hf_attn = "self_attn.",
+            .hf_refused = gemma2_hf_refused,
+            .n_hf_refused = COUNT(gemma2_hf_refused),
+            .hf = {"model.layers.", NULL, llama_hf_globals, COUNT(llama_hf_globals),
+                   gemma2_hf_layer, COUNT(gemma2_hf_layer)},
+            .gguf = {"blk.", NULL, llama_gguf_globals, COUNT(llama_gguf_globals),
+                     gemma2_gguf_layer, COUNT(gemma2_gguf_layer)},
+            .lr_layer = gemma2_lr_layer,
+            .n_lr_layer = COUNT(gemma2_lr_layer),
+        },
     [KV_ARCH_GPTNEOX] =
         {
             .id = KV_ARCH_GPTNEOX,
@@ -452,6 +527,10 @@ const char *kv_arch_list(int quoted) {
 int kv_arch_has_rope(enum kv_arch a) { return kv_arch_desc(a)->rope; }
 
 int64_t kv_rope_dim(const struct kv_config *c) { return c->rope_dim > 0 ? c->rope_dim : c->head_dim; }
+
+float kv_attn_scale(const struct kv_config *c) {
+    return c->attn_scale > 0 ? c->attn_scale : (float)(1.0 / sqrt((double)c->head_dim));
+}
 
 int64_t kv_layer_window(const struct kv_config *c, int64_t l) {
     if (c->sliding_window <= 0 || l < c->window_from) return 0;

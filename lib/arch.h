@@ -49,6 +49,10 @@ struct kv_arch_desc {
     int rope;               /* rotary q/k; otherwise learned positions added to the embedding */
     int gelu_mlp;           /* up(+bias) -> GELU(tanh) -> down(+bias) instead of SwiGLU */
     int qk_norm;            /* per-head RMSNorm of q and k (weights [d_h]) before RoPE */
+    int geglu;              /* gated MLP with GELU(tanh) in place of SiLU (Gemma) */
+    int post_norms;         /* RMSNorm of attention's and the MLP's outputs before each
+                               residual add (Gemma 2) */
+    int embed_scale;        /* the embedding row times sqrt(d) (Gemma) */
     int qkv_bias;           /* KV_WUSE_OPTIONAL or KV_WUSE_REQUIRED (model.h) */
     int block_biases;       /* output projection, MLP and norm biases, all required */
     int mha;                /* as many KV heads as query heads */

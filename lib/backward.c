@@ -40,6 +40,10 @@ struct glayer { /* saved activations of one layer */
     float *x_mid, *xn2, *mu2, *rs2;
     float *a, *b, *act;            /* ffn pre-activations and activation [n, hidden] */
     float *gk, *gv;                /* ∂L/∂k, ∂L/∂v before RoPE [n, g*d_h] */
+    /* Gemma 2: attention's and the MLP's outputs before their norms, with
+     * those norms' row stats, and tanh(s / cap) of the capped scores
+     * [h, n, n]; NULL without */
+    float *pa_in, *pa_mu, *pa_rs, *pf_in, *pf_mu, *pf_rs, *T;
     /* per-head q/k norm (Qwen3): the projections before it and its row
      * stats [n*h], [n*g]; NULL without */
     float *qraw, *kraw, *qmu, *qrs, *kmu, *krs;
@@ -55,6 +59,7 @@ struct kv_grad {
     float *dx, *dxn, *dq, *dk, *dv, *datt, *dh, *da, *db, *dP; /* dP: [threads][n][n] */
     float *dqr, *dkr;             /* per-head norm inputs' gradients (Qwen3), or NULL */
     float *dxo;                   /* ∂L/∂ the layer's output (parallel residual), or NULL */
+    float *dpost;                 /* ∂L/∂ a post-norm's input (Gemma 2), or NULL */
     float *gbuf;                  /* every gradient, contiguous */
     int64_t n_gbuf;
     struct gtensor *t;
@@ -72,13 +77,14 @@ void kv_grad_free(struct kv_grad *g) {
             float *p[] = {y->x_in, y->xn1, y->mu1, y->rs1, y->q,    y->k,   y->v,
                           y->P,    y->att, y->x_mid, y->xn2, y->mu2, y->rs2, y->a,
                           y->b,    y->act, y->gk,    y->gv,  y->qraw, y->kraw, y->qmu,
-                          y->qrs,  y->kmu, y->krs};
+                          y->qrs,  y->kmu, y->krs, y->pa_in, y->pa_mu, y->pa_rs, y->pf_in,
+                          y->pf_mu, y->pf_rs, y->T};
             for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
         }
     free(g->ly);
     float *p[] = {g->xf, g->xnf, g->muf, g->rsf, g->logits, g->rope_cos, g->rope_sin, g->dx,
                   g->dxn, g->dq, g->dk, g->dv, g->datt, g->dh, g->da, g->db, g->dP, g->gbuf,
-                  g->dqr, g->dkr, g->dxo};
+                  g->dqr, g->dkr, g->dxo, g->dpost};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
     free(g->t);
     free(g);
@@ -112,6 +118,12 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
         y->gk = falloc(n * kd), y->gv = falloc(n * kd);
         ok = y->x_in && y->xn1 && y->mu1 && y->rs1 && y->q && y->k && y->v && y->P && y->att &&
              y->x_mid && y->xn2 && y->mu2 && y->rs2 && y->a && y->b && y->act && y->gk && y->gv;
+        if (ok && kv_arch_desc(c->arch)->post_norms) {
+            y->pa_in = falloc(n * d), y->pa_mu = falloc(n), y->pa_rs = falloc(n);
+            y->pf_in = falloc(n * d), y->pf_mu = falloc(n), y->pf_rs = falloc(n);
+            ok = y->pa_in && y->pa_mu && y->pa_rs && y->pf_in && y->pf_mu && y->pf_rs;
+        }
+        if (ok && c->attn_softcap > 0) ok = (y->T = falloc(h * n * n)) != NULL;
         if (ok && kv_arch_desc(c->arch)->qk_norm) {
             y->qraw = falloc(n * qd), y->kraw = falloc(n * kd);
             y->qmu = falloc(n * h), y->qrs = falloc(n * h);
@@ -133,6 +145,7 @@ int kv_grad_init(const struct kv_model *m, int64_t max_n, struct kv_grad **out,
         if (ok && kv_arch_desc(c->arch)->qk_norm)
             ok = (g->dqr = falloc(n * qd)) != NULL && (g->dkr = falloc(n * kd)) != NULL;
         if (ok && c->parallel_residual) ok = (g->dxo = falloc(n * d)) != NULL;
+        if (ok && kv_arch_desc(c->arch)->post_norms) ok = (g->dpost = falloc(n * d)) != NULL;
     }
     /* the parameter table: every bound weight, globals first */
     int64_t cap = KV_W_FIRST_LAYER + L * (KV_W_COUNT - KV_W_FIRST_LAYER);
@@ -233,7 +246,7 @@ static void lin_bwd(const float *dy, const float *x, const float *w, int64_t n, 
 /* RMSNorm (bias NULL, mu unused) or LayerNorm of rows x [n, d] into y; saves
  * the per-row mean (LayerNorm) and reciprocal deviation. */
 static void norm_fwd(const struct kv_config *c, float *y, float *mu, float *rs, const float *x,
-                     const float *w, const float *bias, int64_t n, int64_t d) {
+                     const float *w, const float *bias, int64_t n, int64_t d, float off) {
     int ln = kv_arch_desc(c->arch)->layernorm;
 #pragma omp parallel for if (n * d > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -248,27 +261,27 @@ static void norm_fwd(const struct kv_config *c, float *y, float *mu, float *rs, 
         mu[i] = (float)m, rs[i] = r;
         float *o = y + i * d;
         for (int64_t j = 0; j < d; j++)
-            o[j] = ((xi[j] - (float)m) * r) * w[j] + (bias ? bias[j] : 0.0f);
+            o[j] = ((xi[j] - (float)m) * r) * (off + w[j]) + (bias ? bias[j] : 0.0f);
     }
 }
 
-/* Backward of norm_fwd: dx += ∂/∂x, dw += Σ dy x̂, db += Σ dy. */
+/* Backward of norm_fwd (gain off + w): dx += ∂/∂x, dw += Σ dy x̂, db += Σ dy. */
 static void norm_bwd(const struct kv_config *c, const float *dy, const float *x, const float *mu,
                      const float *rs, const float *w, int64_t n, int64_t d, float *dx, float *dw,
-                     float *db) {
+                     float *db, float off) {
     int ln = kv_arch_desc(c->arch)->layernorm;
 #pragma omp parallel for if (n * d > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * d, *gi = dy + i * d;
         double r = rs[i], m = ln ? mu[i] : 0.0, s1 = 0, s2 = 0;
         for (int64_t j = 0; j < d; j++) {
-            double gw = (double)gi[j] * w[j], xh = ((double)xi[j] - m) * r;
+            double gw = (double)gi[j] * (off + w[j]), xh = ((double)xi[j] - m) * r;
             s1 += gw, s2 += gw * xh;
         }
         s1 /= (double)d, s2 /= (double)d;
         float *o = dx + i * d;
         for (int64_t j = 0; j < d; j++) {
-            double gw = (double)gi[j] * w[j], xh = ((double)xi[j] - m) * r;
+            double gw = (double)gi[j] * (off + w[j]), xh = ((double)xi[j] - m) * r;
             o[j] += (float)(r * (gw - (ln ? s1 : 0.0) - xh * s2));
         }
     }
@@ -330,22 +343,23 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
     const struct kv_arch_desc *arch = kv_arch_desc(c->arch);
     int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
     int64_t qd = h * dh, kd = c->n_kv_heads * dh, grp = h / c->n_kv_heads;
-    float scale = (float)(1.0 / sqrt((double)dh));
+    float scale = kv_attn_scale(c), cap = c->attn_softcap, off = c->norm_offset;
+    float es = arch->embed_scale ? (float)sqrt((double)d) : 1.0f; /* Gemma: sqrt(d) */
     float *x = g->dx; /* the running residual (dx is free during the forward) */
     /* a streamed model's embedding is converted once here (the backward needs all of it) */
     const float *emb = kv_model_weight(m, KV_W_TOK_EMB, 0), *pos = kv_model_weight(m, KV_W_POS_EMB, 0);
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++)
             x[i * d + j] =
-                emb[(int64_t)tok[i] * d + j] + (pos ? pos[i * d + j] : 0.0f);
+                emb[(int64_t)tok[i] * d + j] * es + (pos ? pos[i * d + j] : 0.0f);
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = kv_model_layer(m, l);
         struct glayer *y = &g->ly[l];
         memcpy(y->x_in, x, (size_t)(n * d) * sizeof(float));
-        norm_fwd(c, y->xn1, y->mu1, y->rs1, x, w[KV_W_ATTN_NORM], w[KV_W_ATTN_NORM_B], n, d);
+        norm_fwd(c, y->xn1, y->mu1, y->rs1, x, w[KV_W_ATTN_NORM], w[KV_W_ATTN_NORM_B], n, d, off);
         if (c->parallel_residual) { /* the MLP reads the layer's input */
             memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
-            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d, off);
         }
         lin_fwd(y->q, y->xn1, w[KV_W_Q], w[KV_W_BQ], n, d, qd);
         lin_fwd(y->k, y->xn1, w[KV_W_K], w[KV_W_BK], n, d, kd);
@@ -353,8 +367,8 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         if (arch->qk_norm) { /* per-head RMSNorm of q and k, before RoPE */
             memcpy(y->qraw, y->q, (size_t)(n * qd) * sizeof(float));
             memcpy(y->kraw, y->k, (size_t)(n * kd) * sizeof(float));
-            norm_fwd(c, y->q, y->qmu, y->qrs, y->qraw, w[KV_W_QNORM], NULL, n * h, dh);
-            norm_fwd(c, y->k, y->kmu, y->krs, y->kraw, w[KV_W_KNORM], NULL, n * c->n_kv_heads, dh);
+            norm_fwd(c, y->q, y->qmu, y->qrs, y->qraw, w[KV_W_QNORM], NULL, n * h, dh, 0.0f);
+            norm_fwd(c, y->k, y->kmu, y->krs, y->kraw, w[KV_W_KNORM], NULL, n * c->n_kv_heads, dh, 0.0f);
         }
         if (arch->rope) {
             rope_apply(g, y->q, n, h, 1.0f);
@@ -369,7 +383,13 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
                         y->q + hh * dh, (int)qd, K, (int)kd, 0.0f, P, (int)n);
             for (int64_t i = 0; i < n; i++) {
                 int64_t lo = win > 0 && i + 1 > win ? i + 1 - win : 0;
-                float *s = P + i * n, mx = s[lo];
+                float *s = P + i * n;
+                if (cap > 0) { /* Gemma 2: s = cap · tanh(s / cap), tanh kept for the backward */
+                    float *t = y->T + hh * n * n + i * n;
+                    for (int64_t j = 0; j < n; j++) t[j] = 0.0f;
+                    for (int64_t j = lo; j <= i; j++) t[j] = tanhf(s[j] / cap), s[j] = cap * t[j];
+                }
+                float mx = s[lo];
                 for (int64_t j = lo + 1; j <= i; j++) mx = s[j] > mx ? s[j] : mx;
                 double sum = 0;
                 for (int64_t j = lo; j <= i; j++) sum += (s[j] = expf(s[j] - mx));
@@ -381,15 +401,21 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)dh, (int)n, 1.0f,
                         P, (int)n, Vv, (int)kd, 0.0f, y->att + hh * dh, (int)qd);
         }
-        /* x += att W_oᵀ + b_o */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)qd, 1.0f, y->att,
-                    (int)qd, w[KV_W_O], (int)qd, 1.0f, x, (int)d);
+        /* x += att W_oᵀ + b_o (Gemma 2: x += norm(att W_oᵀ)) */
+        if (arch->post_norms) {
+            lin_fwd(y->pa_in, y->att, w[KV_W_O], NULL, n, qd, d);
+            norm_fwd(c, g->dxn, y->pa_mu, y->pa_rs, y->pa_in, w[KV_W_POST_ATTN_NORM], NULL, n, d, off);
+            for (int64_t i = 0; i < n * d; i++) x[i] += g->dxn[i];
+        } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)qd, 1.0f,
+                        y->att, (int)qd, w[KV_W_O], (int)qd, 1.0f, x, (int)d);
+        }
         if (w[KV_W_BO])
             for (int64_t i = 0; i < n; i++)
                 for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BO][j];
         if (!c->parallel_residual) {
             memcpy(y->x_mid, x, (size_t)(n * d) * sizeof(float));
-            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d);
+            norm_fwd(c, y->xn2, y->mu2, y->rs2, x, w[KV_W_FFN_NORM], w[KV_W_FFN_NORM_B], n, d, off);
         }
         int64_t nh = n * hid;
         if (arch->gelu_mlp) {
@@ -404,19 +430,33 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
         } else {
             lin_fwd(y->a, y->xn2, w[KV_W_GATE], NULL, n, d, hid);
             lin_fwd(y->b, y->xn2, w[KV_W_UP], NULL, n, d, hid);
+            int geglu = arch->geglu;
 #pragma omp parallel for if (nh > 65536) schedule(static)
-            for (int64_t i = 0; i < nh; i++) y->act[i] = y->a[i] / (1.0f + expf(-y->a[i])) * y->b[i];
+            for (int64_t i = 0; i < nh; i++) {
+                float a = y->a[i];
+                y->act[i] = geglu ? 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a))) * y->b[i]
+                                  : a / (1.0f + expf(-a)) * y->b[i];
+            }
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)hid, 1.0f,
-                    y->act, (int)hid, w[KV_W_DOWN], (int)hid, 1.0f, x, (int)d);
+        if (arch->post_norms) { /* Gemma 2: x += norm(act W_downᵀ) */
+            lin_fwd(y->pf_in, y->act, w[KV_W_DOWN], NULL, n, hid, d);
+            norm_fwd(c, g->dxn, y->pf_mu, y->pf_rs, y->pf_in, w[KV_W_POST_FFN_NORM], NULL, n, d, off);
+            for (int64_t i = 0; i < n * d; i++) x[i] += g->dxn[i];
+        } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)d, (int)hid, 1.0f,
+                        y->act, (int)hid, w[KV_W_DOWN], (int)hid, 1.0f, x, (int)d);
+        }
         if (w[KV_W_BDOWN])
             for (int64_t i = 0; i < n; i++)
                 for (int64_t j = 0; j < d; j++) x[i * d + j] += w[KV_W_BDOWN][j];
     }
     memcpy(g->xf, x, (size_t)(n * d) * sizeof(float));
     norm_fwd(c, g->xnf, g->muf, g->rsf, x, kv_model_weight(m, KV_W_OUT_NORM, 0),
-             kv_model_weight(m, KV_W_OUT_NORM_B, 0), n, d);
+             kv_model_weight(m, KV_W_OUT_NORM_B, 0), n, d, off);
     lin_fwd(g->logits, g->xnf, kv_model_weight(m, KV_W_LM_HEAD, 0), NULL, n, d, V);
+    if (c->final_softcap > 0) /* Gemma 2: cap · tanh(logit / cap) */
+        for (int64_t i = 0; i < n * V; i++)
+            g->logits[i] = c->final_softcap * tanhf(g->logits[i] / c->final_softcap);
     double nll = 0;
     for (int64_t i = 0; i < n; i++) nll += kv_nll_row(g->logits + i * V, V, tok[i + 1]);
     *loss = nll / (double)n;
@@ -438,7 +478,7 @@ static void attn_bwd(struct kv_grad *g, const struct glayer *y, int64_t n) {
     const struct kv_config *c = &g->m->cfg;
     int64_t h = c->n_heads, gk = c->n_kv_heads, dh = c->head_dim, grp = h / gk;
     int64_t qd = h * dh, kd = gk * dh;
-    float scale = (float)(1.0 / sqrt((double)dh));
+    float scale = kv_attn_scale(c);
     memset(g->dk, 0, (size_t)(n * kd) * sizeof(float));
     memset(g->dv, 0, (size_t)(n * kd) * sizeof(float));
     int nt = omp_get_max_threads() < g->n_threads ? omp_get_max_threads() : g->n_threads;
@@ -462,6 +502,10 @@ static void attn_bwd(struct kv_grad *g, const struct glayer *y, int64_t n) {
                 for (int64_t t = 0; t <= i; t++) dot += (double)p[t] * s[t];
                 for (int64_t t = 0; t <= i; t++) s[t] = p[t] * (s[t] - (float)dot);
                 for (int64_t t = i + 1; t < n; t++) s[t] = 0.0f;
+                if (y->T) { /* through the soft-cap: d(cap tanh(z/cap))/dz = 1 − tanh² */
+                    const float *tt = y->T + hh * n * n + i * n;
+                    for (int64_t t = 0; t <= i; t++) s[t] *= 1.0f - tt[t] * tt[t];
+                }
             }
             /* dQ = scale dS K; dK += scale dSᵀ Q */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)dh, (int)n, scale,
@@ -481,18 +525,22 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
     const struct kv_arch_desc *arch = kv_arch_desc(c->arch);
     int64_t d = c->dim, h = c->n_heads, dh = c->head_dim, hid = c->hidden_dim, V = c->vocab_size;
     int64_t qd = h * dh, kd = c->n_kv_heads * dh;
+    float off = c->norm_offset, es = arch->embed_scale ? (float)sqrt((double)d) : 1.0f;
     memset(g->gbuf, 0, (size_t)g->n_gbuf * sizeof(float));
 
     /* dlogits = (softmax − onehot) / n, in place */
     float *dl = g->logits;
 #pragma omp parallel for if (n * V > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        float *r = dl + i * V, mx = r[0];
+        float *r = dl + i * V, mx = r[0], cap = c->final_softcap;
         for (int64_t j = 1; j < V; j++) mx = r[j] > mx ? r[j] : mx;
         double s = 0;
         for (int64_t j = 0; j < V; j++) s += exp((double)r[j] - mx);
-        for (int64_t j = 0; j < V; j++) r[j] = (float)(exp((double)r[j] - mx) / s / (double)n);
-        r[tok[i + 1]] -= 1.0f / (float)n;
+        for (int64_t j = 0; j < V; j++) {
+            double gj = exp((double)r[j] - mx) / s / (double)n - (j == tok[i + 1] ? 1.0 / (double)n : 0.0);
+            if (cap > 0) gj *= 1.0 - ((double)r[j] / cap) * ((double)r[j] / cap); /* r is capped */
+            r[j] = (float)gj;
+        }
     }
     float *dhead = kv_grad_of(g, KV_W_LM_HEAD, 0);
     lin_bwd(dl, g->xnf, kv_model_weight(m, KV_W_LM_HEAD, 0), n, d, V, dhead, NULL, g->dxn, 0);
@@ -500,7 +548,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
     memset(dx, 0, (size_t)(n * d) * sizeof(float));
     norm_bwd(c, g->dxn, g->xf, g->muf, g->rsf, kv_model_weight(m, KV_W_OUT_NORM, 0), n, d, dx,
              kv_grad_of(g, KV_W_OUT_NORM, 0),
-             kv_model_has(m, KV_W_OUT_NORM_B, 0) ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL);
+             kv_model_has(m, KV_W_OUT_NORM_B, 0) ? kv_grad_of(g, KV_W_OUT_NORM_B, 0) : NULL, off);
 
     for (int64_t l = c->n_layers - 1; l >= 0; l--) {
         const float *const *w = kv_model_layer(m, l);
@@ -510,7 +558,14 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
          * parallel residual x_mid is x_in, and attention's branch also sees
          * ∂/∂x_out: kept in dxo) */
         if (c->parallel_residual) memcpy(g->dxo, dx, (size_t)(n * d) * sizeof(float));
-        lin_bwd(dx, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN),
+        const float *dffn = dx; /* ∂/∂ (act W_downᵀ): through the post-norm for Gemma 2 */
+        if (arch->post_norms) {
+            memset(g->dpost, 0, (size_t)(n * d) * sizeof(float));
+            norm_bwd(c, dx, y->pf_in, y->pf_mu, y->pf_rs, w[KV_W_POST_FFN_NORM], n, d, g->dpost,
+                     GW(KV_W_POST_FFN_NORM), NULL, off);
+            dffn = g->dpost;
+        }
+        lin_bwd(dffn, y->act, w[KV_W_DOWN], n, hid, d, GW(KV_W_DOWN),
                 w[KV_W_BDOWN] ? GW(KV_W_BDOWN) : NULL, g->dh, 0);
         int64_t nh = n * hid;
         if (arch->gelu_mlp) {
@@ -525,7 +580,17 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         } else {
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
-                float a = y->a[i], s = 1.0f / (1.0f + expf(-a));
+                float a = y->a[i];
+                if (arch->geglu) { /* act = gelu_tanh(a) · b */
+                    float u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
+                    float ge = 0.5f * a * (1.0f + t);
+                    float dg = 0.5f * (1.0f + t) +
+                               0.5f * a * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * 0.044715f * a * a);
+                    g->db[i] = g->dh[i] * ge;
+                    g->da[i] = g->dh[i] * y->b[i] * dg;
+                    continue;
+                }
+                float s = 1.0f / (1.0f + expf(-a));
                 g->db[i] = g->dh[i] * a * s;
                 g->da[i] = g->dh[i] * y->b[i] * s * (1.0f + a * (1.0f - s));
             }
@@ -533,9 +598,16 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
             lin_bwd(g->db, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), NULL, g->dxn, 1);
         }
         norm_bwd(c, g->dxn, y->x_mid, y->mu2, y->rs2, w[KV_W_FFN_NORM], n, d, dx,
-                 GW(KV_W_FFN_NORM), w[KV_W_FFN_NORM_B] ? GW(KV_W_FFN_NORM_B) : NULL);
+                 GW(KV_W_FFN_NORM), w[KV_W_FFN_NORM_B] ? GW(KV_W_FFN_NORM_B) : NULL, off);
         /* attention: x_mid = x_in + att W_oᵀ + b_o */
-        lin_bwd(c->parallel_residual ? g->dxo : dx, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), w[KV_W_BO] ? GW(KV_W_BO) : NULL,
+        const float *dattn = c->parallel_residual ? g->dxo : dx; /* ∂/∂ (att W_oᵀ) */
+        if (arch->post_norms) {
+            memset(g->dpost, 0, (size_t)(n * d) * sizeof(float));
+            norm_bwd(c, dattn, y->pa_in, y->pa_mu, y->pa_rs, w[KV_W_POST_ATTN_NORM], n, d,
+                     g->dpost, GW(KV_W_POST_ATTN_NORM), NULL, off);
+            dattn = g->dpost;
+        }
+        lin_bwd(dattn, y->att, w[KV_W_O], n, qd, d, GW(KV_W_O), w[KV_W_BO] ? GW(KV_W_BO) : NULL,
                 g->datt, 0);
         attn_bwd(g, y, n);
         if (arch->rope) {
@@ -546,9 +618,9 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
             memset(g->dqr, 0, (size_t)(n * qd) * sizeof(float));
             memset(g->dkr, 0, (size_t)(n * kd) * sizeof(float));
             norm_bwd(c, g->dq, y->qraw, y->qmu, y->qrs, w[KV_W_QNORM], n * h, dh, g->dqr,
-                     GW(KV_W_QNORM), NULL);
+                     GW(KV_W_QNORM), NULL, 0.0f);
             norm_bwd(c, g->dk, y->kraw, y->kmu, y->krs, w[KV_W_KNORM], n * c->n_kv_heads, dh,
-                     g->dkr, GW(KV_W_KNORM), NULL);
+                     g->dkr, GW(KV_W_KNORM), NULL, 0.0f);
             memcpy(g->dq, g->dqr, (size_t)(n * qd) * sizeof(float));
             memcpy(g->dk, g->dkr, (size_t)(n * kd) * sizeof(float));
         }
@@ -561,7 +633,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         lin_bwd(g->dv, y->xn1, w[KV_W_V], n, d, kd, GW(KV_W_V), w[KV_W_BV] ? GW(KV_W_BV) : NULL,
                 g->dxn, 1);
         norm_bwd(c, g->dxn, y->x_in, y->mu1, y->rs1, w[KV_W_ATTN_NORM], n, d, dx,
-                 GW(KV_W_ATTN_NORM), w[KV_W_ATTN_NORM_B] ? GW(KV_W_ATTN_NORM_B) : NULL);
+                 GW(KV_W_ATTN_NORM), w[KV_W_ATTN_NORM_B] ? GW(KV_W_ATTN_NORM_B) : NULL, off);
 #undef GW
     }
     /* embeddings: x0 = tok_emb[tok] (+ pos_emb) */
@@ -569,7 +641,7 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
           *dpos = kv_model_has(m, KV_W_POS_EMB, 0) ? kv_grad_of(g, KV_W_POS_EMB, 0) : NULL;
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < d; j++) {
-            de[(int64_t)tok[i] * d + j] += dx[i * d + j];
+            de[(int64_t)tok[i] * d + j] += dx[i * d + j] * es;
             if (dpos) dpos[i * d + j] += dx[i * d + j];
         }
     return KV_OK;

@@ -201,8 +201,10 @@ void kv_fwd_set_hooks(struct kv_fwd *f, const struct kv_fwd_hooks *hooks) {
 
 const float *kv_fwd_logits(const struct kv_fwd *f) { return f->last_logits; }
 
-/* out[i,:] = x[i,:] / rms(x[i,:]) * w, accumulated in double. */
-static void rmsnorm(float *out, const float *x, const float *w, int64_t n, int64_t d, float eps) {
+/* out[i,:] = x[i,:] / rms(x[i,:]) * (off + w), accumulated in double (off:
+ * Gemma's stored gains are the gain minus 1). */
+static void rmsnorm(float *out, const float *x, const float *w, int64_t n, int64_t d, float eps,
+                    float off) {
 #pragma omp parallel for if (n * d > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * d;
@@ -210,7 +212,7 @@ static void rmsnorm(float *out, const float *x, const float *w, int64_t n, int64
         for (int64_t j = 0; j < d; j++) ss += (double)xi[j] * xi[j];
         float r = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
         float *o = out + i * d;
-        for (int64_t j = 0; j < d; j++) o[j] = xi[j] * r * w[j];
+        for (int64_t j = 0; j < d; j++) o[j] = xi[j] * r * (off + w[j]);
     }
 }
 
@@ -266,14 +268,14 @@ static void norm(const struct kv_fwd *f, float *out, const float *x, enum kv_wki
     if (f->arch->layernorm)
         layernorm(out, x, w, kv_model_weight(f->m, bk, l), n, c->dim, c->norm_eps);
     else
-        rmsnorm(out, x, w, n, c->dim, c->norm_eps);
+        rmsnorm(out, x, w, n, c->dim, c->norm_eps, c->norm_offset);
 }
 
 /* Qwen3's per-head RMSNorm of q or k (rows [n, nh*d_h], weight w [d_h]), in
  * place, before RoPE; nothing for an architecture without it (w NULL). */
 static void head_norm(const struct kv_fwd *f, float *v, int64_t n, int64_t nh, const float *w) {
     if (!w) return;
-    rmsnorm(v, v, w, n * nh, f->m->cfg.head_dim, f->m->cfg.norm_eps);
+    rmsnorm(v, v, w, n * nh, f->m->cfg.head_dim, f->m->cfg.norm_eps, 0.0f);
 }
 
 /* Rotate every head of rows [n, nh*d_h] at positions pos0.. (nothing for an
@@ -309,7 +311,7 @@ static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *
     const struct kv_config *c = &f->m->cfg;
     int64_t h = c->n_heads;
     int64_t nblk = (n + QBLOCK - 1) / QBLOCK;
-    float scale = (float)(1.0 / sqrt((double)c->head_dim));
+    float scale = kv_attn_scale(c), cap = c->attn_softcap;
     int64_t ld = f->max_ctx;
     /* scores has one slab per thread counted at init: never run more */
     int nt = omp_get_max_threads() < f->n_threads ? omp_get_max_threads() : f->n_threads;
@@ -326,6 +328,8 @@ static void attention(struct kv_fwd *f, const struct attn_desc *D, const float *
             for (int64_t i = 0; i < nb; i++) {
                 float *s = S + i * ld;
                 int64_t vis = pos0 + r0 + i + 1, lo = win > 0 && vis > win ? vis - win : 0;
+                if (cap > 0) /* Gemma 2: cap · tanh(s / cap) */
+                    for (int64_t j = lo; j < vis; j++) s[j] = cap * tanhf(s[j] / cap);
                 float mx = s[lo];
                 for (int64_t j = lo + 1; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
                 double sum = 0;
@@ -518,13 +522,15 @@ static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *
                     int64_t n, int64_t pos0) {
     int64_t d = f->m->cfg.dim;
     const struct kv_fwd_hooks *hk = &f->hooks;
-    if (!hk->attn_out) {
+    if (!hk->attn_out && !f->arch->post_norms) {
         linear(f->x, d, att, wo, n, cols, d, 1.0f);
         return KV_OK;
     }
     linear(f->y, d, att, wo, n, cols, d, 0.0f);
-    int rc = hk->attn_out(hk->ctx, l, f->y, n, pos0);
+    int rc = hk->attn_out ? hk->attn_out(hk->ctx, l, f->y, n, pos0) : KV_OK;
     if (rc) return rc;
+    if (f->arch->post_norms) /* Gemma 2: the output normed before the residual add */
+        norm(f, f->y, f->y, KV_W_POST_ATTN_NORM, KV_W_COUNT, l, n);
     add_rows(f->x, f->y, n, d);
     return KV_OK;
 }
@@ -620,12 +626,17 @@ static void head(struct kv_fwd *f, const float *xn, float *lg, int64_t n) {
     int64_t d = c->dim, V = c->vocab_size;
     if (m->lm_head) {
         linear(lg, V, xn, m->lm_head, n, d, V, 0.0f);
-        return;
+    } else {
+        for (int64_t r0 = 0; r0 < V; r0 += HEAD_ROWS) {
+            int64_t nr = V - r0 < HEAD_ROWS ? V - r0 : HEAD_ROWS;
+            kv_model_rows(m, KV_W_LM_HEAD, 0, r0, nr, f->head_buf);
+            linear(lg + r0, V, xn, f->head_buf, n, d, nr, 0.0f);
+        }
     }
-    for (int64_t r0 = 0; r0 < V; r0 += HEAD_ROWS) {
-        int64_t nr = V - r0 < HEAD_ROWS ? V - r0 : HEAD_ROWS;
-        kv_model_rows(m, KV_W_LM_HEAD, 0, r0, nr, f->head_buf);
-        linear(lg + r0, V, xn, f->head_buf, n, d, nr, 0.0f);
+    float cap = c->final_softcap;
+    if (cap > 0) { /* Gemma 2: cap · tanh(logit / cap) */
+#pragma omp parallel for if (n * V > 65536) schedule(static)
+        for (int64_t i = 0; i < n * V; i++) lg[i] = cap * tanhf(lg[i] / cap);
     }
 }
 
@@ -663,6 +674,10 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                            "token id %d at position %lld is outside the vocabulary of %lld",
                            tokens[i], (long long)(pos0 + i), (long long)c->vocab_size);
         kv_model_rows(m, KV_W_TOK_EMB, 0, tokens[i], 1, f->x + i * d);
+        if (f->arch->embed_scale) { /* Gemma: times sqrt(d), rounded to float as HF does */
+            float s = (float)sqrt((double)d);
+            for (int64_t j = 0; j < d; j++) f->x[i * d + j] *= s;
+        }
     }
     if (kv_model_has(m, KV_W_POS_EMB, 0)) /* learned positions */
         add_rows(f->x, kv_model_weight(m, KV_W_POS_EMB, 0) + pos0 * d, n, d);
@@ -722,11 +737,23 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
 #pragma omp parallel for if (nh > 65536) schedule(static)
                     for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
                 }
+            } else if (f->arch->geglu) {
+                linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
+                linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
+#pragma omp parallel for if (nh > 65536) schedule(static)
+                for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]) * b[i];
             } else {
                 linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
                 linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
 #pragma omp parallel for if (nh > 65536) schedule(static)
                 for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+            }
+            if (f->arch->post_norms) { /* Gemma 2: x += norm(act(a) W2ᵀ) */
+                float *yb = f->y + r0 * d;
+                linear(yb, d, a, w[KV_W_DOWN], nr, hid, d, 0.0f);
+                norm(f, yb, yb, KV_W_POST_FFN_NORM, KV_W_COUNT, l, nr);
+                add_rows(f->x + r0 * d, yb, nr, d);
+                continue;
             }
             linear(f->x + r0 * d, d, a, w[KV_W_DOWN], nr, hid, d, 1.0f); /* x += act(a) W2ᵀ */
         }

@@ -99,6 +99,13 @@ int kv_model_fingerprint(const struct kv_model *m, char hex[65], struct kv_err *
         put_u64(&ctx, (uint64_t)c->parallel_residual);
         put_u64(&ctx, (uint64_t)c->gelu_erf);
     }
+    if (c->attn_scale || c->attn_softcap || c->final_softcap || c->norm_offset) { /* Gemma 2's */
+        put_str(&ctx, "gemma2");
+        put_f32(&ctx, c->attn_scale);
+        put_f32(&ctx, c->attn_softcap);
+        put_f32(&ctx, c->final_softcap);
+        put_f32(&ctx, c->norm_offset);
+    }
     const struct kv_rope_scaling_cfg *rs = &c->rope_scaling;
     if (rs->type != KV_ROPE_SCALING_NONE) { /* absent from fingerprints made before scaling */
         put_str(&ctx, "rope_scaling");

@@ -112,6 +112,7 @@ enum kv_arch {
     KV_ARCH_PHI3 = 4,    /* llama with fused qkv and gate_up projections */
     KV_ARCH_QWEN3 = 5,   /* qwen2 with per-head RMSNorm of q and k, optional biases */
     KV_ARCH_GPTNEOX = 6, /* LayerNorm, partial RoPE, MHA, GELU, biases, parallel residual */
+    KV_ARCH_GEMMA2 = 7,  /* llama with GeGLU, post-norms, scaled embedding, soft-capping */
 };
 const char *kv_arch_name(enum kv_arch a); /* "llama", "gpt2" */
 /* 1 when the architecture rotates queries and keys (RoPE), 0 when it adds
@@ -193,7 +194,16 @@ struct kv_config {
     int64_t rope_dim;
     int parallel_residual;
     int gelu_erf;
+    /* Gemma 2 (0 elsewhere): scores are q·k times attn_scale (its
+     * query_pre_attn_scalar^-1/2; 0: 1/sqrt(d_h)), then capped as
+     * cap·tanh(s/cap) when attn_softcap > 0; the logits likewise by
+     * final_softcap; each RMSNorm multiplies by norm_offset + w (HF's Gemma
+     * files store w and add 1: norm_offset 1; GGUF's store 1 + w: 0) */
+    float attn_scale, attn_softcap, final_softcap, norm_offset;
 };
+
+/* The factor of the scores q·k: c->attn_scale, or 1/sqrt(d_h) when 0. */
+float kv_attn_scale(const struct kv_config *c);
 
 /* The dimensions of each head that RoPE turns: c->rope_dim, or d_h when 0. */
 int64_t kv_rope_dim(const struct kv_config *c);

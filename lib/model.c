@@ -48,6 +48,7 @@ static const char *const wkind_names[KV_W_COUNT] = {
     [KV_W_BO] = "output projection bias",   [KV_W_FFN_NORM_B] = "ffn norm bias",
     [KV_W_BUP] = "ffn up bias",             [KV_W_BDOWN] = "ffn down bias",
     [KV_W_QNORM] = "q norm",                [KV_W_KNORM] = "k norm",
+    [KV_W_POST_ATTN_NORM] = "post-attention norm", [KV_W_POST_FFN_NORM] = "post-ffn norm",
 };
 
 int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
@@ -67,6 +68,8 @@ int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
     case KV_W_BDOWN: return a->block_biases ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
     case KV_W_QNORM:
     case KV_W_KNORM: return a->qk_norm ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
+    case KV_W_POST_ATTN_NORM:
+    case KV_W_POST_FFN_NORM: return a->post_norms ? KV_WUSE_REQUIRED : KV_WUSE_NONE;
     case KV_W_COUNT: return KV_WUSE_NONE;
     default: return KV_WUSE_REQUIRED;
     }
@@ -93,7 +96,9 @@ int kv_model_expected_shape(const struct kv_config *c, enum kv_wkind kind, int64
     case KV_W_LM_HEAD: s[0] = c->vocab_size; s[1] = c->dim; return 2;
     case KV_W_OUT_NORM:
     case KV_W_ATTN_NORM:
-    case KV_W_FFN_NORM: s[0] = c->dim; return 1;
+    case KV_W_FFN_NORM:
+    case KV_W_POST_ATTN_NORM:
+    case KV_W_POST_FFN_NORM: s[0] = c->dim; return 1;
     case KV_W_Q: s[0] = qd; s[1] = c->dim; return 2;
     case KV_W_K:
     case KV_W_V: s[0] = kd; s[1] = c->dim; return 2;
@@ -144,6 +149,19 @@ static int check_cfg(const struct kv_config *c, const char *path, struct kv_err 
     if (c->arch != KV_ARCH_GPTNEOX && (c->rope_dim || c->parallel_residual || c->gelu_erf))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s has no partial rope, parallel residual or erf gelu", a->name);
+    if (c->arch != KV_ARCH_GEMMA2 &&
+        (c->attn_scale || c->attn_softcap || c->final_softcap || c->norm_offset))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s has no attention scale, soft-capping or norm offset", a->name);
+    if (!(c->attn_scale >= 0 && isfinite(c->attn_scale)) ||
+        !(c->attn_softcap >= 0 && isfinite(c->attn_softcap)) ||
+        !(c->final_softcap >= 0 && isfinite(c->final_softcap)) ||
+        (c->norm_offset != 0 && c->norm_offset != 1))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "attention scale %g, soft-caps %g and %g must be finite and not negative, "
+                       "norm offset %g 0 or 1",
+                       (double)c->attn_scale, (double)c->attn_softcap, (double)c->final_softcap,
+                       (double)c->norm_offset);
     if (c->rope_dim < 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "rope dimensions %lld must be even and within 0..head_dim (%lld)",
@@ -612,10 +630,13 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
                 return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
             }
             int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
-                          k == KV_W_QNORM || k == KV_W_KNORM;
+                          k == KV_W_QNORM || k == KV_W_KNORM || k == KV_W_POST_ATTN_NORM ||
+                          k == KV_W_POST_FFN_NORM;
+            /* gains of 1: Gemma's stored w is the gain minus norm_offset (not the q/k norms') */
+            float one = k == KV_W_QNORM || k == KV_W_KNORM ? 1.0f : 1.0f - cfg->norm_offset;
             /* GPT-2 keeps every weight random (biases included) so tests see them */
             if (is_norm)
-                for (int64_t i = 0; i < n; i++) p[i] = 1.0f;
+                for (int64_t i = 0; i < n; i++) p[i] = one;
             else
                 fill_normal(p, n, 0.02f, &s);
             *slot(m, k, l) = p;

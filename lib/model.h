@@ -44,6 +44,8 @@ enum kv_wkind {
     KV_W_BDOWN,       /* [d]      c_proj bias */
     KV_W_QNORM,       /* [d_h] per-head RMSNorm of q before RoPE (Qwen3) */
     KV_W_KNORM,       /* [d_h] per-head RMSNorm of k before RoPE (Qwen3) */
+    KV_W_POST_ATTN_NORM, /* [d] RMSNorm of attention's output before the residual (Gemma 2) */
+    KV_W_POST_FFN_NORM,  /* [d] RMSNorm of the MLP's output before the residual (Gemma 2) */
     KV_W_COUNT
 };
 #define KV_W_FIRST_LAYER KV_W_ATTN_NORM

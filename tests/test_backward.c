@@ -9,6 +9,7 @@
 #include "model.h"
 #include "naive_gpt2.h"
 #include "naive_llama.h"
+#include "naive_gemma2.h"
 #include "naive_neox.h"
 #include "testutil.h"
 
@@ -16,6 +17,7 @@
 static double oracle_loss(const struct kv_model *m, const int32_t *tok, int64_t n) {
     double *lg = m->cfg.arch == KV_ARCH_GPT2      ? naive_gpt2_forward(m, tok, n)
                  : m->cfg.arch == KV_ARCH_GPTNEOX ? naive_neox_forward(m, tok, n)
+                 : m->cfg.arch == KV_ARCH_GEMMA2  ? naive_gemma2_forward(m, tok, n)
                                                   : naive_forward(m, tok, n);
     int64_t V = m->cfg.vocab_size;
     double s = 0;
@@ -49,7 +51,8 @@ static void spread_weights(struct kv_model *m, double spread) {
             float *w = kv_model_weight_mut(m, k, l);
             if (!w) continue;
             int gain = k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM ||
-                       k == KV_W_QNORM || k == KV_W_KNORM;
+                       k == KV_W_QNORM || k == KV_W_KNORM || k == KV_W_POST_ATTN_NORM ||
+                       k == KV_W_POST_FFN_NORM;
             for (int64_t i = 0; i < cnt; i++)
                 w[i] = gain ? (float)(1.0 + 0.5 * urand()) : (float)(spread * urand());
         }
@@ -158,6 +161,17 @@ static struct kv_config small_neox(int parallel, int erf_gelu) {
 }
 Test(backward, gpt_neox_parallel_partial_rope_erf_gelu) { run_case(small_neox(1, 1), 0.4, 7); }
 Test(backward, gpt_neox_sequential_tanh_gelu) { run_case(small_neox(0, 0), 0.4, 7); }
+/* GeGLU, post-norms, (1 + w) gains, the scaled embedding, a scale apart
+ * from 1/sqrt(d_h), soft-caps small enough to bend, a window of 3 on even
+ * layers */
+static struct kv_config small_gemma2(void) {
+    struct kv_config c = tiny_gemma2_cfg();
+    c.dim = 16, c.hidden_dim = 24, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 8;
+    c.vocab_size = 19, c.sliding_window = 3, c.attn_softcap = 2.0f, c.final_softcap = 3.0f;
+    c.attn_scale = (float)(1.0 / sqrt(10.0));
+    return c;
+}
+Test(backward, gemma2_softcaps_post_norms_geglu) { run_case(small_gemma2(), 0.4, 7); }
 
 /* The training forward scores a window like the inference forward. */
 static void loss_matches_forward(struct kv_config c) {
@@ -191,6 +205,7 @@ Test(backward, loss_matches_inference_forward) {
     loss_matches_forward(windowed_llama());
     loss_matches_forward(qwen3_like());
     loss_matches_forward(small_neox(1, 1));
+    loss_matches_forward(small_gemma2());
 }
 
 /* ∂L/∂k and ∂L/∂v are the gradients the weight gradients came from:

@@ -2,7 +2,7 @@
  * of each family's features (Llama with llama3 RoPE scaling, Mistral with a
  * sliding window shorter than the windows, Qwen2 with q/k/v biases, yarn
  * scaling and a window in its upper layer, Phi-3, Qwen3, GPT-NeoX with a
- * partial rope and a parallel residual) written as an HF directory, then
+ * partial rope and a parallel residual, Gemma 2) written as an HF directory, then
  * collect (with --fisher), decompose by every method at --eps 1 (the base
  * model again: 1e-4 relative PPL), and at --ratio 0.5 the latent cache
  * against the dense export (the same computation: 1e-4). */
@@ -77,6 +77,11 @@ static struct kv_config family_cfg(enum kv_arch arch) {
         for (int64_t i = 0; i < s->n_factors; i++)
             s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
     } else if (arch == KV_ARCH_QWEN3) {
+        s->type = KV_ROPE_SCALING_NONE;
+    } else if (arch == KV_ARCH_GEMMA2) { /* Gemma 2's caps and scale; a window on even layers */
+        c.sliding_window = 24, c.window_from = 0, c.window_period = 2;
+        c.attn_scale = (float)(1.0 / sqrt(48.0)), c.attn_softcap = 50.0f, c.final_softcap = 30.0f;
+        c.norm_offset = 1.0f, c.tied_embeddings = 1, c.n_kv_heads = 2;
         s->type = KV_ROPE_SCALING_NONE;
     } else if (arch == KV_ARCH_GPTNEOX) { /* Pythia's: a quarter of each head turned */
         c.n_kv_heads = c.n_heads, c.rope_dim = 16, c.parallel_residual = 1, c.gelu_erf = 1;
@@ -172,3 +177,4 @@ Test(families, qwen2_with_biases_yarn_and_a_window, .timeout = 300) { run_family
 Test(families, phi3_fused_with_longrope_and_a_window, .timeout = 300) { run_family(KV_ARCH_PHI3); }
 Test(families, qwen3_with_per_head_qk_norms, .timeout = 300) { run_family(KV_ARCH_QWEN3); }
 Test(families, gpt_neox_partial_rope_parallel_residual, .timeout = 300) { run_family(KV_ARCH_GPTNEOX); }
+Test(families, gemma2_softcaps_post_norms_alternating_window, .timeout = 300) { run_family(KV_ARCH_GEMMA2); }

@@ -166,7 +166,7 @@ Test(gguf_load, refuses_other_architectures_and_bad_hyperparameters) {
     struct kv_model *m = NULL;
     struct kv_err err;
     cr_assert_eq(kv_gguf_load(path, &m, &err), KV_EUNSUPPORTED);
-    cr_assert_str_eq(err.msg, "architecture 'bert1' is not supported, expected 'llama', 'qwen2', 'phi3', 'qwen3' or 'gptneox'");
+    cr_assert_str_eq(err.msg, "architecture 'bert1' is not supported, expected 'llama', 'qwen2', 'phi3', 'qwen3', 'gptneox' or 'gemma2'");
     cr_assert_eq(err.off, f.val_off[k]);
     unlink(path);
     free(path);

@@ -1026,7 +1026,7 @@ Test(ggufmodelw, refuses_architectures_without_a_gguf_row) {
     cr_assert_eq(kv_model_init_random(&c, 57, &m, &e), KV_OK, "%s", e.msg);
     refused(m, T_F32, KV_EUNSUPPORTED,
             "architecture 'gpt2' cannot be written to gguf yet; kvcal writes 'llama', "
-            "'mistral', 'qwen2', 'qwen3', 'gpt_neox' and 'phi3'");
+            "'mistral', 'qwen2', 'qwen3', 'gpt_neox', 'phi3' and 'gemma2'");
     kv_model_close(m);
 }
 

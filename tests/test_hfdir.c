@@ -502,7 +502,7 @@ Test(hf_load, reports_bad_config_values) {
     write_text(dir, "config.json", "{\"model_type\": \"mamba\"}");
     load_fails(dir, KV_EUNSUPPORTED,
                "config.json: model_type 'mamba' is not supported, expected 'llama', 'gpt2', "
-               "'mistral', 'qwen2', 'phi3', 'qwen3' or 'gpt_neox'");
+               "'mistral', 'qwen2', 'phi3', 'qwen3', 'gpt_neox' or 'gemma2'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_act\": \"gelu\"}");
     load_fails(dir, KV_EUNSUPPORTED, "config.json: hidden_act 'gelu' is not supported, expected 'silu'");
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"hidden_size\": 16}");

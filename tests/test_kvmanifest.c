@@ -373,7 +373,7 @@ static const struct row rows[] = {
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "model: key 'max_seq_len'"}, 0},
     {"unknown arch", j_arch, 0, NULL,
      {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
-      "model: arch 'mamba' is not supported, expected 'llama', 'gpt2', 'mistral', 'qwen2', 'phi3', 'qwen3' or 'gpt_neox'"}, 0},
+      "model: arch 'mamba' is not supported, expected 'llama', 'gpt2', 'mistral', 'qwen2', 'phi3', 'qwen3', 'gpt_neox' or 'gemma2'"}, 0},
     {"llama rope null", j_rope_null, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be an object, found null"}, 0},
     {"weight layout", j_layout, 0, NULL,

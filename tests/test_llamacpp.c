@@ -258,6 +258,11 @@ static void run_case(const struct lc_case *k) {
             s->short_factor[i] = 1.0f + 0.05f * (float)i, s->long_factor[i] = 1.0f + 1.5f * (float)i;
     }
     c.sliding_window = k->window, c.window_period = k->window ? 1 : 0;
+    if (k->arch == KV_ARCH_GEMMA2) { /* Gemma 2's soft-caps, (1 + w) gains, even-layer windows */
+        c.window_period = k->window ? 2 : 0, c.norm_eps = 1e-6f;
+        c.attn_softcap = 50.0f, c.final_softcap = 30.0f, c.norm_offset = 1.0f;
+        c.attn_scale = (float)(1.0 / sqrt((double)k->head_dim));
+    }
     if (k->scaling == KV_ROPE_SCALING_YARN) {
         s->factor = 4, s->original_ctx = 32768, s->beta_fast = 32, s->beta_slow = 1;
         s->truncate = 1, s->attention_factor = k->attn;
@@ -335,6 +340,7 @@ static void run_case(const struct lc_case *k) {
 #define NEOX KV_ARCH_GPTNEOX
 #define PHI3 KV_ARCH_PHI3
 #define LONG KV_ROPE_SCALING_LONGROPE
+#define GEMMA2 KV_ARCH_GEMMA2
 
 /* llama.cpp rounds the activations of each product with a Q8_0 or Q4_K
  * weight to 8 bits: measured 0.13 and 0.16 at most (tests/llamacpp/README.md),
@@ -383,6 +389,8 @@ static const struct lc_case cases[] = {
     {"phi3-hd96-f32", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, NONE, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
     {"phi3-hd96-longrope-f32", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, LONG, 0, 0, 0, 0, KV_GGML_F32, 2e-3, 0, 0, 0},
     {"phi3-hd96-q8_0", PHI3, 384, 1024, 2, 4, 4, 96, 1024, HALF, NONE, 0, 0, 0, 0, 8, 0.5, 0, 0, 0},
+    {"gemma2-hd256-gqa2-f32", GEMMA2, 512, 1024, 2, 4, 2, 256, 1024, HALF, NONE, 0, 0, 1, 0, KV_GGML_F32, 5e-3, 0, 0, 0},
+    {"gemma2-hd256-gqa2-window-f32", GEMMA2, 512, 1024, 2, 4, 2, 256, 1024, HALF, NONE, 0, 0, 1, 0, KV_GGML_F32, 5e-3, 0, 0, 24},
 };
 
 Test(llamacpp, hd64_gqa4_llama3_f32) { run_case(&cases[0]); }
@@ -406,6 +414,8 @@ Test(llamacpp, gptneox_hd64_rope16_parallel_q4_k) { run_case(&cases[17]); }
 Test(llamacpp, phi3_hd96_f32) { run_case(&cases[18]); }
 Test(llamacpp, phi3_hd96_longrope_f32) { run_case(&cases[19]); }
 Test(llamacpp, phi3_hd96_q8_0) { run_case(&cases[20]); }
+Test(llamacpp, gemma2_hd256_gqa2_f32) { run_case(&cases[21]); }
+Test(llamacpp, gemma2_hd256_gqa2_even_layer_window_f32) { run_case(&cases[22]); }
 
 /* ---------------------------------------------------------------- real models */
 

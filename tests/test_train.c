@@ -222,7 +222,7 @@ Test(train_cli, messages) {
     char *dir = kvt_temp_dir(), args[1024];
     cli_says("train", 2, "kvcal train: missing --text\n");
     cli_says("train --text t.txt", 2, "kvcal train: missing --output\n");
-    cli_says("train --text t.txt -o m --arch foo", 2, "kvcal train: unknown --arch 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3 or gpt_neox)\n");
+    cli_says("train --text t.txt -o m --arch foo", 2, "kvcal train: unknown --arch 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3, gpt_neox or gemma2)\n");
     cli_says("train --text t.txt -o m --arch gpt2 --kv-heads 2", 2,
              "kvcal train: gpt2 has one KV head per head (--kv-heads 2, --heads 4)\n");
     cli_says("train --text t.txt -o m --dim 250", 2,
@@ -304,8 +304,8 @@ Test(train, config_refusals_name_the_callers_options) {
         int64_t dim, layers, heads, kv;
         const char *own, *cli;
     } rows[] = {
-        {"foo", 64, 1, 4, -1, "unknown architecture 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3 or gpt_neox)",
-         "unknown --arch 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3 or gpt_neox)"},
+        {"foo", 64, 1, 4, -1, "unknown architecture 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3, gpt_neox or gemma2)",
+         "unknown --arch 'foo' (llama, gpt2, mistral, qwen2, phi3, qwen3, gpt_neox or gemma2)"},
         {"llama", 250, 1, 4, -1, "dim 250 is not a positive multiple of heads 4",
          "--dim 250 is not a positive multiple of --heads 4"},
         {"llama", 64, 0, 4, -1, "dim 64 is not a positive multiple of heads 4",
