@@ -457,14 +457,8 @@ static const struct kv_arch_tensor *name_entry(const struct kv_arch_names *nm, c
 static int bind_entry(struct kv_model *m, const struct kv_arch_tensor *e, int64_t layer,
                       const struct kv_tensor *t, const char *path, struct kv_err *err) {
     if (e->n_kinds == 1) return kv_model_bind(m, e->kinds[0], layer, t, path, err);
-    int64_t rows[3], s[2], total = 0, cols = 1;
-    int nd = 0;
-    for (int k = 0; k < e->n_kinds; k++) {
-        nd = kv_model_expected_shape(&m->cfg, e->kinds[k], s);
-        rows[k] = s[0];
-        total += s[0];
-        if (nd == 2) cols = s[1];
-    }
+    int64_t rows[3], total, cols;
+    int nd = kv_arch_entry_shape(&m->cfg, e, rows, &total, &cols);
     if (t->ndim != nd || t->shape[0] != total || (nd == 2 && t->shape[1] != cols)) {
         char got[96], exp[64];
         int64_t want[2] = {total, cols};

@@ -541,34 +541,33 @@ struct plan {
     int64_t n_owned;
 };
 
+/* A block of n floats p owns (freed with the plan), or NULL when out of memory. */
+static float *plan_own(struct plan *p, int64_t n) {
+    float **ow = realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *ow);
+    if (!ow) return NULL;
+    p->owned = ow;
+    float *buf = malloc((size_t)(n > 0 ? n : 1) * sizeof *buf);
+    if (buf) p->owned[p->n_owned++] = buf;
+    return buf;
+}
+
 /* The kinds of entry e of layer l one after the other along the rows, in a
  * block p owns: *out, of *ndim dimensions shape. */
 static int gather_stacked(struct plan *p, const struct kv_arch_tensor *e, int64_t l,
                           int64_t *shape, int *ndim, const float **out, const char *path,
                           struct kv_err *err) {
-    const struct kv_config *c = &p->m->cfg;
-    int64_t s[2], total = 0, cols = 1;
-    int nd = 0;
-    for (int k = 0; k < e->n_kinds; k++) {
-        nd = kv_model_expected_shape(c, e->kinds[k], s);
-        total += s[0];
-        if (nd == 2) cols = s[1];
-    }
-    float **ow = realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *ow);
-    if (!ow) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    p->owned = ow;
-    float *buf = malloc((size_t)(total * cols) * sizeof *buf);
+    int64_t rows[3], total, cols;
+    int nd = kv_arch_entry_shape(&p->m->cfg, e, rows, &total, &cols);
+    float *buf = plan_own(p, total * cols);
     if (!buf) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory for '%s'", e->name);
-    p->owned[p->n_owned++] = buf;
     int64_t r0 = 0;
     for (int k = 0; k < e->n_kinds; k++) {
-        nd = kv_model_expected_shape(c, e->kinds[k], s);
         const float *w = kv_model_weight(p->m, e->kinds[k], l);
         if (!w)
             return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "the model has no %s weight%s",
                            kv_wkind_name(e->kinds[k]), " in some layer");
-        memcpy(buf + r0 * cols, w, (size_t)(s[0] * cols) * sizeof *buf);
-        r0 += s[0];
+        memcpy(buf + r0 * cols, w, (size_t)(rows[k] * cols) * sizeof *buf);
+        r0 += rows[k];
     }
     shape[0] = total, shape[1] = cols;
     *out = buf;
@@ -702,13 +701,9 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
                        k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
             float *shifted = NULL;
             if (ad->post_norms && gain && c->norm_offset != 0) { /* llama.cpp: gains with the 1 added */
-                float **ow = realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *ow);
-                if (!ow || !(shifted = malloc((size_t)shape[0] * sizeof *shifted))) {
-                    if (ow) p->owned = ow;
+                if (!(shifted = plan_own(p, shape[0])))
                     return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-                }
-                p->owned = ow, p->owned[p->n_owned++] = shifted;
-                for (int64_t i = 0; i < shape[0]; i++) shifted[i] = c->norm_offset + w[i];
+                for (int64_t j = 0; j < shape[0]; j++) shifted[j] = c->norm_offset + w[j];
                 w = shifted;
             }
             char name[KV_MAX_NAME_LEN + 1];

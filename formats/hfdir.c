@@ -117,6 +117,22 @@ static int parse_gpt2_config(const json_t *root, const char *path, struct kv_con
     return KV_OK;
 }
 
+/* The sizes Llama-style configs (llama, mistral, qwen, phi3, gpt_neox,
+ * gemma2) spell alike; *ctx keeps its default when max_position_embeddings
+ * is absent. */
+static int read_dims(const json_t *root, const char *path, int64_t *dim, int64_t *hidden,
+                     int64_t *layers, int64_t *heads, int64_t *vocab, int64_t *ctx,
+                     struct kv_err *err) {
+    int rc;
+    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, dim, err)) ||
+        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, hidden, err)) ||
+        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, layers, err)) ||
+        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, heads, err)) ||
+        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, vocab, err)))
+        return rc;
+    return kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, ctx, err);
+}
+
 /* The fraction of each head RoPE turns, from whichever keys the config
  * spells it with (transformers 4.x's partial_rotary_factor or GPT-NeoX's
  * rotary_pct, 5.x's rope_parameters.partial_rotary_factor): they must
@@ -166,12 +182,7 @@ static int parse_neox_config(const json_t *root, const char *path, struct kv_con
                        "'gelu_fast' or 'gelu_pytorch_tanh'",
                        act);
     int64_t dim = 0, hidden = 0, layers = 0, heads = 0, vocab = 0, ctx = 2048;
-    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
-        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
-        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
-        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
-        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
-        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)))
+    if ((rc = read_dims(root, path, &dim, &hidden, &layers, &heads, &vocab, &ctx, err)))
         return rc;
     if (dim % heads)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
@@ -258,12 +269,7 @@ static int parse_gemma2_config(const json_t *root, const char *path, struct kv_c
                        act);
     int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 256, vocab = 0;
     int64_t ctx = 8192, win = 4096;
-    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
-        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
-        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
-        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
-        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
-        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)) ||
+    if ((rc = read_dims(root, path, &dim, &hidden, &layers, &heads, &vocab, &ctx, err)) ||
         (rc = kv_json_get_int(root, "head_dim", path, 1, KV_MAX_DIM, 0, &head_dim, err)))
         return rc;
     kv_heads = heads;
@@ -406,12 +412,7 @@ static int parse_config(const json_t *root, const char *path, struct kv_config *
 
     int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0;
     int64_t ctx = 2048; /* LlamaConfig's default */
-    if ((rc = kv_json_get_int(root, "hidden_size", path, 1, KV_MAX_DIM, 1, &dim, err)) ||
-        (rc = kv_json_get_int(root, "intermediate_size", path, 1, KV_MAX_DIM, 1, &hidden, err)) ||
-        (rc = kv_json_get_int(root, "num_hidden_layers", path, 1, KV_MAX_LAYERS, 1, &layers, err)) ||
-        (rc = kv_json_get_int(root, "num_attention_heads", path, 1, KV_MAX_DIM, 1, &heads, err)) ||
-        (rc = kv_json_get_int(root, "vocab_size", path, 1, KV_MAX_VOCAB, 1, &vocab, err)) ||
-        (rc = kv_json_get_int(root, "max_position_embeddings", path, 1, INT32_MAX, 0, &ctx, err)))
+    if ((rc = read_dims(root, path, &dim, &hidden, &layers, &heads, &vocab, &ctx, err)))
         return rc;
     kv_heads = heads;
     if ((rc = kv_json_get_int(root, "num_key_value_heads", path, 1, KV_MAX_DIM, 0, &kv_heads, err)))
@@ -645,14 +646,8 @@ static int bind_entry(struct kv_model *m, const struct hf_weights *w, const stru
                       int64_t layer, const struct kv_tensor *t, struct kv_err *err) {
     const char *path = w->shards[t->file].path;
     if (e->n_kinds == 1 && !e->conv) return kv_model_bind(m, e->kinds[0], layer, t, path, err);
-    int64_t rows[3], s[2], total = 0, cols = 1;
-    int nd = 0;
-    for (int k = 0; k < e->n_kinds; k++) {
-        nd = kv_model_expected_shape(&m->cfg, e->kinds[k], s);
-        rows[k] = s[0];
-        total += s[0];
-        if (nd == 2) cols = s[1];
-    }
+    int64_t rows[3], total, cols;
+    int nd = kv_arch_entry_shape(&m->cfg, e, rows, &total, &cols);
     int64_t want[2] = {e->conv ? cols : total, e->conv ? total : cols};
     if (t->ndim != nd || t->shape[0] != want[0] || (nd == 2 && t->shape[1] != want[1])) {
         char got[96], exp[64];

@@ -203,14 +203,8 @@ static int is_model_norm(enum kv_wkind k) {
 static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv_arch_tensor *e,
                      int64_t layer, const char *name, enum kv_dtype dtype, struct kv_err *err) {
     const struct kv_config *c = &m->cfg;
-    int64_t rows[3], s[2], total = 0, cols = 1;
-    int nd = 0;
-    for (int k = 0; k < e->n_kinds; k++) {
-        nd = kv_model_expected_shape(c, e->kinds[k], s);
-        rows[k] = s[0];
-        total += s[0];
-        if (nd == 2) cols = s[1];
-    }
+    int64_t rows[3], total, cols;
+    int nd = kv_arch_entry_shape(c, e, rows, &total, &cols);
     float *buf = malloc((size_t)(total * cols) * sizeof *buf);
     if (!buf) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for '%s'", name);
     int64_t r0 = 0;

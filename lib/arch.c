@@ -528,6 +528,20 @@ int kv_arch_has_rope(enum kv_arch a) { return kv_arch_desc(a)->rope; }
 
 int64_t kv_rope_dim(const struct kv_config *c) { return c->rope_dim > 0 ? c->rope_dim : c->head_dim; }
 
+int kv_arch_entry_shape(const struct kv_config *c, const struct kv_arch_tensor *e, int64_t rows[3],
+                        int64_t *total, int64_t *cols) {
+    int64_t s[2];
+    int nd = 0;
+    *total = 0, *cols = 1;
+    for (int k = 0; k < e->n_kinds; k++) {
+        nd = kv_model_expected_shape(c, e->kinds[k], s);
+        rows[k] = s[0];
+        *total += s[0];
+        if (nd == 2) *cols = s[1];
+    }
+    return nd;
+}
+
 float kv_attn_scale(const struct kv_config *c) {
     return c->attn_scale > 0 ? c->attn_scale : (float)(1.0 / sqrt((double)c->head_dim));
 }

@@ -79,6 +79,12 @@ struct kv_arch_desc {
     int64_t n_lr_layer;
 };
 
+/* The rows of each kind entry e stacks (rows[k]), their total and the
+ * columns they share (1 for vectors) in config c; returns the number of
+ * dimensions (1 or 2). */
+int kv_arch_entry_shape(const struct kv_config *c, const struct kv_arch_tensor *e, int64_t rows[3],
+                        int64_t *total, int64_t *cols);
+
 /* The row of architecture a (KV_ASSERT on an unknown one). */
 const struct kv_arch_desc *kv_arch_desc(enum kv_arch a);
 /* 1 when a names a row of the table (for loops over every architecture). */

@@ -39,18 +39,6 @@ static struct kv_model *random_gemma2(struct kv_config c, uint64_t seed) {
     return m;
 }
 
-static float *run_forward(struct kv_model *m, const int32_t *tok, int64_t n) {
-    struct kv_fwd *f;
-    struct kv_err err = {0};
-    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(kv_fwd_run(f, tok, n, 0, NULL, &err), KV_OK, "%s", err.msg);
-    int64_t V = m->cfg.vocab_size;
-    float *out = malloc((size_t)(n * V) * sizeof *out);
-    memcpy(out, kv_fwd_logits(f), (size_t)(n * V) * sizeof *out);
-    kv_fwd_free(f);
-    return out;
-}
-
 #define ORACLE_TOL 1e-5
 #define N_TOK 40
 
@@ -63,7 +51,7 @@ static double against_oracle(struct kv_config c, const char *what) {
     int64_t n = N_TOK, V = c.vocab_size;
     int32_t tok[N_TOK];
     tokens(tok, V);
-    float *got = run_forward(m, tok, n);
+    float *got = kvt_logits(m, tok, n);
     double *ref = naive_gemma2_forward(m, tok, n), spread = 0;
     float *reff = malloc((size_t)(n * V) * sizeof *reff);
     for (int64_t i = 0; i < n * V; i++) reff[i] = (float)ref[i], spread = fmax(spread, fabs(ref[i]));
@@ -94,7 +82,7 @@ Test(gemma2, each_feature_changes_the_logits) {
     int64_t n = N_TOK, V = c.vocab_size;
     int32_t tok[N_TOK];
     tokens(tok, V);
-    float *base = run_forward(m, tok, n);
+    float *base = kvt_logits(m, tok, n);
     double spread = 0;
     for (int64_t i = 0; i < n * V; i++) spread = fmax(spread, fabs(base[i]));
     struct kv_config *mc = (struct kv_config *)&m->cfg;
@@ -107,7 +95,7 @@ Test(gemma2, each_feature_changes_the_logits) {
         if (k == 2) mc->attn_scale = 0;
         if (k == 3) mc->norm_offset = 0;
         if (k == 4) mc->sliding_window = 0, mc->window_period = 0;
-        float *other = run_forward(m, tok, n);
+        float *other = kvt_logits(m, tok, n);
         double worst = 0;
         for (int64_t i = 0; i < n * V; i++) worst = fmax(worst, fabs(other[i] - base[i]));
         cr_assert(worst > 3 * ORACLE_TOL * spread,
@@ -118,15 +106,6 @@ Test(gemma2, each_feature_changes_the_logits) {
     }
     free(base);
     kv_model_close(m);
-}
-
-static char *write_config(const char *dir, const char *text) {
-    char *p = kvt_path(dir, "config.json");
-    FILE *f = fopen(p, "w");
-    cr_assert_not_null(f);
-    fputs(text, f);
-    fclose(f);
-    return p;
 }
 
 #define GEMMA2_2B_SHAPE                                                                        \
@@ -140,7 +119,7 @@ static char *write_config(const char *dir, const char *text) {
  * none was found to copy) */
 Test(gemma2, config_keys_and_defaults) {
     char *dir = kvt_temp_dir();
-    char *p = write_config(dir, "{" GEMMA2_2B_SHAPE ", \"hidden_activation\": \"gelu_pytorch_tanh\", "
+    char *p = kvt_write_text(dir, "config.json", "{" GEMMA2_2B_SHAPE ", \"hidden_activation\": \"gelu_pytorch_tanh\", "
                                 "\"attn_logit_softcapping\": 50.0, \"final_logit_softcapping\": 30.0}");
     struct kv_config c;
     struct kv_err err = {0};
@@ -151,7 +130,7 @@ Test(gemma2, config_keys_and_defaults) {
     cr_assert(c.norm_offset == 1.0f && c.tied_embeddings && c.norm_eps == 1e-6f);
     free(p);
     /* null soft-caps: none */
-    p = write_config(dir, "{" GEMMA2_2B_SHAPE ", \"attn_logit_softcapping\": null, "
+    p = kvt_write_text(dir, "config.json", "{" GEMMA2_2B_SHAPE ", \"attn_logit_softcapping\": null, "
                           "\"final_logit_softcapping\": null}");
     cr_assert_eq(kv_hf_read_config(p, &c, &err), KV_OK, "%s", err.msg);
     cr_assert(c.attn_softcap == 0 && c.final_softcap == 0);
@@ -167,7 +146,7 @@ Test(gemma2, config_keys_and_defaults) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char text[2048];
         snprintf(text, sizeof text, "{" GEMMA2_2B_SHAPE ", %s}", bad[i].extra);
-        p = write_config(dir, text);
+        p = kvt_write_text(dir, "config.json", text);
         cr_assert_neq(kv_hf_read_config(p, &c, &err), KV_OK, "case %zu loaded", i);
         cr_assert(strstr(err.msg, bad[i].msg), "case %zu: '%s' lacks '%s'", i, err.msg, bad[i].msg);
         free(p);
@@ -191,7 +170,7 @@ Test(gemma2, hf_round_trip) {
               (long long)rc->sliding_window, rc->window_period);
     int32_t tok[N_TOK];
     tokens(tok, c.vocab_size);
-    float *a = run_forward(m, tok, N_TOK), *b = run_forward(r, tok, N_TOK);
+    float *a = kvt_logits(m, tok, N_TOK), *b = kvt_logits(r, tok, N_TOK);
     cr_assert(!memcmp(a, b, (size_t)(N_TOK * c.vocab_size) * sizeof *a), "logits differ after the round trip");
     free(a), free(b);
     kv_model_close(r);
@@ -218,13 +197,13 @@ Test(gemma2, gguf_round_trip_and_refusals) {
         cr_assert(g1[i] == 1.0f + g0[i], "gain %lld: %g read back as %g", (long long)i, (double)g0[i], (double)g1[i]);
     int32_t tok[N_TOK];
     tokens(tok, c.vocab_size);
-    float *a = run_forward(m, tok, N_TOK), *b = run_forward(r, tok, N_TOK);
+    float *a = kvt_logits(m, tok, N_TOK), *b = kvt_logits(r, tok, N_TOK);
     cr_assert(!memcmp(a, b, (size_t)(N_TOK * c.vocab_size) * sizeof *a), "logits differ after the round trip");
     /* and to HF again: the gains lose their 1 */
     cr_assert_eq(kv_hf_write(r, hf, KV_DTYPE_F32, NULL, &err), KV_OK, "%s", err.msg);
     struct kv_model *h;
     cr_assert_eq(kv_model_open(hf, NULL, &h, &err), KV_OK, "%s", err.msg);
-    float *hl = run_forward(h, tok, N_TOK);
+    float *hl = kvt_logits(h, tok, N_TOK);
     kvt_assert_close_f32(hl, a, N_TOK * c.vocab_size, 1e-5, 1e-5, "gguf read back, written as HF");
     free(a), free(b), free(hl);
     kv_model_close(h);

@@ -27,12 +27,7 @@ static char *llama_with(const char *dir, const char *extra) {
              " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_key_value_heads\": 2,"
              " \"max_position_embeddings\": 131072, \"vocab_size\": 32%s%s}",
              extra[0] ? ", " : "", extra);
-    char *p = kvt_path(dir, "config.json");
-    FILE *f = fopen(p, "w");
-    cr_assert_not_null(f);
-    fputs(text, f);
-    fclose(f);
-    return p;
+    return kvt_write_text(dir, "config.json", text);
 }
 
 static void read_fails(const char *dir, const char *extra, int code, const char *want) {

@@ -36,18 +36,6 @@ static struct kv_model *random_neox(struct kv_config c, uint64_t seed) {
     return m;
 }
 
-static float *run_forward(struct kv_model *m, const int32_t *tok, int64_t n) {
-    struct kv_fwd *f;
-    struct kv_err err = {0};
-    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
-    cr_assert_eq(kv_fwd_run(f, tok, n, 0, NULL, &err), KV_OK, "%s", err.msg);
-    int64_t V = m->cfg.vocab_size;
-    float *out = malloc((size_t)(n * V) * sizeof *out);
-    memcpy(out, kv_fwd_logits(f), (size_t)(n * V) * sizeof *out);
-    kv_fwd_free(f);
-    return out;
-}
-
 /* float32 against float64: 4.5e-7 of the largest logit at worst, measured;
  * the tanh GELU in place of erf's moves them by 2.6e-4 of it */
 #define ORACLE_TOL 1e-5
@@ -57,7 +45,7 @@ static void against_oracle(struct kv_config c, const char *what) {
     int64_t n = 40, V = c.vocab_size;
     int32_t tok[40];
     for (int i = 0; i < n; i++) tok[i] = (i * 31 + 7) % (int32_t)V;
-    float *got = run_forward(m, tok, n);
+    float *got = kvt_logits(m, tok, n);
     double *ref = naive_neox_forward(m, tok, n), spread = 0;
     float *reff = malloc((size_t)(n * V) * sizeof *reff);
     for (int64_t i = 0; i < n * V; i++) reff[i] = (float)ref[i], spread = fmax(spread, fabs(ref[i]));
@@ -87,7 +75,7 @@ Test(neox, each_feature_changes_the_logits) {
     int64_t n = 40, V = c.vocab_size;
     int32_t tok[40];
     for (int i = 0; i < n; i++) tok[i] = (i * 31 + 7) % (int32_t)V;
-    float *base = run_forward(m, tok, n);
+    float *base = kvt_logits(m, tok, n);
     double spread = 0;
     for (int64_t i = 0; i < n * V; i++) spread = fmax(spread, fabs(base[i]));
     struct kv_config *mc = (struct kv_config *)&m->cfg;
@@ -96,7 +84,7 @@ Test(neox, each_feature_changes_the_logits) {
     for (int k = 0; k < 3; k++) {
         if (k < 2) *flags[k] = !*flags[k];
         else mc->rope_dim = 8;
-        float *other = run_forward(m, tok, n);
+        float *other = kvt_logits(m, tok, n);
         double worst = 0;
         for (int64_t i = 0; i < n * V; i++) worst = fmax(worst, fabs(other[i] - base[i]));
         cr_assert(worst > 3 * ORACLE_TOL * spread,
@@ -108,15 +96,6 @@ Test(neox, each_feature_changes_the_logits) {
     }
     free(base);
     kv_model_close(m);
-}
-
-static char *write_config(const char *dir, const char *text) {
-    char *p = kvt_path(dir, "config.json");
-    FILE *f = fopen(p, "w");
-    cr_assert_not_null(f);
-    fputs(text, f);
-    fclose(f);
-    return p;
 }
 
 #define PYTHIA_KEYS                                                                          \
@@ -137,7 +116,7 @@ Test(neox, config_in_both_layouts) {
         "10000.0, \"partial_rotary_factor\": 0.25}}",
     };
     for (int i = 0; i < 2; i++) {
-        char *p = write_config(dir, texts[i]);
+        char *p = kvt_write_text(dir, "config.json", texts[i]);
         struct kv_config c;
         struct kv_err err = {0};
         cr_assert_eq(kv_hf_read_config(p, &c, &err), KV_OK, "layout %d: %s", i, err.msg);
@@ -169,7 +148,7 @@ Test(neox, config_refusals) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char text[1024];
         snprintf(text, sizeof text, "{" PYTHIA_KEYS ", %s}", cases[i].extra);
-        char *p = write_config(dir, text);
+        char *p = kvt_write_text(dir, "config.json", text);
         struct kv_config c;
         struct kv_err err = {0};
         cr_assert_neq(kv_hf_read_config(p, &c, &err), KV_OK, "case %zu loaded", i);
@@ -224,7 +203,7 @@ Test(neox, hf_round_trip_interleaves_query_key_value_per_head) {
         cr_assert(rows[(1 * 3 * dh + 2 * dh) * d + j] == wv[dh * d + j], "column %lld", (long long)j);
     int32_t tok[24];
     for (int i = 0; i < 24; i++) tok[i] = (i * 13 + 1) % (int32_t)c.vocab_size;
-    float *a = run_forward(m, tok, 24), *b = run_forward(r, tok, 24);
+    float *a = kvt_logits(m, tok, 24), *b = kvt_logits(r, tok, 24);
     cr_assert(!memcmp(a, b, (size_t)(24 * c.vocab_size) * sizeof *a), "logits differ after the round trip");
     free(a), free(b), free(st);
     kv_model_close(r);
@@ -251,7 +230,7 @@ Test(neox, gguf_round_trip_and_the_erf_refusal) {
     same_weights(m, r, "gguf");
     int32_t tok[24];
     for (int i = 0; i < 24; i++) tok[i] = (i * 13 + 1) % (int32_t)c.vocab_size;
-    float *a = run_forward(m, tok, 24), *b = run_forward(r, tok, 24);
+    float *a = kvt_logits(m, tok, 24), *b = kvt_logits(r, tok, 24);
     cr_assert(!memcmp(a, b, (size_t)(24 * c.vocab_size) * sizeof *a), "logits differ after the round trip");
     free(a), free(b);
     kv_model_close(r);

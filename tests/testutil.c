@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "kvcal_core.h"
+
 const char *kvt_shared(const char *rel) {
     static __thread char buf[4096];
     const char *root = getenv("KVCAL_SHARED");
@@ -51,6 +53,27 @@ char *kvt_path(const char *dir, const char *name) {
     char *p = malloc(n);
     snprintf(p, n, "%s/%s", dir, name);
     return p;
+}
+
+char *kvt_write_text(const char *dir, const char *name, const char *text) {
+    char *p = kvt_path(dir, name);
+    FILE *f = fopen(p, "w");
+    cr_assert_not_null(f, "cannot write %s", p);
+    fputs(text, f);
+    cr_assert_eq(fclose(f), 0, "cannot write %s", p);
+    return p;
+}
+
+float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n) {
+    struct kv_fwd *f;
+    struct kv_err err = {0};
+    cr_assert_eq(kv_fwd_init(m, n, &f, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_fwd_run(f, tok, n, 0, NULL, &err), KV_OK, "%s", err.msg);
+    int64_t V = kv_model_config(m)->vocab_size;
+    float *out = malloc((size_t)(n * V) * sizeof *out);
+    memcpy(out, kv_fwd_logits(f), (size_t)(n * V) * sizeof *out);
+    kv_fwd_free(f);
+    return out;
 }
 
 char *kvt_read_file(const char *path, size_t *len) {

@@ -42,6 +42,13 @@ char *kvt_path(const char *dir, const char *name);
 /* How many temporaries of path (PATH.tmp-*, kv_tmp_create's names) its
  * directory holds. */
 int kvt_tmp_left(const char *path);
+/* Write text to dir/name (asserting it worked); returns the malloc'd path. */
+char *kvt_write_text(const char *dir, const char *name, const char *text);
+/* The logits [n, vocab] of one forward run of m over tok from position 0
+ * (asserting it worked), malloc'd. */
+struct kv_model;
+float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n);
+
 /* Read a whole file (malloc'd, NUL-terminated); NULL on failure. */
 char *kvt_read_file(const char *path, size_t *len);
 
