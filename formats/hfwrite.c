@@ -189,12 +189,6 @@ static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
     return r - j + (j % 2 ? half + j / 2 : j / 2);
 }
 
-/* A norm of the residual stream, whose gain Gemma offsets by norm_offset. */
-static int is_model_norm(enum kv_wkind k) {
-    return k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
-           k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
-}
-
 /* Add table entry e of layer (global entries: layer 0) under name: its
  * kinds stacked along the output axis (interleaved per head when e->heads),
  * then transposed for a Conv1D. An
@@ -213,7 +207,7 @@ static int add_entry(struct kv_stw *w, const struct kv_model *m, const struct kv
         /* HF's Gemma stores each RMSNorm gain minus 1 (a model read from
          * GGUF holds the gains themselves: norm_offset 0) */
         float shift = kv_arch_desc(c->arch)->post_norms && c->norm_offset == 0 &&
-                              is_model_norm(e->kinds[k])
+                              kv_wkind_is_stream_norm(e->kinds[k])
                           ? -1.0f
                           : 0.0f;
         for (int64_t r = 0; r < rows[k]; r++) {

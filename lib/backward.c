@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "backward.h"
+#include "act.h"
 #include "arch.h"
 #include "err.h"
 #include "limits.h"
@@ -315,14 +316,6 @@ static void rope_apply(const struct kv_grad *g, float *v, int64_t n, int64_t nh,
     }
 }
 
-static const float GELU_C = 0.7978845608028654f; /* sqrt(2/pi) */
-static const float SQRT1_2 = 0.70710678118654752f;
-
-/* GELU x Φ(x) (erf) and its derivative Φ(x) + x φ(x) */
-static float gelu_erf(float a) { return 0.5f * a * (1.0f + erff(a * SQRT1_2)); }
-static float gelu_erf_grad(float a) {
-    return 0.5f * (1.0f + erff(a * SQRT1_2)) + a * expf(-0.5f * a * a) * 0.39894228040143268f;
-}
 
 /* ---------------------------------------------------------------- forward */
 
@@ -424,8 +417,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i];
-                y->act[i] = erf_gelu ? gelu_erf(a)
-                                     : 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a)));
+                y->act[i] = erf_gelu ? kv_gelu_erf(a) : kv_gelu_tanh(a);
             }
         } else {
             lin_fwd(y->a, y->xn2, w[KV_W_GATE], NULL, n, d, hid);
@@ -434,8 +426,7 @@ static int forward(struct kv_grad *g, const int32_t *tok, int64_t n, double *los
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i];
-                y->act[i] = geglu ? 0.5f * a * (1.0f + tanhf(GELU_C * (a + 0.044715f * a * a * a))) * y->b[i]
-                                  : a / (1.0f + expf(-a)) * y->b[i];
+                y->act[i] = (geglu ? kv_gelu_tanh(a) : kv_silu(a)) * y->b[i];
             }
         }
         if (arch->post_norms) { /* Gemma 2: x += norm(act W_downᵀ) */
@@ -570,24 +561,16 @@ int kv_grad_run(struct kv_grad *g, const int32_t *tok, int64_t n, double *loss,
         int64_t nh = n * hid;
         if (arch->gelu_mlp) {
 #pragma omp parallel for if (nh > 65536) schedule(static)
-            for (int64_t i = 0; i < nh; i++) {
-                float a = y->a[i], u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
-                float dg = 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * GELU_C *
-                                                   (1.0f + 3.0f * 0.044715f * a * a);
-                g->da[i] = g->dh[i] * (c->gelu_erf ? gelu_erf_grad(a) : dg);
-            }
+            for (int64_t i = 0; i < nh; i++)
+                g->da[i] = g->dh[i] * (c->gelu_erf ? kv_gelu_erf_grad(y->a[i]) : kv_gelu_tanh_grad(y->a[i]));
             lin_bwd(g->da, y->xn2, w[KV_W_UP], n, d, hid, GW(KV_W_UP), GW(KV_W_BUP), g->dxn, 0);
         } else {
 #pragma omp parallel for if (nh > 65536) schedule(static)
             for (int64_t i = 0; i < nh; i++) {
                 float a = y->a[i];
                 if (arch->geglu) { /* act = gelu_tanh(a) · b */
-                    float u = GELU_C * (a + 0.044715f * a * a * a), t = tanhf(u);
-                    float ge = 0.5f * a * (1.0f + t);
-                    float dg = 0.5f * (1.0f + t) +
-                               0.5f * a * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * 0.044715f * a * a);
-                    g->db[i] = g->dh[i] * ge;
-                    g->da[i] = g->dh[i] * y->b[i] * dg;
+                    g->db[i] = g->dh[i] * kv_gelu_tanh(a);
+                    g->da[i] = g->dh[i] * y->b[i] * kv_gelu_tanh_grad(a);
                     continue;
                 }
                 float s = 1.0f / (1.0f + expf(-a));

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "act.h"
 #include "arch.h"
 #include "err.h"
 #include "limits.h"
@@ -233,14 +234,6 @@ static void add_bias(float *y, const float *bias, int64_t n, int64_t dd) {
 static void add_rows(float *y, const float *r, int64_t n, int64_t dd) {
     for (int64_t i = 0; i < n * dd; i++) y[i] += r[i];
 }
-
-/* GELU, tanh approximation (GPT-2's "gelu_new"). */
-static float gelu_tanh(float a) {
-    return 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
-}
-
-/* GELU as defined, x Φ(x) (GPT-NeoX's "gelu"). */
-static float gelu_erf(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
 
 /* out[i,:] = (x[i,:] - mean) / sqrt(var + eps) * w + b (biased variance),
  * mean and variance accumulated in double. */
@@ -732,21 +725,21 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                 add_bias(a, w[KV_W_BUP], nr, hid);
                 if (c->gelu_erf) {
 #pragma omp parallel for if (nh > 65536) schedule(static)
-                    for (int64_t i = 0; i < nh; i++) a[i] = gelu_erf(a[i]);
+                    for (int64_t i = 0; i < nh; i++) a[i] = kv_gelu_erf(a[i]);
                 } else {
 #pragma omp parallel for if (nh > 65536) schedule(static)
-                    for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]);
+                    for (int64_t i = 0; i < nh; i++) a[i] = kv_gelu_tanh(a[i]);
                 }
             } else if (f->arch->geglu) {
                 linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
                 linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
 #pragma omp parallel for if (nh > 65536) schedule(static)
-                for (int64_t i = 0; i < nh; i++) a[i] = gelu_tanh(a[i]) * b[i];
+                for (int64_t i = 0; i < nh; i++) a[i] = kv_gelu_tanh(a[i]) * b[i];
             } else {
                 linear(a, hid, xn, w[KV_W_GATE], nr, d, hid, 0.0f);
                 linear(b, hid, xn, w[KV_W_UP], nr, d, hid, 0.0f);
 #pragma omp parallel for if (nh > 65536) schedule(static)
-                for (int64_t i = 0; i < nh; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+                for (int64_t i = 0; i < nh; i++) a[i] = kv_silu(a[i]) * b[i];
             }
             if (f->arch->post_norms) { /* Gemma 2: x += norm(act(a) W2ᵀ) */
                 float *yb = f->y + r0 * d;

@@ -75,6 +75,11 @@ int kv_wkind_use(const struct kv_config *c, enum kv_wkind k) {
     }
 }
 
+int kv_wkind_is_stream_norm(enum kv_wkind k) {
+    return k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
+           k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
+}
+
 const char *kv_wkind_name(enum kv_wkind kind) {
     return (unsigned)kind < KV_W_COUNT ? wkind_names[kind] : "?";
 }
@@ -629,9 +634,7 @@ int kv_model_init_random(const struct kv_config *cfg, uint64_t seed, struct kv_m
                 kv_model_close(m);
                 return kv_fail(err, KV_ENOMEM, "synthetic", KV_NO_OFFSET, "out of memory");
             }
-            int is_norm = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
-                          k == KV_W_QNORM || k == KV_W_KNORM || k == KV_W_POST_ATTN_NORM ||
-                          k == KV_W_POST_FFN_NORM;
+            int is_norm = kv_wkind_is_stream_norm(k) || k == KV_W_QNORM || k == KV_W_KNORM;
             /* gains of 1: Gemma's stored w is the gain minus norm_offset (not the q/k norms') */
             float one = k == KV_W_QNORM || k == KV_W_KNORM ? 1.0f : 1.0f - cfg->norm_offset;
             /* GPT-2 keeps every weight random (biases included) so tests see them */

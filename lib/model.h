@@ -188,6 +188,10 @@ int kv_model_is_streamed(const struct kv_model *m);
  * the trainer); NULL when absent. Never use on a loaded (mapped) model. */
 float *kv_model_weight_mut(struct kv_model *m, enum kv_wkind kind, int64_t layer);
 const char *kv_wkind_name(enum kv_wkind kind);
+/* 1 for the gain of a norm of the residual stream (attention's and the
+ * MLP's input norms, Gemma 2's post-norms, the final norm): the weights a
+ * config's norm_offset applies to; 0 otherwise (Qwen3's q/k norms too). */
+int kv_wkind_is_stream_norm(enum kv_wkind kind);
 
 /* Convert n elements of dtype src to f32 (little-endian source bytes). */
 void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n);

@@ -50,9 +50,7 @@ static void spread_weights(struct kv_model *m, double spread) {
             if (k == KV_W_LM_HEAD && c->tied_embeddings) continue;
             float *w = kv_model_weight_mut(m, k, l);
             if (!w) continue;
-            int gain = k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM || k == KV_W_OUT_NORM ||
-                       k == KV_W_QNORM || k == KV_W_KNORM || k == KV_W_POST_ATTN_NORM ||
-                       k == KV_W_POST_FFN_NORM;
+            int gain = kv_wkind_is_stream_norm(k) || k == KV_W_QNORM || k == KV_W_KNORM;
             for (int64_t i = 0; i < cnt; i++)
                 w[i] = gain ? (float)(1.0 + 0.5 * urand()) : (float)(spread * urand());
         }
