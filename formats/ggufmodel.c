@@ -610,14 +610,21 @@ static int read_phi3(const struct kv_gguf_file *f, const char *ar, struct kv_con
         (rc = read_factors(f, "rope_factors_long.weight", half, sc->long_factor, err)) ||
         (rc = kv_gguf_get_u32(f, akey(ar, "rope.scaling.original_context_length"), &orig, err)))
         return rc;
-    if (kv_gguf_find(f, akey(ar, "rope.scaling.attn_factor")) &&
-        (rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.attn_factor"), &af, err)))
-        return rc;
+    const struct kv_gguf_kv *ak = kv_gguf_find(f, akey(ar, "rope.scaling.attn_factor"));
+    if (ak && (rc = kv_gguf_get_f32(f, akey(ar, "rope.scaling.attn_factor"), &af, err))) return rc;
+    if (ak && !(af > 0 && isfinite(af)))
+        return kv_fail(err, KV_EFORMAT, f->path, ak->val_off,
+                       "%s is %g, expected a positive factor", akey(ar, "rope.scaling.attn_factor"),
+                       (double)af);
     sc->type = KV_ROPE_SCALING_LONGROPE, sc->n_factors = half;
     sc->original_ctx = orig;
     sc->factor = orig ? (double)cfg->max_seq_len / (double)orig : 1.0;
     sc->attention_factor = af;
     return KV_OK; /* values checked by kv_model_create */
+}
+
+float kv_gguf_gemma2_attn_scale(const struct kv_config *c) {
+    return (float)(1.0 / sqrt((double)(c->n_layers == 46 ? c->dim / c->n_heads : c->head_dim)));
 }
 
 /* Gemma 2 as llama.cpp's converter stores it: RMSNorm gains with the 1
@@ -629,8 +636,7 @@ static int read_gemma2(const struct kv_gguf_file *f, const char *ar, struct kv_c
                        struct kv_err *err) {
     int rc;
     cfg->norm_offset = 0;
-    cfg->attn_scale = (float)(1.0 / sqrt((double)(cfg->n_layers == 46 ? cfg->dim / cfg->n_heads
-                                                                         : cfg->head_dim)));
+    cfg->attn_scale = kv_gguf_gemma2_attn_scale(cfg);
     if (kv_gguf_find(f, akey(ar, "attention.sliding_window"))) {
         uint32_t w;
         if ((rc = kv_gguf_get_u32(f, akey(ar, "attention.sliding_window"), &w, err))) return rc;
@@ -638,10 +644,15 @@ static int read_gemma2(const struct kv_gguf_file *f, const char *ar, struct kv_c
     }
     const char *caps[2] = {"attn_logit_softcapping", "final_logit_softcapping"};
     float *outs[2] = {&cfg->attn_softcap, &cfg->final_softcap};
-    for (int i = 0; i < 2; i++)
-        if (kv_gguf_find(f, akey(ar, caps[i])) &&
-            (rc = kv_gguf_get_f32(f, akey(ar, caps[i]), outs[i], err)))
-            return rc;
+    for (int i = 0; i < 2; i++) {
+        const struct kv_gguf_kv *kv = kv_gguf_find(f, akey(ar, caps[i]));
+        if (!kv) continue;
+        if ((rc = kv_gguf_get_f32(f, akey(ar, caps[i]), outs[i], err))) return rc;
+        if (!(*outs[i] >= 0 && isfinite(*outs[i])))
+            return kv_fail(err, KV_EFORMAT, f->path, kv->val_off,
+                           "%s is %g, expected a finite cap (0 for none)", akey(ar, caps[i]),
+                           (double)*outs[i]);
+    }
     return KV_OK;
 }
 
@@ -713,8 +724,13 @@ static int read_config(const struct kv_gguf_file *f, struct kv_config *cfg, stru
     if (rd) {
         uint32_t v;
         if ((rc = kv_gguf_get_u32(f, akey(ar, "rope.dimension_count"), &v, err))) return rc;
-        if (ad->id == KV_ARCH_GPTNEOX && v < cfg->head_dim && v >= 2 && v % 2 == 0)
-            cfg->rope_dim = v; /* partial rope: the first v dimensions of each head */
+        int partial = ad->id == KV_ARCH_GPTNEOX; /* the first v dimensions of each head */
+        if (partial && (v < 2 || v % 2 || (int64_t)v > cfg->head_dim))
+            return kv_fail(err, KV_EFORMAT, f->path, rd->val_off,
+                           "%s %u must be even and within 2..%lld (the head size)",
+                           akey(ar, "rope.dimension_count"), v, (long long)cfg->head_dim);
+        if (partial)
+            cfg->rope_dim = (int64_t)v < cfg->head_dim ? v : 0;
         else if ((int64_t)v != cfg->head_dim)
             return kv_fail(err, KV_EUNSUPPORTED, f->path, rd->val_off,
                            "%s %u differs from the head size %lld: "

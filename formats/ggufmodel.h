@@ -1,6 +1,12 @@
-/* A llama model and its vocabulary read from a GGUF container
- * (internal). The container itself (layout, parsing, getters) is gguf.h; this
- * module says what a llama file means.
+/* A model and its vocabulary read from a GGUF container (internal). The
+ * container itself (layout, parsing, getters) is gguf.h; this module says
+ * what a file of each architecture kvcal reads means (llama, qwen2, qwen3,
+ * phi3, gptneox, gemma2: lib/arch.c's rows with a GGUF name). The keys
+ * below are llama's, under the architecture's prefix for the others; what
+ * the others add (phi3's longrope factor tensors and window, gptneox's
+ * rope.dimension_count, use_parallel_residual and layer_norm_epsilon,
+ * gemma2's soft-caps, window and gains stored with their 1) is
+ * docs/formats.md's GGUF section.
  *
  * Metadata keys (u32 unless noted; "?" optional):
  *
@@ -57,7 +63,9 @@
  * KV_TOK_PARSE_SPECIAL; user-defined ones (type 4) always. Both are stored
  * as text, not in the mapped form.
  *
- * Tensor names (F32, F16 or BF16; rope is interleaved):
+ * Tensor names (F32, F16, BF16 or a block type kvcal decodes; rope is
+ * interleaved for llama, rotate-half for the others; per architecture in
+ * lib/arch.c's .gguf tables):
  *
  *   token_embd.weight, output_norm.weight, output.weight (absent when tied),
  *   blk.N.{attn_norm,attn_q,attn_k,attn_v,attn_output,ffn_norm,ffn_gate,
@@ -73,7 +81,12 @@
 struct kv_tokenizer;
 struct kv_model;
 
-/* Load a llama-architecture GGUF file (F32/F16/BF16 weights) as a model. The
+/* The attention scale llama.cpp's gemma2 takes, having no key for it:
+ * 1/sqrt(dim / heads) for Gemma 2 27B (46 layers), 1/sqrt(head_dim)
+ * otherwise. */
+float kv_gguf_gemma2_attn_scale(const struct kv_config *c);
+
+/* Load a GGUF file of an architecture above as a model. The
  * model keeps the mapping alive and owns the tokenizer built from the
  * metadata when tokenizer.ggml.model is "llama" (else it has none; a "gpt2"
  * vocabulary is read by kv_gguf_load_tokenizer, kv_tok_open). */

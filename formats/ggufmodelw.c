@@ -20,6 +20,7 @@
 #include "arch.h"
 #include "err.h"
 #include "ggmlquant.h"
+#include "ggufmodel.h"
 #include "gguf.h"
 #include "limits.h"
 #include "mapfile.h"
@@ -511,6 +512,10 @@ struct wtensor {
     int64_t shape[2]; /* row-major, as stored */
     int64_t rows, cols;
     const float *src; /* NULL for a streamed model's weight: fetched as written */
+    /* kinds stored stacked along the rows (gptneox's and phi3's attn_qkv,
+     * phi3's ffn_up): each row read from its kind's weight as written, so
+     * nothing is gathered; NULL otherwise */
+    const struct kv_arch_tensor *stack;
     int kind;
     int64_t layer;
     enum perm perm;
@@ -537,7 +542,7 @@ struct plan {
     int64_t n_t, cap_t;
     float rope_div[KV_MAX_ROPE_FACTORS];
     uint64_t data_end;
-    float **owned;         /* stacked tensors gathered here (gptneox's attn_qkv) */
+    float **owned;         /* Gemma 2's norm gains with their 1 added, written from here */
     int64_t n_owned;
 };
 
@@ -551,29 +556,6 @@ static float *plan_own(struct plan *p, int64_t n) {
     return buf;
 }
 
-/* The kinds of entry e of layer l one after the other along the rows, in a
- * block p owns: *out, of *ndim dimensions shape. */
-static int gather_stacked(struct plan *p, const struct kv_arch_tensor *e, int64_t l,
-                          int64_t *shape, int *ndim, const float **out, const char *path,
-                          struct kv_err *err) {
-    int64_t rows[3], total, cols;
-    int nd = kv_arch_entry_shape(&p->m->cfg, e, rows, &total, &cols);
-    float *buf = plan_own(p, total * cols);
-    if (!buf) return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory for '%s'", e->name);
-    int64_t r0 = 0;
-    for (int k = 0; k < e->n_kinds; k++) {
-        const float *w = kv_model_weight(p->m, e->kinds[k], l);
-        if (!w)
-            return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "the model has no %s weight%s",
-                           kv_wkind_name(e->kinds[k]), " in some layer");
-        memcpy(buf + r0 * cols, w, (size_t)(rows[k] * cols) * sizeof *buf);
-        r0 += rows[k];
-    }
-    shape[0] = total, shape[1] = cols;
-    *out = buf;
-    *ndim = nd;
-    return KV_OK;
-}
 
 static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, const int64_t *shape,
                     const float *src, enum perm perm, const char *path, struct kv_err *err) {
@@ -622,16 +604,32 @@ static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, c
 }
 
 /* Block types need finite input (kv_ggml_quant). */
-static int check_finite(const struct wtensor *t, const char *path, struct kv_err *err) {
+/* Rows r0.. of t, n of them, in src (stacked kinds: one kind's rows). */
+static int check_rows(const struct wtensor *t, const float *src, int64_t r0, int64_t n,
+                      const char *path, struct kv_err *err) {
     if (kv_ggml_block_elems(t->type) == 1) return KV_OK;
-    int64_t n = t->rows * t->cols;
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(t->src[i]))
+    for (int64_t i = 0; i < n * t->cols; i++)
+        if (!isfinite(src[i]))
             return kv_fail(err, KV_ENUMERIC, path, KV_NO_OFFSET,
                            "tensor '%s' holds %g at row %lld, column %lld; %s needs finite weights",
-                           t->name, (double)t->src[i], (long long)(i / t->cols),
+                           t->name, (double)src[i], (long long)(r0 + i / t->cols),
                            (long long)(i % t->cols), kv_ggml_type_name(t->type));
     return KV_OK;
+}
+
+static int check_finite(const struct wtensor *t, const char *path, struct kv_err *err) {
+    return check_rows(t, t->src, 0, t->rows, path, err);
+}
+
+/* The weights of t's stacked kinds (a streamed model's layer converted),
+ * their row counts; returns how many kinds. */
+static int stack_parts(const struct plan *p, const struct wtensor *t, const float **parts,
+                       int64_t *rows) {
+    int64_t total, cols;
+    kv_arch_entry_shape(&p->m->cfg, t->stack, rows, &total, &cols);
+    for (int k = 0; k < t->stack->n_kinds; k++)
+        parts[k] = kv_model_weight(p->m, t->stack->kinds[k], t->layer);
+    return t->stack->n_kinds;
 }
 
 /* Which weights of the arch's .gguf table the model stores, under which
@@ -674,18 +672,28 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
             const struct kv_arch_tensor *e = &tab[i];
             KV_ASSERT(!e->conv && !e->heads); /* llama.cpp stacks only whole kinds */
             enum kv_wkind k = e->kinds[0];
-            if (e->n_kinds > 1) { /* gptneox's attn_qkv: q, k, v rows one after the other */
+            if (e->n_kinds > 1) { /* attn_qkv, ffn_up: the kinds' rows one after the other */
                 KV_ASSERT(perm == PERM_NONE && l >= 0);
-                int64_t shape[2];
-                const float *buf = NULL;
-                int nd = 0;
-                if ((rc = gather_stacked(p, e, l, shape, &nd, &buf, path, err))) return rc;
+                int64_t shape[2], rows[3];
+                int nd = kv_arch_entry_shape(c, e, rows, &shape[0], &shape[1]);
                 char name[KV_MAX_NAME_LEN + 1];
                 snprintf(name, sizeof name, "%s%lld.%s", nm->layer_prefix, (long long)l, e->name);
-                if ((rc = plan_add(p, name, nd == 2 ? mtype : KV_GGML_F32, nd, shape, buf,
-                                   PERM_NONE, path, err)) ||
-                    (rc = check_finite(&p->t[p->n_t - 1], path, err)))
+                if ((rc = plan_add(p, name, nd == 2 ? mtype : KV_GGML_F32, nd, shape, NULL,
+                                   PERM_NONE, path, err)))
                     return rc;
+                struct wtensor *t = &p->t[p->n_t - 1];
+                t->stack = e, t->layer = l;
+                const float *parts[3];
+                stack_parts(p, t, parts, rows);
+                int64_t r0 = 0;
+                for (int q = 0; q < e->n_kinds; r0 += rows[q], q++) {
+                    if (!parts[q])
+                        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                                       "the model has no %s weight in some layer",
+                                       kv_wkind_name(e->kinds[q]));
+                    /* a stacked vector (the biases) is one F32 row: nothing to check */
+                    if (nd == 2 && (rc = check_rows(t, parts[q], r0, rows[q], path, err))) return rc;
+                }
                 continue;
             }
             if (kv_wkind_use(c, k) == KV_WUSE_NONE) continue;
@@ -697,10 +705,8 @@ static int plan_tensors(struct plan *p, uint32_t mtype, const char *path, struct
             }
             int64_t shape[2];
             int nd = kv_model_expected_shape(c, k, shape);
-            int gain = k == KV_W_OUT_NORM || k == KV_W_ATTN_NORM || k == KV_W_FFN_NORM ||
-                       k == KV_W_POST_ATTN_NORM || k == KV_W_POST_FFN_NORM;
             float *shifted = NULL;
-            if (ad->post_norms && gain && c->norm_offset != 0) { /* llama.cpp: gains with the 1 added */
+            if (ad->post_norms && kv_wkind_is_stream_norm(k) && c->norm_offset != 0) { /* llama.cpp: gains with the 1 added */
                 if (!(shifted = plan_own(p, shape[0])))
                     return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
                 for (int64_t j = 0; j < shape[0]; j++) shifted[j] = c->norm_offset + w[j];
@@ -925,9 +931,30 @@ static int fill(int fd, const char *path, const char *tmp, void *ctx, struct kv_
     for (int64_t i = 0; i < p->n_t && !o.e; i++) {
         const struct wtensor *t = &p->t[i];
         KV_ASSERT(o.pos == data_off + t->rel);
-        const float *src = t->src ? t->src : kv_model_weight(p->m, (enum kv_wkind)t->kind, t->layer);
+        const float *src = t->src || t->stack ? t->src : kv_model_weight(p->m, (enum kv_wkind)t->kind, t->layer);
+        const float *parts[3];
+        int64_t prows[3];
+        if (t->stack) stack_parts(p, t, parts, prows);
+        if (t->stack && t->ndim == 1) { /* stacked vectors (biases): one row, the parts in turn */
+            for (int q = 0; q < t->stack->n_kinds; q++) {
+                int qrc = kv_ggml_quant(t->type, parts[q], row, prows[q]);
+                KV_ASSERT(qrc == KV_OK && t->type == KV_GGML_F32); /* row holds the whole vector */
+                o_put(&o, row, (size_t)prows[q] * sizeof(float));
+            }
+            o_pad(&o);
+            continue;
+        }
         for (int64_t r = 0; r < t->rows && !o.e; r++) {
-            int qrc = kv_ggml_quant(t->type, src + src_row(t, r) * t->cols, row, t->cols);
+            const float *sr;
+            if (t->stack) { /* row r of the kind it falls in */
+                int q = 0;
+                int64_t rr = r;
+                while (rr >= prows[q]) rr -= prows[q++];
+                sr = parts[q] + rr * t->cols;
+            } else {
+                sr = src + src_row(t, r) * t->cols;
+            }
+            int qrc = kv_ggml_quant(t->type, sr, row, t->cols);
             KV_ASSERT(qrc == KV_OK); /* type, row length and values checked by the plan */
             o_put(&o, row, (size_t)t->row_bytes);
         }
@@ -972,7 +999,7 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
                        kv_arch_name(c->arch), names);
     }
     if (c->arch == KV_ARCH_GEMMA2) {
-        float want = (float)(1.0 / sqrt((double)(c->n_layers == 46 ? c->dim / c->n_heads : c->head_dim)));
+        float want = kv_gguf_gemma2_attn_scale(c);
         if (kv_attn_scale(c) != want)
             return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
                            "attention scale %g cannot be written to gguf 'gemma2': llama.cpp "

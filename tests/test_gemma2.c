@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "gguf_patch.h"
 #include "ggufmodelw.h"
 #include "hfdir.h"
 #include "kvformats.h"
@@ -217,4 +219,22 @@ Test(gemma2, gguf_round_trip_and_refusals) {
     kv_model_close(m);
     free(path), free(hf);
     kvt_rm_dir(dir);
+}
+
+/* gemma2's own keys corrupted in place: named with their offset. */
+Test(gemma2, corrupt_gguf_keys_are_refused_at_their_offset) {
+    struct kv_config c = tiny_gemma2_cfg();
+    c.attn_scale = (float)(1.0 / sqrt((double)c.head_dim));
+    struct kv_model *m = random_gemma2(c, 5);
+    uint64_t off;
+    float bad[2] = {NAN, -1.0f};
+    const char *keys[2] = {"gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping"};
+    const char *msgs[2] = {"gemma2.attn_logit_softcapping is nan, expected a finite cap",
+                           "gemma2.final_logit_softcapping is -1, expected a finite cap"};
+    for (int i = 0; i < 2; i++) {
+        char *p = patched_gguf(m, keys[i], &bad[i], 4, &off);
+        refused_at(p, off, msgs[i]);
+        unlink(p), free(p);
+    }
+    kv_model_close(m);
 }

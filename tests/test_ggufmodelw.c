@@ -16,6 +16,7 @@
 #include "ggmlquant.h"
 #include "gguf.h"
 #include "ggufmodel.h"
+#include "gguf_patch.h"
 #include "ggufmodelw.h"
 #include "model.h"
 #include "naive_llama.h"
@@ -1108,4 +1109,36 @@ Test(ggufmodelw, phi3_round_trip_with_longrope) {
     kv_model_close(m);
     unlink(path);
     free(path);
+}
+
+/* phi3's longrope, corrupted: a factor tensor renamed away, and a
+ * non-finite attention factor (named with its offset). */
+Test(ggufmodelw, phi3_corrupt_longrope_is_refused) {
+    struct kv_config c = tiny_cfg(KV_ROPE_HALF, 0, 0);
+    c.arch = KV_ARCH_PHI3, c.n_kv_heads = c.n_heads, c.max_seq_len = 256;
+    struct kv_rope_scaling_cfg *s = &c.rope_scaling;
+    s->type = KV_ROPE_SCALING_LONGROPE, s->factor = 4, s->original_ctx = 64;
+    s->n_factors = c.head_dim / 2;
+    for (int64_t i = 0; i < s->n_factors; i++) s->short_factor[i] = 1.0f, s->long_factor[i] = 2.0f;
+    struct kv_model *m, *r;
+    struct kv_err e = {0};
+    cr_assert_eq(kv_model_init_random(&c, 91, &m, &e), KV_OK, "%s", e.msg);
+    uint64_t off;
+    float nan_f = NAN;
+    char *p = patched_gguf(m, "phi3.rope.scaling.attn_factor", &nan_f, 4, &off);
+    refused_at(p, off, "phi3.rope.scaling.attn_factor is nan, expected a positive factor");
+    /* the same file with the long factors' tensor renamed */
+    size_t len;
+    char *b = kvt_read_file(p, &len);
+    char *hit = memmem(b, len, "rope_factors_long.weight", 24);
+    cr_assert_not_null(hit);
+    hit[17] = 'G';
+    char *q = kvt_write_temp(b, len, ".gguf");
+    cr_assert_neq(kv_model_open(q, NULL, &r, &e), KV_OK);
+    cr_assert(strstr(e.msg, "missing tensor 'rope_factors_long.weight' (phi3's longrope needs both "
+                            "factor tensors)"),
+              "%s", e.msg);
+    unlink(p), unlink(q);
+    free(p), free(q), free(b);
+    kv_model_close(m);
 }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "ggufmodelw.h"
+#include "gguf_patch.h"
 #include "hfdir.h"
 #include "kvformats.h"
 #include "model.h"
@@ -349,4 +350,27 @@ Test(neox, gguf_collect_decompose_and_dense_export, .timeout = 300) {
     free(o2), free(e2);
     free(hfdir), free(gguf), free(q8), free(text);
     kvt_rm_dir(dir);
+}
+
+/* ---------------------------------------------------------------- corrupt GGUF */
+
+/* gptneox's own keys, corrupted in place: each refusal names the key and
+ * its offset. */
+Test(neox, corrupt_gguf_keys_are_refused_at_their_offset) {
+    struct kv_config c = tiny_neox_cfg();
+    c.gelu_erf = 0;
+    struct kv_model *m = random_neox(c, 5);
+    uint64_t off;
+    uint32_t five = 5, big = 17;
+    uint8_t two = 2;
+    char *p = patched_gguf(m, "gptneox.rope.dimension_count", &five, 4, &off);
+    refused_at(p, off, "gptneox.rope.dimension_count 5 must be even and within 2..16 (the head size)");
+    unlink(p), free(p);
+    p = patched_gguf(m, "gptneox.rope.dimension_count", &big, 4, &off);
+    refused_at(p, off, "gptneox.rope.dimension_count 17 must be even and within 2..16");
+    unlink(p), free(p);
+    p = patched_gguf(m, "gptneox.use_parallel_residual", &two, 1, &off);
+    refused_at(p, off, "key 'gptneox.use_parallel_residual' is bool 2, expected 0 or 1");
+    unlink(p), free(p);
+    kv_model_close(m);
 }
