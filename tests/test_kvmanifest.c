@@ -284,6 +284,12 @@ static void j_rope_object(json_t *r) {
     set(r, "rope", json_pack("{s:s, s:f}", "layout", "half", "theta", 10000.0));
 }
 static void j_layout(json_t *r) { set(r, "weight_layout", json_string("linear [in, out]")); }
+/* a partial rope on llama, which turns whole heads */
+static void j_rotary_dim(json_t *r) {
+    json_int_t hd = json_integer_value(json_object_get(json_object_get(r, "model"), "head_dim"));
+    set(json_object_get(r, "rope"), "rotary_dim", json_integer(hd - 2));
+}
+static void j_residual(json_t *r) { set(json_object_get(r, "model"), "residual", json_string("parallel")); }
 static void j_q_cols(json_t *r) { bump(side_json(r, 0, "k"), "q_cols", 1); }
 static void j_q_cols_missing(json_t *r) {
     cr_assert_eq(json_object_del(side_json(r, 2, "k"), "q_cols"), 0);
@@ -376,6 +382,11 @@ static const struct row rows[] = {
       "model: arch 'mamba' is not supported, expected 'llama', 'gpt2', 'mistral', 'qwen2', 'phi3', 'qwen3', 'gpt_neox' or 'gemma2'"}, 0},
     {"llama rope null", j_rope_null, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "key 'rope' must be an object, found null"}, 0},
+    {"partial rope on llama", j_rotary_dim, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "must be even and head_dim for this arch"}, 0},
+    {"parallel residual on llama", j_residual, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "model: residual 'parallel' does not match arch 'llama', which has 'sequential'"}, 0},
     {"weight layout", j_layout, 0, NULL,
      {KV_EUNSUPPORTED, 0, KV_NO_OFFSET, 0,
       "weight_layout 'linear [in, out]' is not supported, expected 'linear [out, in]'"}, 0},
