@@ -307,17 +307,46 @@ float kv_bf16_to_f32(uint16_t h) {
     return f;
 }
 
-void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n) {
-    const uint8_t *p = in;
+/* one thread's share of kv_convert_to_f32; the host is little-endian (the
+ * F32 case copies bytes), so a 16-bit element is read with memcpy, and the
+ * BF16 loop is a shift the compiler vectorises */
+static void convert_part(enum kv_dtype src, const uint8_t *p, float *out, int64_t n) {
     switch (src) {
-    case KV_DTYPE_F32: memcpy(out, in, (size_t)n * 4); break; /* little-endian host */
+    case KV_DTYPE_F32: memcpy(out, p, (size_t)n * 4); break;
     case KV_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++) out[i] = kv_f16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            out[i] = kv_f16_to_f32(h);
+        }
         break;
     case KV_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) out[i] = kv_bf16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + i, &bits, 4);
+        }
         break;
     default: KV_ASSERT(0 && "unsupported conversion");
+    }
+}
+
+void kv_convert_to_f32(enum kv_dtype src, const void *in, float *out, int64_t n) {
+    const uint8_t *p = in;
+    size_t es = kv_dtype_size(src);
+    /* a layer's weights (10^8 elements) are converted before each layer's
+     * products: split them over the threads, in chunks of 64 Ki elements */
+    const int64_t chunk = 1 << 16;
+    if (n < 4 * chunk) {
+        convert_part(src, p, out, n);
+        return;
+    }
+    int64_t nchunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t e0 = c * chunk, m = n - e0 < chunk ? n - e0 : chunk;
+        convert_part(src, p + (size_t)e0 * es, out + e0, m);
     }
 }
 

@@ -46,6 +46,36 @@ Test(model, bf16_conversion_is_the_high_half_of_f32) {
     }
 }
 
+/* The array conversion (split over threads above 2^18 elements, in chunks
+ * of 2^16) gives every element's bits as the definitions above do: every
+ * 16-bit pattern, repeated past several chunks and a ragged tail, for F16
+ * and BF16, at sizes below and above the split and unaligned in the file. */
+Test(model, array_conversion_matches_the_elementwise_definition) {
+    const int64_t sizes[] = {1, 65535, (1 << 18) - 1, (1 << 18) + 65536 * 3 + 17};
+    for (int t = 0; t < 2; t++) {
+        enum kv_dtype dt = t ? KV_DTYPE_BF16 : KV_DTYPE_F16;
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+            int64_t n = sizes[si];
+            uint8_t *raw = malloc((size_t)n * 2 + 1);
+            float *out = malloc((size_t)n * sizeof *out);
+            cr_assert(raw && out);
+            uint8_t *p = raw + 1; /* odd address, as a tensor in a file may be */
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t h = (uint16_t)(i * 40503u + 7);
+                p[2 * i] = (uint8_t)h, p[2 * i + 1] = (uint8_t)(h >> 8);
+            }
+            kv_convert_to_f32(dt, p, out, n);
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t h = (uint16_t)(p[2 * i] | p[2 * i + 1] << 8);
+                float want = t ? kv_bf16_to_f32(h) : kv_f16_to_f32(h);
+                cr_assert(memcmp(&out[i], &want, 4) == 0, "%s n %lld element %lld (0x%04x): %g, want %g",
+                          kv_dtype_name(dt), (long long)n, (long long)i, h, (double)out[i], (double)want);
+            }
+            free(raw), free(out);
+        }
+    }
+}
+
 Test(model, rejects_inconsistent_config) {
     struct kv_config c = cfg();
     struct kv_model *m;
