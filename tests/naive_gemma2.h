@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "model.h"
+#include "naive_gelu.h"
 #include "naive_rope.h"
 
 static inline void naive_gemma2_norm(double *out, const double *x, const float *w, int64_t n,
@@ -104,10 +105,7 @@ static inline double *naive_gemma2_forward(const struct kv_model *m, const int32
         naive_gemma2_norm(xn, x, W_(KV_W_FFN_NORM), n, d, eps, off);
         naive_gemma2_linear(a, xn, W_(KV_W_GATE), n, hid, d);
         naive_gemma2_linear(b, xn, W_(KV_W_UP), n, hid, d);
-        for (int64_t i = 0; i < n * hid; i++) {
-            double u = a[i];
-            a[i] = 0.5 * u * (1.0 + tanh(sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u))) * b[i];
-        }
+        for (int64_t i = 0; i < n * hid; i++) a[i] = naive_gelu_tanh(a[i]) * b[i];
         naive_gemma2_linear(y, a, W_(KV_W_DOWN), n, d, hid);
         naive_gemma2_norm(y, y, W_(KV_W_POST_FFN_NORM), n, d, eps, off);
         for (int64_t i = 0; i < n * d; i++) x[i] += y[i];

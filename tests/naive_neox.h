@@ -19,11 +19,12 @@
 #include <stdlib.h>
 
 #include "model.h"
+#include "naive_gelu.h"
 #include "naive_gpt2.h"
 #include "naive_rope.h"
 
 static inline double naive_neox_gelu(double a, int erf_gelu) {
-    return erf_gelu ? 0.5 * a * (1.0 + erf(a / sqrt(2.0))) : naive_gpt2_gelu(a);
+    return erf_gelu ? 0.5 * a * (1.0 + erf(a / sqrt(2.0))) : naive_gelu_tanh(a);
 }
 
 /* Rotate the first r dimensions of each of nh heads of rows [n, nh*dh]. */
