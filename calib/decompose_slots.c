@@ -8,7 +8,9 @@
  *   eigen K         Σ_i C_q,i + Σ_j C_k,j pre-RoPE, one basis shared by all heads
  *   eigen V         C_v,j per head, one rank per layer (the max over heads)
  *   fdc/zack K      Σ_{i→j} q_rope_i + k_rope_j per KV head (post-RoPE stats)
- *   zack V          C_v,j + Σ_{i→j} W_O,i W_O,iᵀ per KV head */
+ *   zack V          C_v,j / tr C_v,j + M_j / tr M_j per KV head, with
+ *                   M_j = Σ_{i→j} W_O,i W_O,iᵀ (each term of unit trace:
+ *                   docs/design.md, "ZACK's value rotation") */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -217,7 +219,10 @@ done:
     return rc;
 }
 
-/* ZACK values: per KV head, Gram of [V_j; W_O,iᵀ for its query heads]. */
+/* ZACK values: per KV head, the Gram of [V_j; W_O,iᵀ for its query heads]
+ * with each block scaled to unit energy: C_v,j / tr C_v,j + M_j / tr M_j.
+ * Unscaled, C_v (a sum over every calibration token) drowns M and the
+ * rotation is fdc's. */
 static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, dh = c->head_dim, d = c->dim, grp = c->n_heads / g;
@@ -237,17 +242,22 @@ static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
             break;
         }
         sl->units[0].head0 = j, sl->units[0].nh = 1, sl->units[0].vec = sl->vecs;
-        memcpy(sl->units[0].cov, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *vc);
-        memcpy(gram, vc + j * dh * dh, (size_t)(dh * dh) * sizeof *gram);
-        /* W_O,i W_O,iᵀ = B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
+        const double *cv = vc + j * dh * dh;
+        memcpy(sl->units[0].cov, cv, (size_t)(dh * dh) * sizeof *vc);
+        /* M_j = Σ W_O,i W_O,iᵀ = Σ B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
+        memset(gram, 0, (size_t)(dh * dh) * sizeof *gram);
         for (int64_t i = j * grp; i < (j + 1) * grp; i++) {
             for (int64_t r = 0; r < d; r++)
                 for (int64_t a = 0; a < dh; a++) blk[r * dh + a] = (double)wo[r * qd + i * dh + a];
             cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)dh, (int)d, 1.0, blk, (int)dh,
                         1.0, gram, (int)dh);
         }
+        double tv = 0, tm = 0;
+        for (int64_t a = 0; a < dh; a++) tv += cv[a * dh + a], tm += gram[a * dh + a];
+        double sv = tv > 0 ? 1.0 / tv : 0, sm = tm > 0 ? 1.0 / tm : 0;
         for (int64_t a = 0; a < dh; a++)
-            for (int64_t b = 0; b < a; b++) gram[a * dh + b] = gram[b * dh + a];
+            for (int64_t b = a; b < dh; b++)
+                gram[a * dh + b] = gram[b * dh + a] = sv * cv[a * dh + b] + sm * gram[a * dh + b];
         char what[96];
         snprintf(what, sizeof what, "layer %lld v-o rotation of head %lld", (long long)l, (long long)j);
         rc = kv_dec_eigh(x, gram, dh, sl->lam, sl->vecs, what);

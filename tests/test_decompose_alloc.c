@@ -148,7 +148,7 @@ Test(decompose_alloc, eps_keeps_the_energy_with_the_smallest_rank, .timeout = 12
 
 /* The allocation Gram of a removal unit, built here from the sums and weights:
  * fdc/zack keys Σ_{i→j} q_rope_i + k_rope_j, fdc values the output covariance,
- * zack values C_v + Σ_{i→j} W_O,i W_O,iᵀ. */
+ * zack values C_v / tr C_v + M / tr M with M = Σ_{i→j} W_O,i W_O,iᵀ. */
 static double *removal_gram(const struct kv_model *m, const struct kv_stats *s,
                             enum kv_method method, int64_t l, int side, int64_t j) {
     const struct kv_config *c = kv_model_config(m);
@@ -164,14 +164,18 @@ static double *removal_gram(const struct kv_model *m, const struct kv_stats *s,
     double *G = out_cov_naive(s, m, l, 1, j, 1);
     if (method == KV_METHOD_ZACK) {
         const float *wo = m->layers[l].w[KV_W_O]; /* [d, h*d_h] */
+        double *M = calloc((size_t)n2, sizeof *M), tv = 0, tm = 0;
         for (int64_t qh = j * grp; qh < (j + 1) * grp; qh++)
             for (int64_t a = 0; a < dh; a++)
                 for (int64_t b = 0; b < dh; b++) {
                     double acc = 0;
                     for (int64_t r = 0; r < d; r++)
                         acc += (double)wo[r * qd + qh * dh + a] * wo[r * qd + qh * dh + b];
-                    G[a * dh + b] += acc;
+                    M[a * dh + b] += acc;
                 }
+        for (int64_t a = 0; a < dh; a++) tv += G[a * dh + a], tm += M[a * dh + a];
+        for (int64_t i = 0; i < n2; i++) G[i] = G[i] / tv + M[i] / tm;
+        free(M);
     }
     return G;
 }
