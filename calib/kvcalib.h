@@ -448,9 +448,9 @@ struct kv_decompose_opts {
                               (progressive), e_b (layer-budget); 0 for global */
     double error_k, error_v; /* predicted calibration error of all K (V) units:
                                 Σ dropped / Σ energy (0 without energy) */
-    int64_t odd_rank_units; /* with hadamard: units of odd rank > 1, which the rotation
-                               leaves out (its blocks are powers of two dividing the
-                               rank); 0 without */
+    int64_t odd_rank_units; /* with hadamard: units of odd rank > 1, in which the
+                               rotation leaves one latent coordinate alone (its
+                               last block, of size 1); 0 without */
 };
 
 /* `kvcal decompose`'s defaults: everything zero but method palu,

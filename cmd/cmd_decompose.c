@@ -224,8 +224,9 @@ static int load_inputs(struct inputs *in) {
 
 static void print_warnings(const struct kv_model *m, const struct kv_lowrank *lr) {
     if (A.o.odd_rank_units)
-        fprintf(stderr, "kvcal: warning: --hadamard leaves %lld units of odd rank unrotated (a "
-                        "block is the largest power of two dividing the rank); add "
+        fprintf(stderr, "kvcal: warning: --hadamard leaves one latent coordinate unrotated in "
+                        "each of %lld units of odd rank (its blocks are the powers of two "
+                        "that sum to the rank); add "
                         "--rank-multiple 8\n", (long long)A.o.odd_rank_units);
     int64_t base = kv_lr_base_bytes(kv_model_config(m)), comp = kv_lr_bytes(lr, (int)A.o.kv_bits);
     if (!A.o.target_reached)

@@ -157,16 +157,21 @@ int kv_la_whitened_chol(const double *w, int64_t d, int64_t m, const double *cx,
 
 int64_t kv_la_hadamard(int64_t n, double *h) {
     KV_ASSERT(n >= 1);
-    int64_t b = n & -n; /* largest power of two dividing n */
-    double scale = 1.0 / sqrt((double)b);
     memset(h, 0, (size_t)(n * n) * sizeof *h);
-    /* Sylvester: H[i][j] = (-1)^popcount(i & j) within each b×b block */
-    for (int64_t blk = 0; blk < n; blk += b)
+    /* blocks of the powers of two in n's binary expansion, largest first;
+     * Sylvester within each: H[i][j] = (-1)^popcount(i & j) / √b */
+    int64_t first = 0;
+    for (int64_t b = (int64_t)1 << (63 - __builtin_clzll((unsigned long long)n)), blk = 0; b >= 1; b >>= 1) {
+        if (!(n & b)) continue;
+        if (!first) first = b;
+        double scale = 1.0 / sqrt((double)b);
         for (int64_t i = 0; i < b; i++)
             for (int64_t j = 0; j < b; j++)
                 h[(blk + i) * n + blk + j] =
                     __builtin_popcountll((unsigned long long)(i & j)) & 1 ? -scale : scale;
-    return b;
+        blk += b;
+    }
+    return first;
 }
 
 int64_t kv_la_energy_rank(const double *lambda, int64_t n, double energy) {

@@ -34,8 +34,10 @@ int kv_la_whitened_chol(const double *w, int64_t d, int64_t m, const double *cx,
                         int64_t r, double *w_out, const char *what, struct kv_err *err);
 
 /* Orthonormal n×n Walsh-Hadamard-type matrix (row-major): block diagonal
- * with Sylvester blocks of size b, the largest power of two dividing n (b
- * may be 1, then it is the identity), each scaled by 1/√b. Returns b. */
+ * with one Sylvester block per power of two in n's binary expansion,
+ * largest first (n = 12: 8 and 4; n = 13: 8, 4 and 1), each scaled by
+ * 1/√(its size). Returns the first block's size, the largest power of two
+ * not above n. */
 int64_t kv_la_hadamard(int64_t n, double *h);
 
 /* Smallest r with λ_1 + .. + λ_r >= energy · Σλ (λ descending, negatives

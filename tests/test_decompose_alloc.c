@@ -656,19 +656,23 @@ Test(decompose_alloc, eigen_shares_the_qk_key_basis_and_one_value_rank, .timeout
 }
 
 /* Orthonormal block Sylvester matrix of size r, written from its definition:
- * blocks of b = the largest power of two dividing r, H_ij = ±1/√b with the
- * sign (−1)^popcount(i & j). */
+ * one block per power of two in r's binary expansion, largest first, and
+ * in a block of size b at offset o, H_ij = ±1/√b with the sign
+ * (−1)^popcount((i−o) & (j−o)). */
 static double *sylvester(int64_t r) {
-    int64_t b = 1;
-    while (r % (2 * b) == 0) b *= 2;
     double *H = calloc((size_t)(r * r), sizeof *H);
-    for (int64_t i = 0; i < r; i++)
-        for (int64_t j = 0; j < r; j++) {
-            if (i / b != j / b) continue;
-            int64_t x = (i % b) & (j % b), par = 0;
-            while (x) par ^= x & 1, x >>= 1;
-            H[i * r + j] = (par ? -1.0 : 1.0) / sqrt((double)b);
-        }
+    int64_t o = 0;
+    for (int bit = 62; bit >= 0; bit--) {
+        int64_t b = (int64_t)1 << bit;
+        if (!(r & b)) continue;
+        for (int64_t i = 0; i < b; i++)
+            for (int64_t j = 0; j < b; j++) {
+                int64_t x = i & j, par = 0;
+                while (x) par ^= x & 1, x >>= 1;
+                H[(o + i) * r + o + j] = (par ? -1.0 : 1.0) / sqrt((double)b);
+            }
+        o += b;
+    }
     return H;
 }
 

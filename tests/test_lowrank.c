@@ -455,21 +455,27 @@ Test(lr_whiten, rejects_nan_in_weights_or_covariance) {
 /* ---------------------------------------------------------------- hadamard */
 
 Test(lr_hadamard, orthonormal_block_sylvester) {
-    int64_t sizes[] = {1, 2, 3, 8, 12, 16, 24};
+    int64_t sizes[] = {1, 2, 3, 8, 12, 13, 16, 24, 31};
     for (size_t c = 0; c < sizeof sizes / sizeof sizes[0]; c++) {
         int64_t n = sizes[c];
         int64_t want_b = 1;
-        while (n % (2 * want_b) == 0) want_b *= 2;
+        while (2 * want_b <= n) want_b *= 2;
         double *h = malloc((size_t)(n * n) * sizeof *h), *hh = malloc((size_t)(n * n) * sizeof *hh);
         for (int64_t i = 0; i < n * n; i++) h[i] = NAN; /* every entry must be written */
         int64_t b = kv_la_hadamard(n, h);
-        cr_assert_eq(b, want_b, "n %lld: block %lld, expected %lld", (long long)n, (long long)b,
+        cr_assert_eq(b, want_b, "n %lld: first block %lld, expected %lld", (long long)n, (long long)b,
                      (long long)want_b);
-        double e = 1 / sqrt((double)b);
+        /* the blocks: n's binary expansion, largest first */
+        int64_t off[64], sz[64], nb = 0, o = 0;
+        for (int64_t s = want_b; s >= 1; s /= 2)
+            if (n & s) off[nb] = o, sz[nb++] = s, o += s;
         for (int64_t i = 0; i < n; i++)
             for (int64_t j = 0; j < n; j++) {
-                double x = h[i * n + j];
-                if (i / b == j / b)
+                int64_t bi = 0, bj = 0;
+                while (i >= off[bi] + sz[bi]) bi++;
+                while (j >= off[bj] + sz[bj]) bj++;
+                double x = h[i * n + j], e = 1 / sqrt((double)sz[bi]);
+                if (bi == bj)
                     cr_assert(fabs(fabs(x) - e) <= 1e-15, "n %lld: h[%lld][%lld] = %g, want ±%g",
                               (long long)n, (long long)i, (long long)j, x, e);
                 else
@@ -477,15 +483,15 @@ Test(lr_hadamard, orthonormal_block_sylvester) {
                                  (long long)n, (long long)i, (long long)j, x);
             }
         /* Sylvester recursion inside each block: [[H, H], [H, -H]] */
-        for (int64_t blk = 0; blk < n; blk += b)
-            for (int64_t half = b / 2; half >= 1; half /= 2)
-                for (int64_t i = 0; i < b; i++)
-                    for (int64_t j = 0; j < b; j++) {
+        for (int64_t k = 0; k < nb; k++)
+            for (int64_t half = sz[k] / 2; half >= 1; half /= 2)
+                for (int64_t i = 0; i < sz[k]; i++)
+                    for (int64_t j = 0; j < sz[k]; j++) {
                         if ((i & half) || (j & half)) continue;
-                        double x = h[(blk + i) * n + blk + j];
-                        cr_assert_eq(h[(blk + i) * n + blk + j + half], x);
-                        cr_assert_eq(h[(blk + i + half) * n + blk + j], x);
-                        cr_assert_eq(h[(blk + i + half) * n + blk + j + half], -x);
+                        const double *at = h + (off[k] + i) * n + off[k] + j;
+                        cr_assert_eq(at[half], at[0]);
+                        cr_assert_eq(at[half * n], at[0]);
+                        cr_assert_eq(at[half * n + half], -at[0]);
                     }
         cr_assert_gt(h[0], 0.0);
         matmul(h, h, hh, n, n, n, 0, 1);
