@@ -252,6 +252,36 @@ static int get_softcap(const json_t *root, const char *key, double dflt, const c
     return as_float(x, key, path, out, err);
 }
 
+/* An explicit layer_types list (transformers 4.5x and 5.x write one) against
+ * the windows the other keys give: a window of win in the layers l >= from
+ * with (l - from) % period == 0. *bad is the first layer the list says
+ * otherwise of (its entry in *said), or -1; a list of another length or an
+ * entry other than full_attention / sliding_attention is an error. */
+static int layer_types_differ(const json_t *root, const char *path, int64_t layers, int64_t win,
+                              int64_t from, int64_t period, int64_t *bad, const char **said,
+                              struct kv_err *err) {
+    *bad = -1, *said = NULL;
+    json_t *lt = json_object_get(root, "layer_types");
+    if (!lt || json_is_null(lt)) return KV_OK;
+    if (!json_is_array(lt) || (int64_t)json_array_size(lt) != layers)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "key 'layer_types' must be a list of %lld strings", (long long)layers);
+    for (int64_t l = 0; l < layers; l++) {
+        const char *t = json_string_value(json_array_get(lt, (size_t)l));
+        int sliding = t && !strcmp(t, "sliding_attention");
+        if (!t || (!sliding && strcmp(t, "full_attention")))
+            return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                           "layer_types entry %lld is not 'full_attention' or 'sliding_attention'",
+                           (long long)l);
+        int want = win > 0 && l >= from && (l - from) % period == 0;
+        if (sliding != want) {
+            *bad = l, *said = t;
+            return KV_OK;
+        }
+    }
+    return KV_OK;
+}
+
 /* Gemma2Config: GeGLU with the tanh GELU, query_pre_attn_scalar, the two
  * soft-caps, a window on every even layer, (1 + w) norms, tied head. */
 static int parse_gemma2_config(const json_t *root, const char *path, struct kv_config *cfg,
@@ -301,26 +331,13 @@ static int parse_gemma2_config(const json_t *root, const char *path, struct kv_c
                        "%s %g is not supported for model_type 'gemma2'", pkey, partial);
     /* transformers' Gemma 2: layer i slides when i is even; a layer_types
      * list must say the same */
-    json_t *lt = json_object_get(root, "layer_types");
-    if (lt && !json_is_null(lt)) {
-        if (!json_is_array(lt) || (int64_t)json_array_size(lt) != layers)
-            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                           "key 'layer_types' must be a list of %lld strings", (long long)layers);
-        for (int64_t l = 0; l < layers; l++) {
-            const char *t = json_string_value(json_array_get(lt, (size_t)l));
-            int sliding = t && !strcmp(t, "sliding_attention");
-            if (!t || (!sliding && strcmp(t, "full_attention")))
-                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                               "layer_types entry %lld is not 'full_attention' or "
-                               "'sliding_attention'",
-                               (long long)l);
-            if (sliding != (win > 0 && l % 2 == 0))
-                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                               "layer_types says layer %lld is %s; kvcal's gemma2 windows every "
-                               "even layer",
-                               (long long)l, t);
-        }
-    }
+    int64_t bad;
+    const char *said;
+    if ((rc = layer_types_differ(root, path, layers, win, 0, 2, &bad, &said, err))) return rc;
+    if (bad >= 0)
+        return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
+                       "layer_types says layer %lld is %s; kvcal's gemma2 windows every even layer",
+                       (long long)bad, said);
     cfg->dim = dim, cfg->hidden_dim = hidden, cfg->n_layers = layers;
     cfg->n_heads = heads, cfg->n_kv_heads = kv_heads, cfg->head_dim = head_dim;
     cfg->vocab_size = vocab, cfg->max_seq_len = ctx, cfg->tied_embeddings = tied;
@@ -356,26 +373,14 @@ static int parse_windows(const json_t *root, const char *path, int64_t layers,
     if (use && (rc = kv_json_get_int(root, "sliding_window", path, 1, KV_MAX_CTX, 0, &win, err)))
         return rc;
     if (!use) win = 0;
-    json_t *lt = json_object_get(root, "layer_types");
-    if (lt && !json_is_null(lt)) {
-        if (!json_is_array(lt) || (int64_t)json_array_size(lt) != layers)
-            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                           "key 'layer_types' must be a list of %lld strings", (long long)layers);
-        for (int64_t l = 0; l < layers; l++) {
-            const char *t = json_string_value(json_array_get(lt, (size_t)l));
-            int sliding = t && !strcmp(t, "sliding_attention");
-            if (!t || (!sliding && strcmp(t, "full_attention")))
-                return kv_fail(err, KV_EUNSUPPORTED, path, KV_NO_OFFSET,
-                               "layer_types entry %lld is not 'full_attention' or "
-                               "'sliding_attention'",
-                               (long long)l);
-            int want = win > 0 && l >= from;
-            if (sliding != want)
-                return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                               "layer_types says layer %lld is %s, but the window keys make it %s",
-                               (long long)l, t, want ? "sliding_attention" : "full_attention");
-        }
-    }
+    int64_t bad;
+    const char *said;
+    if ((rc = layer_types_differ(root, path, layers, win, from, 1, &bad, &said, err))) return rc;
+    if (bad >= 0)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "layer_types says layer %lld is %s, but the window keys make it %s",
+                       (long long)bad, said,
+                       strcmp(said, "sliding_attention") ? "sliding_attention" : "full_attention");
     cfg->sliding_window = win;
     cfg->window_from = win ? (int32_t)from : 0, cfg->window_period = win ? 1 : 0;
     return KV_OK;

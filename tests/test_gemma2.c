@@ -153,6 +153,26 @@ Test(gemma2, config_keys_and_defaults) {
         cr_assert(strstr(err.msg, bad[i].msg), "case %zu: '%s' lacks '%s'", i, err.msg, bad[i].msg);
         free(p);
     }
+    /* a layer_types list with the windows on the odd layers, which kvcal's
+     * gemma2 cannot run: refused at the first layer it differs in */
+    char text[4096] = "{" GEMMA2_2B_SHAPE ", \"layer_types\": [";
+    for (int l = 0; l < 26; l++)
+        strcat(text, l % 2 ? "\"sliding_attention\", " : "\"full_attention\", ");
+    strcpy(text + strlen(text) - 2, "]}");
+    p = kvt_write_text(dir, "config.json", text);
+    cr_assert_eq(kv_hf_read_config(p, &c, &err), KV_EUNSUPPORTED, "%s", text);
+    cr_assert_str_eq(err.msg, "layer_types says layer 0 is full_attention; kvcal's gemma2 windows "
+                              "every even layer");
+    free(p);
+    /* the list transformers writes, windows on the even layers, loads */
+    strcpy(text, "{" GEMMA2_2B_SHAPE ", \"layer_types\": [");
+    for (int l = 0; l < 26; l++)
+        strcat(text, l % 2 ? "\"full_attention\", " : "\"sliding_attention\", ");
+    strcpy(text + strlen(text) - 2, "]}");
+    p = kvt_write_text(dir, "config.json", text);
+    cr_assert_eq(kv_hf_read_config(p, &c, &err), KV_OK, "%s", err.msg);
+    cr_assert(c.sliding_window > 0 && c.window_from == 0 && c.window_period == 2);
+    free(p);
     kvt_rm_dir(dir);
 }
 
