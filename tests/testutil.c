@@ -148,6 +148,18 @@ void kvt_assert_close_f64(const double *got, const double *ref, int64_t n, doubl
     CLOSE_BODY(double)
 }
 
+double kvt_assert_close_oracle(const float *got, const double *ref, int64_t n, double atol_rel,
+                               double rtol, const char *what) {
+    float *reff = malloc((size_t)n * sizeof *reff);
+    cr_assert_not_null(reff);
+    double spread = 0;
+    for (int64_t i = 0; i < n; i++) reff[i] = (float)ref[i], spread = fmax(spread, fabs(ref[i]));
+    cr_assert(spread > 0.5, "%s: too flat to test (max |ref| %g)", what, spread);
+    kvt_assert_close_f32(got, reff, n, atol_rel * spread, rtol, what);
+    free(reff);
+    return spread;
+}
+
 void kvt_rm_dir(char *dir) {
     DIR *d = opendir(dir);
     if (d) {

@@ -64,4 +64,11 @@ void kvt_assert_close_f32(const float *got, const float *ref, int64_t n, double 
 void kvt_assert_close_f64(const double *got, const double *ref, int64_t n, double atol,
                           double rtol, const char *what);
 
+/* float32 values got [n] (logits) against a float64 oracle's ref [n]: fails
+ * when max |ref| is 0.5 or less (too flat to test), else compares as above
+ * with atol = atol_rel · max |ref|, float32 sums erring in proportion to the
+ * largest value. Returns max |ref|. */
+double kvt_assert_close_oracle(const float *got, const double *ref, int64_t n, double atol_rel,
+                               double rtol, const char *what);
+
 #endif
