@@ -3,6 +3,7 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -43,7 +44,9 @@ int cmd_export(int argc, char **argv) {
         "Latent quantization (--kv-bits below 16) is not reproduced.\n"
         "\nkeys of the fdc and zack methods (mode postrope_rotation) cannot be exported:\n"
         "their projection acts after RoPE, which no k_proj weight can express. Such a\n"
-        "model is refused before anything is written.\n"
+        "model is refused before anything is written. Centred factors (decompose\n"
+        "--center) export their mean into the K/V biases: a base model without k/v\n"
+        "bias tensors is refused likewise.\n"
         "\nOUT is written atomically (through OUT.tmp-<pid>-<n>, or OUT.tmp-<pid>/ for a\n"
         "directory). An existing file or empty directory is replaced; the base model\n"
         "itself and a non-empty directory are refused.\n"
@@ -77,7 +80,12 @@ int cmd_export(int argc, char **argv) {
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", dense);
         kv_lr_free(lr);
         kv_model_close(m);
-        return cli_report(&err);
+        rc = cli_report(&err);
+        /* the library's refusal of centred factors (formats/export.c) */
+        if (err.code == KV_EUNSUPPORTED && strstr(err.msg, "the factors are centred"))
+            fprintf(stderr, "kvcal: hint: decompose without --center to export a model that has "
+                            "no k/v biases\n");
+        return rc;
     }
     int64_t nk = n_compressed(lr, 0), nv = n_compressed(lr, 1), L = kv_lr_info(lr).n_layers;
     const char *fmt = kv_format_name(kv_model_format(m));

@@ -133,6 +133,11 @@ static int check_lowrank(const struct kv_model *m, const struct kv_lowrank *lr,
                                  "layer %lld %s unit %lld: mode '%s' needs both down and up "
                                  "factors",
                                  (long long)l, sn, (long long)u, kv_lr_mode_name(s->mode));
+                else if (x->up_bias && !has_bias)
+                    rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                                 "layer %lld %s unit %lld: the factors are centred (a mean in "
+                                 "up_bias) but the model has no %s bias tensor to hold the mean",
+                                 (long long)l, sn, (long long)u, sn);
                 else if (x->down_bias && !has_bias)
                     rc = kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
                                  "layer %lld %s unit %lld: the factors carry a down bias but the "
@@ -580,8 +585,9 @@ static int verify_sources(const struct job *j, struct kv_err *err) {
 /* Dense rows of target t into out (f32, [g*d_h, d] for a weight, [g*d_h]
  * for a bias), unit by unit:
  *   W'[rows of u] = up_u · down_u      up_u [nh*d_h, r], down_u [r, d]
- *   b'[rows of u] = up_u · c_u         c_u = down_bias_u, or 0 when NULL
- * in float64 (dgemm / dgemv), rounded to f32 once. */
+ *   b'[rows of u] = up_u · c_u + μ_u   c_u = down_bias_u, μ_u = up_bias_u,
+ *                                      each 0 when NULL
+ * in float64 (dgemm), rounded to f32 once. */
 static int dense_rows(const struct job *j, const struct target *t, float *out,
                       struct kv_err *err) {
     const struct kv_config *c = &j->m->cfg;
@@ -604,9 +610,15 @@ static int dense_rows(const struct job *j, const struct target *t, float *out,
             for (int64_t i = 0; i < r * d; i++) down[i] = x->down[i];
         else
             for (int64_t i = 0; i < r; i++) down[i] = x->down_bias ? x->down_bias[i] : 0.0;
-        /* w [rows, cols] = up [rows, r] · down [r, cols] */
+        /* w [rows, cols] = up [rows, r] · down [r, cols] (+ the mean of
+         * centred factors, for the bias) */
+        double beta = 0.0;
+        if (is_bias && x->up_bias) {
+            for (int64_t i = 0; i < rows; i++) w[i] = x->up_bias[i];
+            beta = 1.0;
+        }
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)cols, (int)r, 1.0,
-                    up, (int)r, down, (int)cols, 0.0, w, (int)cols);
+                    up, (int)r, down, (int)cols, beta, w, (int)cols);
         float *dst = out + x->head0 * dh * cols;
         int rc = KV_OK;
         for (int64_t i = 0; i < rows * cols && !rc; i++) {

@@ -55,13 +55,18 @@
  * is not used. Likewise fused_query keys keep the original q projection:
  * q·(x W_k'ᵀ) = (up_iᵀ q)·z is what q_fused scores, so q_fused is not used.
  *
- * Biases: the compressed side computes z = x downᵀ + c, y = z upᵀ, so
- * y = x (up·down)ᵀ + up·c. When the model has a K (V) bias, the bias rows of
- * unit u become up_u·down_bias_u, and 0 when down_bias_u is NULL (the
- * original bias is not part of the compressed computation). A unit with a
- * down_bias in a model without that bias tensor is KV_EUNSUPPORTED (there is
- * no tensor to hold up·c). Latent quantization (lr->kv_bits < 16) is not
- * reproduced: the export carries the factorization alone.
+ * Biases: the compressed side computes z = x downᵀ + c, y = z upᵀ + μ, so
+ * y = x (up·down)ᵀ + up·c + μ (μ = up_bias, the calibration mean of
+ * centred factors; 0 without). When the model has a K (V) bias, the bias
+ * rows of unit u become up_u·down_bias_u + up_bias_u (in float64, rounded
+ * once), each term 0 when its factor is NULL (the original bias is not part
+ * of the compressed computation). A unit with a down_bias or an up_bias in a
+ * model without that bias tensor is KV_EUNSUPPORTED (there is no tensor to
+ * hold up·c or the mean). Centred fused_output values need no more: their
+ * layer's o_fused_bias is the runtime form of the same mean (O·μ), which
+ * the dense W_v', b_v' and the original o_proj compute. Latent quantization
+ * (lr->kv_bits < 16) is not reproduced: the export carries the
+ * factorization alone.
  *
  * Output (see the layout above) is written atomically: a file through
  * OUT.tmp, fsync and rename; a directory as OUT.tmp-<pid>/ (each file synced)

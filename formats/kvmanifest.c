@@ -142,6 +142,8 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
         jset(b, uo, "latent_offset", json_integer(off));
         kv_lrl_unit_name(name, arch, l, which, "up", u);
         jset(b, uo, "up", name_or_null(down ? name : NULL));
+        kv_lrl_unit_bias_name(name, arch, l, which, u);
+        jset(b, uo, "up_bias", name_or_null(down && x->up_bias ? name : NULL));
         kv_lrl_unit_name(name, arch, l, which, "rot", u);
         jset(b, uo, "rot", name_or_null(s->mode == KV_LR_POSTROPE_ROTATION ? name : NULL));
         jset(b, uo, "energy", json_real(x->energy));
@@ -153,6 +155,10 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
     if (which) {
         kv_lrl_attn_name(name, arch, l, 'o', "_proj.weight");
         jset(b, o, "o_proj", json_string(name));
+        /* centred values: the fused output's mean term, added on top of the
+         * layer's o_proj_bias (the model's) */
+        kv_lrl_attn_name(name, arch, l, 'o', "_fused.bias");
+        jset(b, o, "o_proj_bias", name_or_null(y->o_fused_bias ? name : NULL));
         if (s->mode == KV_LR_FUSED_OUTPUT) jset(b, o, "o_cols", json_integer(y->o_cols));
     } else if (s->mode == KV_LR_FUSED_QUERY) {
         kv_lrl_attn_name(name, arch, l, 'q', "_fused.weight");
@@ -780,11 +786,20 @@ static int parse_mode(const char *s, int which, const char *path, const char *ct
                          : "full, prerope_latent, fused_query, postrope_rotation");
 }
 
+/* An optional tensor name (absent in manifests before its key): *out is
+ * NULL when absent or null. */
+static int get_opt_name(const json_t *o, const char *key, const char *path, const char **out,
+                        struct kv_err *err) {
+    *out = NULL;
+    if (!json_object_get(o, key)) return KV_OK;
+    return get_name(o, key, path, 0, out, err);
+}
+
 /* One unit: heads, rank, latent offset, the name its mode needs (into
- * *name), energies. */
+ * *name) and its up_bias name or NULL (into *bias_name), energies. */
 static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_mode mode,
                       int64_t offset, const char *path, const char *ctx, struct kv_lr_unit *x,
-                      const char **name, struct kv_err *err) {
+                      const char **name, const char **bias_name, struct kv_err *err) {
     if (!json_is_object(uo))
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: unit must be an object, found a %s", ctx, kv_json_type_name(uo));
@@ -823,12 +838,16 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
                        "%s: latent_offset is %lld, expected %lld (the ranks of the units before)",
                        ctx, (long long)lat, (long long)offset);
     const char *mn = kv_lr_mode_name(mode);
+    *bias_name = NULL;
     if (mode == KV_LR_POSTROPE_ROTATION) {
         if ((rc = get_name(uo, "rot", path, 1, name, err)) ||
-            (rc = want_null(uo, "up", mn, path, err)))
+            (rc = want_null(uo, "up", mn, path, err)) ||
+            (rc = want_null(uo, "up_bias", mn, path, err)))
             return kv_err_in(rc, err, ctx);
     } else {
+        /* up_bias: optional (manifests before centred factors) */
         if ((rc = get_name(uo, "up", path, 1, name, err)) ||
+            (rc = get_opt_name(uo, "up_bias", path, bias_name, err)) ||
             (rc = want_null(uo, "rot", mn, path, err)))
             return kv_err_in(rc, err, ctx);
     }
@@ -897,7 +916,8 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
             (rc = want_null(so, "down_bias", mn, path, err)))
             return kv_err_in(rc, err, ctx);
     }
-    if (which && (rc = get_name(so, "o_proj", path, 1, &nm->o_proj, err)))
+    if (which && ((rc = get_name(so, "o_proj", path, 1, &nm->o_proj, err)) ||
+                  (rc = get_opt_name(so, "o_proj_bias", path, &nm->o_proj_bias, err))))
         return kv_err_in(rc, err, ctx);
     json_t *units;
     if ((rc = get_arr(so, "units", path, &units, err))) return kv_err_in(rc, err, ctx);
@@ -910,7 +930,8 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
                        "%s: mode '%s' has %zu units, expected 1..%lld", ctx, mn, nu,
                        (long long)lr->info.n_kv_heads);
     if (nu && (!(s->units = calloc(nu, sizeof *s->units)) ||
-               !(nm->unit = calloc(nu, sizeof *nm->unit))))
+               !(nm->unit = calloc(nu, sizeof *nm->unit)) ||
+               !(nm->unit_bias = calloc(nu, sizeof *nm->unit_bias))))
         return kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     s->n_units = (int64_t)nu;
     int64_t off = 0;
@@ -918,11 +939,28 @@ static int parse_side(const json_t *yo, int64_t l, int which, const struct kv_co
         char uctx[128];
         snprintf(uctx, sizeof uctx, "%s unit %zu", ctx, u);
         if ((rc = parse_unit(json_array_get(units, u), lr, s->mode, off, path, uctx,
-                             &s->units[u], &nm->unit[u], err)))
+                             &s->units[u], &nm->unit[u], &nm->unit_bias[u], err)))
             return rc;
         off += s->units[u].rank;
     }
     if ((rc = kv_lrl_check_side(lr, l, which, 0, KV_EFORMAT, path, err))) return rc;
+    /* centred factors: an up_bias on every unit or on none */
+    int centred = nu && nm->unit_bias[0];
+    for (size_t u = 1; u < nu; u++)
+        if (!nm->unit_bias[u] != !centred)
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                           "%s unit %zu: key 'up_bias' is %s but unit 0's is %s, expected all "
+                           "units or none to have one",
+                           ctx, u, nm->unit_bias[u] ? "a tensor name" : "null",
+                           centred ? "a tensor name" : "null");
+    if (which && s->mode != KV_LR_FUSED_OUTPUT &&
+        (rc = want_null(so, "o_proj_bias", mn, path, err)))
+        return kv_err_in(rc, err, ctx);
+    if (which && s->mode == KV_LR_FUSED_OUTPUT && !nm->o_proj_bias != !centred)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'o_proj_bias' is %s, but the units have %s", ctx,
+                       nm->o_proj_bias ? "a tensor name" : "null",
+                       centred ? "an up_bias" : "no up_bias");
     int64_t rank = 0;
     if ((rc = kv_json_get_int(so, "rank", path, 0, INT64_MAX, 1, &rank, err)))
         return kv_err_in(rc, err, ctx);
@@ -1048,7 +1086,7 @@ fail:
 
 void kv_mf_clear(struct kv_mf *mf) {
     for (int64_t l = 0; mf->names && l < mf->cfg.n_layers; l++)
-        free(mf->names[l][0].unit), free(mf->names[l][1].unit);
+        for (int w = 0; w < 2; w++) free(mf->names[l][w].unit), free(mf->names[l][w].unit_bias);
     free(mf->names);
     json_decref(mf->doc);
     memset(mf, 0, sizeof *mf);

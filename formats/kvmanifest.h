@@ -24,15 +24,22 @@
  * them in every mode (the fused query for fused_query keys; biases null
  * where the model has none). Each side ("k", "v") holds mode, rank (Σ
  * rank_u), predicted_error, the tensor names down, down_bias, proj (and
- * proj_bias), for V o_proj (and o_cols when fused), for fused_query K
- * q_proj, q_proj_bias (null without q biases) and q_cols, and units
- * [{heads, rank, latent_offset, up, rot, energy, dropped,
+ * proj_bias), for V o_proj, o_proj_bias (and o_cols when fused), for
+ * fused_query K q_proj, q_proj_bias (null without q biases) and q_cols, and
+ * units [{heads, rank, latent_offset, up, up_bias, rot, energy, dropped,
  * predicted_error}]. Units cover the layer's KV heads in order, each exactly
  * once; latent_offset is the unit's first row in down (its first column of
  * the cached latent). q_cols and o_cols are Σ over query heads of their
  * unit's rank, query heads in order. fused_query needs a model without rope
  * (gpt2). The tensor names are the weights file's (lrlayout.h); a reader
  * takes them from the manifest, trusting nothing.
+ *
+ * Centred factors: up_bias names a unit's mean (struct kv_lr_unit's
+ * up_bias), on every unit of a side with down or on none, null on
+ * postrope_rotation units; the V side's o_proj_bias names the layer's
+ * o_fused_bias, a name exactly when the values are fused_output with
+ * up_bias and null otherwise. It is added on top of the layer's own
+ * o_proj_bias (the model's bias), not in its place.
  *
  * The parser checks everything the manifest alone can say: the format and
  * version, types and ranges of every key it reads, the architecture and
@@ -44,9 +51,10 @@
  * the file (KV_EUNSUPPORTED for a newer version, an unknown arch, rope
  * scaling or another weight layout), with no offset except where the JSON
  * itself is invalid (jansson's position). The first rule broken is the one
- * reported, in the order above. The words, kv_head_of_query and the
- * layers' projection names came after the first version-1 manifests: a
- * manifest without them is read as before. */
+ * reported, in the order above. The words, kv_head_of_query, the layers'
+ * projection names and the centred factors' up_bias and V o_proj_bias came
+ * after the first version-1 manifests: a manifest without them is read as
+ * before (absent up_bias and o_proj_bias read as null). */
 #ifndef KV_KVMANIFEST_H
 #define KV_KVMANIFEST_H
 
@@ -56,10 +64,13 @@ struct json_t; /* jansson's, kept out of the callers */
 
 /* The tensor names the manifest gives one layer side; NULL where its mode
  * has none. unit[u] is unit u's "up" (modes with down) or "rot"
- * (postrope_rotation) name. The strings live in the parsed document. */
+ * (postrope_rotation) name and unit_bias[u] its "up_bias" name, NULL on
+ * every unit of a side whose factors are not centred. o_proj_bias is the
+ * values' "o_proj_bias", the fused output's mean term (centred
+ * fused_output values only). The strings live in the parsed document. */
 struct kv_mf_names {
-    const char *down, *down_bias, *proj, *o_proj, *q_proj, *q_proj_bias;
-    const char **unit;
+    const char *down, *down_bias, *proj, *o_proj, *o_proj_bias, *q_proj, *q_proj_bias;
+    const char **unit, **unit_bias;
 };
 
 /* What a manifest says beyond the struct kv_lowrank: the model it was made

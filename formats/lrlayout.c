@@ -27,6 +27,12 @@ void kv_lrl_unit_name(char *buf, enum kv_arch arch, int64_t l, int which, const 
              (long long)l, a->hf_attn, kv_lrl_side_char(which), kind, (long long)u);
 }
 
+void kv_lrl_unit_bias_name(char *buf, enum kv_arch arch, int64_t l, int which, int64_t u) {
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_up.%lld.bias", a->hf.layer_prefix, (long long)l,
+             a->hf_attn, kv_lrl_side_char(which), (long long)u);
+}
+
 int kv_lrl_mode_allowed(enum kv_lr_mode mode, int which) {
     if (which == 0)
         return mode == KV_LR_FULL || mode == KV_LR_PREROPE_LATENT || mode == KV_LR_FUSED_QUERY ||
@@ -71,7 +77,7 @@ int kv_lrl_check_side(const struct kv_lowrank *lr, int64_t l, int which, int fac
         return kv_fail(err, code, path, KV_NO_OFFSET, "%s: mode '%s' has no units", ctx,
                        kv_lr_mode_name(s->mode));
     int64_t next = 0;
-    int biased = s->units[0].down_bias != NULL;
+    int biased = s->units[0].down_bias != NULL, centred = s->units[0].up_bias != NULL;
     for (int64_t u = 0; u < s->n_units; u++) {
         const struct kv_lr_unit *x = &s->units[u];
         long long a = (long long)x->head0, b = (long long)(x->head0 + x->n_heads - 1);
@@ -115,6 +121,16 @@ int kv_lrl_check_side(const struct kv_lowrank *lr, int64_t l, int which, int fac
                                "units or none to have one",
                                ctx, (long long)u, x->down_bias ? "set" : "NULL",
                                biased ? "set" : "NULL");
+            if (!kv_lrl_has_down(s->mode) && x->up_bias)
+                return kv_fail(err, code, path, KV_NO_OFFSET,
+                               "%s unit %lld: up_bias is set but mode '%s' has no up factor", ctx,
+                               (long long)u, kv_lr_mode_name(s->mode));
+            if ((x->up_bias != NULL) != centred)
+                return kv_fail(err, code, path, KV_NO_OFFSET,
+                               "%s unit %lld: up_bias is %s but unit 0's is %s, expected all "
+                               "units or none to have one",
+                               ctx, (long long)u, x->up_bias ? "set" : "NULL",
+                               centred ? "set" : "NULL");
         }
         next = x->head0 + x->n_heads;
     }
@@ -156,10 +172,18 @@ int kv_lrl_check(const struct kv_lowrank *lr, const struct kv_model *m, const ch
                                "expected %lld",
                                (long long)l, y->o_fused ? "set" : "NULL", (long long)y->o_cols,
                                (long long)want);
-        } else if (y->o_fused) {
+            int centred = y->v.units[0].up_bias != NULL;
+            if ((y->o_fused_bias != NULL) != centred)
+                return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                               "layer %lld v: fused output bias is %s but the value units have "
+                               "%s",
+                               (long long)l, y->o_fused_bias ? "set" : "NULL",
+                               centred ? "an up_bias" : "no up_bias");
+        } else if (y->o_fused || y->o_fused_bias) {
             return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                           "layer %lld v: a fused output projection is set but the mode is '%s'",
-                           (long long)l, kv_lr_mode_name(y->v.mode));
+                           "layer %lld v: a fused output %s is set but the mode is '%s'",
+                           (long long)l, y->o_fused ? "projection" : "bias",
+                           kv_lr_mode_name(y->v.mode));
         }
         if (y->k.mode == KV_LR_FUSED_QUERY) {
             if ((rc = kv_lrl_check_fused_query_arch(c->arch, l, KV_EINVAL, dir, err))) return rc;

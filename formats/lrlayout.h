@@ -7,7 +7,8 @@
  *     a layer prefix P ("model.layers.N." for llama, "transformer.h.N." for
  *     gpt2), an attention module A ("self_attn." or "attn."), and under P A
  *     "<c>_proj.weight", "<c>_down.weight", "<c>_up.<u>.weight",
- *     "<c>_rot.<u>.weight", "q_fused.weight", ... with c one of q, k, v, o;
+ *     "<c>_up.<u>.bias", "<c>_rot.<u>.weight", "q_fused.weight",
+ *     "o_fused.bias", ... with c one of q, k, v, o;
  *   - which modes keys and values may hold, and what each mode stores;
  *   - the check of a struct kv_lowrank against its own shapes (units cover
  *     the KV heads in order, each exactly once, ranks in 1..s*d_h, finite
@@ -45,6 +46,8 @@ void kv_lrl_attn_name(char *buf, enum kv_arch arch, int64_t l, char c, const cha
 /* Unit u's factor of kind "up" or "rot": "P A <k|v>_<kind>.<u>.weight". */
 void kv_lrl_unit_name(char *buf, enum kv_arch arch, int64_t l, int which, const char *kind,
                       int64_t u);
+/* Unit u's up_bias (centred factors): "P A <k|v>_up.<u>.bias". */
+void kv_lrl_unit_bias_name(char *buf, enum kv_arch arch, int64_t l, int which, int64_t u);
 
 /* Whether a side (keys: which 0, values: 1) may hold mode: keys full,
  * prerope_latent, fused_query or postrope_rotation; values full or
@@ -63,8 +66,10 @@ int64_t kv_lrl_fused_cols(const struct kv_lowrank *lr, const struct kv_lr_side *
 /* Layer l's keys (which 0) or values against lr's shapes: a mode the side
  * may hold, units covering the KV heads in order with each exactly once,
  * ranks in 1..n_heads*d_h, finite non-negative energy and dropped and, when
- * factors is 1, the factor pointers the mode needs (down_bias on all units
- * or none). A violation is status code naming path, with no offset. */
+ * factors is 1, the factor pointers the mode needs (down_bias and up_bias
+ * each on all units or none; no up_bias on postrope_rotation units, which
+ * have no up factor). A violation is status code naming path, with no
+ * offset. */
 int kv_lrl_check_side(const struct kv_lowrank *lr, int64_t l, int which, int factors, int code,
                       const char *path, struct kv_err *err);
 /* fused_query keys in layer l need a model without rope (up folds into the
@@ -74,8 +79,9 @@ int kv_lrl_check_fused_query_arch(enum kv_arch arch, int64_t l, int code, const 
                                   struct kv_err *err);
 /* The whole of lr, factors included, against model m, as kv_lr_dir_write
  * needs it (and as kv_lr_dir_open builds it): the shapes, the latent bits,
- * every side, the fused projections with their column counts and q bias.
- * KV_EINVAL naming dir otherwise. */
+ * every side, the fused projections with their column counts and q bias,
+ * and o_fused_bias set exactly when the values are fused_output with an
+ * up_bias. KV_EINVAL naming dir otherwise. */
 int kv_lrl_check(const struct kv_lowrank *lr, const struct kv_model *m, const char *dir,
                  struct kv_err *err);
 

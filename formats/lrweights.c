@@ -130,6 +130,11 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
         kv_lrl_unit_name(name, c->arch, l, which, "up", u);
         rc = add_f32(w, name, s->units[u].up, s->units[u].n_heads * dh, s->units[u].rank, err);
     }
+    for (int64_t u = 0; u < s->n_units && !rc; u++) {
+        if (!s->units[u].up_bias) continue;
+        kv_lrl_unit_bias_name(name, c->arch, l, which, u);
+        rc = add_f32(w, name, s->units[u].up_bias, s->units[u].n_heads * dh, 0, err);
+    }
     return rc;
 }
 
@@ -175,6 +180,8 @@ static int add_weights(struct kv_stw *w, struct owned *bufs, const struct kv_mod
             } else if (k == KV_W_O && fo) {
                 kv_lrl_layer_name(name, c->arch, l, rest);
                 rc = add_f32(w, name, z->o_fused, d, z->o_cols, err);
+                kv_lrl_attn_name(name, c->arch, l, 'o', "_fused.bias");
+                if (!rc && z->o_fused_bias) rc = add_f32(w, name, z->o_fused_bias, d, 0, err);
             } else {
                 kv_lrl_layer_name(name, c->arch, l, rest);
                 rc = add_weight(w, bufs, m, k, l, name, err);
@@ -289,6 +296,11 @@ static int load_side(const struct kv_st_file *f, const char *wpath, const struct
         snprintf(what, sizeof what, "layer %lld %c unit %lld 'up', rank %lld", (long long)l, sc,
                  (long long)u, (long long)x->rank);
         rc = load_tensor(f, wpath, nm->unit[u], what, x->n_heads * dh, x->rank, &x->up, err);
+        snprintf(what, sizeof what, "layer %lld %c unit %lld 'up_bias', heads %lld", (long long)l,
+                 sc, (long long)u, (long long)x->n_heads);
+        if (!rc && nm->unit_bias && nm->unit_bias[u])
+            rc = load_tensor(f, wpath, nm->unit_bias[u], what, x->n_heads * dh, 0, &x->up_bias,
+                             err);
     }
     free(down);
     free(bias);
@@ -312,6 +324,9 @@ static int load_weights(const struct kv_st_file *f, const char *wpath, const str
             rc = load_tensor(f, wpath, vn->o_proj, what, d, y->o_cols, &y->o_fused, err);
         else
             rc = load_tensor(f, wpath, vn->o_proj, what, d, qd, NULL, err);
+        snprintf(what, sizeof what, "layer %lld v 'o_proj_bias', dim", (long long)l);
+        if (!rc && vn->o_proj_bias)
+            rc = load_tensor(f, wpath, vn->o_proj_bias, what, d, 0, &y->o_fused_bias, err);
         if (rc || y->k.mode != KV_LR_FUSED_QUERY) continue;
         snprintf(what, sizeof what, "layer %lld k 'q_proj', q_cols", (long long)l);
         rc = load_tensor(f, wpath, kn->q_proj, what, y->q_cols, d, &y->q_fused, err);

@@ -140,6 +140,18 @@ static int layer_plan(struct kvrt_plan *p, const struct kv_model *m, const struc
     int rc;
     if ((rc = side_ok(K, g, dh, 1, p->rope, l, err)) || (rc = side_ok(V, g, dh, 0, p->rope, l, err)))
         return rc;
+    /* centred factors: the means of prerope_latent keys (added to the
+     * rebuilt key before rope) and of fused_output values (o_fused_bias) are
+     * not implemented; a fused_query key's mean drops out of the softmax,
+     * so those run as they are */
+    int kmean = 0, vmean = Y && Y->o_fused_bias;
+    for (int64_t u = 0; K->mode == KV_LR_PREROPE_LATENT && u < K->n_units; u++) kmean |= K->units[u].up_bias != NULL;
+    for (int64_t u = 0; V->mode == KV_LR_FUSED_OUTPUT && u < V->n_units; u++) vmean |= V->units[u].up_bias != NULL;
+    if (kmean || vmean)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "layer %lld: centred factors (a mean bias on the %s) are not supported by the "
+                       "runtime; decompose without centring",
+                       (long long)l, kmean ? "keys" : "values");
     if (K->mode == KV_LR_FUSED_QUERY && !Y->q_fused)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "layer %lld: fused query keys have no fused query projection", (long long)l);
     if (V->mode == KV_LR_FUSED_OUTPUT && !Y->o_fused)

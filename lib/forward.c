@@ -508,18 +508,20 @@ static void lr_latents(const struct kv_fwd *f, const struct kv_lr_side *S, float
     }
 }
 
-/* x += att Woᵀ for the attention rows att [n, cols] and the output
- * projection wo [d, cols]; through f->y when the attn_out hook wants the
- * block's output on its own. */
-static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *wo, int64_t cols,
-                    int64_t n, int64_t pos0) {
+/* x += att Woᵀ (+ bias, when not NULL: centred values' mean) for the
+ * attention rows att [n, cols] and the output projection wo [d, cols];
+ * through f->y when the attn_out hook wants the block's output on its own. */
+static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *wo,
+                    const float *bias, int64_t cols, int64_t n, int64_t pos0) {
     int64_t d = f->m->cfg.dim;
     const struct kv_fwd_hooks *hk = &f->hooks;
     if (!hk->attn_out && !f->arch->post_norms) {
         linear(f->x, d, att, wo, n, cols, d, 1.0f);
+        add_bias(f->x, bias, n, d);
         return KV_OK;
     }
     linear(f->y, d, att, wo, n, cols, d, 0.0f);
+    add_bias(f->y, bias, n, d);
     int rc = hk->attn_out ? hk->attn_out(hk->ctx, l, f->y, n, pos0) : KV_OK;
     if (rc) return rc;
     if (f->arch->post_norms) /* Gemma 2: the output normed before the residual add */
@@ -562,12 +564,18 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         rope(f, k, n, g, pos0);
     } else if (Y->k.mode == KV_LR_PREROPE_LATENT) {
         lr_latents(f, &Y->k, zk, P->zkw, P->kunit_off, n, pos0);
-        /* reconstruct every cached position, then RoPE: k = z upᵀ */
+        /* reconstruct every cached position, then RoPE: k = z upᵀ (+ the
+         * calibration mean of centred factors) */
         for (int64_t u = 0; u < Y->k.n_units; u++) {
             const struct kv_lr_unit *un = &Y->k.units[u];
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)(un->n_heads * dh),
+            int64_t w_u = un->n_heads * dh;
+            float *kf = f->kfull + un->head0 * dh;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)w_u,
                         (int)un->rank, 1.0f, zk + P->kunit_off[u], (int)P->zkw, un->up,
-                        (int)un->rank, 0.0f, f->kfull + un->head0 * dh, (int)kd);
+                        (int)un->rank, 0.0f, kf, (int)kd);
+            if (un->up_bias)
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t a = 0; a < w_u; a++) kf[t * kd + a] += un->up_bias[a];
         }
         head_norm(f, f->kfull, T, g, w[KV_W_KNORM]); /* the rebuilt key, normalised, then rotated */
         rope(f, f->kfull, T, g, 0);
@@ -606,8 +614,8 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         vb = zv, ob = f->attl;
     }
     attention(f, &P->desc, qb, kb, vb, ob, n, pos0, kv_layer_window(c, l));
-    if (Y->v.mode == KV_LR_FULL) return out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0);
-    return out_proj(f, l, f->attl, Y->o_fused, Y->o_cols, n, pos0);
+    if (Y->v.mode == KV_LR_FULL) return out_proj(f, l, f->att, w[KV_W_O], NULL, qd, n, pos0);
+    return out_proj(f, l, f->attl, Y->o_fused, Y->o_fused_bias, Y->o_cols, n, pos0);
 }
 
 /* logits [n, vocab] = xn headᵀ: the head as bound, or for a streamed model
@@ -708,7 +716,7 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
                 return KV_OK;
             }
             attention(f, f->base_desc, f->q, kc, vc, f->att, n, pos0, kv_layer_window(c, l));
-            if ((rc = out_proj(f, l, f->att, w[KV_W_O], qd, n, pos0))) return rc; /* x += att Woᵀ */
+            if ((rc = out_proj(f, l, f->att, w[KV_W_O], NULL, qd, n, pos0))) return rc; /* x += att Woᵀ */
         }
         add_bias(f->x, w[KV_W_BO], n, d);
         const float *ffn_in = f->xn2; /* parallel residual: normed before attention */

@@ -23,7 +23,7 @@ const char *kv_lr_mode_name(enum kv_lr_mode m) {
 static void side_free(struct kv_lr_side *s) {
     for (int64_t u = 0; u < s->n_units; u++) {
         struct kv_lr_unit *x = &s->units[u];
-        free(x->down), free(x->down_bias), free(x->up), free(x->rot);
+        free(x->down), free(x->down_bias), free(x->up), free(x->up_bias), free(x->rot);
     }
     free(s->units);
 }
@@ -32,6 +32,7 @@ static void layer_free(struct kv_lr_layer *L) {
     side_free(&L->k);
     side_free(&L->v);
     free(L->o_fused);
+    free(L->o_fused_bias);
     free(L->q_fused), free(L->q_fused_bias);
     memset(L, 0, sizeof *L);
 }

@@ -14,7 +14,15 @@
 /* One unit: KV heads head0 .. head0+n_heads-1 of one layer's K or V, with
  * one rank. Weight-layout factors ([out, in], as HF stores a linear):
  *   down [rank, d], down_bias [rank] or NULL:  z = x downᵀ + down_bias
- *   up   [n_heads*d_h, rank]:                  y = z upᵀ
+ *   up   [n_heads*d_h, rank], up_bias [n_heads*d_h] or NULL:
+ *                                              y = z upᵀ + up_bias
+ *        up_bias is the calibration mean μ of y when the factors are
+ *        centred (decompose --center; then down_bias = upᵀ(b_u - μ)). The
+ *        runtime adds it to rebuilt prerope_latent keys before RoPE; a
+ *        fused_query key's mean shifts every score of a query equally and
+ *        drops out of the softmax, so it is only read by the dense export;
+ *        a fused_output value's mean is applied as the layer's
+ *        o_fused_bias (softmax weights sum to 1).
  *   rot  [rank, d_h] (postrope_rotation only): z_j = k_j rotᵀ for the one
  *        KV head j of the unit, and q'_i = q_i rotᵀ for its query heads.
  * energy and dropped are calibration sums (Σ over tokens of squared norms in
@@ -23,7 +31,7 @@ struct kv_lr_unit {
     int64_t head0, n_heads;
     int64_t rank;
     double energy, dropped;
-    float *down, *down_bias, *up, *rot;
+    float *down, *down_bias, *up, *up_bias, *rot;
 };
 
 struct kv_lr_side {
@@ -40,6 +48,12 @@ struct kv_lr_layer {
      * query heads in order. NULL otherwise. */
     float *o_fused;
     int64_t o_cols;
+    /* centred fused_output values: [d], Σ over query heads i of O_i μ_u(i)
+     * (O_i = o_proj[:, i*d_h ..], μ_u(i) the up_bias rows of i's KV head),
+     * added to the fused projection's output before any post-norm, on top
+     * of the model's own o bias. NULL when the value units have no
+     * up_bias. */
+    float *o_fused_bias;
     /* fused_query keys: the query projection folded with each query head's
      * unit up-block, q'_i = q_i up_i = x (up_iᵀ W_q,i)ᵀ + up_iᵀ b_q,i, stored
      * [q_cols, d] weight layout (+ bias [q_cols], NULL when the model has no

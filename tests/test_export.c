@@ -7,7 +7,8 @@
  * GPT-2 directories (Conv1D c_attn holding q, k and v) get fused_query and
  * prerope_latent keys: only the K/V columns of c_attn may change, and the
  * F32 export's ordinary forward pass must give the compressed model's
- * latent-cache logits. The refusals and `kvcal export` are
+ * latent-cache logits, also with centred factors (each mean exported into
+ * the K/V bias). The refusals and `kvcal export` are
  * test_export_refusals.c's. */
 #include <dirent.h>
 #include <errno.h>
@@ -426,4 +427,112 @@ Test(export_dense, gguf_roundtrips) {
     int k_mode[5] = {K_FULL, K_LATENT, K_LATENT, K_LATENT, K_LATENT};
     roundtrip_file(s, ".gguf", k_mode, 1u << 1);
     free(s);
+}
+
+/* ---------------------------------------------------------------- centred factors */
+
+/* Centred factors: a mean μ_u (up_bias) on every K and V unit, and each
+ * fused_output layer's o_fused_bias = Σ_i O_i μ_u(i) (O_i query head i's
+ * columns of the original o_proj), so the compressed forward computes the
+ * dense export's attention. */
+static void centre(const struct kv_model *m, struct kv_lowrank *lr, uint64_t seed) {
+    const struct kv_config *c = kv_model_config(m);
+    const int64_t d = c->dim, dh = c->head_dim, h = c->n_heads, grp = h / c->n_kv_heads;
+    struct rng g = {seed};
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        struct kv_lr_layer *ly = &lr->layers[l];
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *s = w ? &ly->v : &ly->k;
+            for (int64_t u = 0; s->mode != KV_LR_FULL && u < s->n_units; u++)
+                s->units[u].up_bias = randn_f(&g, s->units[u].n_heads * dh, 0.4);
+        }
+        if (ly->v.mode != KV_LR_FUSED_OUTPUT) continue;
+        const float *wo = kv_model_weight(m, KV_W_O, l); /* [d, h*dh] */
+        ly->o_fused_bias = malloc((size_t)d * sizeof *ly->o_fused_bias);
+        for (int64_t row = 0; row < d; row++) {
+            double acc = 0;
+            for (int64_t i = 0; i < h; i++) {
+                const struct kv_lr_unit *x = &ly->v.units[i / grp];
+                const float *mu = x->up_bias + (i / grp - x->head0) * dh;
+                for (int64_t e = 0; e < dh; e++) acc += (double)wo[row * h * dh + i * dh + e] * mu[e];
+            }
+            ly->o_fused_bias[row] = (float)acc;
+        }
+    }
+}
+
+/* GPT-2 (K and V biases in c_attn), F32: fused_query keys with a down bias
+ * and fused_output values in layer 0, prerope_latent keys and fused_output
+ * values in layer 1, every unit centred. The exported K/V weights are
+ * up·down and the biases up·down_bias + up_bias, against naive float64 sums
+ * (within one f32 rounding); every other weight is the source's; and the
+ * export's ordinary forward gives the centred compressed model's logits. */
+Test(export_dense, centred_factors_export_their_means_into_the_kv_biases) {
+    char *src = make_gpt2_dir(0, 0);
+    struct kv_model *m = open_ok(src);
+    const struct kv_config *c = kv_model_config(m);
+    int k_mode[2] = {K_FUSED_QUERY, K_LATENT};
+    struct kv_lowrank *lr = make_lr(m, k_mode, 0, 1, 23);
+    centre(m, lr, 31);
+    char *dir = kvt_temp_dir();
+    char *out = kvt_path(dir, "out");
+    export_ok(m, src, lr, out);
+    struct kv_model *m2 = open_ok(out);
+    const int64_t kd = c->n_kv_heads * c->head_dim, d = c->dim;
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            enum kv_wkind wk = w ? KV_W_V : KV_W_K, bk = w ? KV_W_BV : KV_W_BK;
+            const struct kv_lr_side *s = side(lr, l, wk);
+            char what[96];
+            /* the weight: up·down */
+            double *ref = naive_dense(lr, l, wk);
+            const float *b = kv_model_weight(m2, wk, l);
+            double *got = malloc((size_t)(kd * d) * sizeof *got);
+            for (int64_t i = 0; i < kd * d; i++) got[i] = b[i];
+            snprintf(what, sizeof what, "layer %lld %s weight", (long long)l, w ? "v" : "k");
+            kvt_assert_close_f64(got, ref, kd * d, 1e-40, 0x1p-24 * 1.0001, what);
+            free(ref), free(got);
+            /* the bias: up·down_bias + up_bias, naive */
+            double *nb = malloc((size_t)kd * sizeof *nb), *gb = malloc((size_t)kd * sizeof *gb);
+            for (int64_t u = 0; u < s->n_units; u++) {
+                const struct kv_lr_unit *x = &s->units[u];
+                cr_assert_not_null(x->up_bias);
+                for (int64_t i = 0; i < x->n_heads * c->head_dim; i++) {
+                    double acc = x->up_bias[i];
+                    for (int64_t k = 0; x->down_bias && k < x->rank; k++)
+                        acc += (double)x->up[i * x->rank + k] * x->down_bias[k];
+                    nb[x->head0 * c->head_dim + i] = acc;
+                }
+            }
+            const float *bb = kv_model_weight(m2, bk, l);
+            for (int64_t i = 0; i < kd; i++) gb[i] = bb[i];
+            snprintf(what, sizeof what, "layer %lld %s bias", (long long)l, w ? "v" : "k");
+            kvt_assert_close_f64(gb, nb, kd, 1e-40, 0x1p-24 * 1.0001, what);
+            free(nb), free(gb);
+        }
+    for (int k = 0; k < KV_W_COUNT; k++) {
+        if (k == KV_W_K || k == KV_W_V || k == KV_W_BK || k == KV_W_BV) continue;
+        int64_t reps = k < KV_W_FIRST_LAYER ? 1 : c->n_layers;
+        for (int64_t l = 0; l < reps; l++) {
+            const float *a = kv_model_weight(m, (enum kv_wkind)k, l);
+            const float *b = kv_model_weight(m2, (enum kv_wkind)k, l);
+            cr_assert_eq(!a, !b);
+            if (!a) continue;
+            int64_t sh[2];
+            int nd = kv_model_expected_shape(c, (enum kv_wkind)k, sh);
+            int64_t n = nd == 2 ? sh[0] * sh[1] : sh[0];
+            cr_assert(!memcmp(a, b, (size_t)n * sizeof *a), "%s of layer %lld changed",
+                      kv_wkind_name((enum kv_wkind)k), (long long)l);
+        }
+    }
+    int64_t n = 12, nv = n * c->vocab_size;
+    float *comp = logits_of(m, lr, n), *dense = logits_of(m2, NULL, n);
+    kvt_assert_close_f32(dense, comp, nv, 1e-5, 1e-4, "dense export vs centred compressed logits");
+    free(comp), free(dense);
+    kv_model_close(m2);
+    kv_model_close(m);
+    kv_lr_free(lr);
+    rm_tree(dir);
+    rm_tree(src);
+    free(out), free(dir), free(src);
 }

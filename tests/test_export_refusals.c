@@ -1,7 +1,9 @@
 /* Dense export (kv_lr_export_dense), refusals: postrope_rotation keys, OUT
- * naming the source, a non-empty directory, mismatched factors or model, with
- * nothing written. Then `kvcal export` on directories written by
- * kv_lr_dir_write: usage errors, a success, and the exact refusal line. */
+ * naming the source, a non-empty directory, mismatched factors or model,
+ * centred factors for a model without K/V biases, with nothing written.
+ * Then `kvcal export` on directories written by kv_lr_dir_write: usage
+ * errors, a success, and the exact refusal lines (with the hint for centred
+ * factors). */
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
@@ -305,4 +307,86 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
     kv_model_close(m);
     rm_tree(dir);
     free(dir), free(lrdir), free(rotdir), free(out), free(out2), free(s);
+}
+
+/* ---------------------------------------------------------------- centred factors */
+
+/* A mean (up_bias) on every unit of every compressed side, and an
+ * o_fused_bias on each fused_output layer (random: only the refusal is
+ * tested here; test_export.c checks the export of the means). */
+static void centre(const struct kv_model *m, struct kv_lowrank *lr, uint64_t seed) {
+    const struct kv_config *c = kv_model_config(m);
+    struct rng g = {seed};
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        struct kv_lr_layer *ly = &lr->layers[l];
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *s = w ? &ly->v : &ly->k;
+            for (int64_t u = 0; s->mode != KV_LR_FULL && u < s->n_units; u++)
+                s->units[u].up_bias = randn_f(&g, s->units[u].n_heads * c->head_dim, 0.4);
+        }
+        if (ly->v.mode == KV_LR_FUSED_OUTPUT) ly->o_fused_bias = randn_f(&g, c->dim, 0.1);
+    }
+}
+
+Test(export_dense, centred_factors_without_kv_biases_are_refused) {
+    KVT_NEED_SHARED(src, "models/stories260K/stories260K.bin");
+    char *s = strdup(src);
+    struct kv_model *m = open_ok(s);
+    int k_mode[5] = {K_FULL, K_LATENT, K_LATENT, K_LATENT, K_LATENT};
+    struct kv_lowrank *lr = make_lr(m, k_mode, 0, 0, 29);
+    centre(m, lr, 3);
+    char *dir = kvt_temp_dir();
+    char *out = kvt_path(dir, "out.bin");
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_export_dense(m, s, lr, out, NULL, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "layer 0 v unit 0: the factors are centred (a mean in up_bias) but "
+                              "the model has no v bias tensor to hold the mean");
+    /* keys alike, and the message names no option of the command line */
+    for (int64_t u = 0; u < lr->layers[0].v.n_units; u++) {
+        free(lr->layers[0].v.units[u].up_bias);
+        lr->layers[0].v.units[u].up_bias = NULL;
+    }
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_export_dense(m, s, lr, out, NULL, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "layer 1 k unit 0: the factors are centred (a mean in up_bias) but "
+                              "the model has no k bias tensor to hold the mean");
+    cr_assert_null(strstr(err.msg, "--"), "%s", err.msg);
+    cr_assert_eq(n_entries(dir), 0, "nothing may be written");
+    kv_model_close(m);
+    kv_lr_free(lr);
+    rm_tree(dir);
+    free(out), free(dir), free(s);
+}
+
+Test(export_cli, refuses_centred_factors_without_kv_biases_with_a_hint) {
+    KVT_NEED_SHARED(src, "models/stories260K/stories260K.bin");
+    char *s = strdup(src);
+    struct kv_model *m = open_ok(s);
+    int k_mode[5] = {K_LATENT, K_FULL, K_LATENT, K_LATENT, K_LATENT};
+    struct kv_lowrank *lr = make_lr(m, k_mode, 1u << 3, 0, 31);
+    centre(m, lr, 5);
+    kv_model_fingerprint(m, lr->info.model_fingerprint, NULL);
+    char *dir = kvt_temp_dir();
+    char *lrdir = write_lr_dir(m, s, lr, dir, "centred");
+    char *out = kvt_path(dir, "dense.bin");
+    char args[4096], *o, *e;
+    snprintf(args, sizeof args, "export --dense %s --model %s -o %s", lrdir, s, out);
+    int rc = kvt_run_cli(args, &o, &e);
+    cr_assert_eq(rc, 1, "exit %d, stderr: %s", rc, e);
+    char want[1400];
+    snprintf(want, sizeof want,
+             "kvcal: %s: layer 0 k unit 0: the factors are centred (a mean in up_bias) but the "
+             "model has no k bias tensor to hold the mean\n"
+             "kvcal: hint: decompose without --center to export a model that has no k/v biases\n",
+             lrdir);
+    cr_assert_str_eq(e, want);
+    cr_assert_str_eq(o, "");
+    struct stat st;
+    cr_assert_neq(stat(out, &st), 0, "nothing may be written");
+    free(o), free(e);
+    kv_lr_free(lr);
+    kv_model_close(m);
+    rm_tree(dir);
+    free(dir), free(lrdir), free(out), free(s);
 }

@@ -16,7 +16,11 @@
  *   the directory was made from, and F16/BF16 factors.
  * kvdir_hf: an all-full directory from the shared HF model is itself a
  *   loadable HF checkpoint with the same fingerprint.
- * kvdir_inspect: `kvcal inspect DIR` in text and JSON. */
+ * kvdir_inspect: `kvcal inspect DIR` in text and JSON.
+ * kvdir_centred: centred factors (each unit's up_bias, the fused_output
+ *   layers' o_fused_bias) written and read back bit for bit under their
+ *   names, a corruption table of their manifest keys and tensors, and the
+ *   writer's refusals. */
 #include "lrfixture.h"
 
 #include <criterion/parameterized.h>
@@ -710,4 +714,297 @@ Test(kvdir_inspect, prints_ranks_bytes_and_json) {
     cr_assert(strstr(errs, "kvcal.json") && strstr(errs, "version 2"), "%s", errs);
     free(out), free(errs);
     fx_free(&f);
+}
+/* ------------------------------------------------------------ centred factors */
+
+/* Centred factors on lr (make_lr's, for model c): an up_bias [s_u·d_h] on
+ * every unit of every side with an up factor, and o_fused_bias [d] on each
+ * fused_output layer. Random values: the format stores them, whatever they
+ * mean. */
+static void centre(struct kv_lowrank *lr, const struct kv_config *c, uint64_t seed) {
+    uint64_t s = seed;
+    for (int64_t l = 0; l < lr->info.n_layers; l++) {
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *sd = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; u < sd->n_units; u++)
+                if (sd->units[u].up)
+                    sd->units[u].up_bias = rand_floats(sd->units[u].n_heads * c->head_dim, &s);
+        }
+        if (lr->layers[l].v.mode == KV_LR_FUSED_OUTPUT)
+            lr->layers[l].o_fused_bias = rand_floats(c->dim, &s);
+    }
+}
+
+/* A valid directory of centred factors (llama: make_lr's with centre). */
+static void fx_init_centred(struct fx *f, int gpt2) {
+    f->m = gpt2 ? model_of(gpt2_cfg(), 17) : make_model(0, 17);
+    f->lr = make_lr(f->m, 16, 0, 23);
+    centre(f->lr, kv_model_config(f->m), 29);
+    f->dir = out_dir(&f->parent);
+    write_dir(f->m, f->lr, f->dir);
+    f->mpath = kvt_path(f->dir, "kvcal.json");
+    f->wpath = kvt_path(f->dir, "model.safetensors");
+}
+
+/* The centred tensors of a and b agree bit for bit (NULL where NULL). */
+static void assert_centred_eq(const struct kv_lowrank *a, const struct kv_lowrank *b) {
+    for (int64_t l = 0; l < a->info.n_layers; l++) {
+        for (int w = 0; w < 2; w++) {
+            const struct kv_lr_side *s = kv_lr_side(a, l, w), *t = kv_lr_side(b, l, w);
+            for (int64_t u = 0; u < s->n_units; u++) {
+                char what[64];
+                snprintf(what, sizeof what, "layer %lld %c unit %lld up_bias", (long long)l,
+                         "kv"[w], (long long)u);
+                assert_floats_eq(s->units[u].up_bias, t->units[u].up_bias,
+                                 s->units[u].n_heads * a->info.head_dim, what);
+            }
+        }
+        char what[64];
+        snprintf(what, sizeof what, "layer %lld o_fused_bias", (long long)l);
+        assert_floats_eq(a->layers[l].o_fused_bias, b->layers[l].o_fused_bias, a->info.dim, what);
+    }
+}
+
+/* Centred factors of every mode with an up factor (llama: prerope_latent K,
+ * fused_output V; gpt2: fused_query K too) are written under the names
+ * lrlayout.h gives and read back bit for bit; postrope_rotation units and
+ * full sides name none. */
+static void centred_round_trip(int gpt2) {
+    struct fx f;
+    fx_init_centred(&f, gpt2);
+    const struct kv_config *c = kv_model_config(f.m);
+    struct kv_lowrank *back = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(f.dir, f.m, &back, &err), KV_OK, "%s", fmt_err(&err));
+    assert_lr_eq(f.lr, back, 1);
+    assert_centred_eq(f.lr, back);
+    int64_t n_bias = 0, n_obias = 0;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        for (int w = 0; w < 2; w++)
+            for (int64_t u = 0; u < kv_lr_side(back, l, w)->n_units; u++)
+                n_bias += kv_lr_side(back, l, w)->units[u].up_bias != NULL;
+        n_obias += back->layers[l].o_fused_bias != NULL;
+    }
+    cr_assert_eq(n_bias, gpt2 ? 3 + 8 + 2 + 1 + 4 : 2 + 4 + 1, "units read with an up_bias");
+    cr_assert_eq(n_obias, 2, "layers read with an o_fused_bias");
+
+    /* the manifest's names, the weights file's tensors */
+    json_t *root = load_manifest(f.dir);
+    struct kv_st_file *st = NULL;
+    cr_assert_eq(kv_st_open(f.wpath, &st, &err), KV_OK, "%s", fmt_err(&err));
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        char attn[64], nm[160];
+        snprintf(attn, sizeof attn, gpt2 ? "transformer.h.%lld.attn." : "model.layers.%lld.self_attn.",
+                 (long long)l);
+        for (int w = 0; w < 2; w++) {
+            const struct kv_lr_side *sd = kv_lr_side(f.lr, l, w);
+            for (int64_t u = 0; u < sd->n_units; u++) {
+                json_t *v = json_object_get(unit_json(root, l, w ? "v" : "k", u), "up_bias");
+                cr_assert_not_null(v, "layer %lld %c unit %lld has no key 'up_bias'", (long long)l,
+                                   "kv"[w], (long long)u);
+                if (sd->mode == KV_LR_POSTROPE_ROTATION) {
+                    cr_assert(json_is_null(v));
+                    continue;
+                }
+                snprintf(nm, sizeof nm, "%s%c_up.%lld.bias", attn, "kv"[w], (long long)u);
+                cr_assert_str_eq(json_string_value(v), nm);
+                const struct kv_tensor *t = kv_st_find(st, nm);
+                cr_assert_not_null(t, "%s", nm);
+                cr_assert(t->dtype == KV_DTYPE_F32 && t->ndim == 1 &&
+                              t->shape[0] == sd->units[u].n_heads * c->head_dim,
+                          "%s", nm);
+            }
+        }
+        json_t *ob = json_object_get(side_json(root, l, "v"), "o_proj_bias");
+        cr_assert_not_null(ob, "layer %lld v has no key 'o_proj_bias'", (long long)l);
+        snprintf(nm, sizeof nm, "%so_fused.bias", attn);
+        if (f.lr->layers[l].v.mode != KV_LR_FUSED_OUTPUT) {
+            cr_assert(json_is_null(ob));
+            cr_assert_null(kv_st_find(st, nm), "%s", nm);
+            continue;
+        }
+        cr_assert_str_eq(json_string_value(ob), nm);
+        const struct kv_tensor *t = kv_st_find(st, nm);
+        cr_assert_not_null(t, "%s", nm);
+        cr_assert(t->dtype == KV_DTYPE_F32 && t->ndim == 1 && t->shape[0] == c->dim, "%s", nm);
+        /* the model's own o bias (gpt2) is still named by the layer, apart */
+        snprintf(nm, sizeof nm, "%so_proj.bias", attn);
+        if (gpt2) cr_assert_str_eq(jstr(json_array_get(json_object_get(root, "layers"), (size_t)l),
+                                        "o_proj_bias"), nm);
+    }
+    kv_st_close(st);
+    json_decref(root);
+
+    /* the manifest alone: no factors */
+    struct kv_lowrank *mf = NULL;
+    cr_assert_eq(kv_lr_manifest_read(f.mpath, &mf, &err), KV_OK, "%s", fmt_err(&err));
+    assert_lr_eq(f.lr, mf, 0);
+    for (int64_t l = 0; l < c->n_layers; l++) cr_assert_null(mf->layers[l].o_fused_bias);
+    kv_lr_free(mf);
+    kv_lr_free(back);
+    fx_free(&f);
+}
+
+Test(kvdir_centred, round_trip_llama) { centred_round_trip(0); }
+Test(kvdir_centred, round_trip_gpt2_fused_query) { centred_round_trip(1); }
+
+/* NaN at element i of tensor name, in place; returns the element's offset. */
+static uint64_t poison(const char *wpath, const char *name, int64_t i) {
+    struct kv_st_file *st = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_st_open(wpath, &st, &err), KV_OK, "%s", fmt_err(&err));
+    const struct kv_tensor *t = kv_st_find(st, name);
+    cr_assert_not_null(t, "%s", name);
+    cr_assert_eq(t->dtype, KV_DTYPE_F32);
+    uint64_t off = t->offset + (uint64_t)i * 4;
+    kv_st_close(st);
+    float nan = NAN;
+    FILE *fp = fopen(wpath, "r+b");
+    cr_assert_not_null(fp);
+    cr_assert_eq(fseek(fp, (long)off, SEEK_SET), 0);
+    cr_assert_eq(fwrite(&nan, sizeof nan, 1, fp), 1);
+    fclose(fp);
+    return off;
+}
+
+static void jc_up_bias_on_rot(json_t *r) {
+    set(unit_json(r, 1, "k", 0), "up_bias", json_string("model.layers.1.self_attn.k_up.0.bias"));
+}
+static void jc_up_bias_in_part(json_t *r) { set(unit_json(r, 0, "k", 1), "up_bias", json_null()); }
+static void jc_values_not_centred(json_t *r) {
+    for (int64_t u = 0; u < 4; u++) set(unit_json(r, 0, "v", u), "up_bias", json_null());
+}
+static void jc_o_bias_null(json_t *r) { set(side_json(r, 2, "v"), "o_proj_bias", json_null()); }
+static void jc_o_bias_on_full(json_t *r) {
+    set(side_json(r, 1, "v"), "o_proj_bias", json_string("model.layers.1.self_attn.o_fused.bias"));
+}
+static void jc_up_bias_type(json_t *r) { set(unit_json(r, 2, "v", 0), "up_bias", json_integer(3)); }
+
+/* Rows over a centred llama directory: kind 0 edits the manifest, 3 drops
+ * the tensor, 4 narrows it by one column, 6 puts a NaN at its element 3. */
+static const struct row crows[] = {
+    {"up_bias on a postrope_rotation unit", jc_up_bias_on_rot, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 1 k unit 0: key 'up_bias' must be null for mode 'postrope_rotation', found "
+      "\"model.layers.1.self_attn.k_up.0.bias\""}, 0},
+    {"up_bias on some units", jc_up_bias_in_part, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k unit 1: key 'up_bias' is null but unit 0's is a tensor name, expected all "
+      "units or none to have one"}, 0},
+    {"o_proj_bias without up_bias", jc_values_not_centred, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 v: key 'o_proj_bias' is a tensor name, but the units have no up_bias"}, 0},
+    {"up_bias without o_proj_bias", jc_o_bias_null, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 2 v: key 'o_proj_bias' is null, but the units have an up_bias"}, 0},
+    {"o_proj_bias on full values", jc_o_bias_on_full, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 1 v: key 'o_proj_bias' must be null for mode 'full', found "
+      "\"model.layers.1.self_attn.o_fused.bias\""}, 0},
+    {"up_bias of another type", jc_up_bias_type, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 2 v unit 0: key 'up_bias' must be a tensor name or null, found 3"}, 0},
+    {"up_bias dropped", NULL, 3, "model.layers.0.self_attn.v_up.3.bias",
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0,
+      "missing tensor 'model.layers.0.self_attn.v_up.3.bias' (named by kvcal.json layer 0 v "
+      "unit 3 'up_bias', heads 1)"}, 0},
+    {"o_fused bias dropped", NULL, 3, "model.layers.2.self_attn.o_fused.bias",
+     {KV_EFORMAT, 1, KV_NO_OFFSET, 0,
+      "missing tensor 'model.layers.2.self_attn.o_fused.bias' (named by kvcal.json layer 2 v "
+      "'o_proj_bias', dim)"}, 0},
+    {"up_bias shape", NULL, 4, "model.layers.0.self_attn.k_up.1.bias",
+     {KV_EFORMAT, 1, 0, 0,
+      "tensor 'model.layers.0.self_attn.k_up.1.bias' has shape [7] but kvcal.json (layer 0 k "
+      "unit 1 'up_bias', heads 2) implies [8]"}, 0},
+    {"o_fused bias shape", NULL, 4, "model.layers.0.self_attn.o_fused.bias",
+     {KV_EFORMAT, 1, 0, 0,
+      "tensor 'model.layers.0.self_attn.o_fused.bias' has shape [31] but kvcal.json (layer 0 v "
+      "'o_proj_bias', dim) implies [32]"}, 0},
+    {"up_bias not finite", NULL, 6, "model.layers.0.self_attn.v_up.2.bias",
+     {KV_EFORMAT, 1, 0, 0,
+      "tensor 'model.layers.0.self_attn.v_up.2.bias' holds a non-finite value at element 3"}, 0},
+    {"o_fused bias not finite", NULL, 6, "model.layers.2.self_attn.o_fused.bias",
+     {KV_EFORMAT, 1, 0, 0,
+      "tensor 'model.layers.2.self_attn.o_fused.bias' holds a non-finite value at element 3"},
+     0},
+};
+#define N_CROWS (sizeof crows / sizeof crows[0])
+
+ParameterizedTestParameters(kvdir_centred, rejects_corruption) {
+    static int idx[N_CROWS];
+    for (size_t i = 0; i < N_CROWS; i++) idx[i] = (int)i;
+    return cr_make_param_array(int, idx, N_CROWS);
+}
+
+/* The exact message, file and offset of kv_lr_dir_open; where the manifest
+ * alone is at fault, kv_lr_manifest_read says the same. */
+ParameterizedTest(int *ip, kvdir_centred, rejects_corruption) {
+    const struct row *r = &crows[*ip];
+    struct fx f;
+    fx_init_centred(&f, 0);
+    struct want_err w = r->w;
+    switch (r->kind) {
+    case 0: edit_json(&f, r->json_fn); break;
+    case 3: rewrite_weights(&f, r->tensor, NULL, NULL); break;
+    case 4: rewrite_weights(&f, NULL, r->tensor, &w.off); break;
+    case 6: w.off = poison(f.wpath, r->tensor, 3); break;
+    }
+    struct kv_lowrank *lr = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    int rc = kv_lr_dir_open(f.dir, f.m, &lr, &err);
+    cr_assert_eq(rc, w.code, "%s: code %d, want %d (%s)", r->name, rc, w.code, fmt_err(&err));
+    cr_assert_null(lr, "%s", r->name);
+    cr_assert_str_eq(err.path, w.in_weights ? f.wpath : f.mpath, "%s", r->name);
+    cr_assert_eq(err.off, w.off, "%s: offset %llu, want %llu", r->name,
+                 (unsigned long long)err.off, (unsigned long long)w.off);
+    cr_assert_str_eq(err.msg, w.needle, "%s", r->name);
+    if (!w.in_weights) {
+        struct kv_err e2;
+        kv_err_clear(&e2);
+        cr_assert_eq(kv_lr_manifest_read(f.mpath, &lr, &e2), w.code, "%s", r->name);
+        cr_assert_str_eq(e2.msg, err.msg, "%s", r->name);
+    }
+    fx_free(&f);
+}
+
+/* What the writer refuses of centred factors (KV_EINVAL naming the
+ * directory, nothing written): the lrlayout.h rules. */
+Test(kvdir_centred, writer_refuses_factors_that_break_the_rules) {
+    struct kv_model *m = make_model(0, 1);
+    char *parent, *dir = out_dir(&parent);
+    static const char *const msgs[] = {
+        "layer 1 k unit 2: up_bias is set but mode 'postrope_rotation' has no up factor",
+        "layer 0 k unit 1: up_bias is NULL but unit 0's is set, expected all units or none to "
+        "have one",
+        "layer 0 v: fused output bias is NULL but the value units have an up_bias",
+        "layer 2 v: fused output bias is set but the value units have no up_bias",
+        "layer 1 v: a fused output bias is set but the mode is 'full'",
+    };
+    for (size_t i = 0; i < sizeof msgs / sizeof msgs[0]; i++) {
+        struct kv_lowrank *lr = make_lr(m, 16, 0, 2);
+        centre(lr, kv_model_config(m), 3);
+        struct kv_lr_layer *y = lr->layers;
+        uint64_t s = 5;
+        switch (i) {
+        case 0: y[1].k.units[2].up_bias = rand_floats(4, &s); break;
+        case 1: free(y[0].k.units[1].up_bias), y[0].k.units[1].up_bias = NULL; break;
+        case 2: free(y[0].o_fused_bias), y[0].o_fused_bias = NULL; break;
+        case 3: free(y[2].v.units[0].up_bias), y[2].v.units[0].up_bias = NULL; break;
+        case 4: y[1].o_fused_bias = rand_floats(32, &s); break;
+        }
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_lr_dir_write(m, lr, NULL, dir, &err), KV_EINVAL, "row %zu: %s", i,
+                     fmt_err(&err));
+        cr_assert_str_eq(err.path, dir, "row %zu", i);
+        cr_assert_str_eq(err.msg, msgs[i], "row %zu", i);
+        cr_assert_neq(access(dir, F_OK), 0, "row %zu: the directory was created", i);
+        kv_lr_free(lr);
+    }
+    kv_model_close(m);
+    rm_tree(parent);
+    free(dir), free(parent);
 }

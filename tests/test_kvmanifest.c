@@ -179,6 +179,7 @@ static void check_manifest(struct kv_config cfg, int bits) {
             if (s) {
                 snprintf(nm, sizeof nm, "%so_proj.weight", attn);
                 cr_assert_str_eq(jstr(so, "o_proj"), nm);
+                cr_assert(json_is_null(json_object_get(so, "o_proj_bias")), "o_proj_bias");
                 if (sd->mode == KV_LR_FUSED_OUTPUT)
                     cr_assert_eq(jint(so, "o_cols"), o_cols_of(sd, c));
                 else
@@ -209,6 +210,8 @@ static void check_manifest(struct kv_config cfg, int bits) {
                 cr_assert_eq(jint(uo, "latent_offset"), off);
                 snprintf(nm, sizeof nm, "%s_up.%lld.weight", pre, (long long)u);
                 if (latent) cr_assert_str_eq(jstr(uo, "up"), nm);
+                /* factors that are not centred: no mean, but the key */
+                cr_assert(json_is_null(json_object_get(uo, "up_bias")), "up_bias");
                 snprintf(nm, sizeof nm, "%s_rot.%lld.weight", pre, (long long)u);
                 if (sd->mode == KV_LR_POSTROPE_ROTATION)
                     cr_assert_str_eq(jstr(uo, "rot"), nm);
@@ -571,6 +574,50 @@ Test(kvmanifest_open, reads_a_manifest_from_before_the_added_keys) {
         kv_err_clear(&err);
         cr_assert_eq(kv_lr_dir_open(f.dir, f.m, &lr, &err), KV_OK, "%s", fmt_err(&err));
         assert_lr_eq(f.lr, lr, 1);
+        kv_lr_free(lr);
+        fx_free(&f);
+    }
+}
+
+/* The keys of centred factors (each unit's up_bias, the values' o_proj_bias)
+ * came after the first version-1 manifests too: without them a directory
+ * is read as factors that are not centred. */
+static void j_before_centred(json_t *r) {
+    json_t *layers = json_object_get(r, "layers");
+    for (size_t l = 0; l < json_array_size(layers); l++) {
+        json_t *vo = json_object_get(json_array_get(layers, l), "v");
+        cr_assert_eq(json_object_del(vo, "o_proj_bias"), 0, "layer %zu v o_proj_bias", l);
+        for (int w = 0; w < 2; w++) {
+            json_t *units = json_object_get(json_object_get(json_array_get(layers, l), w ? "v" : "k"),
+                                            "units");
+            for (size_t u = 0; u < json_array_size(units); u++)
+                cr_assert_eq(json_object_del(json_array_get(units, u), "up_bias"), 0,
+                             "layer %zu unit %zu up_bias", l, u);
+        }
+    }
+}
+
+Test(kvmanifest_open, reads_a_manifest_from_before_centred_factors) {
+    for (int gpt2 = 0; gpt2 < 2; gpt2++) {
+        struct fx f;
+        fx_init_arch(&f, gpt2);
+        edit_json(&f, j_before_centred);
+        size_t n = 0;
+        char *text = kvt_read_file(f.mpath, &n);
+        cr_assert_null(strstr(text, "up_bias"), "the edit left an up_bias key");
+        free(text);
+        struct kv_lowrank *lr = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_lr_dir_open(f.dir, f.m, &lr, &err), KV_OK, "%s", fmt_err(&err));
+        assert_lr_eq(f.lr, lr, 1);
+        for (int64_t l = 0; l < lr->info.n_layers; l++) {
+            cr_assert_null(lr->layers[l].o_fused_bias, "layer %lld", (long long)l);
+            for (int w = 0; w < 2; w++)
+                for (int64_t u = 0; u < kv_lr_side(lr, l, w)->n_units; u++)
+                    cr_assert_null(kv_lr_side(lr, l, w)->units[u].up_bias,
+                                   "layer %lld %c unit %lld", (long long)l, "kv"[w], (long long)u);
+        }
         kv_lr_free(lr);
         fx_free(&f);
     }

@@ -775,6 +775,74 @@ Test(kvrt_errors, messages) {
     kv_model_close(m);
 }
 
+/* A mean (up_bias, random) on every unit of layer l's keys (which 0) or
+ * values (1). */
+static void centre_side(struct kv_lowrank *lr, int64_t l, int which, uint64_t seed) {
+    struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    for (int64_t u = 0; u < s->n_units; u++) {
+        struct kv_lr_unit *x = &s->units[u];
+        x->up_bias = malloc((size_t)(x->n_heads * lr->info.head_dim) * sizeof(float));
+        for (int64_t a = 0; a < x->n_heads * lr->info.head_dim; a++)
+            x->up_bias[a] = kvrt_fill_value(seed + (uint64_t)u, (uint64_t)a);
+    }
+}
+
+static void uncentre_side(struct kv_lowrank *lr, int64_t l, int which) {
+    struct kv_lr_side *s = kv_lr_side(lr, l, which);
+    for (int64_t u = 0; u < s->n_units; u++) free(s->units[u].up_bias), s->units[u].up_bias = NULL;
+}
+
+/* Centred factors: the runtime refuses the means it would have to add
+ * (prerope_latent keys', and fused_output values' o_fused_bias) rather than
+ * drop them, and runs centred fused_query keys, whose mean drops out of the
+ * softmax, as the reference forward does. */
+Test(kvrt_errors, centred_factors) {
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 5);
+    struct kv_lowrank *lr = svd_half(m);
+    cr_assert_eq(lr->layers[1].k.mode, KV_LR_PREROPE_LATENT);
+    cr_assert_eq(lr->layers[0].v.mode, KV_LR_FUSED_OUTPUT);
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.max_ctx = 8;
+    struct kvrt *rt = NULL;
+    struct kv_err err = {0};
+    centre_side(lr, 1, 0, 3);
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "layer 1: centred factors (a mean bias on the keys) are not "
+                              "supported by the runtime; decompose without centring");
+    cr_assert_null(rt);
+    uncentre_side(lr, 1, 0);
+    centre_side(lr, 0, 1, 5);
+    lr->layers[0].o_fused_bias = calloc((size_t)lr->info.dim, sizeof(float));
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "layer 0: centred factors (a mean bias on the values) are not "
+                              "supported by the runtime; decompose without centring");
+    /* the layer's bias alone says as much */
+    uncentre_side(lr, 0, 1);
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert(strstr(err.msg, "layer 0: centred factors (a mean bias on the values)"), "%s", err.msg);
+    free(lr->layers[0].o_fused_bias);
+    lr->layers[0].o_fused_bias = NULL;
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s", err.msg);
+    kvrt_close(rt);
+    kv_lr_free(lr);
+    kv_model_close(m);
+
+    /* fused_query keys with a mean on every unit of both layers */
+    m = random_gpt2(47);
+    lr = synth(m, KV_LR_FUSED_QUERY, KV_LR_FULL, 0.5);
+    for (int64_t l = 0; l < 2; l++) centre_side(lr, l, 0, 7 + (uint64_t)l);
+    const int64_t n = 40;
+    int32_t *tok = tokens_for(m, n, 9);
+    struct capture cp = reference(m, lr, tok, n);
+    decode_and_compare(m, lr, &cp, KVRT_BACKEND_TWIN, KVRT_DTYPE_F32, 0, 1e-5,
+                       "centred fused_query");
+    capture_free(&cp, 2);
+    free(tok);
+    kv_lr_free(lr);
+    kv_model_close(m);
+}
+
 Test(kvrt_errors, cuda_without_a_device) {
     int n = 0;
     struct kv_err err = {0};
