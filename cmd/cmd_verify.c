@@ -177,7 +177,9 @@ static const struct cli_cmd verify_cmd = {
     "compressed cache stores only latents: keys rebuilt from them before RoPE (palu,\n"
     "eigen, svd, lorc), or scored as rotated post-RoPE q·k (fdc, zack); values stay\n"
     "latent and go through the fused output projection. KV bytes per token count fp16\n"
-    "for the base and, for latents, their codes plus scale and zero point.\n"
+    "for the base and, for latents, their codes plus scale and zero point. --json adds\n"
+    "95% intervals of ppl/base_ppl - 1 and of kl (delta_ppl_rel_ci95, kl_ci95): the\n"
+    "percentiles of 2000 resamples of the windows, drawn with replacement.\n"
     "\nwith --device twin or cuda a further run of the same windows puts every layer's\n"
     "attention on the runtime (kvrt: decode steps, one token at a time, over its own KV\n"
     "cache; with --compressed the compressed model's latent cache, else the base's full\n"
@@ -251,6 +253,12 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
             (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
             "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
             "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+        if (o) { /* 95% bootstrap over windows: ppl / base_ppl - 1, and kl */
+            json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r->dppl_ci[0]),
+                                                                   cli_json_real(r->dppl_ci[1])));
+            json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r->kl_ci[0]),
+                                                        cli_json_real(r->kl_ci[1])));
+        }
         json_tokenization(o, a, m);
         cli_json_blas(o);
         if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);

@@ -558,6 +558,10 @@ struct kv_compare_result {
     struct kv_ppl_result base, comp;
     double kl;        /* mean KL(p_base ‖ p_comp) per scored token */
     double top1;      /* fraction of scored positions whose argmax agrees */
+    /* 95% percentile-bootstrap intervals over windows (KV_BOOTSTRAP_DRAWS
+     * resamples of the windows with replacement, a fixed seed): of
+     * ppl_comp / ppl_base - 1 and of kl; the point itself with one window */
+    double dppl_ci[2], kl_ci[2];
     /* The device run of kv_ppl_compare_attn (has_dev 0 and the rest zero
      * otherwise), compared with the CPU path: the compressed run, or the
      * base when there is none. */
@@ -570,6 +574,14 @@ struct kv_compare_result {
     double dev_kl;           /* mean KL(p_cpu ‖ p_dev) per scored token */
     double dev_top1;         /* fraction of scored positions whose argmax agrees with the CPU's */
 };
+#define KV_BOOTSTRAP_DRAWS 2000
+/* The 95% percentile-bootstrap intervals of kv_compare_result from n
+ * windows' sums: d[i] the compressed minus the base nll and k[i] the KL,
+ * each over `scored` positions per window; draws resamples of the windows
+ * with replacement from seed. ΔPPL of a resample is exp(Σ d / (n·scored))
+ * - 1, its KL Σ k / (n·scored). KV_ENOMEM or KV_OK. */
+int kv_bootstrap_ci(const double *d, const double *k, int64_t n, int64_t scored, int64_t draws,
+                    uint64_t seed, double dppl_ci[2], double kl_ci[2], struct kv_err *err);
 /* The most bytes of logits a scoring run holds per forward pass (default,
  * and for bytes <= 0: 256 MiB). A window whose [seq_len, vocab] float
  * logits take more is scored a slice of positions at a time from a

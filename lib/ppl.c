@@ -214,6 +214,47 @@ static double rel_row(const float *ref, const float *got, int64_t vocab) {
     return num > 0 || isnan(num) ? INFINITY : 0;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* splitmix64: the resampling's generator */
+static uint64_t mix_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+int kv_bootstrap_ci(const double *d, const double *k, int64_t n, int64_t scored, int64_t draws,
+                    uint64_t seed, double dppl_ci[2], double kl_ci[2], struct kv_err *err) {
+    double *bd = malloc((size_t)(draws > 0 ? draws : 1) * sizeof *bd);
+    double *bk = malloc((size_t)(draws > 0 ? draws : 1) * sizeof *bk);
+    if (!bd || !bk) {
+        free(bd), free(bk);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld bootstrap draws",
+                       (long long)draws);
+    }
+    double den = (double)n * (double)scored;
+    for (int64_t b = 0; b < draws; b++) {
+        double sd = 0, sk = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t j = (int64_t)(mix_next(&seed) % (uint64_t)n);
+            sd += d[j], sk += k[j];
+        }
+        bd[b] = expm1(sd / den), bk[b] = sk / den;
+    }
+    qsort(bd, (size_t)draws, sizeof *bd, cmp_double);
+    qsort(bk, (size_t)draws, sizeof *bk, cmp_double);
+    /* the 2.5th and 97.5th percentiles, by the nearest rank */
+    int64_t lo = (int64_t)floor(0.025 * (double)draws), hi = (int64_t)ceil(0.975 * (double)draws) - 1;
+    if (hi < lo) hi = lo;
+    dppl_ci[0] = bd[lo], dppl_ci[1] = bd[hi], kl_ci[0] = bk[lo], kl_ci[1] = bk[hi];
+    free(bd), free(bk);
+    return KV_OK;
+}
+
 /* The runs of a comparison, each with its own forward state. */
 enum { RUN_BASE, RUN_COMP, RUN_DEV, N_RUNS };
 static const char *const run_name[N_RUNS] = {"base", "compressed", "device"};
@@ -243,6 +284,11 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
             if (sliced) kv_fwd_defer_head(f[k]);
         }
     double *rel = dev ? malloc((size_t)seq_len * sizeof *rel) : NULL;
+    /* per window: compressed minus base nll, and KL, for the intervals */
+    double *wdiff = with_comp ? malloc((size_t)(windows > 0 ? windows : 1) * 2 * sizeof *wdiff) : NULL;
+    if (!rc && with_comp && !wdiff)
+        rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld windows' sums",
+                     (long long)windows);
     if (!rc && dev && !rel)
         rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld logit differences",
                      (long long)seq_len);
@@ -310,6 +356,7 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
         for (int64_t i = 0; rel && i < seq_len - 1; i++)
             if (!(rel[i] <= best)) best = rel[i], best_w = w, best_i = i;
         nll[RUN_BASE] += sb, nll[RUN_COMP] += sc, nll[RUN_DEV] += sd;
+        if (wdiff) wdiff[w] = sc - sb, wdiff[windows + w] = sk;
         kl += sk, dkl += skd, agree += ag, dagree += agd;
         if (progress && progress(progress_ctx, w + 1, windows, (w + 1) * seq_len)) {
             rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "interrupted after %lld windows",
@@ -319,7 +366,10 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
     }
     for (int k = 0; k < N_RUNS; k++) kv_fwd_free(f[k]);
     free(rel);
-    if (rc) return rc;
+    if (rc) {
+        free(wdiff);
+        return rc;
+    }
     int64_t scored = windows * (seq_len - 1);
     memset(out, 0, sizeof *out);
     struct kv_ppl_result *r[N_RUNS] = {&out->base, &out->comp, &out->dev};
@@ -332,6 +382,10 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
     if (with_comp) {
         out->kl = kl / (double)scored;
         out->top1 = (double)agree / (double)scored;
+        rc = kv_bootstrap_ci(wdiff, wdiff + windows, windows, seq_len - 1, KV_BOOTSTRAP_DRAWS, 1,
+                             out->dppl_ci, out->kl_ci, err);
+        free(wdiff);
+        if (rc) return rc;
     }
     if (dev) {
         out->has_dev = 1;

@@ -557,3 +557,43 @@ Test(ppl_check, the_device_verdict_compares_with_the_compressed_run_when_there_i
     r.has_dev = 0;
     cr_assert_eq(kv_ppl_device_verdict(&r, 0, ppl_flags, &err), KV_OK);
 }
+
+/* kv_bootstrap_ci against what a bootstrap of a mean must give: one value
+ * repeated, a zero-width interval at it; for 400 windows of independent
+ * draws, the interval of the mean KL within 15% of mean ± 1.96 sd/√n (the
+ * normal limit), around the point, and ΔPPL's the exp of the same bounds of
+ * the nll difference (monotone, so the percentiles map through). */
+Test(ppl, bootstrap_intervals_of_the_window_means) {
+    int64_t n = 400, scored = 7;
+    double *d = malloc((size_t)n * sizeof *d), *k = malloc((size_t)n * sizeof *k);
+    struct kv_err err;
+    kv_err_clear(&err);
+    for (int64_t i = 0; i < n; i++) d[i] = 0.7, k[i] = 0.3;
+    double dc[2], kc[2];
+    cr_assert_eq(kv_bootstrap_ci(d, k, n, scored, 500, 3, dc, kc, &err), KV_OK);
+    cr_assert(fabs(dc[0] - expm1(0.1)) < 1e-12 && fabs(dc[1] - expm1(0.1)) < 1e-12, "%g %g", dc[0], dc[1]);
+    cr_assert(fabs(kc[0] - 0.3 / 7) < 1e-15 && fabs(kc[1] - 0.3 / 7) < 1e-15);
+    uint64_t s = 12345;
+    double mean_k = 0, mean_d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        double u = (double)(s >> 11) / 9007199254740992.0;
+        k[i] = 7 * u * u, d[i] = 7 * (u - 0.4);
+        mean_k += k[i] / (double)n, mean_d += d[i] / (double)n;
+    }
+    double var_k = 0, var_d = 0;
+    for (int64_t i = 0; i < n; i++)
+        var_k += (k[i] - mean_k) * (k[i] - mean_k), var_d += (d[i] - mean_d) * (d[i] - mean_d);
+    double half_k = 1.96 * sqrt(var_k / (double)(n - 1) / (double)n) / (double)scored;
+    double half_d = 1.96 * sqrt(var_d / (double)(n - 1) / (double)n) / (double)scored;
+    cr_assert_eq(kv_bootstrap_ci(d, k, n, scored, KV_BOOTSTRAP_DRAWS, 1, dc, kc, &err), KV_OK);
+    double pk = mean_k / (double)scored, pd = mean_d / (double)scored;
+    cr_log_info("kl %.6g in [%.6g, %.6g], normal [%.6g, %.6g]", pk, kc[0], kc[1], pk - half_k, pk + half_k);
+    cr_assert(kc[0] < pk && pk < kc[1]);
+    cr_assert(fabs((kc[1] - kc[0]) / (2 * half_k) - 1) < 0.15, "kl width %g, normal %g", kc[1] - kc[0], 2 * half_k);
+    cr_assert(fabs(pk - half_k - kc[0]) < 0.15 * half_k && fabs(pk + half_k - kc[1]) < 0.15 * half_k);
+    cr_assert(dc[0] < expm1(pd) && expm1(pd) < dc[1]);
+    cr_assert(fabs(log1p(dc[0]) - (pd - half_d)) < 0.15 * half_d, "%g vs %g", log1p(dc[0]), pd - half_d);
+    cr_assert(fabs(log1p(dc[1]) - (pd + half_d)) < 0.15 * half_d, "%g vs %g", log1p(dc[1]), pd + half_d);
+    free(d), free(k);
+}
