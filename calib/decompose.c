@@ -20,6 +20,16 @@ static const char *const method_names[KV_METHOD_COUNT] = {"svd", "palu", "eigen"
 static const char *const alloc_names[KV_ALLOC_COUNT] = {
     "default", "eps", "uniform", "fisher", "progressive", "removal", "layer-budget", "global"};
 
+static const char *const basis_names[KV_BASIS_COUNT] = {"energy", "output", "loss"};
+
+const char *kv_basis_name(enum kv_basis b) {
+    return (unsigned)b < KV_BASIS_COUNT ? basis_names[b] : "?";
+}
+int kv_basis_parse(const char *s) {
+    for (int i = 0; i < KV_BASIS_COUNT; i++)
+        if (!strcmp(s, basis_names[i])) return i;
+    return -1;
+}
 const char *kv_method_name(enum kv_method m) {
     return (unsigned)m < KV_METHOD_COUNT ? method_names[m] : "?";
 }
@@ -94,6 +104,54 @@ static int check_floor(struct kv_dec_ctx *x, int64_t target, int64_t base) {
     return KV_OK;
 }
 
+/* The mean KL(base ‖ compressed) per token of the slots at their ranks on
+ * the calibration windows. */
+static int probe_kl(struct kv_dec_ctx *x, double *kl) {
+    const struct kv_decompose_opts *o = x->o;
+    struct kv_lowrank *lr = NULL;
+    int rc = kv_dec_build_lowrank(x, &lr);
+    struct kv_compare_result r;
+    if (!rc)
+        rc = kv_ppl_compare(x->m, lr, (int)o->kv_bits, o->calib_tokens, o->calib_windows * o->seq_len,
+                            o->seq_len, o->calib_windows, NULL, NULL, &r, x->err);
+    kv_lr_free(lr);
+    if (!rc) *kl = r.kl;
+    return rc;
+}
+
+/* global's ranks; with a byte target also uniform's, and the better kept
+ * (kept_uniform): the one of lower measured KL on the calibration windows
+ * when there are some (probed), else of lower objective; uniform's cache
+ * only where it is no larger than the target or global's own. */
+static int global_or_uniform(struct kv_dec_ctx *x, int64_t target) {
+    struct kv_decompose_opts *o = x->o;
+    kv_dec_global_ranks(x, target, o->eps);
+    o->param = 0;
+    o->objective = kv_dec_objective(x);
+    if (target <= 0) return KV_OK;
+    int64_t *save = malloc((size_t)(x->n_slots > 0 ? x->n_slots : 1) * sizeof *save);
+    if (!save) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    for (int64_t i = 0; i < x->n_slots; i++) save[i] = x->slots[i].rank;
+    int64_t global_bytes = kv_dec_total_bytes(x);
+    int rc = KV_OK, probe = o->calib_tokens && o->calib_windows > 0 && o->seq_len >= 2;
+    if (probe) rc = probe_kl(x, &o->probe_kl);
+    double t = kv_dec_search_param(x, KV_ALLOC_UNIFORM, target);
+    o->objective_uniform = kv_dec_objective(x);
+    if (!rc && probe) rc = probe_kl(x, &o->probe_kl_uniform);
+    o->probed = probe && !rc;
+    /* uniform's cache may only win where it is no larger than the target
+     * or global's own (its search stops at the first at or above) */
+    int64_t ub = kv_dec_total_bytes(x);
+    int better = probe ? o->probe_kl_uniform < o->probe_kl : o->objective_uniform < o->objective;
+    if (!rc && better && (ub <= target || ub <= global_bytes)) {
+        o->kept_uniform = 1, o->param = t;
+    } else {
+        for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].rank = save[i];
+    }
+    free(save);
+    return rc;
+}
+
 /* Every slot's rank by the allocation, and o->param, achieved_bytes and
  * least_bytes. */
 static int allocate(struct kv_dec_ctx *x, int64_t target) {
@@ -101,7 +159,7 @@ static int allocate(struct kv_dec_ctx *x, int64_t target) {
     enum kv_alloc a = o->alloc;
     int rc = KV_OK;
     switch (a) {
-    case KV_ALLOC_GLOBAL: kv_dec_global_ranks(x, target, o->eps); o->param = 0; break;
+    case KV_ALLOC_GLOBAL: rc = global_or_uniform(x, target); break;
     case KV_ALLOC_LAYER_BUDGET: rc = kv_dec_layer_budget(x, target); break;
     case KV_ALLOC_PROGRESSIVE:
         if (target > 0) o->param = kv_dec_search_param(x, a, target);
@@ -163,6 +221,8 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     double t0 = kv_now();
     o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
     o->target_reached = 1, o->odd_rank_units = 0, o->error_k = o->error_v = 0;
+    o->objective = o->objective_uniform = 0, o->kept_uniform = 0;
+    o->probed = 0, o->probe_kl = o->probe_kl_uniform = 0;
     int rc = check_all(m, s, o, err);
     if (rc) return rc;
 

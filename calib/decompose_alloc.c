@@ -38,6 +38,19 @@ static int64_t removal_rank(const double *lam, int64_t mm, double rho) {
     return k;
 }
 
+int64_t kv_dec_eps_rank(const struct kv_dec_slot *sl, double eps) {
+    if (eps >= 1.0) return sl->m;
+    int64_t r = 0;
+    for (int64_t u = 0; u < sl->n_units; u++) {
+        const struct kv_dec_unit *un = &sl->units[u];
+        double allow = (1.0 - eps) * un->var;
+        int64_t ru = sl->m;
+        while (ru > 0 && un->err[ru - 1] <= allow) ru--;
+        r = ru > r ? ru : r;
+    }
+    return r;
+}
+
 static int64_t slot_bytes(const struct kv_dec_slot *sl, int64_t rank, int bits) {
     if (sl->skip) return sl->n_units * sl->m * 2;
     return sl->n_units * kv_lr_unit_bytes(rank, bits);
@@ -65,13 +78,7 @@ void kv_dec_param_ranks(struct kv_dec_ctx *x, enum kv_alloc a, double t) {
         int64_t mm = sl->m, r = mm;
         switch (a) {
         case KV_ALLOC_EPS:
-        case KV_ALLOC_LAYER_BUDGET:
-            r = 0;
-            for (int64_t k = 0; k < sl->n_spec; k++) {
-                int64_t rk = t >= 1.0 ? mm : kv_la_energy_rank(sl->lam + k * mm, mm, t);
-                r = rk > r ? rk : r;
-            }
-            break;
+        case KV_ALLOC_LAYER_BUDGET: r = kv_dec_eps_rank(sl, t); break;
         case KV_ALLOC_UNIFORM: r = (int64_t)llround(t * (double)mm); break;
         case KV_ALLOC_REMOVAL:
             r = 0;
@@ -133,22 +140,58 @@ double kv_dec_search_param(struct kv_dec_ctx *x, enum kv_alloc a, int64_t target
     return hi;
 }
 
-static double slot_dropped_rel(const struct kv_dec_slot *sl, int64_t r) { return sl->tail[r]; }
+/* Whether every slot has its predicted loss (Fisher statistics, no
+ * rotation keys): then global's cost is that loss, in one unit for keys,
+ * values and every layer. */
+static int loss_costs(const struct kv_dec_ctx *x) {
+    for (int64_t i = 0; i < x->n_slots; i++)
+        if (!x->slots[i].ltail) return 0;
+    return x->n_slots > 0;
+}
+
+/* A slot's cost at rank r in global's objective: its predicted loss with
+ * loss_costs; else its relative error weighted by its Fisher score over
+ * the mean score (1 without scores). */
+static double slot_cost(const struct kv_dec_slot *sl, int64_t r, int loss, double fmean) {
+    if (loss) return sl->ltail[r];
+    return sl->tail[r] * (fmean > 0 ? sl->fisher / fmean : 1.0);
+}
+
+static double fisher_mean(const struct kv_dec_ctx *x) {
+    double fmean = 0;
+    for (int64_t i = 0; i < x->n_slots; i++) fmean += x->slots[i].fisher / (double)x->n_slots;
+    return fmean;
+}
+
+double kv_dec_objective(const struct kv_dec_ctx *x) {
+    double fmean = fisher_mean(x), obj = 0;
+    int loss = loss_costs(x);
+    for (int64_t i = 0; i < x->n_slots; i++) {
+        const struct kv_dec_slot *sl = &x->slots[i];
+        if (!sl->skip) obj += slot_cost(sl, sl->rank, loss, fmean);
+    }
+    return obj;
+}
 
 /* kvcal's global strategy: from full rank, repeatedly take the rank step
- * with the least (Fisher-weighted) relative error per byte saved, until the
- * byte target is met (target > 0) or the mean relative error would pass
- * 1 - eps. */
+ * with the least cost per byte saved (slot_cost: the predicted loss with
+ * Fisher statistics, else the weighted relative error), until the byte
+ * target is met (target > 0) or the cost would pass 1 - eps of its value
+ * at rank 0. */
 void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps) {
     const struct kv_decompose_opts *o = x->o;
     int64_t mult = o->rank_multiple > 0 ? o->rank_multiple : 1;
     int64_t floor = o->min_rank > 0 ? o->min_rank : 1;
-    double fmean = 0;
+    double fmean = fisher_mean(x);
+    int loss = loss_costs(x);
+    /* with eps: stop where the cost passes 1 - eps of every slot's cost at
+     * rank 0 (for relative errors, the weighted mean error passes 1 - eps) */
+    double cost = 0, all = 0;
     for (int64_t i = 0; i < x->n_slots; i++) {
         x->slots[i].rank = x->slots[i].m;
-        fmean += x->slots[i].fisher / (double)x->n_slots;
+        all += slot_cost(&x->slots[i], 0, loss, fmean);
     }
-    double err_sum = 0;
+    if (!(all > 0)) all = 1;
     int64_t bytes = kv_dec_total_bytes(x);
     for (;;) {
         if (target > 0 && bytes <= target) break;
@@ -158,18 +201,17 @@ void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps) {
             struct kv_dec_slot *sl = &x->slots[i];
             int64_t r2 = (sl->rank - 1) / mult * mult;
             if (r2 < floor || r2 < 1) continue;
-            double derr = slot_dropped_rel(sl, r2) - slot_dropped_rel(sl, sl->rank);
-            if (fmean > 0) derr *= sl->fisher / fmean;
+            double derr = slot_cost(sl, r2, loss, fmean) - slot_cost(sl, sl->rank, loss, fmean);
             int64_t db = slot_bytes(sl, sl->rank, o->kv_bits) - slot_bytes(sl, r2, o->kv_bits);
             double score = db > 0 ? derr / (double)db : INFINITY;
             if (score < best_score) best_score = score, best = i, best_derr = derr;
         }
         if (best < 0) break;
-        if (target <= 0 && (err_sum + best_derr) / (double)x->n_slots > 1.0 - eps + 1e-15) break;
+        if (target <= 0 && (cost + best_derr) / all > 1.0 - eps + 1e-15) break;
         struct kv_dec_slot *sl = &x->slots[best];
         int64_t r2 = (sl->rank - 1) / mult * mult;
         bytes -= slot_bytes(sl, sl->rank, o->kv_bits) - slot_bytes(sl, r2, o->kv_bits);
-        err_sum += best_derr;
+        cost += best_derr;
         sl->rank = r2;
     }
 }

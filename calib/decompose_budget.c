@@ -52,12 +52,7 @@ static void eps_ranks_layer(struct kv_dec_ctx *x, int64_t l, double t) {
     for (int64_t i = 0; i < x->n_slots; i++) {
         struct kv_dec_slot *sl = &x->slots[i];
         if (sl->layer != l) continue;
-        int64_t r = 0;
-        for (int64_t k = 0; k < sl->n_spec; k++) {
-            int64_t rk = t >= 1.0 ? sl->m : kv_la_energy_rank(sl->lam + k * sl->m, sl->m, t);
-            r = rk > r ? rk : r;
-        }
-        sl->rank = kv_dec_round_rank(x->o, r, sl->m);
+        sl->rank = kv_dec_round_rank(x->o, kv_dec_eps_rank(sl, t), sl->m);
     }
 }
 

@@ -26,6 +26,8 @@ static const char *const quantity_names[KV_DECOMPOSE_OPT_COUNT] = {
     [KV_DECOMPOSE_OPT_SEQ_LEN] = "seq len",
     [KV_DECOMPOSE_OPT_WINDOWS] = "windows",
     [KV_DECOMPOSE_OPT_KV_BITS] = "kv bits",
+    [KV_DECOMPOSE_OPT_CENTER] = "centring",
+    [KV_DECOMPOSE_OPT_BASIS] = "basis",
 };
 
 const char *const *kv_dec_names(const char *const *names) {
@@ -54,6 +56,16 @@ int kv_dec_check_opts(const struct kv_decompose_opts *o, int have_stats, int hav
     if (a == KV_ALLOC_LAYER_BUDGET && !have_text)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s layer-budget needs %s (calibration windows)",
                        alloc, n[KV_DECOMPOSE_OPT_TEXT]);
+    if ((unsigned)o->basis >= KV_BASIS_COUNT)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "unknown basis");
+    if (o->basis != KV_BASIS_ENERGY && o->method != KV_METHOD_PALU && o->method != KV_METHOD_FDC)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s %s applies to %s palu (keys and values) and fdc (values)",
+                       n[KV_DECOMPOSE_OPT_BASIS], kv_basis_name(o->basis), n[KV_DECOMPOSE_OPT_METHOD]);
+    if (o->center && !have_stats)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s needs %s: the mean it subtracts is a calibration mean",
+                       n[KV_DECOMPOSE_OPT_CENTER], n[KV_DECOMPOSE_OPT_STATS]);
     if (budget < 0) return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be positive", budget_n);
     if (budget > 0 && a != KV_ALLOC_LAYER_BUDGET)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s applies to %s layer-budget", budget_n,
@@ -127,6 +139,16 @@ int kv_decompose_check_model(const struct kv_decompose_opts *o, const struct kv_
                               "statistics", o->stats_path, err))
         return KV_EINVAL;
     if (s && kv_stats_check_complete(s, o->stats_path, err)) return KV_EINVAL; /* as merge refuses it */
+    if (o->basis == KV_BASIS_LOSS && !(s && s->info.has_fisher)) {
+        if (o->stats_path)
+            return kv_fail(err, KV_EINVAL, o->stats_path, KV_NO_OFFSET,
+                           "has no gradient statistics (blk.N.grad_k/v.cov), which %s loss needs: "
+                           "collect them with 'kvcal collect --fisher'",
+                           n[KV_DECOMPOSE_OPT_BASIS]);
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s loss needs gradient statistics from 'kvcal collect --fisher'",
+                       n[KV_DECOMPOSE_OPT_BASIS]);
+    }
     if (o->alloc == KV_ALLOC_FISHER && !o->fisher && !(s && s->info.has_fisher)) {
         /* the file is the subject when it has a name */
         if (o->stats_path)

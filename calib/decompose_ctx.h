@@ -14,6 +14,7 @@
  * The modules, in the order a run uses them:
  *   decompose_check.c    the option rules (kv_decompose_check, _check_model)
  *   decompose_slots.c    the bases: one slot list per method (build_slots)
+ *   decompose_metric.c   the metrics of the output- and loss-aware bases
  *   decompose_alloc.c    rank allocation: a parameter's ranks, the searches,
  *                        global greedy, LoRC conditions, Fisher scores
  *   decompose_budget.c   Eigen Attention's measured per-layer error budget
@@ -32,6 +33,19 @@ struct kv_dec_unit {
     int64_t head0, nh;
     const double *vec; /* [m, m] row-major, column j = basis vector j */
     double *cov;       /* [m, m] reporting covariance (owned) */
+    /* output- and loss-aware bases: S = M^½ and S⁻¹ of the unit's metric
+     * (owned; NULL for the plain metric). vec and cov are then of the
+     * whitened output S y, and the factors are down = V_rᵀ S W_u,
+     * up = S⁻¹ V_r. */
+    double *msqrt, *misqrt;
+    /* what --eps reads (docs/design.md, "What eps means"): var, the unit's
+     * calibration variance Σ‖y - μ‖² in plain output units (its energy for
+     * post-RoPE rotation keys, whose mean the statistics do not hold, and
+     * for weight-only units without statistics), and err [m+1], the plain
+     * squared error Σ‖y - ŷ‖² of the factors at each rank (the mean's own
+     * error included when they are not centred). */
+    double var;
+    double *err;
 };
 
 struct kv_dec_slot {
@@ -44,6 +58,13 @@ struct kv_dec_slot {
     struct kv_dec_unit *units;
     double energy; /* Σ of all spectra */
     double *tail;  /* [m+1]: Σ over spectra of λ_i for i >= r, relative to energy */
+    /* [m+1] with Fisher statistics (NULL otherwise, and for post-RoPE
+     * rotation keys): the predicted loss of rank r, Σ over units and
+     * dropped directions j of var_j · d_jᵀ F d_j / N, d_j the direction in
+     * plain output space (S⁻¹u_j with a metric), var_j its calibration
+     * energy, F the unit's gradient Gram (docs/design.md, "Global
+     * allocation against uniform"). */
+    double *ltail;
     double fisher, logcond;
     int skip;
     int64_t rank;
@@ -87,8 +108,38 @@ int kv_dec_weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double
 int kv_dec_eigh(struct kv_dec_ctx *x, const double *a, int64_t n, double *w, double *vec,
                 const char *what);
 
+/* Output covariances of every head of `which` (0 K, 1 V, 2 Q) as blocks of
+ * `block` heads, centred for K and V with o->center, [heads/block][block*d_h]²
+ * in a malloc'd *out; weight Grams without statistics. */
+int kv_dec_out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, double **out);
+
+/* ---- decompose_metric.c */
+
+/* M_j = Σ over KV head j's query heads i of O_iᵀ O_i, out [d_h, d_h]. */
+int kv_dec_o_gram(const struct kv_model *m, int64_t l, int64_t j, double *out, struct kv_err *err);
+/* The turn averages kv_dec_rope_average reads, for c's rope over windows
+ * of T (malloc'd; NULL when out of memory). */
+double *kv_dec_rope_turns(const struct kv_config *c, int64_t T);
+/* M = Σ_t w_t Dᵀ_t C D_t / Σ_t w_t over t = 0 .. T-1 with w_t = T - t, D_t
+ * the rope turn of -t (times c's rope scale, on the rotated pairs only):
+ * the pre-RoPE query covariance C as seen by a key t positions back.
+ * turns from kv_dec_rope_turns(c, T). KV_ENOMEM or KV_OK. */
+int kv_dec_rope_average(const struct kv_config *c, int64_t T, const double *turns, const double *C,
+                        double *M);
+/* The metric of every KV head of layer l's side for o->basis (output or
+ * loss), out [g][d_h][d_h], per token. */
+int kv_dec_head_metrics(struct kv_dec_ctx *x, int64_t l, int side, double *out);
+/* S = M^½ and S⁻¹ of the n×n metric M (eigenvalues under 1e-10 of the
+ * largest floored there); KV_ENUMERIC when M is zero. */
+int kv_dec_metric_sqrt(struct kv_dec_ctx *x, const double *M, int64_t n, double *S, double *Sinv,
+                       const char *what);
+
 /* ---- decompose_alloc.c */
 
+/* The smallest rank at which every unit of the slot explains the fraction
+ * eps of its variance, err[r] <= (1 - eps) var (eps >= 1: full rank),
+ * before kv_dec_round_rank. */
+int64_t kv_dec_eps_rank(const struct kv_dec_slot *sl, double eps);
 /* r raised to min_rank and rounded up to rank_multiple, at most mm. */
 int64_t kv_dec_round_rank(const struct kv_decompose_opts *o, int64_t r, int64_t mm);
 /* KV bytes per token of every slot at its rank. */
@@ -98,6 +149,11 @@ void kv_dec_param_ranks(struct kv_dec_ctx *x, enum kv_alloc a, double t);
 /* Binary search of t for the smallest byte count that reaches target; sets
  * the ranks and returns t. */
 double kv_dec_search_param(struct kv_dec_ctx *x, enum kv_alloc a, int64_t target);
+/* global's calibration objective at the slots' ranks: Σ over slots of the
+ * predicted loss (ltail) when every slot has one, else of the relative
+ * dropped error weighted by the slot's Fisher score over the mean (1
+ * without scores). */
+double kv_dec_objective(const struct kv_dec_ctx *x);
 /* Greedy ranks down to target bytes (target > 0) or a mean error of 1 - eps. */
 void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps);
 /* LoRC eq. 12 per slot (logcond), and the --cond-skip layers marked skip. */

@@ -40,44 +40,72 @@ static int build_unit(struct kv_dec_ctx *x, const struct kv_dec_slot *sl, const 
     if (!B) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     for (int64_t a = 0; a < mm; a++)
         for (int64_t j = 0; j < r; j++) B[a * r + j] = V[a * mm + j];
-    int rc = KV_OK;
     if (sl->rotation) {
         /* rot [r, d_h] = Bᵀ */
-        if (!(out->rot = malloc((size_t)(r * dh) * sizeof(float)))) goto oom;
-        for (int64_t j = 0; j < r; j++)
-            for (int64_t a = 0; a < dh; a++) out->rot[j * dh + a] = (float)B[a * r + j];
+        int rc = KV_OK;
+        if ((out->rot = malloc((size_t)(r * dh) * sizeof(float))))
+            for (int64_t j = 0; j < r; j++)
+                for (int64_t a = 0; a < dh; a++) out->rot[j * dh + a] = (float)B[a * r + j];
+        else
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        free(B);
+        return rc;
+    }
+    /* down [r, d] = Bdᵀ W_u, up [mm, r] = Bu, down_bias = Bdᵀ (b_u - μ),
+     * up_bias = μ: Bd = Bu = B for the plain metric; with a metric B is a
+     * basis of S y, so Bd = S B and Bu = S⁻¹ B. μ is the calibration mean
+     * of centred factors (0 otherwise): y ≈ Bu Bdᵀ (y - μ) + μ. */
+    const float *w = kv_model_weight(x->m, sl->side ? KV_W_V : KV_W_K, sl->layer) + un->head0 * dh * d;
+    const float *bias = kv_model_weight(x->m, sl->side ? KV_W_BV : KV_W_BK, sl->layer);
+    double *Bd = malloc((size_t)(mm * r) * sizeof *Bd), *Bu = malloc((size_t)(mm * r) * sizeof *Bu);
+    double *wd = malloc((size_t)(mm * d) * sizeof *wd), *dn = malloc((size_t)(r * d) * sizeof *dn);
+    double *mu = x->o->center ? malloc((size_t)mm * sizeof *mu) : NULL;
+    out->down = malloc((size_t)(r * d) * sizeof(float));
+    out->up = malloc((size_t)(mm * r) * sizeof(float));
+    int rc = KV_OK;
+    if (!Bd || !Bu || !wd || !dn || !out->down || !out->up || (x->o->center && !mu)) {
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        goto done;
+    }
+    if (un->msqrt) {
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)r, (int)mm, 1.0,
+                    un->msqrt, (int)mm, B, (int)r, 0.0, Bd, (int)r);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)r, (int)mm, 1.0,
+                    un->misqrt, (int)mm, B, (int)r, 0.0, Bu, (int)r);
     } else {
-        /* down [r, d] = Bᵀ W_u; up [mm, r] = B; down_bias = Bᵀ b_u */
-        const float *w = kv_model_weight(x->m, sl->side ? KV_W_V : KV_W_K, sl->layer) + un->head0 * dh * d;
-        const float *bias = kv_model_weight(x->m, sl->side ? KV_W_BV : KV_W_BK, sl->layer);
-        double *wd = malloc((size_t)(mm * d) * sizeof *wd), *dn = malloc((size_t)(r * d) * sizeof *dn);
-        out->down = malloc((size_t)(r * d) * sizeof(float));
-        out->up = malloc((size_t)(mm * r) * sizeof(float));
-        if (!wd || !dn || !out->down || !out->up) {
-            free(wd), free(dn);
-            goto oom;
+        memcpy(Bd, B, (size_t)(mm * r) * sizeof *B);
+        memcpy(Bu, B, (size_t)(mm * r) * sizeof *B);
+    }
+    for (int64_t i = 0; i < mm * d; i++) wd[i] = (double)w[i];
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)r, (int)d, (int)mm, 1.0, Bd, (int)r,
+                wd, (int)d, 0.0, dn, (int)d);
+    for (int64_t i = 0; i < r * d; i++) out->down[i] = (float)dn[i];
+    for (int64_t i = 0; i < mm * r; i++) out->up[i] = (float)Bu[i];
+    if (mu) {
+        if (!(out->up_bias = malloc((size_t)mm * sizeof(float)))) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            goto done;
         }
-        for (int64_t i = 0; i < mm * d; i++) wd[i] = (double)w[i];
-        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)r, (int)d, (int)mm, 1.0, B,
-                    (int)r, wd, (int)d, 0.0, dn, (int)d);
-        for (int64_t i = 0; i < r * d; i++) out->down[i] = (float)dn[i];
-        for (int64_t i = 0; i < mm * r; i++) out->up[i] = (float)B[i];
-        free(wd), free(dn);
-        if (bias) {
-            if (!(out->down_bias = malloc((size_t)r * sizeof(float)))) goto oom;
-            const float *bu = bias + un->head0 * dh;
-            for (int64_t j = 0; j < r; j++) {
-                double acc = 0;
-                for (int64_t a = 0; a < mm; a++) acc += B[a * r + j] * bu[a];
-                out->down_bias[j] = (float)acc;
-            }
+        if ((rc = kv_stats_out_mean(x->s, x->m, sl->layer, sl->side, un->head0, un->nh, mu, x->err)))
+            goto done;
+        for (int64_t a = 0; a < mm; a++) out->up_bias[a] = (float)mu[a];
+    }
+    if (bias || mu) {
+        if (!(out->down_bias = malloc((size_t)r * sizeof(float)))) {
+            rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            goto done;
+        }
+        const float *bu = bias ? bias + un->head0 * dh : NULL;
+        for (int64_t j = 0; j < r; j++) {
+            double acc = 0;
+            for (int64_t a = 0; a < mm; a++)
+                acc += Bd[a * r + j] * ((bu ? (double)bu[a] : 0.0) - (mu ? mu[a] : 0.0));
+            out->down_bias[j] = (float)acc;
         }
     }
-    free(B);
+done:
+    free(B), free(Bd), free(Bu), free(wd), free(dn), free(mu);
     return rc;
-oom:
-    free(B);
-    return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
 }
 
 /* o_fused [d, o_cols]: query head i's block is O_i · up_slice (d × r_u),
@@ -108,6 +136,26 @@ static int fuse_output(const struct kv_model *m, int64_t l, struct kv_lr_layer *
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)d, (int)un->rank, (int)dh, 1.0f,
                     wo + i * dh, (int)qd, up, (int)un->rank, 0.0f, L->o_fused + off, (int)cols);
         off += un->rank;
+    }
+    /* centred values: Σ_i O_i μ_u(i), the mean each head's weights (summing
+     * to 1) carry through unchanged */
+    if (v->n_units && v->units[0].up_bias) {
+        double *acc = calloc((size_t)d, sizeof *acc);
+        if (!acc || !(L->o_fused_bias = malloc((size_t)d * sizeof(float)))) {
+            free(acc);
+            return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        }
+        for (int64_t i = 0; i < h; i++) {
+            int64_t j = i / grp;
+            const struct kv_lr_unit *un = NULL;
+            for (int64_t u = 0; u < v->n_units; u++)
+                if (j >= v->units[u].head0 && j < v->units[u].head0 + v->units[u].n_heads) un = &v->units[u];
+            const float *mu = un->up_bias + (j - un->head0) * dh;
+            for (int64_t r = 0; r < d; r++)
+                for (int64_t a = 0; a < dh; a++) acc[r] += (double)wo[r * qd + i * dh + a] * mu[a];
+        }
+        for (int64_t r = 0; r < d; r++) L->o_fused_bias[r] = (float)acc[r];
+        free(acc);
     }
     return KV_OK;
 }

@@ -28,6 +28,20 @@ static json_t *options_record(const struct kv_decompose_opts *o) {
                            (json_int_t)o->group_size, "rank_multiple", (json_int_t)o->rank_multiple,
                            "min_rank", (json_int_t)o->min_rank, "kv_bits", (int)o->kv_bits,
                            "hadamard", o->hadamard, "searched_parameter", json_real_or_null(o->param));
+    /* written only when on (kvcal before them never centred, and its
+     * basis was the energy's): an absent key reads as that default */
+    if (jo && o->center) json_object_set_new(jo, "center", json_true());
+    if (jo && o->alloc == KV_ALLOC_GLOBAL && o->ratio > 0) {
+        json_object_set_new(jo, "objective", json_real_or_null(o->objective));
+        json_object_set_new(jo, "objective_uniform", json_real_or_null(o->objective_uniform));
+        json_object_set_new(jo, "kept_uniform", json_boolean(o->kept_uniform));
+        if (o->probed) {
+            json_object_set_new(jo, "probe_kl", json_real_or_null(o->probe_kl));
+            json_object_set_new(jo, "probe_kl_uniform", json_real_or_null(o->probe_kl_uniform));
+        }
+    }
+    if (jo && o->basis != KV_BASIS_ENERGY)
+        json_object_set_new(jo, "basis", json_string(kv_basis_name(o->basis)));
     if (jo && o->method == KV_METHOD_LORC) {
         double dmax = o->d_max > 0 ? o->d_max : 1.0;
         /* with a ratio, progressive searched d_min / d_max: record the d_min it ran */

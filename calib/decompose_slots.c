@@ -2,6 +2,9 @@
  * method, each unit with its basis and reporting covariance
  * (decompose_ctx.h).
  *
+ * With o->center every K and V output covariance below is centred,
+ * Σ (y-μ)(y-μ)ᵀ (the post-RoPE statistics of rotation keys are not).
+ *
  * Allocation Gram per method (m = unit width):
  *   svd, lorc       W_u W_uᵀ                     (C_x = I; lorc units = all g heads)
  *   palu, fdc V     output covariance W C_x Wᵀ   (units of group_size heads)
@@ -25,9 +28,12 @@
 
 void kv_dec_slots_free(struct kv_dec_slot *sl, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        free(sl[i].lam), free(sl[i].vecs), free(sl[i].tail);
+        free(sl[i].lam), free(sl[i].vecs), free(sl[i].tail), free(sl[i].ltail);
         if (sl[i].units)
-            for (int64_t u = 0; u < sl[i].n_units; u++) free(sl[i].units[u].cov);
+            for (int64_t u = 0; u < sl[i].n_units; u++) {
+                struct kv_dec_unit *un = &sl[i].units[u];
+                free(un->cov), free(un->msqrt), free(un->misqrt), free(un->err);
+            }
         free(sl[i].units);
     }
     free(sl);
@@ -47,10 +53,25 @@ int kv_dec_weight_gram(const float *w, int64_t r0, int64_t mm, int64_t d, double
     return KV_OK;
 }
 
-/* Output covariances of every head of `which` (0 K, 1 V, 2 Q) as blocks of
- * `block` heads, [heads/block][block*d_h][block*d_h] in a malloc'd *out
- * (one W C_x product for all of them); weight Grams without statistics. */
-static int out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, double **out) {
+/* Σ (y-μ)(y-μ)ᵀ = Σ yyᵀ - N μμᵀ in place, for the blocks of out_covs. */
+static int center_blocks(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, double *o) {
+    const struct kv_config *c = &x->m->cfg;
+    int64_t heads = c->n_kv_heads, bw = block * c->head_dim;
+    double *mu = malloc((size_t)(heads * c->head_dim) * sizeof *mu), n = (double)x->s->info.tokens;
+    if (!mu) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = kv_stats_out_mean(x->s, x->m, l, which, 0, heads, mu, x->err);
+    for (int64_t k = 0; k < heads / block && !rc; k++) {
+        const double *m = mu + k * bw;
+        double *b = o + k * bw * bw;
+        for (int64_t i = 0; i < bw; i++)
+            for (int64_t j = 0; j < bw; j++) b[i * bw + j] -= n * m[i] * m[j];
+    }
+    free(mu);
+    return rc;
+}
+
+/* One W C_x product for all the blocks. */
+int kv_dec_out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, double **out) {
     const struct kv_config *c = &x->m->cfg;
     int64_t heads = which == 2 ? c->n_heads : c->n_kv_heads, bw = block * c->head_dim;
     double *o = malloc((size_t)(heads * bw * c->head_dim) * sizeof *o);
@@ -58,6 +79,7 @@ static int out_covs(struct kv_dec_ctx *x, int64_t l, int which, int64_t block, d
     int rc = KV_OK;
     if (x->s) {
         rc = kv_stats_out_cov_blocks(x->s, x->m, l, which, block, o, x->err);
+        if (!rc && x->o->center && which != 2) rc = center_blocks(x, l, which, block, o);
     } else {
         static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q};
         for (int64_t k = 0; k < heads / block && !rc; k++)
@@ -79,6 +101,103 @@ int kv_dec_eigh(struct kv_dec_ctx *x, const double *a, int64_t n, double *w, dou
     for (int64_t i = 0; i < n; i++)
         if (w[i] < 0) w[i] = 0;
     return rc;
+}
+
+/* un->var: the trace of its plain covariance (un->cov before any metric),
+ * less N‖μ‖² for uncentred K/V outputs with statistics (rotation keys: the
+ * post-RoPE mean is not in the statistics, so their energy). */
+static int unit_var(struct kv_dec_ctx *x, int64_t l, int side, int rotation, struct kv_dec_unit *un,
+                    int64_t mm) {
+    double tr = 0;
+    for (int64_t a = 0; a < mm; a++) tr += un->cov[a * mm + a];
+    un->var = tr;
+    if (!x->s || x->o->center || rotation) return KV_OK;
+    double *mu = malloc((size_t)mm * sizeof *mu);
+    if (!mu) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = kv_stats_out_mean(x->s, x->m, l, side, un->head0, un->nh, mu, x->err);
+    double n2 = 0;
+    for (int64_t a = 0; a < mm && !rc; a++) n2 += mu[a] * mu[a];
+    free(mu);
+    un->var = tr - (double)x->s->info.tokens * n2;
+    if (un->var < 0) un->var = 0;
+    return rc;
+}
+
+/* un->err [m+1]: Σ_{j>=r} (u_jᵀ G u_j) ‖S⁻¹ u_j‖², G = un->cov, the plain
+ * squared error of keeping u_0 .. u_{r-1} (S = I without a metric; with one,
+ * U diagonalises G = S C S, so the cross terms vanish). */
+static int unit_err(struct kv_dec_ctx *x, struct kv_dec_unit *un, int64_t mm) {
+    double *gv = malloc((size_t)(mm * mm) * sizeof *gv);
+    if (!gv || !(un->err = kv_dec_calloc(mm + 1, sizeof *un->err))) {
+        free(gv);
+        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    const double *V = un->vec;
+    cblas_dsymm(CblasRowMajor, CblasLeft, CblasUpper, (int)mm, (int)mm, 1.0, un->cov, (int)mm, V, (int)mm,
+                0.0, gv, (int)mm);
+    for (int64_t j = mm - 1; j >= 0; j--) {
+        double q = 0, w = 1;
+        for (int64_t a = 0; a < mm; a++) q += V[a * mm + j] * gv[a * mm + j];
+        if (un->misqrt) {
+            w = 0;
+            for (int64_t a = 0; a < mm; a++) {
+                double s = 0;
+                for (int64_t b = 0; b < mm; b++) s += un->misqrt[a * mm + b] * V[b * mm + j];
+                w += s * s;
+            }
+        }
+        un->err[j] = un->err[j + 1] + (q > 0 ? q : 0) * w;
+    }
+    free(gv);
+    return KV_OK;
+}
+
+/* sl->ltail: per unit, the loss cost var_j · d_jᵀ F d_j / N of each basis
+ * direction, d_j = S⁻¹ u_j (u_j without a metric), var_j = u_jᵀ G u_j
+ * (G = un->cov), F the block-diagonal gradient Gram of the unit's heads;
+ * summed over the slot's units from each rank on. Exact where U
+ * diagonalises G (palu, every metric basis), the diagonal terms otherwise. */
+static int slot_loss_tail(struct kv_dec_ctx *x, struct kv_dec_slot *sl) {
+    int64_t mm = sl->m, dh = x->m->cfg.head_dim;
+    const struct kv_stats_layer *L = &x->s->layers[sl->layer];
+    const double *gc = sl->side ? L->grad_v_cov : L->grad_k_cov;
+    double n = x->s->info.tokens > 0 ? (double)x->s->info.tokens : 1.0;
+    double *F = malloc((size_t)(mm * mm) * sizeof *F), *dv = malloc((size_t)mm * sizeof *dv);
+    double *gv = malloc((size_t)(mm * mm) * sizeof *gv);
+    if (!F || !dv || !gv || !(sl->ltail = kv_dec_calloc(mm + 1, sizeof *sl->ltail))) {
+        free(F), free(dv), free(gv);
+        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    for (int64_t u = 0; u < sl->n_units; u++) {
+        const struct kv_dec_unit *un = &sl->units[u];
+        memset(F, 0, (size_t)(mm * mm) * sizeof *F);
+        for (int64_t k = 0; k < mm / dh; k++)
+            for (int64_t a = 0; a < dh; a++)
+                for (int64_t b = 0; b < dh; b++)
+                    F[(k * dh + a) * mm + k * dh + b] = gc[(un->head0 + k) * dh * dh + a * dh + b] / n;
+        const double *V = un->vec;
+        cblas_dsymm(CblasRowMajor, CblasLeft, CblasUpper, (int)mm, (int)mm, 1.0, un->cov, (int)mm, V,
+                    (int)mm, 0.0, gv, (int)mm);
+        double acc = 0;
+        for (int64_t j = mm - 1; j >= 0; j--) {
+            double var = 0, fq = 0;
+            for (int64_t a = 0; a < mm; a++) {
+                var += V[a * mm + j] * gv[a * mm + j];
+                double s = V[a * mm + j];
+                if (un->misqrt) {
+                    s = 0;
+                    for (int64_t b = 0; b < mm; b++) s += un->misqrt[a * mm + b] * V[b * mm + j];
+                }
+                dv[a] = s;
+            }
+            for (int64_t a = 0; a < mm; a++)
+                for (int64_t b = 0; b < mm; b++) fq += dv[a] * F[a * mm + b] * dv[b];
+            acc += (var > 0 ? var : 0) * (fq > 0 ? fq : 0);
+            sl->ltail[j] += acc;
+        }
+    }
+    free(F), free(dv), free(gv);
+    return KV_OK;
 }
 
 static struct kv_dec_slot *new_slot(struct kv_dec_ctx *x, int64_t l, int side, int64_t mm, int64_t n_units,
@@ -107,11 +226,18 @@ static void add_to(double *acc, const double *a, int64_t n) {
 static int plain_slots(struct kv_dec_ctx *x, int64_t l, int side, int64_t s, int weight_metric) {
     const struct kv_config *c = &x->m->cfg;
     int64_t g = c->n_kv_heads, dh = c->head_dim, mm = s * dh;
-    double *covs, *wg = NULL;
-    int rc = out_covs(x, l, side, s, &covs);
+    double *covs, *wg = NULL, *hm = NULL, *um = NULL, *tmp = NULL;
+    int rc = kv_dec_out_covs(x, l, side, s, &covs);
     if (rc) return rc;
     if (weight_metric && x->s && !(wg = malloc((size_t)(mm * mm) * sizeof *wg)))
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int metric = !weight_metric && x->s && x->o->basis != KV_BASIS_ENERGY;
+    if (metric && !rc) {
+        hm = malloc((size_t)(g * dh * dh) * sizeof *hm);
+        um = malloc((size_t)(mm * mm) * sizeof *um), tmp = malloc((size_t)(mm * mm) * sizeof *tmp);
+        rc = hm && um && tmp ? kv_dec_head_metrics(x, l, side, hm)
+                             : kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
     for (int64_t h0 = 0; h0 < g && !rc; h0 += s) {
         struct kv_dec_slot *sl = new_slot(x, l, side, mm, 1, 1);
         if (!sl) {
@@ -121,18 +247,45 @@ static int plain_slots(struct kv_dec_ctx *x, int64_t l, int side, int64_t s, int
         sl->units[0].head0 = h0, sl->units[0].nh = s, sl->units[0].vec = sl->vecs;
         memcpy(sl->units[0].cov, covs + (h0 / s) * mm * mm, (size_t)(mm * mm) * sizeof *covs);
         const double *gram = sl->units[0].cov;
+        char what[96];
+        if (metric) {
+            /* the unit's metric: block-diagonal over its heads; the basis
+             * and the reporting covariance are then of S y, S = M^½ */
+            struct kv_dec_unit *un = &sl->units[0];
+            if ((rc = unit_var(x, l, side, 0, un, mm))) break; /* of the plain output */
+            memset(um, 0, (size_t)(mm * mm) * sizeof *um);
+            for (int64_t k = 0; k < s; k++)
+                for (int64_t a = 0; a < dh; a++)
+                    memcpy(um + (k * dh + a) * mm + k * dh, hm + (h0 + k) * dh * dh + a * dh,
+                           (size_t)dh * sizeof *um);
+            un->msqrt = malloc((size_t)(mm * mm) * sizeof *un->msqrt);
+            un->misqrt = malloc((size_t)(mm * mm) * sizeof *un->misqrt);
+            if (!un->msqrt || !un->misqrt) {
+                rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+                break;
+            }
+            snprintf(what, sizeof what, "layer %lld %s %s metric of heads %lld..%lld", (long long)l,
+                     side ? "v" : "k", kv_basis_name(x->o->basis), (long long)h0, (long long)(h0 + s - 1));
+            if ((rc = kv_dec_metric_sqrt(x, um, mm, un->msqrt, un->misqrt, what))) break;
+            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)mm, (int)mm, 1.0,
+                        un->msqrt, (int)mm, un->cov, (int)mm, 0.0, tmp, (int)mm);
+            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)mm, (int)mm, 1.0, tmp,
+                        (int)mm, un->msqrt, (int)mm, 0.0, un->cov, (int)mm);
+            for (int64_t a = 0; a < mm; a++) /* exactly symmetric for the eigensolver */
+                for (int64_t b = 0; b < a; b++)
+                    un->cov[a * mm + b] = un->cov[b * mm + a] = 0.5 * (un->cov[a * mm + b] + un->cov[b * mm + a]);
+        }
         if (wg) {
             if ((rc = kv_dec_weight_gram(kv_model_weight(x->m, side ? KV_W_V : KV_W_K, l), h0 * dh, mm, c->dim, wg,
                                   x->err)))
                 break;
             gram = wg;
         }
-        char what[96];
         snprintf(what, sizeof what, "layer %lld %s unit of heads %lld..%lld", (long long)l,
                  side ? "v" : "k", (long long)h0, (long long)(h0 + s - 1));
         rc = kv_dec_eigh(x, gram, mm, sl->lam, sl->vecs, what);
     }
-    free(covs), free(wg);
+    free(covs), free(wg), free(hm), free(um), free(tmp);
     return rc;
 }
 
@@ -179,8 +332,8 @@ static int eigen_slots(struct kv_dec_ctx *x, int64_t l) {
         rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
         goto done;
     }
-    if ((rc = out_covs(x, l, 2, 1, &qc)) || (rc = out_covs(x, l, 0, 1, &kc)) ||
-        (rc = out_covs(x, l, 1, 1, &vc)))
+    if ((rc = kv_dec_out_covs(x, l, 2, 1, &qc)) || (rc = kv_dec_out_covs(x, l, 0, 1, &kc)) ||
+        (rc = kv_dec_out_covs(x, l, 1, 1, &vc)))
         goto done;
     char what[96];
     if (per_head) {
@@ -225,16 +378,10 @@ done:
  * rotation is fdc's. */
 static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
     const struct kv_config *c = &x->m->cfg;
-    int64_t g = c->n_kv_heads, dh = c->head_dim, d = c->dim, grp = c->n_heads / g;
-    int64_t qd = c->n_heads * dh;
-    const float *wo = kv_model_weight(x->m, KV_W_O, l); /* [d, h*d_h] */
-    double *gram = malloc((size_t)(dh * dh) * sizeof *gram);
-    double *blk = malloc((size_t)(d * dh) * sizeof *blk), *vc = NULL;
-    if (!gram || !blk) {
-        free(gram), free(blk);
-        return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    }
-    int rc = out_covs(x, l, 1, 1, &vc);
+    int64_t g = c->n_kv_heads, dh = c->head_dim;
+    double *gram = malloc((size_t)(dh * dh) * sizeof *gram), *vc = NULL;
+    if (!gram) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rc = kv_dec_out_covs(x, l, 1, 1, &vc);
     for (int64_t j = 0; j < g && !rc; j++) {
         struct kv_dec_slot *sl = new_slot(x, l, 1, dh, 1, 1);
         if (!sl) {
@@ -245,13 +392,7 @@ static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
         const double *cv = vc + j * dh * dh;
         memcpy(sl->units[0].cov, cv, (size_t)(dh * dh) * sizeof *vc);
         /* M_j = Σ W_O,i W_O,iᵀ = Σ B_iᵀ B_i with B_i = o_proj[:, i*d_h ..] (d × d_h) */
-        memset(gram, 0, (size_t)(dh * dh) * sizeof *gram);
-        for (int64_t i = j * grp; i < (j + 1) * grp; i++) {
-            for (int64_t r = 0; r < d; r++)
-                for (int64_t a = 0; a < dh; a++) blk[r * dh + a] = (double)wo[r * qd + i * dh + a];
-            cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)dh, (int)d, 1.0, blk, (int)dh,
-                        1.0, gram, (int)dh);
-        }
+        if ((rc = kv_dec_o_gram(x->m, l, j, gram, x->err))) break;
         double tv = 0, tm = 0;
         for (int64_t a = 0; a < dh; a++) tv += cv[a * dh + a], tm += gram[a * dh + a];
         double sv = tv > 0 ? 1.0 / tv : 0, sm = tm > 0 ? 1.0 / tm : 0;
@@ -262,7 +403,7 @@ static int zack_value_slots(struct kv_dec_ctx *x, int64_t l) {
         snprintf(what, sizeof what, "layer %lld v-o rotation of head %lld", (long long)l, (long long)j);
         rc = kv_dec_eigh(x, gram, dh, sl->lam, sl->vecs, what);
     }
-    free(gram), free(blk), free(vc);
+    free(gram), free(vc);
     return rc;
 }
 
@@ -296,6 +437,16 @@ int kv_dec_build_slots(struct kv_dec_ctx *x) {
     }
     for (int64_t i = 0; i < x->n_slots; i++) {
         struct kv_dec_slot *sl = &x->slots[i];
+        for (int64_t u = 0; u < sl->n_units; u++) {
+            struct kv_dec_unit *un = &sl->units[u];
+            int rc = un->msqrt ? KV_OK : unit_var(x, sl->layer, sl->side, sl->rotation, un, sl->m);
+            if (!rc) rc = unit_err(x, un, sl->m);
+            if (rc) return rc;
+        }
+        if (x->s && x->s->info.has_fisher && !sl->rotation) {
+            int rc = slot_loss_tail(x, sl);
+            if (rc) return rc;
+        }
         for (int64_t k = 0; k < sl->n_spec * sl->m; k++) sl->energy += sl->lam[k];
         if (!(sl->tail = kv_dec_calloc(sl->m + 1, sizeof *sl->tail)))
             return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");

@@ -321,6 +321,10 @@ int kv_collect_start(const struct kv_model *m, int resume, struct kv_collect_opt
  * [nh*d_h, nh*d_h] row-major. Pre-RoPE for K. s must match m's shapes. */
 int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err);
+/* Calibration mean of the same output, Σy / N = W Σx / N + b, for heads
+ * head0 .. head0+nh-1: out [nh*d_h]. N is the statistics' token count (> 0). */
+int kv_stats_out_mean(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err);
 /* The same for every head of `which` at once, as the diagonal blocks of
  * `block` consecutive heads (block divides the head count): out is
  * [heads/block][block*d_h][block*d_h]. */
@@ -369,6 +373,17 @@ enum kv_alloc {
                              weighted by its Fisher score / the mean when there are scores) */
     KV_ALLOC_COUNT
 };
+/* What a unit's basis minimises (palu units, fdc values; docs/design.md,
+ * "Bases that see the output"). */
+enum kv_basis {
+    KV_BASIS_ENERGY = 0, /* E‖Δy‖²: the output covariance's eigenvectors (the papers') */
+    KV_BASIS_OUTPUT,     /* keys E[(q·Δk)²] (query-aware, rope-averaged), values
+                            E‖Δv O_iᵀ‖² (through the output projection) */
+    KV_BASIS_LOSS,       /* E[(g·Δy)²], g = ∂L/∂y: needs collect --fisher statistics */
+    KV_BASIS_COUNT
+};
+const char *kv_basis_name(enum kv_basis b);
+int kv_basis_parse(const char *s);
 const char *kv_method_name(enum kv_method m);
 const char *kv_alloc_name(enum kv_alloc a);
 /* Parse a name; returns -1 when unknown. */
@@ -396,6 +411,8 @@ enum kv_decompose_opt {
     KV_DECOMPOSE_OPT_SEQ_LEN,
     KV_DECOMPOSE_OPT_WINDOWS,
     KV_DECOMPOSE_OPT_KV_BITS,
+    KV_DECOMPOSE_OPT_CENTER,
+    KV_DECOMPOSE_OPT_BASIS,
     KV_DECOMPOSE_OPT_COUNT
 };
 
@@ -420,6 +437,11 @@ struct kv_decompose_opts {
                               fisher_k/v over the rows of the slot's units, when they have it) */
     int64_t kv_bits;       /* latent storage bits: 16 (default), 8, 4, 3 or 2 (byte accounting) */
     int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
+    enum kv_basis basis;   /* what palu units and fdc values minimise (default energy) */
+    int center;            /* latent factors of y - μ, μ the calibration mean, added back
+                              exactly (up_bias, o_fused_bias); the spectra and eps are then
+                              of the variance. Needs statistics. Post-RoPE rotation keys
+                              are never centred (their mean turns with the position). */
     /* layer-budget measures real layer outputs on these windows (tokens
      * [calib_windows][seq_len]; kv_decompose_defaults: windows of 256, 8) */
     const int32_t *calib_tokens;
@@ -446,6 +468,16 @@ struct kv_decompose_opts {
     double param;          /* the allocation's parameter as run: eps, width fraction
                               (uniform, fisher), removal rate, d_min/d_max
                               (progressive), e_b (layer-budget); 0 for global */
+    /* global with a ratio: its objective (kv_dec_objective) and uniform's at
+     * the same target; kept_uniform 1 when uniform's was lower and its ranks
+     * were kept (so global is never worse than uniform on its objective) */
+    double objective, objective_uniform;
+    int kept_uniform;
+    /* global with a ratio and calibration tokens: the choice is measured
+     * instead, the mean KL(base ‖ compressed) of each on the calibration
+     * windows (probed 1) */
+    int probed;
+    double probe_kl, probe_kl_uniform;
     double error_k, error_v; /* predicted calibration error of all K (V) units:
                                 Σ dropped / Σ energy (0 without energy) */
     int64_t odd_rank_units; /* with hadamard: units of odd rank > 1, in which the

@@ -57,6 +57,27 @@ static int out_cov_core(const struct kv_stats *s, const struct kv_model *m, int6
     return KV_OK;
 }
 
+int kv_stats_out_mean(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
+                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    KV_ASSERT(layer >= 0 && layer < s->info.n_layers && s->info.dim == c->dim);
+    KV_ASSERT(which >= 0 && which <= 2 && head0 >= 0 && nh > 0);
+    if (s->info.tokens <= 0)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "the statistics hold no tokens, so no calibration mean");
+    static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q}, bk[3] = {KV_W_BK, KV_W_BV, KV_W_BQ};
+    int64_t d = c->dim, r0 = head0 * c->head_dim, rows = nh * c->head_dim;
+    const float *w = kv_model_weight(m, wk[which], layer) + r0 * d;
+    const float *b = kv_model_weight(m, bk[which], layer);
+    const double *xs = s->layers[layer].xsum, inv = 1.0 / (double)s->info.tokens;
+    for (int64_t i = 0; i < rows; i++) {
+        double acc = 0;
+        for (int64_t j = 0; j < d; j++) acc += (double)w[i * d + j] * xs[j];
+        out[i] = acc * inv + (b ? (double)b[r0 + i] : 0.0);
+    }
+    return KV_OK;
+}
+
 int kv_stats_out_cov(const struct kv_stats *s, const struct kv_model *m, int64_t layer,
                      int which, int64_t head0, int64_t nh, double *out, struct kv_err *err) {
     return out_cov_core(s, m, layer, which, head0, nh, nh, out, err);

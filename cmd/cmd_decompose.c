@@ -31,10 +31,12 @@ static const char *const flag_names[KV_DECOMPOSE_OPT_COUNT] = {
     [KV_DECOMPOSE_OPT_SEQ_LEN] = "--seq-len",
     [KV_DECOMPOSE_OPT_WINDOWS] = "--windows",
     [KV_DECOMPOSE_OPT_KV_BITS] = "--kv-bits",
+    [KV_DECOMPOSE_OPT_CENTER] = "--center",
+    [KV_DECOMPOSE_OPT_BASIS] = "--basis",
 };
 
 static struct {
-    const char *model, *tokenizer, *stats, *out, *method, *alloc, *text;
+    const char *model, *tokenizer, *stats, *out, *method, *alloc, *basis, *text;
     int64_t threads;
     int json, quiet;
     struct kv_decompose_opts o;
@@ -51,7 +53,9 @@ static const struct cli_opt opts[] = {
     {"alloc", 0, OPT_STR, &A.alloc, "A",
      "rank allocation: eps, uniform, fisher, progressive, removal,\n"
      "layer-budget or global (default: the method's own; see below)"},
-    {"eps", 0, OPT_DOUBLE, &A.o.eps, "E", "keep the fraction E in (0, 1] of each unit's energy"},
+    {"eps", 0, OPT_DOUBLE, &A.o.eps, "E",
+     "keep ranks that explain the fraction E in (0, 1] of each unit's calibration\n"
+     "variance: error Σ‖y - ŷ‖² <= (1 - E) Σ‖y - μ‖² (see below)"},
     {"ratio", 0, OPT_DOUBLE, &A.o.ratio, "R", "keep the fraction R in (0, 1] of the KV bytes per token"},
     {"group-size", 0, OPT_INT, &A.o.group_size, "S",
      "KV heads per unit for svd, palu and fdc values: 1 = per head (M-LRD, default),\n"
@@ -65,16 +69,28 @@ static const struct cli_opt opts[] = {
     {"error-budget", 0, OPT_DOUBLE, &A.o.error_budget, "E",
      "layer-budget: largest normalised layer output error ‖y'−y‖/‖y‖ per layer"},
     {"text", 't', OPT_STR, &A.text, "FILE",
-     "layer-budget: calibration text whose windows measure the layer outputs"},
+     "calibration text: layer-budget measures the layer outputs on its windows;\n"
+     "global with --ratio measures its ranks and uniform's (KL against the base)\n"
+     "on them and keeps the better"},
     CLI_OPT_PARSE_SPECIAL,
-    {"seq-len", 0, OPT_INT, &A.o.seq_len, "N", "layer-budget: window length (default 256)"},
-    {"windows", 0, OPT_INT, &A.o.calib_windows, "W", "layer-budget: windows measured (default 8)"},
+    {"seq-len", 0, OPT_INT, &A.o.seq_len, "N", "--text: window length (default 256)"},
+    {"windows", 0, OPT_INT, &A.o.calib_windows, "W", "--text: windows measured (default 8)"},
     {"kv-bits", 0, OPT_INT, &A.o.kv_bits, "B",
      "latent storage for the byte budget: 16 (fp16, default), 8, 4, 3 or 2 (per-token\n"
      "asymmetric integers with an fp16 scale and zero point per unit)"},
     {"hadamard", 0, OPT_FLAG, &A.o.hadamard, NULL,
      "fuse a Walsh-Hadamard rotation into the factors (spreads latent outliers before\n"
      "quantization; exact in float)"},
+    {"basis", 0, OPT_STR, &A.basis, "B",
+     "what palu's units and fdc's values minimise: energy (default; the output's\n"
+     "own energy, as the papers), output (keys: the score error E[(q·Δk)²] averaged\n"
+     "over RoPE's turns; values: the error after the output projection) or loss (the\n"
+     "gradient-weighted error; needs 'kvcal collect --fisher' stats)"},
+    {"center", 0, OPT_FLAG, &A.o.center, NULL,
+     "centred factors: fit the latents to y - μ, μ the calibration mean (needs\n"
+     "--stats), and add μ back exactly as biases (DESIGN \"Centred latents\"); the\n"
+     "GPU runtime refuses centred keys with RoPE and centred values, and a dense\n"
+     "export needs k/v bias tensors to hold μ"},
     CLI_OPT_THREADS(&A.threads),
     CLI_OPT_JSON(&A.json),
     CLI_OPT_QUIET(&A.quiet),
@@ -93,7 +109,7 @@ static const struct cli_cmd cmd = {
     "         q·k, no key reconstruction); values as palu\n"
     "  zack   keys as fdc; values rotated with the V–W_O pair, fused into W_v and W_o\n"
     "\nallocations (default in brackets):\n"
-    "  eps          per unit, the smallest rank keeping E of the energy [eigen]\n"
+    "  eps          per unit, the smallest rank explaining E of the variance [eigen]\n"
     "  uniform      the same fraction of every unit [svd, palu]\n"
     "  fisher       ranks in proportion to each unit's Fisher information, Σ (∂L/∂W)²\n"
     "               over its rows of W_k or W_v (needs 'kvcal collect --fisher' stats)\n"
@@ -101,16 +117,24 @@ static const struct cli_cmd cmd = {
     "  removal      one singular-value removal rate for all units [fdc, zack]\n"
     "  layer-budget Eigen Attention §4.4: per layer, eps drops by 0.02 while the layer's\n"
     "               measured output error stays under --error-budget (needs --text)\n"
-    "  global       greedy: drop the direction with the least relative error per byte\n"
-    "               (each unit's error weighted by its Fisher information when the stats\n"
-    "               have it)\n"
+    "  global       greedy: drop the direction that costs least per byte: its predicted\n"
+    "               loss with 'collect --fisher' stats (var · dᵀ E[ggᵀ] d), else its\n"
+    "               relative error; with --ratio, uniform's ranks are kept instead when\n"
+    "               their cost is lower, or with --text their measured KL on its windows\n"
     "With --ratio the allocation's parameter is searched for the smallest cache of at\n"
     "least R of the base KV bytes per token (global stops at the first at or below R);\n"
     "the achieved ratio is printed and recorded, with a warning when the allocation\n"
     "cannot get that small. --eps 1 (or\n"
     "--ratio 1) keeps every rank: the compressed model then equals the base.\n"
     "\nthe predicted error of a unit is the calibration energy its dropped directions\n"
-    "carry, Σ‖y − y'‖² over the calibration tokens, relative to Σ‖y‖².\n"
+    "carry, Σ‖y − y'‖² over the calibration tokens (weighted by the basis's metric),\n"
+    "relative to Σ‖y‖² (Σ‖y − μ‖² with --center).\n"
+    "\n--eps E is the same quantity for every method and basis: each unit keeps the fewest\n"
+    "latents whose error Σ‖y − y'‖² is at most (1 − E) of its variance Σ‖y − μ‖²\n"
+    "(R² >= E). Measured on data/kjv-llama (head_dim 64), palu, KV bytes kept and PPL:\n"
+    "E 0.8: 0.14, +10.8%; 0.9: 0.21, +1.8%; 0.95: 0.28, +0.57%; 0.99: 0.45, +0.07%\n"
+    "(docs/design.md, \"What eps means\"); the knee is near 0.9. --basis output or loss\n"
+    "buys more quality per byte than the default (docs/results.md).\n"
     "\nexamples:\n"
     "  kvcal decompose -m tinystories-656K -s 656K.kvstats --eps 0.9 -o out-656K\n"
     "  kvcal decompose -m stories260K.bin --tokenizer tok512.bin -s 260K.kvstats \\\n"
@@ -173,6 +197,11 @@ static int resolve_options(void) {
                                          "removal, global)", A.alloc);
         A.o.alloc = (enum kv_alloc)alloc;
     }
+    if (A.basis) {
+        int b = kv_basis_parse(A.basis);
+        if (b < 0) return cli_usage_error(&cmd, "unknown --basis '%s' (energy, output, loss)", A.basis);
+        A.o.basis = (enum kv_basis)b;
+    }
     if (!isnan(A.o.eps) && !(A.o.eps > 0))
         return cli_usage_error(&cmd, "--eps %g is outside (0, 1]", A.o.eps);
     if (!isnan(A.o.ratio) && !(A.o.ratio > 0))
@@ -206,7 +235,7 @@ static int load_inputs(struct inputs *in) {
         fprintf(stderr, "kvcal: %s\n", buf);
         return EXIT_ERR;
     }
-    if (A.o.alloc == KV_ALLOC_LAYER_BUDGET) {
+    if (A.o.alloc == KV_ALLOC_LAYER_BUDGET || (A.text && A.o.alloc == KV_ALLOC_GLOBAL && A.o.ratio > 0)) {
         int64_t n_ids = 0, seq = A.o.seq_len;
         size_t n_bytes = 0;
         if ((rc = cli_load_tokens(in->m, A.text, NULL, &in->ids, &n_ids, &n_bytes)))
@@ -311,11 +340,20 @@ static void print_text(const struct inputs *in, const struct kv_lowrank *lr, dou
                (long long)lb, (long long)(2 * c->n_kv_heads * c->head_dim * 2));
     }
     int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, bits);
-    printf("\npredicted calibration error: k %.3f%%, v %.3f%% of the output energy\n", 100 * o->error_k,
-           100 * o->error_v);
+    static const char *const metric[KV_BASIS_COUNT] = {"", ", weighted by the score and output error",
+                                                       ", weighted by the loss gradient"};
+    printf("\npredicted calibration error: k %.3f%%, v %.3f%% of the output %s%s\n", 100 * o->error_k,
+           100 * o->error_v, o->center ? "variance" : "energy", metric[o->basis]);
     printf("kv cache  %lld bytes/token compressed vs %lld base: %.4f kept", (long long)comp,
            (long long)base, (double)comp / (double)base);
     if (o->ratio > 0) printf(" (target %.4f%s)", o->ratio, o->target_reached ? "" : ", not reachable");
+    if (o->alloc == KV_ALLOC_GLOBAL && o->ratio > 0 && o->probed)
+        printf("\nglobal    calibration KL %.6g against uniform's %.6g at the same target (%lld "
+               "windows of --text): kept %s's ranks", o->probe_kl, o->probe_kl_uniform,
+               (long long)o->calib_windows, o->kept_uniform ? "uniform" : "global");
+    else if (o->alloc == KV_ALLOC_GLOBAL && o->ratio > 0)
+        printf("\nglobal    objective %.6g against uniform's %.6g at the same target: kept %s's ranks",
+               o->objective, o->objective_uniform, o->kept_uniform ? "uniform" : "global");
     printf("\ntime      %.3f s (eigendecompositions %.3f s), write %.3f s\n", o->seconds,
            o->lapack_seconds, write_s);
     printf("wrote     %s\n", A.out);

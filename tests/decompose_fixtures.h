@@ -148,6 +148,8 @@ static const char *const kv_decompose_flag_names[KV_DECOMPOSE_OPT_COUNT] = {
     [KV_DECOMPOSE_OPT_SEQ_LEN] = "--seq-len",
     [KV_DECOMPOSE_OPT_WINDOWS] = "--windows",
     [KV_DECOMPOSE_OPT_KV_BITS] = "--kv-bits",
+    [KV_DECOMPOSE_OPT_CENTER] = "--center",
+    [KV_DECOMPOSE_OPT_BASIS] = "--basis",
 };
 
 
@@ -235,6 +237,25 @@ static inline double *out_cov_naive(const struct kv_stats *s, const struct kv_mo
     }
     free(t), free(ws);
     return C;
+}
+
+/* Σ‖y - μ‖² of heads h0 .. h0+nh-1 of `which`: tr of out_cov_naive less
+ * N‖μ‖², μ = (W Σx + N b) / N summed here by loops. */
+static inline double out_var_naive(const struct kv_stats *s, const struct kv_model *m, int64_t l,
+                                   int which, int64_t h0, int64_t nh) {
+    static const enum kv_wkind wk[3] = {KV_W_K, KV_W_V, KV_W_Q}, bk[3] = {KV_W_BK, KV_W_BV, KV_W_BQ};
+    const struct kv_config *c = kv_model_config(m);
+    int64_t d = c->dim, dh = c->head_dim, mm = nh * dh;
+    const float *W = m->layers[l].w[wk[which]] + h0 * dh * d, *B = m->layers[l].w[bk[which]];
+    double n = (double)s->info.tokens, var = 0, *C = out_cov_naive(s, m, l, which, h0, nh);
+    for (int64_t a = 0; a < mm; a++) {
+        double mu = 0;
+        for (int64_t j = 0; j < d; j++) mu += (double)W[a * d + j] * s->layers[l].xsum[j];
+        mu = mu / n + (B ? (double)B[h0 * dh + a] : 0.0);
+        var += C[a * mm + a] - n * mu * mu;
+    }
+    free(C);
+    return var;
 }
 
 /* Eigenvalues (descending, negatives set to 0) of a symmetric n×n matrix. */

@@ -192,6 +192,9 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
         {"--alloc layer-budget --error-budget 0.1", "--alloc layer-budget needs --text (calibration windows)"},
         {"--ratio 0.5 --cond-skip 3", "--d-min, --d-max and --cond-skip apply to --alloc progressive"},
         {"--rank-multiple 0 --ratio 0.5", "--rank-multiple must be in 1..1048576"},
+        {"--basis sideways --ratio 0.5", "unknown --basis 'sideways' (energy, output, loss)"},
+        {"--method eigen --basis output --ratio 0.5",
+         "--basis output applies to --method palu (keys and values) and fdc (values)"},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         snprintf(args, sizeof args, "decompose %s -s '%s' %s -o '%s/x'", ma, st, rows[i].opts, workdir());
@@ -205,6 +208,10 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
              workdir());
     snprintf(want, sizeof want,
              "kvcal decompose: --alloc fisher needs --stats from 'kvcal collect --fisher'\n%s", usage);
+    expect_cli(args, 2, want);
+    snprintf(args, sizeof args, "decompose %s --method svd --center --ratio 0.5 -o '%s/x'", ma, workdir());
+    snprintf(want, sizeof want,
+             "kvcal decompose: --center needs --stats: the mean it subtracts is a calibration mean\n%s", usage);
     expect_cli(args, 2, want);
 }
 
@@ -281,6 +288,11 @@ Test(cmd_decompose, mismatches_are_errors_naming_the_file) {
     snprintf(args, sizeof args, "decompose %s -s '%s' --alloc fisher --ratio 0.5 -o '%s/x' -q", ma, st, workdir());
     snprintf(want, sizeof want,
              "kvcal: %s: has no fisher statistics (blk.N.fisher.k/v), which --alloc fisher needs\n", st);
+    expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "decompose %s -s '%s' --basis loss --ratio 0.5 -o '%s/x' -q", ma, st, workdir());
+    snprintf(want, sizeof want,
+             "kvcal: %s: has no gradient statistics (blk.N.grad_k/v.cov), which --basis loss needs: "
+             "collect them with 'kvcal collect --fisher'\n", st);
     expect_cli(args, 1, want);
     snprintf(args, sizeof args, "decompose %s -s '%s' --ratio 0.05 -o '%s/x' -q", ma, st, workdir());
     expect_cli(args, 1,

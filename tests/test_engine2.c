@@ -95,6 +95,7 @@ static void check_model(const char *model) {
         double rtol;
     } dirs[] = {
         {"palu", "--method palu --ratio 0.5", 1e-7},
+        {"palu-c", "--method palu --ratio 0.5 --center", 1e-7}, /* the mean as up/o biases */
         {"palu-g2", "--method palu --group-size 2 --ratio 0.5", 1e-7},
         {"zack", "--method zack --ratio 0.5", 1e-7},
         {"palu4h", "--method palu --ratio 0.2 --kv-bits 4 --hadamard", 2e-4},

@@ -234,11 +234,13 @@ function loadCompressed(dir) {
       lay.krank = K.rank;
     } else if (K.mode === 'prerope_latent' || K.mode === 'fused_query') {
       lay.kdown = g(K.down); lay.kdownb = gn(K.down_bias); lay.krank = K.rank;
-      lay.kunits = K.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, up: g(u.up) }));
+      lay.kunits = K.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, up: g(u.up),
+        upb: gn(u.up_bias) }));
     } else throw new Error(`unknown k mode ${K.mode}`);
     if (V.mode === 'full') { lay.v = g(V.proj); lay.vb = gn(V.proj_bias); lay.o_cols = M.n_heads * M.head_dim; }
     else if (V.mode === 'fused_output') {
       lay.vdown = g(V.down); lay.vdownb = gn(V.down_bias); lay.vrank = V.rank; lay.o_cols = V.o_cols;
+      lay.vob = gn(V.o_proj_bias); // centred values: their mean through the output projection
       lay.vunits = V.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset }));
     } else throw new Error(`unknown v mode ${V.mode}`);
     M.layers[l] = lay;
@@ -322,6 +324,7 @@ function attention(M, lay, Xn, T, R, opts) {
           for (let t = 0; t < T; t++) for (let e = 0; e < dh; e++) {
             const w = (hi * dh + e) * u.rank; let s = 0;
             for (let r = 0; r < u.rank; r++) s += Z[t * lay.krank + u.off + r] * u.up[w + r];
+            if (u.upb) s += u.upb[hi * dh + e]; // centred keys: the mean, before RoPE
             Kf[t * g * dh + j * dh + e] = s;
           }
         }
@@ -401,7 +404,9 @@ function attention(M, lay, Xn, T, R, opts) {
       col += w;
     }
   }
-  return linear(A, T, ocols, lay.o, d, lay.ob);
+  const out = linear(A, T, ocols, lay.o, d, lay.ob);
+  if (lay.vob) for (let t = 0; t < T; t++) for (let e = 0; e < d; e++) out[t * d + e] = fr(out[t * d + e] + lay.vob[e]);
+  return out;
 }
 
 function gelu_new(a) { return 0.5 * a * (1 + Math.tanh(0.7978845608028654 * (a + 0.044715 * a * a * a))); }
