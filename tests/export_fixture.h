@@ -343,4 +343,34 @@ static inline int check_weights(const struct kv_model *m, const struct kv_model 
     return products;
 }
 
+/* Centred factors: a mean μ_u (up_bias) on every K and V unit, and each
+ * fused_output layer's o_fused_bias = Σ_i O_i μ_u(i) (O_i query head i's
+ * columns of the original o_proj), so the compressed forward computes the
+ * dense export's attention. */
+static inline void fx_centre(const struct kv_model *m, struct kv_lowrank *lr, uint64_t seed) {
+    const struct kv_config *c = kv_model_config(m);
+    const int64_t d = c->dim, dh = c->head_dim, h = c->n_heads, grp = h / c->n_kv_heads;
+    struct rng g = {seed};
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        struct kv_lr_layer *ly = &lr->layers[l];
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *s = w ? &ly->v : &ly->k;
+            for (int64_t u = 0; s->mode != KV_LR_FULL && u < s->n_units; u++)
+                s->units[u].up_bias = randn_f(&g, s->units[u].n_heads * dh, 0.4);
+        }
+        if (ly->v.mode != KV_LR_FUSED_OUTPUT) continue;
+        const float *wo = kv_model_weight(m, KV_W_O, l); /* [d, h*dh] */
+        ly->o_fused_bias = malloc((size_t)d * sizeof *ly->o_fused_bias);
+        for (int64_t row = 0; row < d; row++) {
+            double acc = 0;
+            for (int64_t i = 0; i < h; i++) {
+                const struct kv_lr_unit *x = &ly->v.units[i / grp];
+                const float *mu = x->up_bias + (i / grp - x->head0) * dh;
+                for (int64_t e = 0; e < dh; e++) acc += (double)wo[row * h * dh + i * dh + e] * mu[e];
+            }
+            ly->o_fused_bias[row] = (float)acc;
+        }
+    }
+}
+
 #endif

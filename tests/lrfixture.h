@@ -428,6 +428,38 @@ struct row {
     int gpt2; /* the directory of a gpt2 model (else llama) */
 };
 
+/* What kv_lr_dir_open says of the corrupted directory f (code, file,
+ * offset, message: w->needle contained, or equal when exact) and, where
+ * the manifest alone is at fault, that kv_lr_manifest_read agrees. */
+static inline void check_opened(struct fx *pf, const struct row *r, const struct want_err *pw, int exact) {
+    struct fx f = *pf;
+    struct want_err w = *pw;
+    struct kv_lowrank *lr = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    int rc = kv_lr_dir_open(f.dir, f.m, &lr, &err);
+    cr_assert_eq(rc, w.code, "%s: code %d, want %d (%s)", r->name, rc, w.code, fmt_err(&err));
+    cr_assert_null(lr, "%s", r->name);
+    cr_assert_str_eq(err.path, w.in_weights ? f.wpath : f.mpath, "%s", r->name);
+    if (w.any_off)
+        cr_assert_neq(err.off, KV_NO_OFFSET, "%s: no offset", r->name);
+    else
+        cr_assert_eq(err.off, w.off, "%s: offset %llu, want %llu", r->name,
+                     (unsigned long long)err.off, (unsigned long long)w.off);
+    if (exact)
+        cr_assert_str_eq(err.msg, w.needle, "%s", r->name);
+    else
+        cr_assert(strstr(err.msg, w.needle), "%s: message '%s' lacks '%s'", r->name, err.msg,
+                  w.needle);
+    /* the manifest reader agrees wherever the manifest alone is at fault */
+    if (!w.in_weights && w.code != KV_EINVAL) {
+        struct kv_err e2;
+        kv_err_clear(&e2);
+        cr_assert_eq(kv_lr_manifest_read(f.mpath, &lr, &e2), w.code, "%s", r->name);
+        cr_assert_str_eq(e2.msg, err.msg, "%s", r->name);
+    }
+}
+
 /* Apply row r to a fresh valid directory and check what kv_lr_dir_open
  * says (code, file, offset, message) and, where the manifest alone is at
  * fault, that kv_lr_manifest_read agrees; also, when not NULL, runs on the
@@ -462,27 +494,7 @@ static inline void check_corruption(const struct row *r,
         break;
     }
     }
-    struct kv_lowrank *lr = NULL;
-    struct kv_err err;
-    kv_err_clear(&err);
-    int rc = kv_lr_dir_open(f.dir, f.m, &lr, &err);
-    cr_assert_eq(rc, w.code, "%s: code %d, want %d (%s)", r->name, rc, w.code, fmt_err(&err));
-    cr_assert_null(lr, "%s", r->name);
-    cr_assert_str_eq(err.path, w.in_weights ? f.wpath : f.mpath, "%s", r->name);
-    if (w.any_off)
-        cr_assert_neq(err.off, KV_NO_OFFSET, "%s: no offset", r->name);
-    else
-        cr_assert_eq(err.off, w.off, "%s: offset %llu, want %llu", r->name,
-                     (unsigned long long)err.off, (unsigned long long)w.off);
-    cr_assert(strstr(err.msg, w.needle), "%s: message '%s' lacks '%s'", r->name, err.msg,
-              w.needle);
-    /* the manifest reader agrees wherever the manifest alone is at fault */
-    if (!w.in_weights && w.code != KV_EINVAL) {
-        struct kv_err e2;
-        kv_err_clear(&e2);
-        cr_assert_eq(kv_lr_manifest_read(f.mpath, &lr, &e2), w.code, "%s", r->name);
-        cr_assert_str_eq(e2.msg, err.msg, "%s", r->name);
-    }
+    check_opened(&f, r, &w, 0);
     if (also) also(&f, r, &w);
     fx_free(&f);
 }

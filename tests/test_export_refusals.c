@@ -311,30 +311,13 @@ Test(export_cli, exports_a_decomposed_directory_and_refuses_postrope) {
 
 /* ---------------------------------------------------------------- centred factors */
 
-/* A mean (up_bias) on every unit of every compressed side, and an
- * o_fused_bias on each fused_output layer (random: only the refusal is
- * tested here; test_export.c checks the export of the means). */
-static void centre(const struct kv_model *m, struct kv_lowrank *lr, uint64_t seed) {
-    const struct kv_config *c = kv_model_config(m);
-    struct rng g = {seed};
-    for (int64_t l = 0; l < c->n_layers; l++) {
-        struct kv_lr_layer *ly = &lr->layers[l];
-        for (int w = 0; w < 2; w++) {
-            struct kv_lr_side *s = w ? &ly->v : &ly->k;
-            for (int64_t u = 0; s->mode != KV_LR_FULL && u < s->n_units; u++)
-                s->units[u].up_bias = randn_f(&g, s->units[u].n_heads * c->head_dim, 0.4);
-        }
-        if (ly->v.mode == KV_LR_FUSED_OUTPUT) ly->o_fused_bias = randn_f(&g, c->dim, 0.1);
-    }
-}
-
 Test(export_dense, centred_factors_without_kv_biases_are_refused) {
     KVT_NEED_SHARED(src, "models/stories260K/stories260K.bin");
     char *s = strdup(src);
     struct kv_model *m = open_ok(s);
     int k_mode[5] = {K_FULL, K_LATENT, K_LATENT, K_LATENT, K_LATENT};
     struct kv_lowrank *lr = make_lr(m, k_mode, 0, 0, 29);
-    centre(m, lr, 3);
+    fx_centre(m, lr, 3);
     char *dir = kvt_temp_dir();
     char *out = kvt_path(dir, "out.bin");
     struct kv_err err;
@@ -365,7 +348,7 @@ Test(export_cli, refuses_centred_factors_without_kv_biases_with_a_hint) {
     struct kv_model *m = open_ok(s);
     int k_mode[5] = {K_LATENT, K_FULL, K_LATENT, K_LATENT, K_LATENT};
     struct kv_lowrank *lr = make_lr(m, k_mode, 1u << 3, 0, 31);
-    centre(m, lr, 5);
+    fx_centre(m, lr, 5);
     kv_model_fingerprint(m, lr->info.model_fingerprint, NULL);
     char *dir = kvt_temp_dir();
     char *lrdir = write_lr_dir(m, s, lr, dir, "centred");

@@ -951,22 +951,7 @@ ParameterizedTest(int *ip, kvdir_centred, rejects_corruption) {
     case 4: rewrite_weights(&f, NULL, r->tensor, &w.off); break;
     case 6: w.off = poison(f.wpath, r->tensor, 3); break;
     }
-    struct kv_lowrank *lr = NULL;
-    struct kv_err err;
-    kv_err_clear(&err);
-    int rc = kv_lr_dir_open(f.dir, f.m, &lr, &err);
-    cr_assert_eq(rc, w.code, "%s: code %d, want %d (%s)", r->name, rc, w.code, fmt_err(&err));
-    cr_assert_null(lr, "%s", r->name);
-    cr_assert_str_eq(err.path, w.in_weights ? f.wpath : f.mpath, "%s", r->name);
-    cr_assert_eq(err.off, w.off, "%s: offset %llu, want %llu", r->name,
-                 (unsigned long long)err.off, (unsigned long long)w.off);
-    cr_assert_str_eq(err.msg, w.needle, "%s", r->name);
-    if (!w.in_weights) {
-        struct kv_err e2;
-        kv_err_clear(&e2);
-        cr_assert_eq(kv_lr_manifest_read(f.mpath, &lr, &e2), w.code, "%s", r->name);
-        cr_assert_str_eq(e2.msg, err.msg, "%s", r->name);
-    }
+    check_opened(&f, r, &w, 1);
     fx_free(&f);
 }
 
