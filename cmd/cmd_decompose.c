@@ -142,7 +142,10 @@ static const struct cli_cmd cmd = {
     "  kvcal decompose -m tinystories-656K -s 656K.kvstats --eps 0.9 -o out-656K\n"
     "  kvcal decompose -m stories260K.bin --tokenizer tok512.bin -s 260K.kvstats \\\n"
     "      --method palu --group-size 2 --ratio 0.5 -o out-260K\n"
-    "  kvcal decompose -m stories260K.bin --method lorc --ratio 0.5 -o out-lorc\n",
+    "  kvcal decompose -m stories260K.bin --method lorc --ratio 0.5 -o out-lorc\n"
+    "  kvcal collect -m data/kjv-llama -t data/kjv/train.txt --samples 2000 --fisher -o kjv.kvstats\n"
+    "  kvcal decompose -m data/kjv-llama -s kjv.kvstats --group-size 2 --basis loss \\\n"
+    "      --alloc global --ratio 0.125 -t data/kjv/train.txt -o out-kjv\n",
     opts, (int)(sizeof opts / sizeof opts[0]), 0};
 
 /* What one run loads. */
