@@ -211,9 +211,10 @@ bench-8b: all $(BUILD)/bench/bench_8b_model
 results: all
 	@KVCAL_BIN=$(BUILD)/kvcal bash tests/bench/results.sh
 
-# docs/results.md's fixture tables (data/kjv-llama, data/kjv-gpt2: head_dim
-# 64), with bootstrap intervals; about an hour on two cores, most of it the
-# two calibration runs with Fisher sums (kept in $(BUILD)/results-kjv).
+# docs/results.md's fixture tables (data/kjv-llama, data/kjv-gpt2,
+# data/kjv-bpe-llama: head_dim 64), with bootstrap intervals; about an hour
+# on two cores, most of it the calibration runs with Fisher sums (kept in
+# $(BUILD)/results-kjv).
 results-kjv: all
 	@KVCAL_BIN=$(BUILD)/kvcal bash tests/bench/results_kjv.sh
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make results-kjv: the methods on the fixtures with a realistic head size
-# (data/kjv-llama, data/kjv-gpt2: head_dim 64). Statistics with Fisher sums
+# (data/kjv-llama, data/kjv-gpt2, data/kjv-bpe-llama: head_dim 64). Statistics with Fisher sums
 # from 2000 random windows of data/kjv/train.txt; every paper's method at its
 # own allocation and kvcal's options (global, which measures its ranks and
 # uniform's on the first 8 windows of the training text, --center, --basis
@@ -15,7 +15,7 @@
 #                 statistics already there are reused)
 #   MAX_WINDOWS   evaluation windows of 256 tokens (default 100)
 #   SAMPLES       calibration windows (default 2000)
-#   MODELS        default "kjv-llama kjv-gpt2"
+#   MODELS        default "kjv-llama kjv-gpt2 kjv-bpe-llama"
 #   RATIOS        default "0.5 0.25 0.125"
 # Writes markdown tables to stdout, progress to stderr, and each row's
 # decompose and verify JSON to $OUT/<model>.jsonl.
@@ -26,7 +26,7 @@ BIN=${KVCAL_BIN:-build/kvcal}
 OUT=${OUT:-build/results-kjv}
 MAX_WINDOWS=${MAX_WINDOWS:-100}
 SAMPLES=${SAMPLES:-2000}
-MODELS=${MODELS:-"kjv-llama kjv-gpt2"}
+MODELS=${MODELS:-"kjv-llama kjv-gpt2 kjv-bpe-llama"}
 RATIOS=${RATIOS:-"0.5 0.25 0.125"}
 TRAIN=data/kjv/train.txt EVAL=data/kjv/gospels.txt
 
