@@ -22,13 +22,15 @@ static const char *const alloc_names[KV_ALLOC_COUNT] = {
 
 static const char *const basis_names[KV_BASIS_COUNT] = {"energy", "output", "loss"};
 
+/* The index of s in names[first .. n-1], or -1. */
+static int name_index(const char *const *names, int first, int n, const char *s) {
+    for (int i = first; i < n; i++)
+        if (!strcmp(s, names[i])) return i;
+    return -1;
+}
+
 const char *kv_basis_name(enum kv_basis b) {
     return (unsigned)b < KV_BASIS_COUNT ? basis_names[b] : "?";
-}
-int kv_basis_parse(const char *s) {
-    for (int i = 0; i < KV_BASIS_COUNT; i++)
-        if (!strcmp(s, basis_names[i])) return i;
-    return -1;
 }
 const char *kv_method_name(enum kv_method m) {
     return (unsigned)m < KV_METHOD_COUNT ? method_names[m] : "?";
@@ -36,16 +38,10 @@ const char *kv_method_name(enum kv_method m) {
 const char *kv_alloc_name(enum kv_alloc a) {
     return (unsigned)a < KV_ALLOC_COUNT ? alloc_names[a] : "?";
 }
-int kv_method_parse(const char *s) {
-    for (int i = 0; i < KV_METHOD_COUNT; i++)
-        if (!strcmp(s, method_names[i])) return i;
-    return -1;
-}
-int kv_alloc_parse(const char *s) {
-    for (int i = 1; i < KV_ALLOC_COUNT; i++)
-        if (!strcmp(s, alloc_names[i])) return i;
-    return -1;
-}
+int kv_basis_parse(const char *s) { return name_index(basis_names, 0, KV_BASIS_COUNT, s); }
+int kv_method_parse(const char *s) { return name_index(method_names, 0, KV_METHOD_COUNT, s); }
+/* "default" is not a name a user gives */
+int kv_alloc_parse(const char *s) { return name_index(alloc_names, 1, KV_ALLOC_COUNT, s); }
 
 void kv_decompose_defaults(struct kv_decompose_opts *o) {
     memset(o, 0, sizeof *o);
