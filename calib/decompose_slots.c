@@ -123,81 +123,83 @@ static int unit_var(struct kv_dec_ctx *x, int64_t l, int side, int rotation, str
     return rc;
 }
 
-/* un->err [m+1]: Σ_{j>=r} (u_jᵀ G u_j) ‖S⁻¹ u_j‖², G = un->cov, the plain
- * squared error of keeping u_0 .. u_{r-1} (S = I without a metric; with one,
- * U diagonalises G = S C S, so the cross terms vanish). */
-static int unit_err(struct kv_dec_ctx *x, struct kv_dec_unit *un, int64_t mm) {
-    double *gv = malloc((size_t)(mm * mm) * sizeof *gv);
-    if (!gv || !(un->err = kv_dec_calloc(mm + 1, sizeof *un->err))) {
-        free(gv);
+/* What the eps rule and global's loss cost read of a unit's basis U (its
+ * columns u_j): un->err [m+1] = Σ_{j>=r} var_j ‖d_j‖², the plain squared
+ * error of keeping u_0 .. u_{r-1}, and, when F is not NULL, Σ_{j>=r} var_j
+ * d_jᵀ F d_j added into ltail [m+1] (the predicted loss; F the unit's
+ * gradient Gram per token). var_j = u_jᵀ G u_j (G = un->cov) is latent j's
+ * energy and d_j = S⁻¹ u_j its direction in plain output space (u_j
+ * without a metric). With a metric U diagonalises G = S C S, so the cross
+ * terms vanish; for a basis that does not diagonalise G (eigen's shared
+ * keys, weight-only bases) err is still exact (U is orthonormal) and ltail
+ * keeps the diagonal terms. */
+static int unit_costs(struct kv_dec_ctx *x, struct kv_dec_unit *un, int64_t mm, const double *F,
+                      double *ltail) {
+    const double *V = un->vec;
+    double *gv = malloc((size_t)(mm * mm) * sizeof *gv), *D = malloc((size_t)(mm * mm) * sizeof *D);
+    double *FD = F ? malloc((size_t)(mm * mm) * sizeof *FD) : NULL;
+    if (!gv || !D || (F && !FD) || !(un->err = kv_dec_calloc(mm + 1, sizeof *un->err))) {
+        free(gv), free(D), free(FD);
         return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
-    const double *V = un->vec;
     cblas_dsymm(CblasRowMajor, CblasLeft, CblasUpper, (int)mm, (int)mm, 1.0, un->cov, (int)mm, V, (int)mm,
                 0.0, gv, (int)mm);
+    if (un->misqrt)
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)mm, (int)mm, (int)mm, 1.0, un->misqrt,
+                    (int)mm, V, (int)mm, 0.0, D, (int)mm);
+    else
+        memcpy(D, V, (size_t)(mm * mm) * sizeof *D);
+    if (F)
+        cblas_dsymm(CblasRowMajor, CblasLeft, CblasUpper, (int)mm, (int)mm, 1.0, F, (int)mm, D, (int)mm, 0.0,
+                    FD, (int)mm);
+    double lacc = 0;
     for (int64_t j = mm - 1; j >= 0; j--) {
-        double q = 0, w = 1;
-        for (int64_t a = 0; a < mm; a++) q += V[a * mm + j] * gv[a * mm + j];
-        if (un->misqrt) {
-            w = 0;
-            for (int64_t a = 0; a < mm; a++) {
-                double s = 0;
-                for (int64_t b = 0; b < mm; b++) s += un->misqrt[a * mm + b] * V[b * mm + j];
-                w += s * s;
-            }
+        double var = 0, dd = 0, dfd = 0;
+        for (int64_t a = 0; a < mm; a++) {
+            var += V[a * mm + j] * gv[a * mm + j];
+            dd += D[a * mm + j] * D[a * mm + j];
+            if (F) dfd += D[a * mm + j] * FD[a * mm + j];
         }
-        un->err[j] = un->err[j + 1] + (q > 0 ? q : 0) * w;
+        var = var > 0 ? var : 0;
+        un->err[j] = un->err[j + 1] + var * dd;
+        if (F) {
+            lacc += var * (dfd > 0 ? dfd : 0);
+            ltail[j] += lacc;
+        }
     }
-    free(gv);
+    free(gv), free(D), free(FD);
     return KV_OK;
 }
 
-/* sl->ltail: per unit, the loss cost var_j · d_jᵀ F d_j / N of each basis
- * direction, d_j = S⁻¹ u_j (u_j without a metric), var_j = u_jᵀ G u_j
- * (G = un->cov), F the block-diagonal gradient Gram of the unit's heads;
- * summed over the slot's units from each rank on. Exact where U
- * diagonalises G (palu, every metric basis), the diagonal terms otherwise. */
-static int slot_loss_tail(struct kv_dec_ctx *x, struct kv_dec_slot *sl) {
+/* Every unit's err, and with Fisher statistics (not for post-RoPE rotation
+ * keys, whose gradients are pre-RoPE) the slot's ltail: unit_costs with F
+ * the block-diagonal gradient Gram of the unit's heads, per token. */
+static int slot_costs(struct kv_dec_ctx *x, struct kv_dec_slot *sl) {
     int64_t mm = sl->m, dh = x->m->cfg.head_dim;
-    const struct kv_stats_layer *L = &x->s->layers[sl->layer];
-    const double *gc = sl->side ? L->grad_v_cov : L->grad_k_cov;
-    double n = x->s->info.tokens > 0 ? (double)x->s->info.tokens : 1.0;
-    double *F = malloc((size_t)(mm * mm) * sizeof *F), *dv = malloc((size_t)mm * sizeof *dv);
-    double *gv = malloc((size_t)(mm * mm) * sizeof *gv);
-    if (!F || !dv || !gv || !(sl->ltail = kv_dec_calloc(mm + 1, sizeof *sl->ltail))) {
-        free(F), free(dv), free(gv);
+    int loss = x->s && x->s->info.has_fisher && !sl->rotation;
+    double *F = loss ? malloc((size_t)(mm * mm) * sizeof *F) : NULL;
+    if ((loss && !F) || (loss && !(sl->ltail = kv_dec_calloc(mm + 1, sizeof *sl->ltail)))) {
+        free(F);
         return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
-    for (int64_t u = 0; u < sl->n_units; u++) {
-        const struct kv_dec_unit *un = &sl->units[u];
-        memset(F, 0, (size_t)(mm * mm) * sizeof *F);
-        for (int64_t k = 0; k < mm / dh; k++)
-            for (int64_t a = 0; a < dh; a++)
-                for (int64_t b = 0; b < dh; b++)
-                    F[(k * dh + a) * mm + k * dh + b] = gc[(un->head0 + k) * dh * dh + a * dh + b] / n;
-        const double *V = un->vec;
-        cblas_dsymm(CblasRowMajor, CblasLeft, CblasUpper, (int)mm, (int)mm, 1.0, un->cov, (int)mm, V,
-                    (int)mm, 0.0, gv, (int)mm);
-        double acc = 0;
-        for (int64_t j = mm - 1; j >= 0; j--) {
-            double var = 0, fq = 0;
-            for (int64_t a = 0; a < mm; a++) {
-                var += V[a * mm + j] * gv[a * mm + j];
-                double s = V[a * mm + j];
-                if (un->misqrt) {
-                    s = 0;
-                    for (int64_t b = 0; b < mm; b++) s += un->misqrt[a * mm + b] * V[b * mm + j];
-                }
-                dv[a] = s;
-            }
-            for (int64_t a = 0; a < mm; a++)
-                for (int64_t b = 0; b < mm; b++) fq += dv[a] * F[a * mm + b] * dv[b];
-            acc += (var > 0 ? var : 0) * (fq > 0 ? fq : 0);
-            sl->ltail[j] += acc;
+    int rc = KV_OK;
+    for (int64_t u = 0; u < sl->n_units && !rc; u++) {
+        struct kv_dec_unit *un = &sl->units[u];
+        if (!un->msqrt && (rc = unit_var(x, sl->layer, sl->side, sl->rotation, un, mm))) break;
+        if (loss) {
+            const struct kv_stats_layer *L = &x->s->layers[sl->layer];
+            const double *gc = sl->side ? L->grad_v_cov : L->grad_k_cov;
+            double n = x->s->info.tokens > 0 ? (double)x->s->info.tokens : 1.0;
+            memset(F, 0, (size_t)(mm * mm) * sizeof *F);
+            for (int64_t k = 0; k < mm / dh; k++)
+                for (int64_t a = 0; a < dh; a++)
+                    for (int64_t b = 0; b < dh; b++)
+                        F[(k * dh + a) * mm + k * dh + b] = gc[(un->head0 + k) * dh * dh + a * dh + b] / n;
         }
+        rc = unit_costs(x, un, mm, F, sl->ltail);
     }
-    free(F), free(dv), free(gv);
-    return KV_OK;
+    free(F);
+    return rc;
 }
 
 static struct kv_dec_slot *new_slot(struct kv_dec_ctx *x, int64_t l, int side, int64_t mm, int64_t n_units,
@@ -437,16 +439,8 @@ int kv_dec_build_slots(struct kv_dec_ctx *x) {
     }
     for (int64_t i = 0; i < x->n_slots; i++) {
         struct kv_dec_slot *sl = &x->slots[i];
-        for (int64_t u = 0; u < sl->n_units; u++) {
-            struct kv_dec_unit *un = &sl->units[u];
-            int rc = un->msqrt ? KV_OK : unit_var(x, sl->layer, sl->side, sl->rotation, un, sl->m);
-            if (!rc) rc = unit_err(x, un, sl->m);
-            if (rc) return rc;
-        }
-        if (x->s && x->s->info.has_fisher && !sl->rotation) {
-            int rc = slot_loss_tail(x, sl);
-            if (rc) return rc;
-        }
+        int rc = slot_costs(x, sl);
+        if (rc) return rc;
         for (int64_t k = 0; k < sl->n_spec * sl->m; k++) sl->energy += sl->lam[k];
         if (!(sl->tail = kv_dec_calloc(sl->m + 1, sizeof *sl->tail)))
             return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
