@@ -223,7 +223,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (rc) return rc;
 
     enum kv_alloc a = o->alloc;
-    struct kv_dec_ctx x = {m, s, o, kv_dec_names(o->names), NULL, 0, 0, err};
+    struct kv_dec_ctx x = {m, s, o, kv_dec_names(o->names), NULL, 0, 0, err, NULL};
     rc = kv_dec_build_slots(&x);
     if (!rc && a == KV_ALLOC_PROGRESSIVE) rc = kv_dec_lorc_conditions(&x);
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->info.has_fisher)))))
@@ -236,6 +236,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (!rc) rc = kv_dec_build_lowrank(&x, out);
     if (!rc) summarize(*out, o);
     kv_dec_slots_free(x.slots, x.n_slots);
+    free(x.turns);
     o->lapack_seconds = x.lapack_s;
     o->seconds = kv_now() - t0;
     /* a numerical failure is in the statistics' numbers: name the file */

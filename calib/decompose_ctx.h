@@ -80,6 +80,7 @@ struct kv_dec_ctx {
     int64_t n_slots;
     double lapack_s;
     struct kv_err *err;
+    double *turns; /* kv_dec_rope_turns of the model, made once on first use */
 };
 
 /* calloc of n (at least 1) elements. */

@@ -146,8 +146,10 @@ int kv_dec_head_metrics(struct kv_dec_ctx *x, int64_t l, int side, double *out) 
         return rc;
     }
     int64_t T = s->info.seq_len > 1 ? s->info.seq_len : 1;
-    double *turns = kv_arch_desc(c->arch)->rope ? kv_dec_rope_turns(c, T) : NULL;
-    if (kv_arch_desc(c->arch)->rope && !turns) rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    int rope = kv_arch_desc(c->arch)->rope;
+    if (rope && !x->turns && !(x->turns = kv_dec_rope_turns(c, T)))
+        rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    const double *turns = rope ? x->turns : NULL;
     for (int64_t j = 0; j < g && !rc; j++) {
         memset(sum, 0, (size_t)n2 * sizeof *sum);
         for (int64_t i = j * grp; i < (j + 1) * grp; i++)
@@ -156,32 +158,33 @@ int kv_dec_head_metrics(struct kv_dec_ctx *x, int64_t l, int side, double *out) 
             rc = kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
         else if (!turns) memcpy(out + j * n2, sum, (size_t)n2 * sizeof *sum);
     }
-    free(qc), free(sum), free(turns);
+    free(qc), free(sum);
     return rc;
 }
 
 int kv_dec_metric_sqrt(struct kv_dec_ctx *x, const double *M, int64_t n, double *S, double *Sinv,
                        const char *what) {
     double *w = malloc((size_t)n * sizeof *w), *q = malloc((size_t)(n * n) * sizeof *q);
-    int rc = w && q ? kv_dec_eigh(x, M, n, w, q, what)
-                    : kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    double *qs = malloc((size_t)(n * n) * sizeof *qs);
+    int rc = w && q && qs ? kv_dec_eigh(x, M, n, w, q, what)
+                          : kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     if (!rc && !(w[0] > 0))
         rc = kv_fail(x->err, KV_ENUMERIC, NULL, KV_NO_OFFSET, "%s is zero: no direction has a cost", what);
     if (!rc) {
-        /* directions costing under 1e-10 of the largest are floored there,
-         * so S⁻¹ stays bounded (their error is all but free anyway) */
+        /* S = Q diag(√w) Qᵀ and S⁻¹ = Q diag(1/√w) Qᵀ; directions costing
+         * under 1e-10 of the largest are floored there, so S⁻¹ stays
+         * bounded (their error is all but free anyway) */
         double floor = w[0] * 1e-10;
-        memset(S, 0, (size_t)(n * n) * sizeof *S);
-        memset(Sinv, 0, (size_t)(n * n) * sizeof *Sinv);
-        for (int64_t k = 0; k < n; k++) {
-            double r = sqrt(w[k] > floor ? w[k] : floor);
+        for (int inv = 0; inv < 2; inv++) {
             for (int64_t a = 0; a < n; a++)
-                for (int64_t b = 0; b < n; b++) {
-                    double qq = q[a * n + k] * q[b * n + k];
-                    S[a * n + b] += qq * r, Sinv[a * n + b] += qq / r;
+                for (int64_t k = 0; k < n; k++) {
+                    double r = sqrt(w[k] > floor ? w[k] : floor);
+                    qs[a * n + k] = q[a * n + k] * (inv ? 1.0 / r : r);
                 }
+            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)n, 1.0, qs, (int)n, q,
+                        (int)n, 0.0, inv ? Sinv : S, (int)n);
         }
     }
-    free(w), free(q);
+    free(w), free(q), free(qs);
     return rc;
 }
