@@ -20,17 +20,21 @@ void kv_lrl_attn_name(char *buf, enum kv_arch arch, int64_t l, char c, const cha
              c, rest);
 }
 
+/* P A {k,v}_<kind>.<u>.<leaf> */
+static void unit_tensor_name(char *buf, enum kv_arch arch, int64_t l, int which, const char *kind,
+                             int64_t u, const char *leaf) {
+    const struct kv_arch_desc *a = kv_arch_desc(arch);
+    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_%s.%lld.%s", a->hf.layer_prefix, (long long)l,
+             a->hf_attn, kv_lrl_side_char(which), kind, (long long)u, leaf);
+}
+
 void kv_lrl_unit_name(char *buf, enum kv_arch arch, int64_t l, int which, const char *kind,
                       int64_t u) {
-    const struct kv_arch_desc *a = kv_arch_desc(arch);
-    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_%s.%lld.weight", a->hf.layer_prefix,
-             (long long)l, a->hf_attn, kv_lrl_side_char(which), kind, (long long)u);
+    unit_tensor_name(buf, arch, l, which, kind, u, "weight");
 }
 
 void kv_lrl_unit_bias_name(char *buf, enum kv_arch arch, int64_t l, int which, int64_t u) {
-    const struct kv_arch_desc *a = kv_arch_desc(arch);
-    snprintf(buf, KV_LRL_NAME_CAP, "%s%lld.%s%c_up.%lld.bias", a->hf.layer_prefix, (long long)l,
-             a->hf_attn, kv_lrl_side_char(which), (long long)u);
+    unit_tensor_name(buf, arch, l, which, "up", u, "bias");
 }
 
 int kv_lrl_mode_allowed(enum kv_lr_mode mode, int which) {
