@@ -446,3 +446,51 @@ Test(decompose_metric, global_is_never_worse_than_uniform_on_its_objective, .tim
         }
     env_free(&e);
 }
+
+/* global with calibration tokens measures its ranks and uniform's: the
+ * cache it returns is uniform's exactly when uniform's KL is the lower and
+ * its cache no larger than the target or global's (a separate uniform run
+ * gives its bytes), and the KL it reports for the cache kept is what an
+ * independent comparison of the returned cache on the same windows gives. */
+Test(decompose_metric, global_keeps_the_lower_measured_kl, .timeout = 240) {
+    struct env e = env_open();
+    const struct kv_config *c = kv_model_config(e.m);
+    int64_t seq = 32, nwin = 3;
+    int32_t *tok = random_tokens(seq * nwin, c->vocab_size, 77);
+    int kept[2] = {0, 0};
+    /* widths of 8: each a whole rank, so uniform lands on its target */
+    double ratios[] = {0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875};
+    for (int k = 0; k < 7; k++) {
+        struct kv_decompose_opts o = opts_of(KV_METHOD_PALU, KV_ALLOC_GLOBAL, 0, ratios[k], 1);
+        o.stats_path = "s.kvstats", o.calib_tokens = tok, o.seq_len = seq, o.calib_windows = nwin;
+        struct kv_lowrank *lr = NULL;
+        struct kv_err err;
+        kv_err_clear(&err);
+        cr_assert_eq(kv_decompose(e.m, e.s, &o, &lr, &err), KV_OK, "%s", fmt_err(&err));
+        cr_assert(o.probed, "ratio %g: not measured", ratios[k]);
+        struct kv_compare_result r;
+        cr_assert_eq(kv_ppl_compare(e.m, lr, 16, tok, seq * nwin, seq, nwin, NULL, NULL, &r, &err), KV_OK, "%s",
+                     fmt_err(&err));
+        double want = o.kept_uniform ? o.probe_kl_uniform : o.probe_kl;
+        cr_log_info("ratio %g: global %.6g, uniform %.6g, kept %s, returned %.6g", ratios[k], o.probe_kl,
+                    o.probe_kl_uniform, o.kept_uniform ? "uniform" : "global", r.kl);
+        cr_assert(fabs(r.kl - want) <= 1e-9 * fmax(want, 1e-12), "ratio %g: the cache returned measures %.9g, "
+                  "the kept one %.9g", ratios[k], r.kl, want);
+        struct kv_decompose_opts ou;
+        struct kv_lowrank *u = run(&e, KV_BASIS_ENERGY, 0, 1, KV_ALLOC_UNIFORM, 0, ratios[k], &ou);
+        int64_t ub = kv_lr_bytes(u, 16), target = llround(ratios[k] * (double)kv_lr_base_bytes(c));
+        int64_t gb = o.kept_uniform ? -1 : kv_lr_bytes(lr, 16);
+        int should = o.probe_kl_uniform < o.probe_kl && (ub <= target || (gb >= 0 && ub <= gb));
+        cr_assert_eq(o.kept_uniform, should, "ratio %g: kept %s; uniform's KL %.9g against %.9g, %lld bytes "
+                     "against the target %lld", ratios[k], o.kept_uniform ? "uniform" : "global",
+                     o.probe_kl_uniform, o.probe_kl, (long long)ub, (long long)target);
+        if (o.kept_uniform) cr_assert_eq(kv_lr_bytes(lr, 16), ub);
+        kv_lr_free(u);
+        kept[o.kept_uniform]++;
+        kv_lr_free(lr);
+    }
+    cr_log_info("kept global %d, uniform %d times", kept[0], kept[1]);
+    cr_assert(kept[0] > 0 && kept[1] > 0, "both choices should occur on these ratios");
+    free(tok);
+    env_free(&e);
+}
