@@ -149,6 +149,15 @@ static json_t *side_json(struct jb *b, const struct kv_model *m, const struct kv
         jset(b, uo, "energy", json_real(x->energy));
         jset(b, uo, "dropped", json_real(x->dropped));
         jset(b, uo, "predicted_error", json_real(rel_error(x->dropped, x->energy)));
+        if (lr->info.kv_bits == KV_LR_BITS_MIXED) { /* the unit's own latent bands */
+            json_t *bands = jset(b, uo, "bands", json_array());
+            for (int i = 0; i < x->n_bands; i++) {
+                json_t *bo = json_object();
+                jset(b, bo, "n", json_integer(x->bands[i].n));
+                jset(b, bo, "bits", json_integer(x->bands[i].bits));
+                jappend(b, bands, bo);
+            }
+        }
         jappend(b, units, uo);
         off += x->rank;
     }
@@ -214,7 +223,8 @@ static json_t *quant_json(struct jb *b, int bits) {
     if (bits >= 16) return json_null();
     json_t *q = json_object();
     jset(b, q, "scheme", json_string("per-token asymmetric"));
-    jset(b, q, "group", json_string("unit"));
+    /* mixed: each unit's bands below 16 bits, each on its own */
+    jset(b, q, "group", json_string(bits == KV_LR_BITS_MIXED ? "band" : "unit"));
     jset(b, q, "scale_dtype", json_string("f16"));
     jset(b, q, "zero_dtype", json_string("f16"));
     jset(b, q, "dequant", json_string("z = q * scale + zero"));
@@ -320,7 +330,9 @@ static json_t *build_manifest(const struct kv_model *m, const struct kv_lowrank 
     }
 
     json_t *lo = jset(&b, root, "latent", json_object());
-    jset(&b, lo, "dtype", json_string(lr->info.kv_bits >= 16 ? "f16" : "int"));
+    jset(&b, lo, "dtype", json_string(lr->info.kv_bits == KV_LR_BITS_MIXED ? "mixed"
+                                      : lr->info.kv_bits >= 16                ? "f16"
+                                                                              : "int"));
     jset(&b, lo, "bits", json_integer(lr->info.kv_bits));
     jset(&b, lo, "quantization", quant_json(&b, lr->info.kv_bits));
     jset(&b, lo, "hadamard", json_boolean(lr->info.hadamard));
@@ -754,14 +766,16 @@ static int parse_latent(const json_t *root, const char *path, struct kv_lowrank 
     if (rc) return rc;
     int64_t bits = 0;
     const char *dtype;
-    if ((rc = kv_json_get_int(lo, "bits", path, 1, 16, 1, &bits, err)) ||
+    if ((rc = kv_json_get_int(lo, "bits", path, 0, 16, 1, &bits, err)) ||
         (rc = kv_json_get_str(lo, "dtype", path, 1, &dtype, err)) ||
         (rc = kv_json_get_bool(lo, "hadamard", path, 1, &lr->info.hadamard, err)))
         return kv_err_in(rc, err, "latent");
-    if (!kv_lr_bits_valid(bits))
+    if (!kv_lr_bits_valid(bits) && bits != KV_LR_BITS_MIXED)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
-                       "latent: bits %lld is not one of " KV_LR_BITS_LIST, (long long)bits);
-    const char *want = bits == 16 ? "f16" : "int";
+                       "latent: bits %lld is not one of " KV_LR_BITS_LIST
+                       " or 0 (each unit's own bands)",
+                       (long long)bits);
+    const char *want = bits == KV_LR_BITS_MIXED ? "mixed" : bits == 16 ? "f16" : "int";
     if (strcmp(dtype, want) != 0)
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "latent: dtype '%.32s' does not match %lld bits, expected '%s'", dtype,
@@ -793,6 +807,54 @@ static int get_opt_name(const json_t *o, const char *key, const char *path, cons
     *out = NULL;
     if (!json_object_get(o, key)) return KV_OK;
     return get_name(o, key, path, 0, out, err);
+}
+
+/* A unit's "bands": a list of {n, bits} at latent bits 0 (mixed), absent
+ * or null otherwise. */
+static int parse_bands(const json_t *uo, int kv_bits, struct kv_lr_unit *x, const char *path,
+                       const char *ctx, struct kv_err *err) {
+    json_t *bands = json_object_get(uo, "bands");
+    x->n_bands = 0;
+    if (kv_bits != KV_LR_BITS_MIXED) {
+        if (!bands || json_is_null(bands)) return KV_OK;
+        char found[64];
+        kv_json_repr(bands, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'bands' must be null when latent bits is %d, found %s", ctx, kv_bits,
+                       found);
+    }
+    if (!bands)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: missing key 'bands' (latent bits 0: each unit's own bands)", ctx);
+    if (!json_is_array(bands)) {
+        char found[64];
+        kv_json_repr(bands, found, sizeof found);
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'bands' must be an array of {n, bits}, found %s", ctx, found);
+    }
+    size_t nb = json_array_size(bands);
+    if (nb < 1 || nb > KV_LR_MAX_BANDS)
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
+                       "%s: key 'bands' has %zu entries, expected 1 .. %d", ctx, nb, KV_LR_MAX_BANDS);
+    for (size_t i = 0; i < nb; i++) {
+        json_t *bo = json_array_get(bands, i);
+        char bctx[160];
+        snprintf(bctx, sizeof bctx, "%s band %zu", ctx, i);
+        if (!json_is_object(bo))
+            return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: must be an object, found a %s",
+                           bctx, kv_json_type_name(bo));
+        int64_t n = 0, bits = 0;
+        int rc;
+        if ((rc = kv_json_get_int(bo, "n", path, 1, KV_MAX_DIM, 1, &n, err)) ||
+            (rc = kv_json_get_int(bo, "bits", path, 2, 16, 1, &bits, err)))
+            return kv_err_in(rc, err, bctx);
+        x->bands[i] = (struct kv_lr_band){n, (int)bits};
+    }
+    x->n_bands = (int)nb;
+    char why[160];
+    if (kv_lr_bands_check(x->bands, x->n_bands, x->rank, why, sizeof why))
+        return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET, "%s: %s", ctx, why);
+    return KV_OK;
 }
 
 /* One unit: heads, rank, latent offset, the name its mode needs (into
@@ -837,6 +899,7 @@ static int parse_unit(const json_t *uo, const struct kv_lowrank *lr, enum kv_lr_
         return kv_fail(err, KV_EFORMAT, path, KV_NO_OFFSET,
                        "%s: latent_offset is %lld, expected %lld (the ranks of the units before)",
                        ctx, (long long)lat, (long long)offset);
+    if ((rc = parse_bands(uo, lr->info.kv_bits, x, path, ctx, err))) return rc;
     const char *mn = kv_lr_mode_name(mode);
     *bias_name = NULL;
     if (mode == KV_LR_POSTROPE_ROTATION) {

@@ -158,10 +158,12 @@ int kv_lrl_check(const struct kv_lowrank *lr, const struct kv_model *m, const ch
     if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "factors", dir, err))
         return KV_EINVAL;
-    if (!kv_lr_bits_valid(lr->info.kv_bits))
+    if (!kv_lr_bits_valid(lr->info.kv_bits) && lr->info.kv_bits != KV_LR_BITS_MIXED)
         return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                       "latent bits %d is not one of " KV_LR_BITS_LIST, lr->info.kv_bits);
+                       "latent bits %d is not one of " KV_LR_BITS_LIST " or 0 (mixed)",
+                       lr->info.kv_bits);
     if (!lr->layers) return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET, "factors have no layers");
+    if (kv_lr_check_all_bands(lr, dir, err)) return KV_EINVAL;
     for (int64_t l = 0; l < lr->info.n_layers; l++) {
         int rc;
         if ((rc = kv_lrl_check_side(lr, l, 0, 1, KV_EINVAL, dir, err)) ||

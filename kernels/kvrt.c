@@ -317,6 +317,13 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
     if (lr && !kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                                "compressed attention factors", NULL, err))
         return KV_EINVAL;
+    /* mixed bands (decompose --kv-bits auto) are not implemented in the
+     * runtime's cache layout: verify runs them on the CPU */
+    if (lr && lr->info.kv_bits == KV_LR_BITS_MIXED)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "mixed latent bits (each unit's own bands, decompose --kv-bits auto) are "
+                       "not supported by the runtime; verify them without --device, or with "
+                       "--kv-bits B");
     if (lr && !kv_lr_bits_valid(lr->info.kv_bits))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of " KV_LR_BITS_LIST,
                        lr->info.kv_bits);

@@ -355,6 +355,15 @@ static void quantize_rows(float *z, int64_t n, int64_t ld, int64_t off, int64_t 
     }
 }
 
+/* quantize_rows over unit un's columns [off, off+rank) band by band at
+ * kv_bits (kv_lr_unit_bands; fp16 bands are left as they are). */
+static void quantize_unit(float *z, int64_t n, int64_t ld, const struct kv_lr_unit *un, int kv_bits) {
+    struct kv_lr_band b[KV_LR_MAX_BANDS];
+    int nb = kv_lr_unit_bands(un, kv_bits, b);
+    for (int i = 0, at = 0; i < nb; at += (int)b[i].n, i++)
+        if (b[i].bits < 16) quantize_rows(z, n, ld, at, b[i].n, b[i].bits);
+}
+
 static int lr_alloc_fail(struct kv_fwd *f, struct kv_err *err) {
     plan_free(f);
     return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for the latent cache");
@@ -377,9 +386,16 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
     if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "compressed attention factors", NULL, err))
         return KV_EINVAL;
-    if (kv_bits != 16 && kv_bits != 8 && kv_bits != 4 && kv_bits != 3 && kv_bits != 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of 16, 8, 4, 3, 2",
+    if (kv_bits != KV_LR_BITS_MIXED && !kv_lr_bits_valid(kv_bits))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "kv bits %d is not one of " KV_LR_BITS_LIST " or 0 (the units' own bands)",
                        kv_bits);
+    if (kv_bits == KV_LR_BITS_MIXED && lr->info.kv_bits != KV_LR_BITS_MIXED)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "kv bits 0 (the units' own bands) needs a mixed-bit model; this one's "
+                       "latents are %d bits",
+                       lr->info.kv_bits);
+    if (kv_bits == KV_LR_BITS_MIXED && kv_lr_check_all_bands(lr, NULL, err)) return KV_EINVAL;
     int64_t L = c->n_layers, h = c->n_heads, g = c->n_kv_heads, dh = c->head_dim;
     int64_t grp = h / g, qd = h * dh, kd = g * dh;
     f->lr = lr, f->kv_bits = kv_bits;
@@ -493,7 +509,7 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
 
 /* Latents of rows pos0.. of every unit of side S: z = xn downᵀ + down_bias
  * into columns unit_off[u].. of the cache zc (row width ld), quantized as
- * they enter it when kv_bits < 16. */
+ * they enter it (quantize_unit). */
 static void lr_latents(const struct kv_fwd *f, const struct kv_lr_side *S, float *zc, int64_t ld,
                        const int64_t *unit_off, int64_t n, int64_t pos0) {
     int64_t d = f->m->cfg.dim;
@@ -504,7 +520,7 @@ static void lr_latents(const struct kv_fwd *f, const struct kv_lr_side *S, float
         if (un->down_bias)
             for (int64_t i = 0; i < n; i++)
                 for (int64_t j = 0; j < un->rank; j++) z[i * ld + j] += un->down_bias[j];
-        if (f->kv_bits < 16) quantize_rows(z, n, ld, 0, un->rank, f->kv_bits);
+        quantize_unit(z, n, ld, un, f->kv_bits);
     }
 }
 
@@ -594,7 +610,7 @@ static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
             float *z = zk + pos0 * P->zkw + P->kunit_off[u];
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)un->rank, (int)dh,
                         1.0f, k + un->head0 * dh, (int)kd, un->rot, (int)dh, 0.0f, z, (int)P->zkw);
-            if (f->kv_bits < 16) quantize_rows(z, n, P->zkw, 0, un->rank, f->kv_bits);
+            quantize_unit(z, n, P->zkw, un, f->kv_bits);
         }
         for (int64_t i = 0; i < h; i++) {
             const struct kv_lr_unit *un = &Y->k.units[unit_of(&Y->k, i / grp)];

@@ -481,8 +481,20 @@ struct kv_lr_info {
     char alloc[16];              /* "uniform", "eps", ... */
     int64_t n_layers, dim, n_heads, n_kv_heads, head_dim;
     char model_fingerprint[65];  /* of the base model */
-    int kv_bits;                 /* latent storage: 16 (fp16) or 8/4/3/2 (quantized) */
-    int hadamard;                /* a Walsh-Hadamard matrix is fused into the factors */
+    int kv_bits;                 /* latent storage: 16 (fp16) or 8/4/3/2 (quantized), or
+                                    KV_LR_BITS_MIXED: each unit's own bands */
+    int hadamard;                /* a Walsh-Hadamard matrix is fused into the factors
+                                    (with bands: one per band) */
+};
+/* Mixed latent storage (decompose --kv-bits auto): each compressed unit's
+ * latent coordinates, in basis order, fall into up to KV_LR_MAX_BANDS
+ * bands of strictly falling bits (16, 8, 4, 3, 2); a quantized band is
+ * quantized per token on its own (its own scale and zero point). */
+#define KV_LR_BITS_MIXED 0
+#define KV_LR_MAX_BANDS 5
+struct kv_lr_band {
+    int64_t n; /* latent coordinates, >= 1 */
+    int bits;  /* 16 (fp16), 8, 4, 3 or 2 */
 };
 /* One unit (a copy; kv_lr_unit_info). energy and dropped are calibration
  * sums (Σ over tokens of squared norms in the unit's metric); dropped/energy
@@ -491,6 +503,8 @@ struct kv_lr_unit_info {
     int64_t head0, n_heads;
     int64_t rank;
     double energy, dropped;
+    int n_bands; /* 0 unless the model's kv_bits is KV_LR_BITS_MIXED */
+    struct kv_lr_band bands[KV_LR_MAX_BANDS];
 };
 
 void kv_lr_free(struct kv_lowrank *lr);
@@ -516,7 +530,9 @@ int kv_lr_bits_valid(int64_t kv_bits);
 /* KV cache bytes per token (all layers, K and V). The base stores fp16 K and
  * V; a compressed unit stores rank fp16 numbers, or at kv_bits < 16
  * ceil(rank*kv_bits/8) bytes plus an fp16 scale and an fp16 zero point per
- * unit and token; a full unit stores n_heads*d_h fp16 numbers. */
+ * unit and token; a full unit stores n_heads*d_h fp16 numbers. At
+ * kv_bits KV_LR_BITS_MIXED each unit is the sum of its bands, a band of n
+ * coordinates at b bits taking kv_lr_unit_bytes(n, b). */
 int64_t kv_lr_base_bytes(const struct kv_config *cfg);
 int64_t kv_lr_bytes(const struct kv_lowrank *lr, int kv_bits);
 int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
@@ -530,7 +546,7 @@ int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int 
  * one. */
 int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err);
 /* Record the latent storage a runtime caches (kv_lr_bits_valid, else
- * KV_EINVAL). */
+ * KV_EINVAL): every unit at kv_bits, its bands dropped. */
 int kv_lr_set_kv_bits(struct kv_lowrank *lr, int kv_bits, struct kv_err *err);
 /* Keep the first n_layers layers (1 .. kv_lr_info().n_layers, else
  * KV_EINVAL) and free the rest: a prefix of a model, as a benchmark times. */
@@ -544,7 +560,9 @@ int kv_lr_truncate(struct kv_lowrank *lr, int64_t n_layers, struct kv_err *err);
 /* Latent-cache forward: after this call every run of f computes attention
  * from cached latents as lr describes (NULL restores the full path). At
  * kv_bits < 16 each unit's latent row is quantized per token (asymmetric,
- * fp16 scale and zero point) as it enters the cache. lr must match f's
+ * fp16 scale and zero point) as it enters the cache; at KV_LR_BITS_MIXED
+ * (lr's own kv_bits must be mixed then) each band of a unit is, at its
+ * bits. lr must match f's
  * model and outlive f. With a low-rank model set, only the attn_in and
  * layer_out hooks run; qk_rope, kv_replace and hooks_only apply to the full
  * path alone. */

@@ -1,6 +1,7 @@
 /* The compressed-attention description (struct kv_lowrank): lifetime and
  * KV byte accounting. */
 #include <cblas.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -64,11 +65,75 @@ int kv_lr_bits_valid(int64_t kv_bits) {
     return kv_bits == 16 || kv_bits == 8 || kv_bits == 4 || kv_bits == 3 || kv_bits == 2;
 }
 
+int kv_lr_unit_bands(const struct kv_lr_unit *un, int kv_bits, struct kv_lr_band out[KV_LR_MAX_BANDS]) {
+    if (kv_bits == KV_LR_BITS_MIXED) {
+        KV_ASSERT(un->n_bands >= 1 && un->n_bands <= KV_LR_MAX_BANDS);
+        for (int i = 0; i < un->n_bands; i++) out[i] = un->bands[i];
+        return un->n_bands;
+    }
+    out[0] = (struct kv_lr_band){un->rank, kv_bits};
+    return 1;
+}
+
+int64_t kv_lr_unit_bytes_at(const struct kv_lr_unit *un, int kv_bits) {
+    struct kv_lr_band b[KV_LR_MAX_BANDS];
+    int n = kv_lr_unit_bands(un, kv_bits, b);
+    int64_t bytes = 0;
+    for (int i = 0; i < n; i++) bytes += kv_lr_unit_bytes(b[i].n, b[i].bits);
+    return bytes;
+}
+
+int kv_lr_bands_check(const struct kv_lr_band *b, int n, int64_t r, char *why, size_t why_len) {
+    if (n < 1 || n > KV_LR_MAX_BANDS) {
+        snprintf(why, why_len, "%d bands, expected 1 .. %d", n, KV_LR_MAX_BANDS);
+        return KV_EINVAL;
+    }
+    int64_t sum = 0;
+    for (int i = 0; i < n; i++) {
+        if (!kv_lr_bits_valid(b[i].bits)) {
+            snprintf(why, why_len, "band %d: bits %d is not one of " KV_LR_BITS_LIST, i, b[i].bits);
+            return KV_EINVAL;
+        }
+        if (i > 0 && b[i].bits >= b[i - 1].bits) {
+            snprintf(why, why_len, "band %d: bits %d after %d, expected strictly falling bits", i,
+                     b[i].bits, b[i - 1].bits);
+            return KV_EINVAL;
+        }
+        if (b[i].n < 1 || b[i].n > r) {
+            snprintf(why, why_len, "band %d: n %lld is not within 1..%lld", i, (long long)b[i].n,
+                     (long long)r);
+            return KV_EINVAL;
+        }
+        sum += b[i].n;
+    }
+    if (sum != r) {
+        snprintf(why, why_len, "bands hold %lld coordinates but the rank is %lld", (long long)sum,
+                 (long long)r);
+        return KV_EINVAL;
+    }
+    return KV_OK;
+}
+
+int kv_lr_check_all_bands(const struct kv_lowrank *lr, const char *path, struct kv_err *err) {
+    for (int64_t l = 0; lr->info.kv_bits == KV_LR_BITS_MIXED && l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            const struct kv_lr_side *sd = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; sd->mode != KV_LR_FULL && u < sd->n_units; u++) {
+                char why[160];
+                const struct kv_lr_unit *un = &sd->units[u];
+                if (kv_lr_bands_check(un->bands, un->n_bands, un->rank, why, sizeof why))
+                    return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "layer %lld %c unit %lld: %s",
+                                   (long long)l, w ? 'v' : 'k', (long long)u, why);
+            }
+        }
+    return KV_OK;
+}
+
 int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int kv_bits) {
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
     if (s->mode == KV_LR_FULL) return lr->info.n_kv_heads * lr->info.head_dim * 2;
     int64_t b = 0;
-    for (int64_t u = 0; u < s->n_units; u++) b += kv_lr_unit_bytes(s->units[u].rank, kv_bits);
+    for (int64_t u = 0; u < s->n_units; u++) b += kv_lr_unit_bytes_at(&s->units[u], kv_bits);
     return b;
 }
 
@@ -97,7 +162,9 @@ struct kv_lr_unit_info kv_lr_unit_info(const struct kv_lowrank *lr, int64_t l, i
     const struct kv_lr_side *s = kv_lr_side(lr, l, which);
     KV_ASSERT(u >= 0 && u < s->n_units);
     const struct kv_lr_unit *x = &s->units[u];
-    return (struct kv_lr_unit_info){x->head0, x->n_heads, x->rank, x->energy, x->dropped};
+    struct kv_lr_unit_info ui = {x->head0, x->n_heads, x->rank, x->energy, x->dropped, x->n_bands, {{0, 0}}};
+    for (int i = 0; i < x->n_bands && i < KV_LR_MAX_BANDS; i++) ui.bands[i] = x->bands[i];
+    return ui;
 }
 
 double kv_lr_side_error(const struct kv_lowrank *lr, int64_t l, int which, double *energy,
@@ -115,6 +182,11 @@ int kv_lr_set_kv_bits(struct kv_lowrank *lr, int kv_bits, struct kv_err *err) {
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "latent bits %d is not one of %s",
                        kv_bits, KV_LR_BITS_LIST);
     lr->info.kv_bits = kv_bits;
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *s = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; u < s->n_units; u++) s->units[u].n_bands = 0;
+        }
     return KV_OK;
 }
 
@@ -156,6 +228,28 @@ static const struct kv_lr_unit *unit_of_head(const struct kv_lr_side *s, int64_t
     return NULL;
 }
 
+void kv_lr_unit_hadamard(const struct kv_lr_unit *un, double *h) {
+    int64_t r = un->rank;
+    if (un->n_bands < 1) {
+        kv_la_hadamard(r, h);
+        return;
+    }
+    memset(h, 0, (size_t)(r * r) * sizeof *h);
+    int64_t at = 0;
+    for (int i = 0; i < un->n_bands; i++) {
+        int64_t n = un->bands[i].n;
+        double *blk = h + at * r + at; /* the band's n×n block, filled in place below */
+        kv_la_hadamard(n, blk);        /* row-major n×n at blk, spread to stride r next */
+        for (int64_t a = n - 1; a >= 0; a--)
+            for (int64_t b = n - 1; b >= 0; b--) {
+                double v = blk[a * n + b];
+                blk[a * n + b] = 0;
+                blk[a * r + b] = v;
+            }
+        at += n;
+    }
+}
+
 int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
     if (lr->info.hadamard)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a hadamard rotation is already fused in");
@@ -181,7 +275,7 @@ int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             for (int64_t u = 0; u < sd->n_units; u++) {
                 struct kv_lr_unit *un = &sd->units[u];
                 int64_t r = un->rank;
-                kv_la_hadamard(r, H);
+                kv_lr_unit_hadamard(un, H);
                 /* z' = z H: down' = Hᵀ down, c' = Hᵀ c, rot' = Hᵀ rot; up' = up H */
                 if (un->down) left_mul_t(un->down, r, d, H, tmp);
                 if (un->down_bias) left_mul_t(un->down_bias, r, 1, H, tmp);
@@ -193,7 +287,7 @@ int kv_lr_fuse_hadamard(struct kv_lowrank *lr, struct kv_err *err) {
             for (int64_t i = 0; fused && i < lr->info.n_heads; i++) {
                 const struct kv_lr_unit *un = unit_of_head(sd, i / grp);
                 if (!un) break;
-                kv_la_hadamard(un->rank, H);
+                kv_lr_unit_hadamard(un, H);
                 if (s) { /* each query head's block of the fused output reads z: O' = O H */
                     right_mul(L->o_fused + off, d, L->o_cols, un->rank, H, tmp);
                 } else { /* q'·z = (q' H)·(z H): block' [r, d] = Hᵀ block, bias' = Hᵀ bias */

@@ -32,7 +32,32 @@ struct kv_lr_unit {
     int64_t rank;
     double energy, dropped;
     float *down, *down_bias, *up, *up_bias, *rot;
+    /* mixed storage (info.kv_bits KV_LR_BITS_MIXED): the bands of the
+     * latent coordinates in order, their n adding up to rank; 0 bands
+     * otherwise */
+    int n_bands;
+    struct kv_lr_band bands[KV_LR_MAX_BANDS];
 };
+
+/* The orthonormal rotation fused into unit un's latents by
+ * kv_lr_fuse_hadamard, into h [rank, rank]: kv_la_hadamard of each band's
+ * n on the diagonal (of the whole rank without bands). */
+void kv_lr_unit_hadamard(const struct kv_lr_unit *un, double *h);
+
+/* The bands unit un is stored in at kv_bits: its own at KV_LR_BITS_MIXED,
+ * else one band of its whole rank at kv_bits. Returns their count. */
+int kv_lr_unit_bands(const struct kv_lr_unit *un, int kv_bits, struct kv_lr_band out[KV_LR_MAX_BANDS]);
+/* The bytes per token of unit un at kv_bits (kv_lr_unit_bands). */
+int64_t kv_lr_unit_bytes_at(const struct kv_lr_unit *un, int kv_bits);
+/* Whether n bands b are well formed for a unit of rank r: 1 ..
+ * KV_LR_MAX_BANDS bands, each n >= 1 and its bits valid, bits strictly
+ * falling, the n adding up to r. KV_OK, or KV_EINVAL with the reason in
+ * why (the caller names the file and unit). */
+int kv_lr_bands_check(const struct kv_lr_band *b, int n, int64_t r, char *why, size_t why_len);
+/* Every compressed unit of a mixed-bit lr has well-formed bands
+ * (kv_lr_bands_check): KV_OK, else KV_EINVAL naming path (may be NULL),
+ * the layer, side and unit. KV_OK at once when lr's bits are not mixed. */
+int kv_lr_check_all_bands(const struct kv_lowrank *lr, const char *path, struct kv_err *err);
 
 struct kv_lr_side {
     enum kv_lr_mode mode;

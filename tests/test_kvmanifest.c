@@ -253,6 +253,71 @@ Test(kvmanifest_write, manifest_fields_f16) { check_manifest(small_cfg(0), 16); 
 Test(kvmanifest_write, manifest_fields_quantized) { check_manifest(small_cfg(1), 3); }
 Test(kvmanifest_write, manifest_fields_gpt2) { check_manifest(gpt2_cfg(), 16); }
 
+/* Mixed bits (--kv-bits auto): each unit's bands written in order, the
+ * latent block says so, the bytes are the bands', and they read back. */
+Test(kvmanifest_write, mixed_bands_round_trip) {
+    struct kv_model *m = model_of(small_cfg(1), 3);
+    struct kv_lowrank *lr = make_lr(m, 16, 1, 21);
+    static const int widths[] = {16, 8, 4, 3, 2};
+    int64_t comp = 0, k = 0;
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *sd = kv_lr_side(lr, l, w);
+            if (sd->mode == KV_LR_FULL) {
+                comp += lr->info.n_kv_heads * lr->info.head_dim * 2;
+                continue;
+            }
+            for (int64_t u = 0; u < sd->n_units; u++, k++) {
+                struct kv_lr_unit *un = &sd->units[u];
+                /* rank r as up to three bands of falling widths, varied per unit */
+                int64_t left = un->rank;
+                int nb = 0, wi = (int)(k % 3);
+                while (left > 0 && nb < 3) {
+                    int64_t n = nb == 2 || left == 1 ? left : 1 + (left - 1) / 2;
+                    un->bands[nb++] = (struct kv_lr_band){n, widths[wi]};
+                    comp += unit_bytes(n, widths[wi]);
+                    left -= n, wi++;
+                }
+                un->n_bands = nb;
+            }
+        }
+    lr->info.kv_bits = KV_LR_BITS_MIXED;
+    cr_assert_eq(kv_lr_bytes(lr, KV_LR_BITS_MIXED), comp, "kv_lr_bytes %lld, by hand %lld",
+                 (long long)kv_lr_bytes(lr, KV_LR_BITS_MIXED), (long long)comp);
+    char *parent, *dir = out_dir(&parent);
+    write_dir(m, lr, dir);
+    json_t *root = load_manifest(dir), *lo = json_object_get(root, "latent");
+    cr_assert_eq(jint(lo, "bits"), 0);
+    cr_assert_str_eq(jstr(lo, "dtype"), "mixed");
+    cr_assert_str_eq(jstr(json_object_get(lo, "quantization"), "group"), "band");
+    cr_assert_eq(jint(json_object_get(root, "kv_bytes_per_token"), "compressed"), comp);
+    struct kv_lowrank *back = NULL;
+    struct kv_err err;
+    kv_err_clear(&err);
+    cr_assert_eq(kv_lr_dir_open(dir, m, &back, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_lr_info(back).kv_bits, KV_LR_BITS_MIXED);
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++)
+            for (int64_t u = 0; u < kv_lr_n_units(lr, l, w); u++) {
+                struct kv_lr_unit_info a = kv_lr_unit_info(lr, l, w, u), b = kv_lr_unit_info(back, l, w, u);
+                json_t *jb = json_object_get(unit_json(root, l, w ? "v" : "k", u), "bands");
+                cr_assert_eq(a.n_bands, b.n_bands);
+                cr_assert_eq((int)json_array_size(jb), a.n_bands);
+                for (int i = 0; i < a.n_bands; i++) {
+                    cr_assert(a.bands[i].n == b.bands[i].n && a.bands[i].bits == b.bands[i].bits,
+                              "layer %lld side %d unit %lld band %d", (long long)l, w, (long long)u, i);
+                    cr_assert_eq(jint(json_array_get(jb, (size_t)i), "n"), a.bands[i].n);
+                    cr_assert_eq(jint(json_array_get(jb, (size_t)i), "bits"), a.bands[i].bits);
+                }
+            }
+    json_decref(root);
+    kv_lr_free(back);
+    kv_lr_free(lr);
+    kv_model_close(m);
+    rm_tree(parent);
+    free(dir), free(parent);
+}
+
 /* ------------------------------------------------------------ corruption */
 
 static void j_format(json_t *r) { set(r, "format", json_string("kvcal.other")); }
@@ -344,6 +409,45 @@ static void j_layer_partial(json_t *r) {
 }
 static void j_layers(json_t *r) {
     cr_assert_eq(json_array_remove(json_object_get(r, "layers"), 2), 0);
+}
+/* mixed bits: latent bits 0 with every compressed unit one band at 8 */
+static void to_mixed(json_t *r, int bands) {
+    json_t *lo = json_object_get(r, "latent");
+    set(lo, "bits", json_integer(0));
+    set(lo, "dtype", json_string("mixed"));
+    json_t *layers = json_object_get(r, "layers");
+    for (size_t l = 0; bands && l < json_array_size(layers); l++)
+        for (int k = 0; k < 2; k++) {
+            json_t *units = json_object_get(side_json(r, (int64_t)l, k ? "v" : "k"), "units");
+            for (size_t u = 0; u < json_array_size(units); u++) {
+                json_t *uo = json_array_get(units, u);
+                set(uo, "bands", json_pack("[{s:I, s:i}]", "n", json_integer_value(json_object_get(uo, "rank")), "bits", 8));
+            }
+        }
+}
+static void j_bands_at_16(json_t *r) {
+    set(unit_json(r, 0, "k", 0), "bands", json_pack("[{s:i, s:i}]", "n", 5, "bits", 8));
+}
+static void j_mixed_no_bands(json_t *r) { to_mixed(r, 0); }
+static void j_mixed_dtype(json_t *r) {
+    to_mixed(r, 1);
+    set(json_object_get(r, "latent"), "dtype", json_string("int"));
+}
+static void j_bands_rising(json_t *r) {
+    to_mixed(r, 1);
+    set(unit_json(r, 0, "k", 0), "bands", json_pack("[{s:i, s:i}, {s:i, s:i}]", "n", 1, "bits", 4, "n", 4, "bits", 8));
+}
+static void j_bands_sum(json_t *r) {
+    to_mixed(r, 1);
+    set(unit_json(r, 0, "v", 2), "bands", json_pack("[{s:i, s:i}, {s:i, s:i}]", "n", 1, "bits", 16, "n", 2, "bits", 3));
+}
+static void j_bands_bits(json_t *r) {
+    to_mixed(r, 1);
+    set(unit_json(r, 2, "v", 0), "bands", json_pack("[{s:i, s:i}]", "n", 6, "bits", 5));
+}
+static void j_bands_type(json_t *r) {
+    to_mixed(r, 1);
+    set(unit_json(r, 0, "k", 1), "bands", json_string("8"));
 }
 
 static const struct row rows[] = {
@@ -447,6 +551,26 @@ static const struct row rows[] = {
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 1: missing key 'o_proj'"}, 0},
     {"layer count", j_layers, 0, NULL,
      {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "2 entries, expected n_layers 3"}, 0},
+    {"bands at 16 bits", j_bands_at_16, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k unit 0: key 'bands' must be null when latent bits is 16, found [{\"n\":5,\"bits\":8}]"},
+     0},
+    {"mixed without bands", j_mixed_no_bands, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k unit 0: missing key 'bands' (latent bits 0: each unit's own bands)"}, 0},
+    {"mixed bits with dtype int", j_mixed_dtype, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "latent: dtype 'int' does not match 0 bits, expected 'mixed'"}, 0},
+    {"bands of rising bits", j_bands_rising, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 k unit 0: band 1: bits 8 after 4, expected strictly falling bits"}, 0},
+    {"bands short of the rank", j_bands_sum, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 0 v unit 2: bands hold 3 coordinates but the rank is 4"}, 0},
+    {"band of 5 bits", j_bands_bits, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0,
+      "layer 2 v unit 0: band 0: bits 5 is not one of 16, 8, 4, 3, 2"}, 0},
+    {"bands of another type", j_bands_type, 0, NULL,
+     {KV_EFORMAT, 0, KV_NO_OFFSET, 0, "layer 0 k unit 1: key 'bands' must be an array of {n, bits}, found \"8\""}, 0},
 };
 #define N_ROWS (sizeof rows / sizeof rows[0])
 

@@ -796,6 +796,35 @@ static void uncentre_side(struct kv_lowrank *lr, int64_t l, int which) {
  * (prerope_latent keys', and fused_output values' o_fused_bias) rather than
  * drop them, and runs centred fused_query keys, whose mean drops out of the
  * softmax, as the reference forward does. */
+/* Mixed-bit bands (decompose --kv-bits auto) are refused by name; the
+ * same factors at one width open. */
+Test(kvrt_errors, mixed_bits) {
+    struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 5);
+    struct kv_lowrank *lr = svd_half(m);
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            struct kv_lr_side *sd = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; u < sd->n_units; u++)
+                sd->units[u].n_bands = 1, sd->units[u].bands[0] = (struct kv_lr_band){sd->units[u].rank, 4};
+        }
+    lr->info.kv_bits = KV_LR_BITS_MIXED;
+    struct kvrt_opts o;
+    kvrt_opts_default(&o);
+    o.max_ctx = 8;
+    struct kvrt *rt = NULL;
+    struct kv_err err = {0};
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_EUNSUPPORTED, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "mixed latent bits (each unit's own bands, decompose --kv-bits auto) "
+                              "are not supported by the runtime; verify them without --device, or "
+                              "with --kv-bits B");
+    cr_assert_null(rt);
+    cr_assert_eq(kv_lr_set_kv_bits(lr, 4, &err), KV_OK);
+    cr_assert_eq(kvrt_open(m, lr, &o, &rt, &err), KV_OK, "%s", err.msg);
+    kvrt_close(rt);
+    kv_lr_free(lr);
+    kv_model_close(m);
+}
+
 Test(kvrt_errors, centred_factors) {
     struct kv_model *m = random_llama(KV_ROPE_HALF, 3, 5);
     struct kv_lowrank *lr = svd_half(m);

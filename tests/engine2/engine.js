@@ -230,18 +230,19 @@ function loadCompressed(dir) {
     if (K.mode === 'full') { lay.k = g(K.proj); lay.kb = gn(K.proj_bias); }
     else if (K.mode === 'postrope_rotation') {
       lay.k = g(K.proj); lay.kb = gn(K.proj_bias);
-      lay.kunits = K.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, rot: g(u.rot) }));
+      lay.kunits = K.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, rot: g(u.rot),
+        bands: u.bands }));
       lay.krank = K.rank;
     } else if (K.mode === 'prerope_latent' || K.mode === 'fused_query') {
       lay.kdown = g(K.down); lay.kdownb = gn(K.down_bias); lay.krank = K.rank;
       lay.kunits = K.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, up: g(u.up),
-        upb: gn(u.up_bias) }));
+        upb: gn(u.up_bias), bands: u.bands }));
     } else throw new Error(`unknown k mode ${K.mode}`);
     if (V.mode === 'full') { lay.v = g(V.proj); lay.vb = gn(V.proj_bias); lay.o_cols = M.n_heads * M.head_dim; }
     else if (V.mode === 'fused_output') {
       lay.vdown = g(V.down); lay.vdownb = gn(V.down_bias); lay.vrank = V.rank; lay.o_cols = V.o_cols;
       lay.vob = gn(V.o_proj_bias); // centred values: their mean through the output projection
-      lay.vunits = V.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset }));
+      lay.vunits = V.units.map(u => ({ heads: u.heads, rank: u.rank, off: u.latent_offset, bands: u.bands }));
     } else throw new Error(`unknown v mode ${V.mode}`);
     M.layers[l] = lay;
   }
@@ -272,10 +273,20 @@ function storeLatents(Z, T, rank, units, bits, opts) {
     if (opts.f16cache) for (let i = 0; i < Z.length; i++) Z[i] = f16round(Z[i]);
     return Z;
   }
+  // bits 0 (mixed): each unit's bands in order, each quantized on its own;
+  // an fp16 band is stored as it is (rounded to fp16 in an fp16 cache)
   const out = new Float32Array(Z.length);
   for (let t = 0; t < T; t++) {
     const row = t * rank;
-    for (const u of units) quantizeInto(Z, row + u.off, u.rank, bits, out);
+    for (const u of units) {
+      const bands = bits === 0 ? u.bands : [{ n: u.rank, bits }];
+      let at = row + u.off;
+      for (const b of bands) {
+        if (b.bits < 16) quantizeInto(Z, at, b.n, b.bits, out);
+        else for (let i = 0; i < b.n; i++) out[at + i] = opts.f16cache ? f16round(Z[at + i]) : Z[at + i];
+        at += b.n;
+      }
+    }
   }
   return out;
 }
