@@ -68,6 +68,8 @@ static int check_all(const struct kv_model *m, const struct kv_stats *s,
     const char *const *names = kv_dec_names(o->names);
     int rc = kv_dec_check_opts(&chk, s || o->stats_path, o->calib_tokens || o->text_path, names, err);
     if (rc) return rc;
+    if (o->kv_bits == KV_DECOMPOSE_BITS_AUTO) /* its own search; its model assumes the rotation */
+        o->alloc = KV_ALLOC_GLOBAL, o->hadamard = 1;
     if (o->alloc == KV_ALLOC_DEFAULT) {
         static const enum kv_alloc def[KV_METHOD_COUNT] = {
             KV_ALLOC_UNIFORM, KV_ALLOC_UNIFORM, KV_ALLOC_EPS,
@@ -82,7 +84,18 @@ static int check_all(const struct kv_model *m, const struct kv_stats *s,
 static int check_floor(struct kv_dec_ctx *x, int64_t target, int64_t base) {
     const struct kv_decompose_opts *o = x->o;
     const char *const *n = x->names;
-    for (int64_t i = 0; i < x->n_slots; i++) x->slots[i].rank = kv_dec_round_rank(o, 0, x->slots[i].m);
+    for (int64_t i = 0; i < x->n_slots; i++) {
+        struct kv_dec_slot *sl = &x->slots[i];
+        sl->rank = kv_dec_round_rank(o, 0, sl->m);
+        if (o->kv_bits == KV_DECOMPOSE_BITS_AUTO) { /* the floor rank at its cheapest width */
+            int64_t least = INT64_MAX;
+            for (int w = 0; w < KV_DECOMPOSE_N_WIDTHS; w++) {
+                int64_t b = kv_lr_unit_bytes(sl->rank, KV_DECOMPOSE_WIDTHS[w]);
+                if (b < least) least = b, sl->bands[0] = (struct kv_lr_band){sl->rank, KV_DECOMPOSE_WIDTHS[w]};
+            }
+            sl->n_bands = 1;
+        }
+    }
     int64_t floor = kv_dec_total_bytes(x), skipped = 0;
     for (int64_t i = 0; i < x->n_slots; i++) skipped += x->slots[i].skip;
     if (floor > target && skipped)
@@ -100,15 +113,13 @@ static int check_floor(struct kv_dec_ctx *x, int64_t target, int64_t base) {
     return KV_OK;
 }
 
-/* The mean KL(base ‖ compressed) per token of the slots at their ranks on
- * the calibration windows. */
-static int probe_kl(struct kv_dec_ctx *x, double *kl) {
+int kv_dec_probe_kl(struct kv_dec_ctx *x, double *kl) {
     const struct kv_decompose_opts *o = x->o;
     struct kv_lowrank *lr = NULL;
     int rc = kv_dec_build_lowrank(x, &lr);
     struct kv_compare_result r;
     if (!rc)
-        rc = kv_ppl_compare(x->m, lr, (int)o->kv_bits, o->calib_tokens, o->calib_windows * o->seq_len,
+        rc = kv_ppl_compare(x->m, lr, kv_lr_info(lr).kv_bits, o->calib_tokens, o->calib_windows * o->seq_len,
                             o->seq_len, o->calib_windows, NULL, NULL, &r, x->err);
     kv_lr_free(lr);
     if (!rc) *kl = r.kl;
@@ -130,10 +141,10 @@ static int global_or_uniform(struct kv_dec_ctx *x, int64_t target) {
     for (int64_t i = 0; i < x->n_slots; i++) save[i] = x->slots[i].rank;
     int64_t global_bytes = kv_dec_total_bytes(x);
     int rc = KV_OK, probe = o->calib_tokens && o->calib_windows > 0 && o->seq_len >= 2;
-    if (probe) rc = probe_kl(x, &o->probe_kl);
+    if (probe) rc = kv_dec_probe_kl(x, &o->probe_kl);
     double t = kv_dec_search_param(x, KV_ALLOC_UNIFORM, target);
     o->objective_uniform = kv_dec_objective(x);
-    if (!rc && probe) rc = probe_kl(x, &o->probe_kl_uniform);
+    if (!rc && probe) rc = kv_dec_probe_kl(x, &o->probe_kl_uniform);
     o->probed = probe && !rc;
     /* uniform's cache may only win where it is no larger than the target
      * or global's own (its search stops at the first at or above) */
@@ -155,7 +166,10 @@ static int allocate(struct kv_dec_ctx *x, int64_t target) {
     enum kv_alloc a = o->alloc;
     int rc = KV_OK;
     switch (a) {
-    case KV_ALLOC_GLOBAL: rc = global_or_uniform(x, target); break;
+    case KV_ALLOC_GLOBAL:
+        rc = o->kv_bits == KV_DECOMPOSE_BITS_AUTO ? kv_dec_auto_bits(x, target)
+                                                  : global_or_uniform(x, target);
+        break;
     case KV_ALLOC_LAYER_BUDGET: rc = kv_dec_layer_budget(x, target); break;
     case KV_ALLOC_PROGRESSIVE:
         if (target > 0) o->param = kv_dec_search_param(x, a, target);
@@ -197,10 +211,10 @@ static void summarize(const struct kv_lowrank *lr, struct kv_decompose_opts *o) 
     }
     o->error_k = ke > 0 ? kd / ke : 0;
     o->error_v = ve > 0 ? vd / ve : 0;
-    int64_t comp = kv_lr_bytes(lr, (int)o->kv_bits);
+    int64_t comp = kv_lr_bytes(lr, lr->info.kv_bits);
     o->target_reached = !(o->ratio > 0 && o->least_bytes > o->target_bytes && comp > o->target_bytes);
     o->odd_rank_units = 0;
-    if (o->hadamard)
+    if (o->hadamard && o->kv_bits != KV_DECOMPOSE_BITS_AUTO) /* auto's model counts the blocks */
         for (int64_t l = 0; l < lr->info.n_layers; l++)
             for (int k = 0; k < 2; k++) {
                 const struct kv_lr_side *sd = k ? &lr->layers[l].v : &lr->layers[l].k;
@@ -218,7 +232,8 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
     o->target_reached = 1, o->odd_rank_units = 0, o->error_k = o->error_v = 0;
     o->objective = o->objective_uniform = 0, o->kept_uniform = 0;
-    o->probed = 0, o->probe_kl = o->probe_kl_uniform = 0;
+    o->probed = 0, o->probe_kl = o->probe_kl_uniform = 0, o->fixed_kept = 0;
+    for (int w = 0; w < KV_DECOMPOSE_N_WIDTHS; w++) o->objective_fixed[w] = o->probe_kl_fixed[w] = 0;
     int rc = check_all(m, s, o, err);
     if (rc) return rc;
 

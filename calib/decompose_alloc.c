@@ -53,6 +53,11 @@ int64_t kv_dec_eps_rank(const struct kv_dec_slot *sl, double eps) {
 
 static int64_t slot_bytes(const struct kv_dec_slot *sl, int64_t rank, int bits) {
     if (sl->skip) return sl->n_units * sl->m * 2;
+    if (bits == KV_DECOMPOSE_BITS_AUTO) { /* the slot's bands (kv_dec_auto_bits) */
+        int64_t b = 0;
+        for (int i = 0; i < sl->n_bands; i++) b += kv_lr_unit_bytes(sl->bands[i].n, sl->bands[i].bits);
+        return sl->n_units * b;
+    }
     return sl->n_units * kv_lr_unit_bytes(rank, bits);
 }
 
@@ -143,7 +148,7 @@ double kv_dec_search_param(struct kv_dec_ctx *x, enum kv_alloc a, int64_t target
 /* Whether every slot has its predicted loss (Fisher statistics, no
  * rotation keys): then global's cost is that loss, in one unit for keys,
  * values and every layer. */
-static int loss_costs(const struct kv_dec_ctx *x) {
+int kv_dec_loss_costs(const struct kv_dec_ctx *x) {
     for (int64_t i = 0; i < x->n_slots; i++)
         if (!x->slots[i].ltail) return 0;
     return x->n_slots > 0;
@@ -152,25 +157,36 @@ static int loss_costs(const struct kv_dec_ctx *x) {
 /* A slot's cost at rank r in global's objective: its predicted loss with
  * loss_costs; else its relative error weighted by its Fisher score over
  * the mean score (1 without scores). */
-static double slot_cost(const struct kv_dec_slot *sl, int64_t r, int loss, double fmean) {
+double kv_dec_slot_cost(const struct kv_dec_slot *sl, int64_t r, int loss, double fmean) {
     if (loss) return sl->ltail[r];
     return sl->tail[r] * (fmean > 0 ? sl->fisher / fmean : 1.0);
 }
 
-static double fisher_mean(const struct kv_dec_ctx *x) {
+double kv_dec_fisher_mean(const struct kv_dec_ctx *x) {
     double fmean = 0;
     for (int64_t i = 0; i < x->n_slots; i++) fmean += x->slots[i].fisher / (double)x->n_slots;
     return fmean;
 }
 
 double kv_dec_objective(const struct kv_dec_ctx *x) {
-    double fmean = fisher_mean(x), obj = 0;
-    int loss = loss_costs(x);
+    double fmean = kv_dec_fisher_mean(x), obj = 0;
+    int loss = kv_dec_loss_costs(x);
     for (int64_t i = 0; i < x->n_slots; i++) {
         const struct kv_dec_slot *sl = &x->slots[i];
-        if (!sl->skip) obj += slot_cost(sl, sl->rank, loss, fmean);
+        if (!sl->skip) obj += kv_dec_slot_cost(sl, sl->rank, loss, fmean);
     }
     return obj;
+}
+
+/* The next rank below a slot's that saves bytes: the largest multiple of
+ * mult under it, and lower while the packed codes of quantized latents
+ * take as many bytes (at 4 bits ranks 2k and 2k - 1 both take k); -1 at
+ * the floor. */
+static int64_t next_rank_down(const struct kv_dec_slot *sl, int64_t floor, int64_t mult, int bits) {
+    int64_t now = slot_bytes(sl, sl->rank, bits);
+    for (int64_t r2 = (sl->rank - 1) / mult * mult; r2 >= floor && r2 >= 1; r2 = (r2 - 1) / mult * mult)
+        if (slot_bytes(sl, r2, bits) < now) return r2;
+    return -1;
 }
 
 /* kvcal's global strategy: from full rank, repeatedly take the rank step
@@ -182,14 +198,14 @@ void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps) {
     const struct kv_decompose_opts *o = x->o;
     int64_t mult = o->rank_multiple > 0 ? o->rank_multiple : 1;
     int64_t floor = o->min_rank > 0 ? o->min_rank : 1;
-    double fmean = fisher_mean(x);
-    int loss = loss_costs(x);
+    double fmean = kv_dec_fisher_mean(x);
+    int loss = kv_dec_loss_costs(x);
     /* with eps: stop where the cost passes 1 - eps of every slot's cost at
      * rank 0 (for relative errors, the weighted mean error passes 1 - eps) */
     double cost = 0, all = 0;
     for (int64_t i = 0; i < x->n_slots; i++) {
         x->slots[i].rank = x->slots[i].m;
-        all += slot_cost(&x->slots[i], 0, loss, fmean);
+        all += kv_dec_slot_cost(&x->slots[i], 0, loss, fmean);
     }
     if (!(all > 0)) all = 1;
     int64_t bytes = kv_dec_total_bytes(x);
@@ -197,22 +213,22 @@ void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps) {
         if (target > 0 && bytes <= target) break;
         int64_t best = -1;
         double best_score = INFINITY, best_derr = 0;
+        int64_t best_r2 = 0;
         for (int64_t i = 0; i < x->n_slots; i++) {
             struct kv_dec_slot *sl = &x->slots[i];
-            int64_t r2 = (sl->rank - 1) / mult * mult;
-            if (r2 < floor || r2 < 1) continue;
-            double derr = slot_cost(sl, r2, loss, fmean) - slot_cost(sl, sl->rank, loss, fmean);
+            int64_t r2 = next_rank_down(sl, floor, mult, (int)o->kv_bits);
+            if (r2 < 0) continue;
+            double derr = kv_dec_slot_cost(sl, r2, loss, fmean) - kv_dec_slot_cost(sl, sl->rank, loss, fmean);
             int64_t db = slot_bytes(sl, sl->rank, o->kv_bits) - slot_bytes(sl, r2, o->kv_bits);
-            double score = db > 0 ? derr / (double)db : INFINITY;
-            if (score < best_score) best_score = score, best = i, best_derr = derr;
+            double score = derr / (double)db;
+            if (best < 0 || score < best_score) best_score = score, best = i, best_derr = derr, best_r2 = r2;
         }
         if (best < 0) break;
         if (target <= 0 && (cost + best_derr) / all > 1.0 - eps + 1e-15) break;
         struct kv_dec_slot *sl = &x->slots[best];
-        int64_t r2 = (sl->rank - 1) / mult * mult;
-        bytes -= slot_bytes(sl, sl->rank, o->kv_bits) - slot_bytes(sl, r2, o->kv_bits);
+        bytes -= slot_bytes(sl, sl->rank, o->kv_bits) - slot_bytes(sl, best_r2, o->kv_bits);
         cost += best_derr;
-        sl->rank = r2;
+        sl->rank = best_r2;
     }
 }
 

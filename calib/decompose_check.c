@@ -107,9 +107,25 @@ int kv_dec_check_opts(const struct kv_decompose_opts *o, int have_stats, int hav
     if (o->min_rank < 1)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s must be at least 1",
                        n[KV_DECOMPOSE_OPT_MIN_RANK]);
-    if (!kv_lr_bits_valid(o->kv_bits))
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "%s %lld is not one of " KV_LR_BITS_LIST,
-                       n[KV_DECOMPOSE_OPT_KV_BITS], (long long)o->kv_bits);
+    const char *bits_n = n[KV_DECOMPOSE_OPT_KV_BITS];
+    if (o->kv_bits == KV_DECOMPOSE_BITS_AUTO) {
+        if (!r)
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "%s auto needs %s R: it shares that many bytes between ranks and bits",
+                           bits_n, ratio);
+        if (a != KV_ALLOC_DEFAULT && a != KV_ALLOC_GLOBAL)
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "%s auto chooses the ranks itself: leave %s out or give global", bits_n,
+                           alloc);
+        if (!have_stats)
+            return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                           "%s auto needs %s: the latent ranges it models come from them", bits_n,
+                           n[KV_DECOMPOSE_OPT_STATS]);
+    } else if (!kv_lr_bits_valid(o->kv_bits)) {
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "%s %lld is not one of " KV_LR_BITS_LIST " or auto", bits_n,
+                       (long long)o->kv_bits);
+    }
     double dmin = o->d_min, dmax = o->d_max;
     if (dmin < 0 || dmin > 1 || dmax < 0 || dmax > 1 || (dmax > 0 && dmin > dmax))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,

@@ -46,6 +46,9 @@ struct kv_dec_unit {
      * error included when they are not centred). */
     double var;
     double *err;
+    /* [m]: latent j's calibration energy u_jᵀ G u_j (G = cov), what
+     * --kv-bits auto's quantization model reads as its range */
+    double *lvar;
 };
 
 struct kv_dec_slot {
@@ -68,6 +71,9 @@ struct kv_dec_slot {
     double fisher, logcond;
     int skip;
     int64_t rank;
+    /* --kv-bits auto: the bands of the rank (their n add up to it) */
+    int n_bands;
+    struct kv_lr_band bands[KV_LR_MAX_BANDS];
 };
 
 /* One run: the inputs, the slots of every layer and the time in LAPACK. */
@@ -155,12 +161,66 @@ double kv_dec_search_param(struct kv_dec_ctx *x, enum kv_alloc a, int64_t target
  * dropped error weighted by the slot's Fisher score over the mean (1
  * without scores). */
 double kv_dec_objective(const struct kv_dec_ctx *x);
+/* Whether every slot has its predicted loss (ltail), global's cost then. */
+int kv_dec_loss_costs(const struct kv_dec_ctx *x);
+/* The mean Fisher score of the slots (0 without scores). */
+double kv_dec_fisher_mean(const struct kv_dec_ctx *x);
+/* A slot's cost at rank r in global's objective: ltail[r] with loss, else
+ * tail[r] weighted by its Fisher score over fmean (1 when fmean is 0). */
+double kv_dec_slot_cost(const struct kv_dec_slot *sl, int64_t r, int loss, double fmean);
 /* Greedy ranks down to target bytes (target > 0) or a mean error of 1 - eps. */
 void kv_dec_global_ranks(struct kv_dec_ctx *x, int64_t target, double eps);
 /* LoRC eq. 12 per slot (logcond), and the --cond-skip layers marked skip. */
 int kv_dec_lorc_conditions(struct kv_dec_ctx *x);
 /* Per-slot Fisher scores, from o->fisher or the statistics. */
 int kv_dec_fisher_scores(struct kv_dec_ctx *x);
+
+/* ---- decompose.c */
+
+/* The mean KL(base ‖ compressed) per token of the slots at their ranks
+ * (and bands) on the calibration windows o->calib_tokens. */
+int kv_dec_probe_kl(struct kv_dec_ctx *x, double *kl);
+
+/* ---- decompose_bits.c */
+
+/* c[n] = E[(max - min)²] of n independent standard normals, n = 0 ..
+ * nmax (c[0] = c[1] = 0), by quadrature. KV_ENOMEM or KV_OK (no message). */
+int kv_dec_range_sq(int64_t nmax, double *c);
+/* The modelled cost of quantizing directions [a, e) of a slot as one band
+ * of bits (16: fp16 rounding), from c (kv_dec_range_sq) and the prefix
+ * sums P of the directions' latent energies, W of their cost per unit of
+ * energy and C of their costs (decompose_bits.c says how). */
+double kv_dec_band_noise(const double *c, const double *P, const double *W, const double *C,
+                         int64_t a, int64_t e, int bits);
+/* One slot as --kv-bits auto models it: m directions over nu units, the
+ * ranks it may take (>= floor, a multiple of mult or m), prefix sums
+ * [m+1] of the directions' latent energies P, costs per unit of energy W
+ * and costs C, and global's cost T[r] at rank r. */
+struct kv_dec_band_slot {
+    int64_t m, nu, floor, mult;
+    int skip;
+    double *P, *W, *C, *T;
+};
+/* A slot's choice: its rank in bands, their bytes per token (all units)
+ * and modelled cost. */
+struct kv_dec_bands {
+    int64_t rank, bytes;
+    double cost;
+    int n_bands;
+    struct kv_lr_band bands[KV_LR_MAX_BANDS];
+};
+/* The slot's cheapest cost + mu * bytes over the widths in mask (bit w for
+ * KV_DECOMPOSE_WIDTHS[w]), an exact dynamic program, into *out; dp and arg
+ * hold (m+1) * KV_DECOMPOSE_N_WIDTHS entries. Returns that minimum,
+ * INFINITY when no allowed rank exists. */
+double kv_dec_best_bands(const struct kv_dec_band_slot *sm, const double *c, double mu,
+                         unsigned mask, double *dp, int64_t *arg, struct kv_dec_bands *out);
+/* --kv-bits auto: every slot's rank and bands for target bytes (> 0): the
+ * mix and each single width's choice by the model (o->objective,
+ * objective_fixed), the lowest kept; with calibration tokens the lowest
+ * measured KL on them instead (probed, probe_kl, probe_kl_fixed); the
+ * width kept alone in fixed_kept. */
+int kv_dec_auto_bits(struct kv_dec_ctx *x, int64_t target);
 
 /* ---- decompose_budget.c */
 

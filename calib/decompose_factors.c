@@ -19,6 +19,10 @@ static int build_unit(struct kv_dec_ctx *x, const struct kv_dec_slot *sl, const 
     int64_t mm = sl->m, r = sl->rank, d = c->dim, dh = c->head_dim;
     const double *V = un->vec;
     out->head0 = un->head0, out->n_heads = un->nh, out->rank = r;
+    if (x->o->kv_bits == KV_DECOMPOSE_BITS_AUTO) {
+        out->n_bands = sl->n_bands;
+        memcpy(out->bands, sl->bands, sizeof out->bands);
+    }
     /* reporting metric: energy = tr C, dropped = Σ_{j>=r} v_jᵀ C v_j */
     double *cv = malloc((size_t)(mm * mm) * sizeof *cv);
     if (!cv) return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
@@ -214,7 +218,7 @@ int kv_dec_build_lowrank(struct kv_dec_ctx *x, struct kv_lowrank **out) {
     snprintf(lr->info.alloc, sizeof lr->info.alloc, "%s", kv_alloc_name(x->o->alloc));
     lr->info.n_layers = c->n_layers, lr->info.dim = c->dim, lr->info.n_heads = c->n_heads;
     lr->info.n_kv_heads = c->n_kv_heads, lr->info.head_dim = c->head_dim;
-    lr->info.kv_bits = x->o->kv_bits;
+    lr->info.kv_bits = x->o->kv_bits == KV_DECOMPOSE_BITS_AUTO ? KV_LR_BITS_MIXED : (int)x->o->kv_bits;
     int rc = KV_OK;
     if (x->s) snprintf(lr->info.model_fingerprint, sizeof lr->info.model_fingerprint, "%s", x->s->info.fingerprint);
     else rc = kv_model_fingerprint(m, lr->info.model_fingerprint, x->err); /* memoised in m */

@@ -3,6 +3,7 @@
  * compressed model directory with them. */
 #include <jansson.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,17 @@ static json_t *json_text(const char *s) {
 /* A real, or null when it is not finite (JSON has no NaN). */
 static json_t *json_real_or_null(double v) { return isfinite(v) ? json_real(v) : json_null(); }
 
+/* {"16": v[0], "8": v[1], ...} over KV_DECOMPOSE_WIDTHS. */
+static json_t *per_width(const double *v) {
+    json_t *o = json_object();
+    for (int w = 0; o && w < KV_DECOMPOSE_N_WIDTHS; w++) {
+        char k[8];
+        snprintf(k, sizeof k, "%d", KV_DECOMPOSE_WIDTHS[w]);
+        json_object_set_new(o, k, json_real_or_null(v[w]));
+    }
+    return o;
+}
+
 static json_t *options_record(const struct kv_decompose_opts *o) {
     json_t *jo = json_pack("{s:s, s:s, s:o, s:o, s:I, s:I, s:I, s:i, s:b, s:o}", "method",
                            kv_method_name(o->method), "alloc", kv_alloc_name(o->alloc), "eps",
@@ -31,7 +43,18 @@ static json_t *options_record(const struct kv_decompose_opts *o) {
     /* written only when on (kvcal before them never centred, and its
      * basis was the energy's): an absent key reads as that default */
     if (jo && o->center) json_object_set_new(jo, "center", json_true());
-    if (jo && o->alloc == KV_ALLOC_GLOBAL && o->ratio > 0) {
+    int auto_bits = o->kv_bits == KV_DECOMPOSE_BITS_AUTO;
+    if (jo && auto_bits) { /* "auto", the modelled costs of the mix and of each one width */
+        json_object_set_new(jo, "kv_bits", json_string("auto"));
+        json_object_set_new(jo, "objective", json_real_or_null(o->objective));
+        json_object_set_new(jo, "objective_fixed", per_width(o->objective_fixed));
+        if (o->probed) { /* measured on the calibration windows: what chose */
+            json_object_set_new(jo, "probe_kl", json_real_or_null(o->probe_kl));
+            json_object_set_new(jo, "probe_kl_fixed", per_width(o->probe_kl_fixed));
+        }
+        json_object_set_new(jo, "fixed_kept", o->fixed_kept ? json_integer(o->fixed_kept) : json_null());
+    }
+    if (jo && o->alloc == KV_ALLOC_GLOBAL && o->ratio > 0 && !auto_bits) {
         json_object_set_new(jo, "objective", json_real_or_null(o->objective));
         json_object_set_new(jo, "objective_uniform", json_real_or_null(o->objective_uniform));
         json_object_set_new(jo, "kept_uniform", json_boolean(o->kept_uniform));

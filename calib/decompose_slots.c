@@ -32,7 +32,7 @@ void kv_dec_slots_free(struct kv_dec_slot *sl, int64_t n) {
         if (sl[i].units)
             for (int64_t u = 0; u < sl[i].n_units; u++) {
                 struct kv_dec_unit *un = &sl[i].units[u];
-                free(un->cov), free(un->msqrt), free(un->misqrt), free(un->err);
+                free(un->cov), free(un->msqrt), free(un->misqrt), free(un->err), free(un->lvar);
             }
         free(sl[i].units);
     }
@@ -125,7 +125,7 @@ static int unit_var(struct kv_dec_ctx *x, int64_t l, int side, int rotation, str
 
 /* What the eps rule and global's loss cost read of a unit's basis U (its
  * columns u_j): un->err [m+1] = Σ_{j>=r} var_j ‖d_j‖², the plain squared
- * error of keeping u_0 .. u_{r-1}, and, when F is not NULL, Σ_{j>=r} var_j
+ * error of keeping u_0 .. u_{r-1}, un->lvar [m] = var_j, and, when F is not NULL, Σ_{j>=r} var_j
  * d_jᵀ F d_j added into ltail [m+1] (the predicted loss; F the unit's
  * gradient Gram per token). var_j = u_jᵀ G u_j (G = un->cov) is latent j's
  * energy and d_j = S⁻¹ u_j its direction in plain output space (u_j
@@ -138,7 +138,8 @@ static int unit_costs(struct kv_dec_ctx *x, struct kv_dec_unit *un, int64_t mm, 
     const double *V = un->vec;
     double *gv = malloc((size_t)(mm * mm) * sizeof *gv), *D = malloc((size_t)(mm * mm) * sizeof *D);
     double *FD = F ? malloc((size_t)(mm * mm) * sizeof *FD) : NULL;
-    if (!gv || !D || (F && !FD) || !(un->err = kv_dec_calloc(mm + 1, sizeof *un->err))) {
+    if (!gv || !D || (F && !FD) || !(un->err = kv_dec_calloc(mm + 1, sizeof *un->err)) ||
+        !(un->lvar = kv_dec_calloc(mm, sizeof *un->lvar))) {
         free(gv), free(D), free(FD);
         return kv_fail(x->err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
@@ -161,6 +162,7 @@ static int unit_costs(struct kv_dec_ctx *x, struct kv_dec_unit *un, int64_t mm, 
             if (F) dfd += D[a * mm + j] * FD[a * mm + j];
         }
         var = var > 0 ? var : 0;
+        un->lvar[j] = var;
         un->err[j] = un->err[j + 1] + var * dd;
         if (F) {
             lacc += var * (dfd > 0 ? dfd : 0);

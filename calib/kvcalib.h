@@ -435,7 +435,11 @@ struct kv_decompose_opts {
     double error_budget;   /* layer-budget: e_b, normalised layer output error */
     const double *fisher;  /* per slot Fisher scores (tests; NULL = from the stats: Σ of
                               fisher_k/v over the rows of the slot's units, when they have it) */
-    int64_t kv_bits;       /* latent storage bits: 16 (default), 8, 4, 3 or 2 (byte accounting) */
+    int64_t kv_bits;       /* latent storage bits: 16 (default), 8, 4, 3 or 2 (byte accounting),
+                              or KV_DECOMPOSE_BITS_AUTO: ranks and bands of bits chosen
+                              together under the ratio's bytes (docs/design.md, "Rank and
+                              bits together"); needs a ratio and statistics, implies
+                              hadamard and global */
     int hadamard;          /* fuse a Walsh-Hadamard matrix into the factors */
     enum kv_basis basis;   /* what palu units and fdc values minimise (default energy) */
     int center;            /* latent factors of y - μ, μ the calibration mean, added back
@@ -478,12 +482,29 @@ struct kv_decompose_opts {
      * windows (probed 1) */
     int probed;
     double probe_kl, probe_kl_uniform;
+    /* --kv-bits auto: objective is the model's cost of the mix of bands
+     * (truncation plus quantization noise, in global's units), or of the
+     * width kept; objective_fixed[w] that of the same search held to one
+     * width KV_DECOMPOSE_WIDTHS[w] (INFINITY where that width cannot reach
+     * the target); fixed_kept the width whose one-width choice was kept
+     * because it scored lower (0: the mix was kept) */
+    double objective_fixed[5];
+    int fixed_kept;
+    /* with calibration tokens (--text) the six choices are measured
+     * instead: probe_kl the mix's calibration KL, probe_kl_fixed[w] each
+     * width's (INFINITY where it cannot reach the target), the lowest kept */
+    double probe_kl_fixed[5];
     double error_k, error_v; /* predicted calibration error of all K (V) units:
                                 Σ dropped / Σ energy (0 without energy) */
     int64_t odd_rank_units; /* with hadamard: units of odd rank > 1, in which the
                                rotation leaves one latent coordinate alone (its
                                last block, of size 1); 0 without */
 };
+
+/* kv_bits of --kv-bits auto, and the widths it chooses among. */
+#define KV_DECOMPOSE_BITS_AUTO (-1)
+#define KV_DECOMPOSE_N_WIDTHS 5
+extern const int KV_DECOMPOSE_WIDTHS[KV_DECOMPOSE_N_WIDTHS]; /* 16, 8, 4, 3, 2 */
 
 /* `kvcal decompose`'s defaults: everything zero but method palu,
  * group_size, rank_multiple and min_rank 1, kv_bits 16, and layer-budget

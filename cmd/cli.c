@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -54,6 +55,70 @@ void cli_json_blas(json_t *o) {
     if (!o) return;
     json_object_set_new(o, "blas_kernels", json_string(k));
     json_object_set_new(o, "blas_faster", better ? json_string(better) : json_null());
+}
+
+static const int mix_widths[KV_LR_MAX_BANDS] = {16, 8, 4, 3, 2};
+
+/* Latent coordinates per token at each of mix_widths over lr's bands. */
+static void bits_mix(const struct kv_lowrank *lr, int64_t n[KV_LR_MAX_BANDS]) {
+    struct kv_lr_info li = kv_lr_info(lr);
+    for (int w = 0; w < KV_LR_MAX_BANDS; w++) n[w] = 0;
+    for (int64_t l = 0; l < li.n_layers; l++)
+        for (int side = 0; side < 2; side++) {
+            if (kv_lr_mode_of(lr, l, side) == KV_LR_FULL) continue;
+            for (int64_t u = 0; u < kv_lr_n_units(lr, l, side); u++) {
+                struct kv_lr_unit_info ui = kv_lr_unit_info(lr, l, side, u);
+                for (int b = 0; b < ui.n_bands; b++)
+                    for (int w = 0; w < KV_LR_MAX_BANDS; w++)
+                        if (ui.bands[b].bits == mix_widths[w]) n[w] += ui.bands[b].n;
+            }
+        }
+}
+
+const char *cli_bits_mix(const struct kv_lowrank *lr, char *buf, size_t cap) {
+    int64_t n[KV_LR_MAX_BANDS];
+    bits_mix(lr, n);
+    size_t at = 0;
+    buf[0] = 0;
+    for (int w = 0; w < KV_LR_MAX_BANDS && at < cap; w++)
+        if (n[w])
+            at += (size_t)snprintf(buf + at, cap - at, "%s%d-bit %lld", at ? ", " : "", mix_widths[w],
+                                   (long long)n[w]);
+    if (at < cap) snprintf(buf + at, cap - at, " latent coordinates per token");
+    return buf;
+}
+
+void cli_unit_rank(const struct kv_lr_unit_info *ui, int first, char *buf, size_t cap, size_t *at) {
+    if (!ui->n_bands && *at < cap)
+        *at += (size_t)snprintf(buf + *at, cap - *at, "%s%lld", first ? "" : ",", (long long)ui->rank);
+    for (int b = 0; b < ui->n_bands && *at < cap; b++)
+        *at += (size_t)snprintf(buf + *at, cap - *at, "%s%lld@%d", b ? "+" : first ? "" : ",",
+                                (long long)ui->bands[b].n, ui->bands[b].bits);
+}
+
+json_t *cli_side_bands_json(const struct kv_lowrank *lr, int64_t l, int which) {
+    if (kv_lr_info(lr).kv_bits != KV_LR_BITS_MIXED) return NULL;
+    json_t *all = json_array();
+    for (int64_t u = 0; all && u < kv_lr_n_units(lr, l, which); u++) {
+        struct kv_lr_unit_info ui = kv_lr_unit_info(lr, l, which, u);
+        json_t *ub = json_array();
+        for (int b = 0; ub && b < ui.n_bands; b++)
+            json_array_append_new(ub, json_pack("[I, i]", (json_int_t)ui.bands[b].n, ui.bands[b].bits));
+        json_array_append_new(all, ub);
+    }
+    return all;
+}
+
+json_t *cli_bits_mix_json(const struct kv_lowrank *lr) {
+    int64_t n[KV_LR_MAX_BANDS];
+    bits_mix(lr, n);
+    json_t *o = json_object();
+    for (int w = 0; o && w < KV_LR_MAX_BANDS; w++) {
+        char k[8];
+        snprintf(k, sizeof k, "%d", mix_widths[w]);
+        json_object_set_new(o, k, json_integer((json_int_t)n[w]));
+    }
+    return o;
 }
 
 static void print_help(const struct cli_cmd *cmd) {

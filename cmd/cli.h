@@ -108,6 +108,20 @@ const char *cli_blas_note(char *buf, size_t cap);
 /* Add "blas_kernels" and "blas_faster" (the better set, or null) to o. */
 void cli_json_blas(json_t *o);
 
+/* A mixed-bit model's latent coordinates per token at each width, over
+ * every band of every compressed unit: "16-bit 40, 8-bit 212, ..." (the
+ * widths that hold any) into buf, and as {"16": n, "8": n, "4": n, "3": n,
+ * "2": n}. */
+const char *cli_bits_mix(const struct kv_lowrank *lr, char *buf, size_t cap);
+/* A unit's rank as a side's rank list prints it, after a comma unless it
+ * is the first: "12", or with bands "4@16+20@4" (n@bits). Appends at buf
+ * + *at, cap in all; *at moves past what was written (snprintf's count). */
+void cli_unit_rank(const struct kv_lr_unit_info *ui, int first, char *buf, size_t cap, size_t *at);
+/* Layer l's keys or values' bands, one [[n, bits], ...] per unit, or NULL
+ * when lr's bits are not mixed. */
+json_t *cli_side_bands_json(const struct kv_lowrank *lr, int64_t l, int which);
+json_t *cli_bits_mix_json(const struct kv_lowrank *lr);
+
 /* Load a model, honouring --tokenizer; prints errors. Returns 0 or EXIT_ERR. */
 int cli_load_model(const char *path, const char *tok_path, struct kv_model **m);
 

@@ -233,9 +233,7 @@ static void side_view(const struct kv_lowrank *lr, int64_t l, int which, int bit
     size_t n = 0;
     for (int64_t u = 0; u < kv_lr_n_units(lr, l, which); u++) {
         struct kv_lr_unit_info x = kv_lr_unit_info(lr, l, which, u);
-        if (n < sizeof v->ranks)
-            n += (size_t)snprintf(v->ranks + n, sizeof v->ranks - n, "%s%lld", u ? "," : "",
-                                  (long long)x.rank);
+        cli_unit_rank(&x, u == 0, v->ranks, sizeof v->ranks, &n);
     }
     kv_lr_side_error(lr, l, which, &v->energy, &v->dropped);
 }
@@ -258,9 +256,13 @@ static json_t *side_json(const struct kv_lowrank *lr, int64_t l, int which,
         json_array_append_new(ranks, json_integer(r));
         total += r;
     }
-    return json_pack("{s:s, s:o, s:I, s:o}", "mode", kv_lr_mode_name(kv_lr_mode_of(lr, l, which)),
-                     "ranks", ranks, "rank", (json_int_t)total, "predicted_error",
-                     cli_json_real(rel_err(v->dropped, v->energy)));
+    json_t *o = json_pack("{s:s, s:o, s:I, s:o}", "mode", kv_lr_mode_name(kv_lr_mode_of(lr, l, which)),
+                          "ranks", ranks, "rank", (json_int_t)total, "predicted_error",
+                          cli_json_real(rel_err(v->dropped, v->energy)));
+    json_t *bands = cli_side_bands_json(lr, l, which); /* mixed bits: [[n, bits], ...] per unit */
+    if (o && bands) json_object_set_new(o, "bands", bands);
+    else json_decref(bands);
+    return o;
 }
 
 /* `kvcal inspect DIR`: the manifest of a compressed model; with a model,
@@ -352,7 +354,12 @@ static int inspect_lowrank(const char *path, const char *mpath, const char *mode
         printf("           dim %lld, %lld layers, %lld heads (%lld kv), head_dim %lld\n",
                (long long)li.dim, (long long)li.n_layers, (long long)li.n_heads,
                (long long)li.n_kv_heads, (long long)li.head_dim);
-        if (li.kv_bits >= 16)
+        char mix[160];
+        if (li.kv_bits == KV_LR_BITS_MIXED)
+            printf("latent     mixed bits, each unit in bands (n@bits below; per band per-token "
+                   "asymmetric with an f16 scale and zero point below 16 bits): %s",
+                   cli_bits_mix(lr, mix, sizeof mix));
+        else if (li.kv_bits >= 16)
             printf("latent     f16, no quantization");
         else
             printf("latent     int%d codes, per-token asymmetric per unit with an f16 scale and "

@@ -199,8 +199,9 @@ static const struct cli_cmd verify_cmd = {
     verify_opts, (int)(sizeof verify_opts / sizeof verify_opts[0]), 0};
 
 static const char *latent_name(int bits) {
-    return bits == 16 ? "fp16"
-                      : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2");
+    return bits == KV_LR_BITS_MIXED ? "mixed-bit"
+           : bits == 16             ? "fp16"
+                        : (bits == 8 ? "int8" : bits == 4 ? "int4" : bits == 3 ? "int3" : "int2");
 }
 
 /* A compressed model's run against its base, as one JSON object or text. */
@@ -259,6 +260,7 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
             json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r->kl_ci[0]),
                                                         cli_json_real(r->kl_ci[1])));
         }
+        if (o && bits == KV_LR_BITS_MIXED) json_object_set_new(o, "latent_bits", cli_bits_mix_json(lr));
         json_tokenization(o, a, m);
         cli_json_blas(o);
         if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);
@@ -282,6 +284,10 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
            r->comp.ppl - r->base.ppl, 100 * (r->comp.ppl / r->base.ppl - 1));
     printf("nll         %-11.6f %.6f\n", r->base.nll, r->comp.nll);
     printf("kv bytes    %-11lld %lld per token   (%.4f of base)\n", (long long)base, (long long)comp, ratio);
+    if (bits == KV_LR_BITS_MIXED) {
+        char mix[160];
+        printf("latents     %s\n", cli_bits_mix(lr, mix, sizeof mix));
+    }
     printf("kl          %.6f nats per token, KL(base || compressed)\n", r->kl);
     printf("top-1       %.4f of positions agree\n", r->top1);
     char bn[160];
@@ -305,7 +311,8 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
         return cli_report(&err);
     }
     int bits = a->kv_bits ? (int)a->kv_bits : li.kv_bits;
-    kv_lr_set_kv_bits(lr, bits, &err); /* what the runtime is asked to cache; checked above */
+    if (bits != KV_LR_BITS_MIXED) /* what the runtime is asked to cache; checked above */
+        kv_lr_set_kv_bits(lr, bits, &err);
     struct kv_compare_result r;
     int rc = run_windows(m, lr, bits, dv, ts, a->seq_len, a->max_windows, a->quiet || a->json,
                          src, &r);

@@ -188,7 +188,11 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
         {"--method qr --ratio 0.5", "unknown --method 'qr' (svd, palu, eigen, lorc, fdc, zack)"},
         {"--alloc uniform --eps 0.9", "--eps applies to --alloc eps or global; --alloc uniform takes --ratio"},
         {"--group-size 3 --ratio 0.5", "--group-size 3 does not divide the model's 4 kv heads"},
-        {"--kv-bits 5 --ratio 0.5", "--kv-bits 5 is not one of 16, 8, 4, 3, 2"},
+        {"--kv-bits 5 --ratio 0.5", "--kv-bits 5 is not one of 16, 8, 4, 3, 2 or auto"},
+        {"--kv-bits four --ratio 0.5", "--kv-bits 'four' is not one of 16, 8, 4, 3, 2 or auto"},
+        {"--kv-bits auto --eps 0.9", "--kv-bits auto needs --ratio R: it shares that many bytes between ranks and bits"},
+        {"--kv-bits auto --alloc uniform --ratio 0.5",
+         "--kv-bits auto chooses the ranks itself: leave --alloc out or give global"},
         {"--alloc layer-budget --error-budget 0.1", "--alloc layer-budget needs --text (calibration windows)"},
         {"--ratio 0.5 --cond-skip 3", "--d-min, --d-max and --cond-skip apply to --alloc progressive"},
         {"--rank-multiple 0 --ratio 0.5", "--rank-multiple must be in 1..1048576"},
@@ -335,4 +339,43 @@ Test(cmd_decompose, quantized_latents_cost_more_at_fewer_bits) {
     cr_log_info("656K palu 0.5 hadamard: 16 bits %.4f, 8 bits %.4f, 2 bits %.4f", p16, p8, p2);
     cr_assert(fabs(p8 - p16) < 0.02 * p16, "8-bit latents should be close: %.4f vs %.4f", p8, p16);
     cr_assert(p2 > p8, "2-bit latents should cost more than 8-bit: %.4f vs %.4f", p2, p8);
+}
+
+/* --kv-bits auto: the cache it writes is within the ratio, verify counts
+ * its bands' bytes and runs them, a measured choice with --text is
+ * recorded, and the runtime refuses the bands by name. */
+Test(cmd_decompose, kv_bits_auto_writes_bands_verify_runs, .timeout = 120) {
+    char ma[2400], args[8192], dir[1200], part[4096], want[4096], *out;
+    model_args(1, ma, sizeof ma);
+    const char *st = stats_for(1);
+    KVT_NEED_SHARED(t, TEXT);
+    snprintf(dir, sizeof dir, "%s/auto", workdir());
+    snprintf(args, sizeof args,
+             "decompose %s -s '%s' --kv-bits auto --ratio 0.25 -t '%s' --seq-len 64 --windows 2 "
+             "-o '%s' --json -q",
+             ma, st, t, dir);
+    run_ok(args, &out);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je), *opt = o ? json_object_get(o, "options") : NULL;
+    cr_assert(opt, "not JSON with options (%s): %s", je.text, out);
+    cr_assert_str_eq(json_string_value(json_object_get(opt, "kv_bits")), "auto");
+    cr_assert(json_is_true(json_object_get(opt, "hadamard")));
+    cr_assert(json_is_object(json_object_get(opt, "probe_kl_fixed")), "%s", out);
+    double ratio = json_number_value(json_object_get(json_object_get(o, "kv_bytes_per_token"), "ratio"));
+    cr_assert(ratio <= 0.25 && ratio > 0.2, "ratio %g", ratio);
+    json_t *bands = json_object_get(json_object_get(json_array_get(json_object_get(o, "layers"), 0), "k"), "bands");
+    cr_assert(json_is_array(bands) && json_array_size(bands) > 0, "%s", out);
+    json_decref(o);
+    free(out);
+    snprintf(part, sizeof part, "%s --compressed '%s'", ma, dir);
+    snprintf(args, sizeof args, "verify %s --text '%s' --seq-len 128 --max-windows 2 --threads 2 --json", part, t);
+    run_ok(args, &out);
+    cr_assert(json_num(out, "kv_bits") == 0 && isfinite(json_num(out, "ppl")), "%s", out);
+    cr_assert(strstr(out, "\"latent_bits\""), "%s", out);
+    free(out);
+    snprintf(args, sizeof args, "verify %s --text '%s' --device twin --max-windows 1", part, t);
+    snprintf(want, sizeof want,
+             "kvcal: mixed latent bits (each unit's own bands, decompose --kv-bits auto) are not "
+             "supported by the runtime; verify them without --device, or with --kv-bits B\n");
+    expect_cli(args, 1, want);
 }

@@ -4,7 +4,8 @@
  * must match `kvcal verify --json` for the base model and for compressed
  * directories of every key mode (prerope_latent, fused_query,
  * postrope_rotation; values fused_output), single-head and two-head units,
- * at 16 bits and at 4 bits with a Hadamard rotation. Skips without node. */
+ * at 16 bits, at 4 bits with a Hadamard rotation and in mixed-bit bands
+ * (--kv-bits auto). Skips without node. */
 #include <jansson.h>
 #include <math.h>
 #include <stdint.h>
@@ -99,6 +100,8 @@ static void check_model(const char *model) {
         {"palu-g2", "--method palu --group-size 2 --ratio 0.5", 1e-7},
         {"zack", "--method zack --ratio 0.5", 1e-7},
         {"palu4h", "--method palu --ratio 0.2 --kv-bits 4 --hadamard", 2e-4},
+        /* bands of mixed bits, each quantized on its own */
+        {"palu-auto", "--method palu --group-size 2 --kv-bits auto --ratio 0.15", 2e-4},
     };
     double base_engine = engine_nll("base", model, tok);
     for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
