@@ -221,8 +221,8 @@ static double search_target(struct search *S, int64_t target, unsigned mask, str
         at_price(S, lo, mask, other, &bytes, &cost);
         if (bytes > target) break;
     }
-    if (bytes <= target) { /* everything fits: the cheapest costs at no price */
-        at_price(S, 0, mask, best, &bytes, &cost);
+    if (bytes <= target) { /* it fits at every price tried: the lowest one's */
+        memcpy(best, other, (size_t)n * sizeof *best);
         return cost;
     }
     for (it = 0; it < 50 && hi / lo > 1 + 1e-9; it++) {

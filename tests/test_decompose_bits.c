@@ -228,7 +228,7 @@ Test(decompose_bits, auto_run_meets_the_target_and_its_bands_run, .timeout = 240
     }
     kv_accum_sync(a);
     kv_accum_free(a);
-    const double ratios[] = {0.15, 0.25, 0.4};
+    const double ratios[] = {0.15, 0.25, 0.4, 1.0};
     for (size_t k = 0; k < sizeof ratios / sizeof ratios[0]; k++) {
         struct kv_decompose_opts o;
         kv_decompose_defaults(&o);
@@ -275,6 +275,19 @@ Test(decompose_bits, auto_run_meets_the_target_and_its_bands_run, .timeout = 240
         cr_assert_eq(kv_ppl_compare(m, lr, KV_LR_BITS_MIXED, tok, seq * 2, seq, 2, NULL, NULL, &r, &err),
                      KV_OK, "%s", fmt_err(&err));
         cr_assert(isfinite(r.kl) && r.kl >= 0);
+        if (ratios[k] == 1.0) { /* every byte: full rank in fp16, the base model */
+            for (int64_t l = 0; l < li.n_layers; l++)
+                for (int side = 0; side < 2; side++)
+                    for (int64_t u = 0; u < kv_lr_n_units(lr, l, side); u++) {
+                        struct kv_lr_unit_info ui = kv_lr_unit_info(lr, l, side, u);
+                        cr_assert(ui.n_bands == 1 && ui.bands[0].bits == 16 &&
+                                      ui.rank == ui.n_heads * c->head_dim,
+                                  "ratio 1: layer %lld side %d unit %lld: %d bands, rank %lld",
+                                  (long long)l, side, (long long)u, ui.n_bands, (long long)ui.rank);
+                    }
+            double want = r.base.nll;
+            kvt_assert_close_f64(&r.comp.nll, &want, 1, 0, 1e-6, "ratio 1: nll against the base");
+        }
         kv_lr_free(lr);
     }
     free(tok);
