@@ -232,7 +232,7 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     o->least_bytes = o->achieved_bytes = o->target_bytes = 0;
     o->target_reached = 1, o->odd_rank_units = 0, o->error_k = o->error_v = 0;
     o->objective = o->objective_uniform = 0, o->kept_uniform = 0;
-    o->probed = 0, o->probe_kl = o->probe_kl_uniform = 0, o->fixed_kept = 0;
+    o->probed = 0, o->probe_kl = o->probe_kl_uniform = 0, o->fixed_kept = 0, o->objective_mix = 0;
     for (int w = 0; w < KV_DECOMPOSE_N_WIDTHS; w++) o->objective_fixed[w] = o->probe_kl_fixed[w] = 0;
     int rc = check_all(m, s, o, err);
     if (rc) return rc;
@@ -244,7 +244,9 @@ int kv_decompose(const struct kv_model *m, const struct kv_stats *s,
     if (!rc && (a == KV_ALLOC_FISHER || (a == KV_ALLOC_GLOBAL && (o->fisher || (s && s->info.has_fisher)))))
         rc = kv_dec_fisher_scores(&x);
     int64_t base = kv_lr_base_bytes(c);
+    /* a ratio asks for at least one byte (a tiny one is then below the floor) */
     int64_t target = o->ratio > 0 ? (int64_t)llround(o->ratio * (double)base) : 0;
+    if (o->ratio > 0 && target < 1) target = 1;
     if (!rc && target > 0) rc = check_floor(&x, target, base);
     if (!rc) rc = allocate(&x, target);
     o->target_bytes = target;

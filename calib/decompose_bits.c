@@ -1,23 +1,26 @@
 /* --kv-bits auto: every slot's rank and bands of bits chosen together
  * under the byte target (docs/design.md, "Rank and bits together").
  *
- * The model. A slot keeps its first r basis directions in bands [a, e) of
- * strictly falling bits. A band's n latents are rotated by kv_la_hadamard(n)
- * (kv_lr_unit_hadamard) and quantized per token over the band (lrmodel.h):
- * step (max - min) / (2^b - 1), uniform rounding noise step²/12 on each
- * rotated coordinate. The range is modelled as that of n normals whose
- * variance is the largest a rotated coordinate has, the mean energy of the
- * band's top p directions (p the largest power of two <= n, the first
- * Hadamard block), so per token and coordinate the noise is
- *     c(n) λ_top / (12 (2^b - 1)²),   c(n) = E[range²] of n standard normals,
- * and because E[range²] scales with the token's variance the same holds
- * for the energies summed over tokens. The rotation is orthonormal, so each
- * of the band's directions j carries that noise, at a cost w_j per unit of
- * energy: w_j = c_j / Λ_j, with c_j what keeping direction j lowers global's
- * cost and Λ_j its latent energy (summed over the slot's units). fp16 bands
- * carry the rounding 2^-22/3 of their energy. A configuration costs global's
- * cost at its rank plus its bands' noise, and takes n_units Σ
- * kv_lr_unit_bytes(n, b) bytes per token.
+ * The model (docs/design.md has the derivation and its check). A slot keeps
+ * its first r basis directions in bands [a, e) of strictly falling bits. A
+ * band's n latents are rotated by kv_la_hadamard(n) (kv_lr_unit_hadamard)
+ * and quantized per token over the band (lrmodel.h): step (max - min) /
+ * (2^b - 1), rounding noise step²/12 on n - 2 of the n values (the token's
+ * min and max are stored exactly). E[range²] is that of normals:
+ * c(n_eff) λ_r, c(n) = E[range²] of n standard normals, λ_r the mean energy
+ * of the first Hadamard block's directions after the band's first (whose
+ * shift of the whole block the zero point absorbs), n_eff the values
+ * counted by their variance over λ_r; with more than one block, the first
+ * direction's energy past λ_r per value, ex, adds ex + √(2/π)·√(ex·that).
+ * E[range²] scales with the token's variance, so the same holds for the
+ * energies summed over tokens. The rotation is orthonormal, so each of the
+ * band's directions j carries the noise per value, at a cost w_j per unit
+ * of energy: w_j = c_j / Λ_j, with c_j what keeping direction j lowers
+ * global's cost and Λ_j its latent energy (summed over the slot's units).
+ * fp16 bands, and bands of one or two values, carry fp16's rounding,
+ * 2^-22/3 of their energy. A configuration costs global's cost at its rank
+ * plus its bands' noise, and takes n_units Σ kv_lr_unit_bytes(n, b) bytes
+ * per token.
  *
  * The search. For a price μ per byte every slot's cheapest cost + μ bytes
  * is an exact dynamic program over (where the last band ends, its width);
@@ -100,21 +103,25 @@ double kv_dec_band_noise(const double *c, const double *P, const double *W, cons
      * point absorbs: the range is that of the block's other directions, at
      * their mean energy */
     double top = (P[a + p] - P[a + 1]) / (double)(p - 1), q = (double)((1 << bits) - 1);
-    if (!(top > 0)) return 0;
-    /* the smaller blocks' values widen the range less: count each rotated
-     * value by its variance over the first block's, n_eff in [p, n], and
-     * read c between its neighbours */
-    double neff = 1.0 + (P[e] - P[a + 1]) / top;
-    neff = neff < (double)p ? (double)p : neff > (double)n ? (double)n : neff;
-    int64_t k = (int64_t)neff;
-    double cn = k >= n ? c[n] : c[k] + (neff - (double)k) * (c[k + 1] - c[k]);
-    double r2 = cn * top; /* E[range²] */
+    double r2 = 0; /* E[range²] */
+    if (top > 0) {
+        /* the smaller blocks' values widen the range less: count each
+         * rotated value by its variance over the first block's, n_eff in
+         * [p, n], and read c between its neighbours */
+        double neff = 1.0 + (P[e] - P[a + 1]) / top;
+        neff = neff < (double)p ? (double)p : neff > (double)n ? (double)n : neff;
+        int64_t k = (int64_t)neff;
+        double cn = k >= n ? c[n] : c[k] + (neff - (double)k) * (c[k + 1] - c[k]);
+        r2 = cn * top;
+    } else if (n > p) { /* no energy in the first block past its first direction */
+        top = 0;
+    }
     if (n > p) {
         /* with more blocks the first direction's shift s moves the first
          * block against the others: its energy beyond the others', per
          * value, widens the range by |s| on top of the rest (E|s| of a
          * normal s, and half the rest's range beside it) */
-        double ex = (P[a + 1] - P[a] - top) / (double)p;
+        double ex = (P[a + 1] - P[a] - (top > 0 ? top : 0)) / (double)p;
         if (ex > 0) r2 += ex + sqrt(2.0 / M_PI) * sqrt(ex * r2);
     }
     /* the row's min and max are stored exactly: n - 2 of n values round */
@@ -211,19 +218,21 @@ static double search_target(struct search *S, int64_t target, unsigned mask, str
     double cost, all = 0;
     for (int64_t i = 0; i < n; i++)
         if (!S->sm[i].skip) all += S->sm[i].T[0];
+    /* the cheapest choices at no price: when they fit, nothing to search */
+    at_price(S, 0, mask, best, &bytes, &cost);
+    if (bytes <= target) return cost;
+    /* a bracket [lo, hi] of prices, hi's choices within the target and
+     * lo's not: raise a price until it fits, then lower it until not */
     double hi = (all > 0 ? all : 1.0) / (double)(target > 0 ? target : 1), lo;
     int it = 0;
     for (at_price(S, hi, mask, best, &bytes, &cost); bytes > target && it < 200; it++)
         at_price(S, hi *= 4, mask, best, &bytes, &cost);
     if (bytes > target) return INFINITY;
-    lo = hi / 4;
-    for (it = 0; it < 200; it++, lo /= 4) {
+    for (lo = hi / 4, it = 0; it < 200; it++, lo /= 4) {
         at_price(S, lo, mask, other, &bytes, &cost);
         if (bytes > target) break;
-    }
-    if (bytes <= target) { /* it fits at every price tried: the lowest one's */
+        hi = lo;
         memcpy(best, other, (size_t)n * sizeof *best);
-        return cost;
     }
     for (it = 0; it < 50 && hi / lo > 1 + 1e-9; it++) {
         double mid = sqrt(lo * hi);
@@ -341,7 +350,8 @@ int kv_dec_auto_bits(struct kv_dec_ctx *x, int64_t target) {
         rc = kv_fail(x->err, KV_EINVAL, NULL, KV_NO_OFFSET, "no bits reach the byte target");
     if (rc) goto done;
     set_slots(x, cand + pick * n);
-    o->objective = obj[pick], o->fixed_kept = pick ? KV_DECOMPOSE_WIDTHS[pick - 1] : 0;
+    o->objective = obj[pick], o->objective_mix = obj[0];
+    o->fixed_kept = pick ? KV_DECOMPOSE_WIDTHS[pick - 1] : 0;
     o->probed = probe;
     o->probe_kl = probe ? kl[0] : 0;
     for (int w = 0; w < NW; w++) o->probe_kl_fixed[w] = probe ? kl[1 + w] : 0;

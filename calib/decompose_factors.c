@@ -209,6 +209,24 @@ static int fuse_query(const struct kv_model *m, int64_t l, struct kv_lr_layer *L
     return KV_OK;
 }
 
+/* --kv-bits auto: when every compressed unit is one band of one width B,
+ * the model is plain B bits (the band's rotation is the whole rank's), so
+ * a runtime without bands runs it. */
+static void one_width(struct kv_lowrank *lr) {
+    int width = 0;
+    for (int64_t l = 0; l < lr->info.n_layers; l++)
+        for (int w = 0; w < 2; w++) {
+            const struct kv_lr_side *sd = kv_lr_side(lr, l, w);
+            for (int64_t u = 0; sd->mode != KV_LR_FULL && u < sd->n_units; u++) {
+                const struct kv_lr_unit *un = &sd->units[u];
+                if (un->n_bands != 1 || (width && un->bands[0].bits != width)) return;
+                width = un->bands[0].bits;
+            }
+        }
+    struct kv_err ignore;
+    if (width) kv_lr_set_kv_bits(lr, width, &ignore); /* a listed width: cannot fail */
+}
+
 int kv_dec_build_lowrank(struct kv_dec_ctx *x, struct kv_lowrank **out) {
     const struct kv_model *m = x->m;
     const struct kv_config *c = &m->cfg;
@@ -251,6 +269,7 @@ int kv_dec_build_lowrank(struct kv_dec_ctx *x, struct kv_lowrank **out) {
             rc = fuse_query(m, l, &lr->layers[l], x->err);
     }
     if (!rc && x->o->hadamard) rc = kv_lr_fuse_hadamard(lr, x->err);
+    if (!rc && x->o->kv_bits == KV_DECOMPOSE_BITS_AUTO) one_width(lr);
     if (rc) {
         kv_lr_free(lr);
         return rc;

@@ -47,6 +47,7 @@ static json_t *options_record(const struct kv_decompose_opts *o) {
     if (jo && auto_bits) { /* "auto", the modelled costs of the mix and of each one width */
         json_object_set_new(jo, "kv_bits", json_string("auto"));
         json_object_set_new(jo, "objective", json_real_or_null(o->objective));
+        json_object_set_new(jo, "objective_mix", json_real_or_null(o->objective_mix));
         json_object_set_new(jo, "objective_fixed", per_width(o->objective_fixed));
         if (o->probed) { /* measured on the calibration windows: what chose */
             json_object_set_new(jo, "probe_kl", json_real_or_null(o->probe_kl));

@@ -489,6 +489,7 @@ struct kv_decompose_opts {
      * the target); fixed_kept the width whose one-width choice was kept
      * because it scored lower (0: the mix was kept) */
     double objective_fixed[5];
+    double objective_mix; /* the mix's own modelled cost */
     int fixed_kept;
     /* with calibration tokens (--text) the six choices are measured
      * instead: probe_kl the mix's calibration KL, probe_kl_fixed[w] each

@@ -355,6 +355,14 @@ static int open_model(const struct cli_cmd *cmd, const struct bench_args *a, str
     free(path);
     if (rc) return cli_report(&err);
     int64_t layers = a->layers == INT64_MIN ? 0 : a->layers;
+    if (kv_lr_info(b->lr).kv_bits == KV_LR_BITS_MIXED && a->kv_bits == INT64_MIN) {
+        fprintf(stderr,
+                "kvcal: %s: mixed latent bits (each unit's own bands, decompose --kv-bits auto) "
+                "are not supported by the runtime; time the same factors at one width with "
+                "--kv-bits B\n",
+                a->dir);
+        return EXIT_ERR;
+    }
     if (kvrt_bench_check_manifest(b->lr, layers, bench_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
     if (kvrt_bench_manifest(b->lr, layers, m, &err)) return cli_report(&err);

@@ -223,7 +223,7 @@ static int resolve_options(void) {
         char *end;
         long long v = strtoll(A.kv_bits, &end, 10);
         if (!strcmp(A.kv_bits, "auto")) A.o.kv_bits = KV_DECOMPOSE_BITS_AUTO;
-        else if (end != A.kv_bits && !*end) A.o.kv_bits = v; /* the library checks the value */
+        else if (end != A.kv_bits && !*end && v >= 0) A.o.kv_bits = v; /* the library checks it */
         else return cli_usage_error(&cmd, "--kv-bits '%s' is not one of " KV_LR_BITS_LIST " or auto", A.kv_bits);
     }
     if (A.basis) {
@@ -364,7 +364,7 @@ static void print_text(const struct inputs *in, const struct kv_lowrank *lr, dou
            o->hadamard ? ", hadamard" : "");
     printf("\nlayer  k mode  k ranks          k err    v mode  v ranks          v err    bytes/token\n");
     for (int64_t l = 0; l < kv_lr_info(lr).n_layers; l++) {
-        char kr[128], vr[128];
+        char kr[512], vr[512];
         side_ranks(lr, l, 0, kr, sizeof kr);
         side_ranks(lr, l, 1, vr, sizeof vr);
         int64_t lb = kv_lr_side_bytes(lr, l, 0, bits) + kv_lr_side_bytes(lr, l, 1, bits);
@@ -383,8 +383,11 @@ static void print_text(const struct inputs *in, const struct kv_lowrank *lr, dou
     if (o->ratio > 0) printf(" (target %.4f%s)", o->ratio, o->target_reached ? "" : ", not reachable");
     if (o->kv_bits == KV_DECOMPOSE_BITS_AUTO) {
         char mix[160];
-        printf("\nbits      %s\n          modelled cost %.6g; one width at the same target:",
-               cli_bits_mix(lr, mix, sizeof mix), o->objective);
+        printf("\nbits      %s\n          modelled cost of the mix %.6g; one width at the same "
+               "target:",
+               kv_lr_info(lr).kv_bits == KV_LR_BITS_MIXED ? cli_bits_mix(lr, mix, sizeof mix)
+                                                         : "one width for every unit",
+               o->objective_mix);
         for (int w = 0; w < KV_DECOMPOSE_N_WIDTHS; w++)
             printf("%s %d-bit %.6g", w ? "," : "", KV_DECOMPOSE_WIDTHS[w], o->objective_fixed[w]);
         if (o->probed) {

@@ -311,6 +311,15 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
         return cli_report(&err);
     }
     int bits = a->kv_bits ? (int)a->kv_bits : li.kv_bits;
+    if (dv->on && bits == KV_LR_BITS_MIXED) {
+        kv_lr_free(lr);
+        fprintf(stderr,
+                "kvcal: %s: mixed latent bits (each unit's own bands, decompose --kv-bits auto) "
+                "are not supported by the runtime; verify them without --device, or at one width "
+                "with --kv-bits B\n",
+                a->comp);
+        return EXIT_ERR;
+    }
     if (bits != KV_LR_BITS_MIXED) /* what the runtime is asked to cache; checked above */
         kv_lr_set_kv_bits(lr, bits, &err);
     struct kv_compare_result r;

@@ -321,9 +321,8 @@ static int plan_build(struct kvrt_plan *p, const struct kv_model *m, const struc
      * runtime's cache layout: verify runs them on the CPU */
     if (lr && lr->info.kv_bits == KV_LR_BITS_MIXED)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
-                       "mixed latent bits (each unit's own bands, decompose --kv-bits auto) are "
-                       "not supported by the runtime; verify them without --device, or with "
-                       "--kv-bits B");
+                       "mixed latent bits (each unit's own bands) are not supported by the "
+                       "runtime; run the factors at one width");
     if (lr && !kv_lr_bits_valid(lr->info.kv_bits))
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "kv bits %d is not one of " KV_LR_BITS_LIST,
                        lr->info.kv_bits);

@@ -534,7 +534,9 @@ int kv_lr_bits_valid(int64_t kv_bits);
  * kv_bits KV_LR_BITS_MIXED each unit is the sum of its bands, a band of n
  * coordinates at b bits taking kv_lr_unit_bytes(n, b). */
 int64_t kv_lr_base_bytes(const struct kv_config *cfg);
+/* kv_bits KV_LR_BITS_MIXED only for a model whose units have bands. */
 int64_t kv_lr_bytes(const struct kv_lowrank *lr, int kv_bits);
+/* kv_bits one of 16, 8, 4, 3, 2. */
 int64_t kv_lr_unit_bytes(int64_t rank, int kv_bits);
 /* The bytes per token of layer l's keys or values alone. */
 int64_t kv_lr_side_bytes(const struct kv_lowrank *lr, int64_t l, int which, int kv_bits);

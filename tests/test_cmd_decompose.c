@@ -190,6 +190,7 @@ Test(cmd_decompose, bad_options_are_usage_errors) {
         {"--group-size 3 --ratio 0.5", "--group-size 3 does not divide the model's 4 kv heads"},
         {"--kv-bits 5 --ratio 0.5", "--kv-bits 5 is not one of 16, 8, 4, 3, 2 or auto"},
         {"--kv-bits four --ratio 0.5", "--kv-bits 'four' is not one of 16, 8, 4, 3, 2 or auto"},
+        {"--kv-bits -1 --ratio 0.5", "--kv-bits '-1' is not one of 16, 8, 4, 3, 2 or auto"},
         {"--kv-bits auto --eps 0.9", "--kv-bits auto needs --ratio R: it shares that many bytes between ranks and bits"},
         {"--kv-bits auto --alloc uniform --ratio 0.5",
          "--kv-bits auto chooses the ranks itself: leave --alloc out or give global"},
@@ -342,25 +343,23 @@ Test(cmd_decompose, quantized_latents_cost_more_at_fewer_bits) {
 }
 
 /* --kv-bits auto: the cache it writes is within the ratio, verify counts
- * its bands' bytes and runs them, a measured choice with --text is
- * recorded, and the runtime refuses the bands by name. */
+ * its bands' bytes and runs them, the runtime refuses the bands by name,
+ * and with --text the choice kept is the one of least measured KL. */
 Test(cmd_decompose, kv_bits_auto_writes_bands_verify_runs, .timeout = 120) {
     char ma[2400], args[8192], dir[1200], part[4096], want[4096], *out;
     model_args(1, ma, sizeof ma);
     const char *st = stats_for(1);
     KVT_NEED_SHARED(t, TEXT);
     snprintf(dir, sizeof dir, "%s/auto", workdir());
-    snprintf(args, sizeof args,
-             "decompose %s -s '%s' --kv-bits auto --ratio 0.25 -t '%s' --seq-len 64 --windows 2 "
-             "-o '%s' --json -q",
-             ma, st, t, dir);
+    snprintf(args, sizeof args, "decompose %s -s '%s' --kv-bits auto --ratio 0.25 -o '%s' --json -q", ma,
+             st, dir);
     run_ok(args, &out);
     json_error_t je;
     json_t *o = json_loads(out, 0, &je), *opt = o ? json_object_get(o, "options") : NULL;
     cr_assert(opt, "not JSON with options (%s): %s", je.text, out);
     cr_assert_str_eq(json_string_value(json_object_get(opt, "kv_bits")), "auto");
     cr_assert(json_is_true(json_object_get(opt, "hadamard")));
-    cr_assert(json_is_object(json_object_get(opt, "probe_kl_fixed")), "%s", out);
+    cr_assert(json_is_null(json_object_get(opt, "fixed_kept")), "the model keeps the mix here: %s", out);
     double ratio = json_number_value(json_object_get(json_object_get(o, "kv_bytes_per_token"), "ratio"));
     cr_assert(ratio <= 0.25 && ratio > 0.2, "ratio %g", ratio);
     json_t *bands = json_object_get(json_object_get(json_array_get(json_object_get(o, "layers"), 0), "k"), "bands");
@@ -375,7 +374,37 @@ Test(cmd_decompose, kv_bits_auto_writes_bands_verify_runs, .timeout = 120) {
     free(out);
     snprintf(args, sizeof args, "verify %s --text '%s' --device twin --max-windows 1", part, t);
     snprintf(want, sizeof want,
-             "kvcal: mixed latent bits (each unit's own bands, decompose --kv-bits auto) are not "
-             "supported by the runtime; verify them without --device, or with --kv-bits B\n");
+             "kvcal: %s: mixed latent bits (each unit's own bands, decompose --kv-bits auto) are not "
+             "supported by the runtime; verify them without --device, or at one width with "
+             "--kv-bits B\n",
+             dir);
     expect_cli(args, 1, want);
+    snprintf(args, sizeof args, "bench-attn --manifest '%s' --device twin --iters 1", dir);
+    snprintf(want, sizeof want,
+             "kvcal: %s: mixed latent bits (each unit's own bands, decompose --kv-bits auto) are not "
+             "supported by the runtime; time the same factors at one width with --kv-bits B\n",
+             dir);
+    expect_cli(args, 1, want);
+
+    /* measured: the least calibration KL of the mix and the five widths */
+    snprintf(args, sizeof args,
+             "decompose %s -s '%s' --kv-bits auto --ratio 0.25 -t '%s' --seq-len 64 --windows 2 "
+             "-o '%s/auto-t' --json -q",
+             ma, st, t, workdir());
+    run_ok(args, &out);
+    o = json_loads(out, 0, &je), opt = o ? json_object_get(o, "options") : NULL;
+    cr_assert(opt, "not JSON with options (%s): %s", je.text, out);
+    json_t *pk = json_object_get(opt, "probe_kl_fixed"), *kept = json_object_get(opt, "fixed_kept");
+    cr_assert(json_is_object(pk) && json_is_number(json_object_get(opt, "probe_kl")), "%s", out);
+    double least = json_number_value(json_object_get(opt, "probe_kl"));
+    int want_kept = 0;
+    static const char *const widths[] = {"16", "8", "4", "3", "2"};
+    for (int w = 0; w < 5; w++) {
+        json_t *v = json_object_get(pk, widths[w]);
+        if (json_is_number(v) && json_number_value(v) < least)
+            least = json_number_value(v), want_kept = atoi(widths[w]);
+    }
+    cr_assert_eq(json_is_null(kept) ? 0 : (int)json_integer_value(kept), want_kept, "%s", out);
+    json_decref(o);
+    free(out);
 }

@@ -236,7 +236,8 @@ Test(decompose_bits, auto_run_meets_the_target_and_its_bands_run, .timeout = 240
         struct kv_lowrank *lr = NULL;
         cr_assert_eq(kv_decompose(m, s, &o, &lr, &err), KV_OK, "%s", fmt_err(&err));
         struct kv_lr_info li = kv_lr_info(lr);
-        cr_assert_eq(li.kv_bits, KV_LR_BITS_MIXED);
+        /* mixed, or one width when every unit came out one band of it */
+        cr_assert(li.kv_bits == KV_LR_BITS_MIXED || kv_lr_bits_valid(li.kv_bits), "kv_bits %d", li.kv_bits);
         cr_assert(li.hadamard && o.hadamard && o.alloc == KV_ALLOC_GLOBAL);
         /* bytes counted band by band from the public unit records */
         int64_t bytes = 0, base = kv_lr_base_bytes(c);
@@ -248,6 +249,10 @@ Test(decompose_bits, auto_run_meets_the_target_and_its_bands_run, .timeout = 240
                 }
                 for (int64_t u = 0; u < kv_lr_n_units(lr, l, side); u++) {
                     struct kv_lr_unit_info ui = kv_lr_unit_info(lr, l, side, u);
+                    if (li.kv_bits != KV_LR_BITS_MIXED) { /* one width: no bands left */
+                        cr_assert_eq(ui.n_bands, 0);
+                        ui.n_bands = 1, ui.bands[0] = (struct kv_lr_band){ui.rank, li.kv_bits};
+                    }
                     char why[160];
                     cr_assert_eq(kv_lr_bands_check(ui.bands, ui.n_bands, ui.rank, why, sizeof why), KV_OK,
                                  "layer %lld side %d unit %lld: %s", (long long)l, side, (long long)u, why);
@@ -256,34 +261,41 @@ Test(decompose_bits, auto_run_meets_the_target_and_its_bands_run, .timeout = 240
                                                         : (ui.bands[b].n * ui.bands[b].bits + 7) / 8 + 4;
                 }
             }
-        cr_assert_eq(bytes, kv_lr_bytes(lr, KV_LR_BITS_MIXED), "bytes by hand %lld, kv_lr_bytes %lld",
-                     (long long)bytes, (long long)kv_lr_bytes(lr, KV_LR_BITS_MIXED));
+        cr_assert_eq(bytes, kv_lr_bytes(lr, li.kv_bits), "bytes by hand %lld, kv_lr_bytes %lld",
+                     (long long)bytes, (long long)kv_lr_bytes(lr, li.kv_bits));
         cr_assert_leq(bytes, o.target_bytes, "ratio %g: %lld bytes over the target %lld", ratios[k],
                       (long long)bytes, (long long)o.target_bytes);
         cr_assert_eq(o.achieved_bytes, bytes);
-        /* the mix is no worse in the model than any one width */
+        /* the choice kept is the least modelled cost of the mix and the
+         * widths, and says which (the mix's own search can lose to one
+         * width's: each bisects its own price, and the byte overhead of a
+         * quantized band leaves gaps; seen at 0.15 on this model) */
+        double least = o.objective_mix;
+        int want_kept = 0;
         for (int w = 0; w < KV_DECOMPOSE_N_WIDTHS; w++)
-            cr_assert_leq(o.objective, o.objective_fixed[w] * (1 + 1e-12),
-                          "ratio %g: mix %g above %d-bit %g", ratios[k], o.objective,
-                          KV_DECOMPOSE_WIDTHS[w], o.objective_fixed[w]);
+            if (o.objective_fixed[w] < least) least = o.objective_fixed[w], want_kept = KV_DECOMPOSE_WIDTHS[w];
+        cr_assert(o.objective == least && o.fixed_kept == want_kept,
+                  "ratio %g: kept %g (width %d), least %g (width %d)", ratios[k], o.objective,
+                  o.fixed_kept, least, want_kept);
+        if (want_kept) cr_assert_eq(li.kv_bits, want_kept, "ratio %g: %d-bit kept", ratios[k], want_kept);
         cr_log_info("ratio %g: %lld of %lld bytes, modelled cost %.4g (16 %.4g, 8 %.4g, 4 %.4g, 3 %.4g, 2 %.4g)",
-                    ratios[k], (long long)bytes, (long long)base, o.objective, o.objective_fixed[0],
+                    ratios[k], (long long)bytes, (long long)base, o.objective_mix, o.objective_fixed[0],
                     o.objective_fixed[1], o.objective_fixed[2], o.objective_fixed[3],
                     o.objective_fixed[4]);
         /* and it runs: the forward pass takes the bands */
         struct kv_compare_result r;
-        cr_assert_eq(kv_ppl_compare(m, lr, KV_LR_BITS_MIXED, tok, seq * 2, seq, 2, NULL, NULL, &r, &err),
+        cr_assert_eq(kv_ppl_compare(m, lr, li.kv_bits, tok, seq * 2, seq, 2, NULL, NULL, &r, &err),
                      KV_OK, "%s", fmt_err(&err));
         cr_assert(isfinite(r.kl) && r.kl >= 0);
         if (ratios[k] == 1.0) { /* every byte: full rank in fp16, the base model */
+            cr_assert_eq(li.kv_bits, 16, "ratio 1: kv_bits %d", li.kv_bits);
             for (int64_t l = 0; l < li.n_layers; l++)
                 for (int side = 0; side < 2; side++)
                     for (int64_t u = 0; u < kv_lr_n_units(lr, l, side); u++) {
                         struct kv_lr_unit_info ui = kv_lr_unit_info(lr, l, side, u);
-                        cr_assert(ui.n_bands == 1 && ui.bands[0].bits == 16 &&
-                                      ui.rank == ui.n_heads * c->head_dim,
-                                  "ratio 1: layer %lld side %d unit %lld: %d bands, rank %lld",
-                                  (long long)l, side, (long long)u, ui.n_bands, (long long)ui.rank);
+                        cr_assert(ui.rank == ui.n_heads * c->head_dim,
+                                  "ratio 1: layer %lld side %d unit %lld: rank %lld", (long long)l,
+                                  side, (long long)u, (long long)ui.rank);
                     }
             double want = r.base.nll;
             kvt_assert_close_f64(&r.comp.nll, &want, 1, 0, 1e-6, "ratio 1: nll against the base");
