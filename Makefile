@@ -40,10 +40,19 @@ LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
                 libcriterion-dev libjansson-dev nettle-dev zlib1g-dev bible-kjv \
-                libpcre2-dev libutf8proc-dev
+                libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)
+MPICC ?= mpicc
+MPI ?= $(shell command -v $(MPICC) >/dev/null 2>&1 && echo 1 || echo 0)
+ifeq ($(MPI),1)
+MPI_BIN := $(BUILD)/mpi/kvcal
+MPI_OBJ := $(CMD_SRC:%.c=$(BUILD)/mpi/obj/%.o)
+else
+MPI_BIN :=
+MPI_OBJ :=
+endif
 
 # The runtime (libkvrt, kernels/): its C files and CPU twin always; the CUDA
 # kernels when nvcc is found (make CUDA=0 to leave them out), built for
@@ -81,7 +90,7 @@ export KVCAL_SHARED
 .PHONY: all deps node-deps golden-tokenizers test bench bench-8b results results-kjv clean install fuzz check-san data fixtures demo layer-flags \
         installed-headers
 all: $(BUILD)/kvcal $(BUILD)/libkvcal.a $(BUILD)/libkvrt.a $(KVRT_SO) \
-     $(INSTALLED_H)
+     $(INSTALLED_H) $(MPI_BIN)
 
 # For tests/layers.sh: each folder's include paths, and the installed headers.
 layer-flags:
@@ -150,6 +159,19 @@ $(foreach h,$(PUBLIC_H),$(eval $(call install_h,$(h))))
 
 $(BUILD)/kvcal: $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
 	$(CC) $(CMD_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a $(LDLIBS) $(LDLIBS_CUDA) -o $@
+
+# MPI (Open MPI from Debian): when mpicc is found (make MPI=0 leaves it out,
+# make MPI=1 insists), also build/mpi/kvcal: the same commands, compiled
+# with mpicc and -DKV_MPI, whose collect spreads its windows over the ranks
+# of `mpirun` (cmd/mpi.c). build/kvcal and the libraries stay MPI-free.
+ifeq ($(MPI),1)
+$(BUILD)/mpi/obj/%.o: %.c | $(INSTALLED_H)
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -DKV_MPI=1 $(INC_$(call layer,$<)) -c $< -o $@
+
+$(MPI_BIN): $(MPI_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a
+	$(MPICC) $(MPI_OBJ) $(BUILD)/libkvrt.a $(BUILD)/libkvcal.a $(LDLIBS) $(LDLIBS_CUDA) -o $@
+endif
 
 $(BUILD)/obj/tests/%.o: tests/%.c
 	@mkdir -p $(dir $@)

@@ -150,8 +150,10 @@ static void print_help(const struct cli_cmd *cmd) {
  * character shown as U+FFFD: a path or a file's string that is not text
  * never reaches the terminal raw. */
 static void print_message(const char *prefix, const char *msg) {
-    char *r = kv_utf8_repair(msg);
-    fprintf(stderr, "%s%s\n", prefix, r ? r : msg);
+    char *r = kv_utf8_repair(msg), rank[48] = "";
+    /* under mpirun, whose ranks share one stderr: which rank says it */
+    if (cli_mpi_size() > 1) snprintf(rank, sizeof rank, "rank %d of %d: ", cli_mpi_rank(), cli_mpi_size());
+    fprintf(stderr, "%s%s%s\n", prefix, rank, r ? r : msg);
     free(r);
 }
 
@@ -162,7 +164,10 @@ int cli_usage_error(const struct cli_cmd *cmd, const char *fmt, ...) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     snprintf(prefix, sizeof prefix, "kvcal %s: ", cmd->name);
-    print_message(prefix, msg);
+    if (cli_mpi_rank() > 0) return EXIT_USAGE; /* every rank has the same command line: rank 0 says it */
+    char *r = kv_utf8_repair(msg);
+    fprintf(stderr, "%s%s\n", prefix, r ? r : msg);
+    free(r);
     fprintf(stderr, "usage: kvcal %s %s (see 'kvcal %s --help')\n", cmd->name, cmd->usage,
             cmd->name);
     return EXIT_USAGE;

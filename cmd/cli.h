@@ -122,6 +122,21 @@ void cli_unit_rank(const struct kv_lr_unit_info *ui, int first, char *buf, size_
 json_t *cli_side_bands_json(const struct kv_lowrank *lr, int64_t l, int which);
 json_t *cli_bits_mix_json(const struct kv_lowrank *lr);
 
+/* MPI (cmd/mpi.c): in the MPI build (build/mpi/kvcal) a process started
+ * by a launcher such as mpirun joins MPI_COMM_WORLD; otherwise, and in the
+ * plain build, it is rank 0 of 1. Messages of cli_report and friends name
+ * the rank when there are several. */
+void cli_mpi_init(int *argc, char ***argv);
+void cli_mpi_finalize(void);
+int cli_mpi_rank(void);
+int cli_mpi_size(void);
+/* Whether any rank's failed is non-zero (every rank calls it). */
+int cli_mpi_any_failed(int failed);
+/* Rank from's file src copied to dst on rank 0 (created, synced), by
+ * messages: every rank calls it; 0, or 1 with the reason in msg on the
+ * rank that failed (from's read, or rank 0's write). */
+int cli_mpi_file_to_root(int from, const char *src, const char *dst, char *msg, size_t cap);
+
 /* Load a model, honouring --tokenizer; prints errors. Returns 0 or EXIT_ERR. */
 int cli_load_model(const char *path, const char *tok_path, struct kv_model **m);
 

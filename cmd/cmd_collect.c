@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -108,11 +109,18 @@ static const struct cli_cmd collect_cmd = {
     "rewritten atomically every K windows; after a crash or Ctrl-C, run the same\n"
     "command with --resume and the result is bit-identical to an uninterrupted run\n"
     "with the same thread count.\n"
+    "\n"
+    "under mpirun (the MPI build, build/mpi/kvcal) rank I of N takes --shard I/N,\n"
+    "writing OUT.rankIofN (checkpointed; --resume continues each rank's), and rank 0\n"
+    "receives the others' in rank order and merges them into OUT: the bytes of\n"
+    "--shard I/N on every I then 'kvcal merge'. --threads is per rank. A rank that\n"
+    "fails says so in one line naming its rank, and no OUT is written.\n"
     "\nexamples:\n"
     "  kvcal collect -m stories260K.bin --tokenizer tok512.bin -t val1k.txt -o s.kvstats\n"
     "  kvcal collect -m tinystories-656K -t c4-part1.jsonl.gz -t c4-part2.jsonl.gz \\\n"
     "      --samples 512 --seed 1 --seq-len 256 --checkpoint-every 64 -o 656K.kvstats\n"
     "  kvcal collect ... --shard 0/2 -o a.kvstats   # and --shard 1/2 -o b.kvstats\n"
+    "  mpirun -n 8 build/mpi/kvcal collect ... --threads 16 -o all.kvstats\n"
     "  kvcal collect -m tinystories-656K -t val1k.txt --samples 256 --fisher -o f.kvstats\n"
     "  kvcal inspect 656K.kvstats --model tinystories-656K\n",
     collect_opts, (int)(sizeof collect_opts / sizeof collect_opts[0]), 0};
@@ -218,7 +226,8 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
     struct kv_stats *s = NULL;
     struct kv_err err;
     kv_err_clear(&err);
-    int rc, quiet = a->quiet || a->json;
+    int mpi = cli_mpi_size() > 1; /* rank 0 prints for all, after the merge */
+    int rc, quiet = a->quiet || a->json || (mpi && cli_mpi_rank() > 0);
     if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
     const struct kv_tokenizer *tok = kv_model_tokenizer(m);
     if (!tok) {
@@ -247,6 +256,8 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
     if (rc) {
         cli_report(&err);
         rc = interrupted ? 128 + SIGINT : EXIT_ERR; /* as a shell reports an interrupted command */
+    } else if (mpi) {
+        /* each rank's shard is written; the merge and the summary follow */
     } else if (a->json) {
         rc = print_json(a, s, o);
     } else {
@@ -256,6 +267,60 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
     kv_calib_free(c);
     kv_model_close(m);
     return rc;
+}
+
+/* Under mpirun (the MPI build): every rank has written its shard (rank I
+ * of N is --shard I/N) to OUT.rankIofN; rank 0 receives the others' in rank
+ * order and merges them into OUT (kv_stats_merge_files: the bytes of
+ * collect --shard then merge), then the shards go. A failure anywhere
+ * leaves no OUT; the failing rank has said why, and each rank's shard is
+ * kept for --resume. */
+static int mpi_merge(const struct collect_args *a, int rc) {
+    int rank = cli_mpi_rank(), n = cli_mpi_size();
+    if (cli_mpi_any_failed(rc)) return rc ? rc : EXIT_ERR;
+    size_t cap = strlen(a->output) + 48;
+    char **paths = calloc((size_t)n, sizeof *paths), msg[1024] = "";
+    int fail = !paths;
+    for (int r = 0; r < n && !fail; r++) {
+        if (!(paths[r] = malloc(cap))) fail = 1;
+        else snprintf(paths[r], cap, r ? "%s.rank%dof%d.recv" : "%s.rank%dof%d", a->output, r, n);
+    }
+    if (fail) snprintf(msg, sizeof msg, "out of memory");
+    char own[4096];
+    snprintf(own, sizeof own, "%s.rank%dof%d", a->output, rank, n);
+    for (int r = 1; r < n && !cli_mpi_any_failed(fail); r++)
+        fail = cli_mpi_file_to_root(r, own, paths ? paths[r] : "", msg, sizeof msg);
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_stats *acc = NULL;
+    if (rank == 0 && !fail && kv_stats_merge_files((const char *const *)paths, n, a->output, &acc, &err)) {
+        kv_err_format(&err, msg, sizeof msg, 0);
+        fail = 1;
+    }
+    if (fail) fprintf(stderr, "kvcal: rank %d of %d: %s\n", rank, n, msg);
+    for (int r = 1; rank == 0 && paths && r < n; r++)
+        if (paths[r]) unlink(paths[r]);
+    int any = cli_mpi_any_failed(fail);
+    if (!any) unlink(own); /* merged into OUT */
+    if (!any && rank == 0) {
+        struct kv_stats_info si = kv_stats_info(acc);
+        if (a->json)
+            any = cli_print_json(json_pack("{s:o, s:i, s:s, s:I, s:I, s:I, s:b}", "output",
+                                           cli_json_text(a->output), "ranks", n, "fingerprint",
+                                           si.fingerprint, "seq_len", (json_int_t)si.seq_len,
+                                           "tokens", (json_int_t)si.tokens, "windows",
+                                           (json_int_t)si.windows, "fisher", si.has_fisher),
+                                 JSON_INDENT(2)) != EXIT_OK;
+        else
+            printf("merged    %d ranks (rank I took --shard I/%d): %lld tokens in %lld windows of "
+                   "%lld%s\nwrote     %s\n",
+                   n, n, (long long)si.tokens, (long long)si.windows, (long long)si.seq_len,
+                   si.has_fisher ? ", with fisher statistics" : "", a->output);
+    }
+    kv_stats_free(acc);
+    for (int r = 0; paths && r < n; r++) free(paths[r]);
+    free(paths);
+    return any ? EXIT_ERR : EXIT_OK;
 }
 
 int cmd_collect(int argc, char **argv) {
@@ -291,9 +356,20 @@ int cmd_collect(int argc, char **argv) {
     if (a->shard && (parse_shard(a->shard, &copt.shard_index, &copt.shard_count) ||
                      !kv_calib_shard_valid(copt.shard_index, copt.shard_count)))
         return cli_usage_error(cmd, "--shard needs I/N with 0 <= I < N, got '%s'", a->shard);
+    int n_ranks = cli_mpi_size();
+    char rank_out[4096];
+    if (n_ranks > 1) { /* rank I of N takes --shard I/N into OUT.rankIofN */
+        if (a->shard)
+            return cli_usage_error(cmd, "--shard splits the plan by hand; under mpirun each rank "
+                                        "takes its own share already");
+        copt.shard_index = cli_mpi_rank(), copt.shard_count = n_ranks;
+        snprintf(rank_out, sizeof rank_out, "%s.rank%dof%d", a->output, cli_mpi_rank(), n_ranks);
+        o.out_path = rank_out;
+    }
     kv_set_threads((int)a->threads);
     if (kv_collect_check_output(&o, a->resume, a->model, a->texts.v, a->texts.n, collect_names,
                                 &err))
-        return cli_report_refusal(&err);
-    return collect(a, &o);
+        return n_ranks > 1 ? mpi_merge(a, cli_report_refusal(&err)) : cli_report_refusal(&err);
+    rc = collect(a, &o);
+    return n_ranks > 1 ? mpi_merge(a, rc) : rc;
 }

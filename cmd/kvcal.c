@@ -52,7 +52,7 @@ static int edit_distance(const char *a, const char *b) {
     return d[la][lb];
 }
 
-int main(int argc, char **argv) {
+static int run(int argc, char **argv) {
     /* past a file-size limit (ulimit -f) a write then fails with EFBIG,
      * which every writer reports and cleans up after, instead of the
      * process dying silently with its temporary left behind */
@@ -95,4 +95,11 @@ int main(int argc, char **argv) {
     else
         fprintf(stderr, "kvcal: unknown command '%s'; run 'kvcal help' for the list\n", name);
     return EXIT_USAGE;
+}
+
+int main(int argc, char **argv) {
+    cli_mpi_init(&argc, &argv);
+    int rc = run(argc, argv);
+    cli_mpi_finalize();
+    return rc;
 }
