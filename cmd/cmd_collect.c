@@ -367,6 +367,14 @@ int cmd_collect(int argc, char **argv) {
         o.out_path = rank_out;
     }
     kv_set_threads((int)a->threads);
+    if (n_ranks > 1) { /* OUT itself, before any rank starts: rank 0 writes it at the end */
+        struct kv_collect_opts whole = o;
+        whole.out_path = a->output;
+        int bad = cli_mpi_rank() == 0 && kv_collect_check_output(&whole, 1, a->model, a->texts.v,
+                                                                  a->texts.n, collect_names, &err);
+        if (bad) cli_report_refusal(&err);
+        if (cli_mpi_any_failed(bad)) return EXIT_ERR;
+    }
     if (kv_collect_check_output(&o, a->resume, a->model, a->texts.v, a->texts.n, collect_names,
                                 &err))
         return n_ranks > 1 ? mpi_merge(a, cli_report_refusal(&err)) : cli_report_refusal(&err);

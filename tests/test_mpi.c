@@ -120,6 +120,25 @@ Test(mpi, a_failing_rank_names_itself_and_leaves_no_output, .timeout = 600) {
     kvt_rm_dir(dir);
 }
 
+/* OUT itself is checked before any rank starts. */
+Test(mpi, a_bad_output_is_refused_before_the_work, .timeout = 600) {
+    need_mpi();
+    char *dir = kvt_temp_dir(), *out = kvt_path(dir, "d.kvstats"), args[4096], *o, *e;
+    cr_assert_eq(mkdir(out, 0755), 0);
+    snprintf(args, sizeof args, "collect " ARGS " -o '%s'", out);
+    int rc = run_mpi(2, args, &o, &e);
+    cr_assert_eq(rc, 1, "exit %d\n%s", rc, e);
+    char want[1400];
+    snprintf(want, sizeof want, "kvcal: rank 0 of 2: %s: is a directory; --output names the statistics file\n",
+             out);
+    cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
+    char p[1200];
+    snprintf(p, sizeof p, "%s.rank1of2", out);
+    cr_assert(access(p, F_OK) != 0, "rank 1 started: %s exists", p);
+    free(o), free(e), free(out);
+    kvt_rm_dir(dir);
+}
+
 Test(mpi, shard_is_refused_under_mpirun, .timeout = 600) {
     need_mpi();
     char *dir = kvt_temp_dir(), *out = kvt_path(dir, "x.kvstats"), args[4096], *o, *e;
