@@ -53,11 +53,8 @@ int64_t kv_dec_eps_rank(const struct kv_dec_slot *sl, double eps) {
 
 static int64_t slot_bytes(const struct kv_dec_slot *sl, int64_t rank, int bits) {
     if (sl->skip) return sl->n_units * sl->m * 2;
-    if (bits == KV_DECOMPOSE_BITS_AUTO) { /* the slot's bands (kv_dec_auto_bits) */
-        int64_t b = 0;
-        for (int i = 0; i < sl->n_bands; i++) b += kv_lr_unit_bytes(sl->bands[i].n, sl->bands[i].bits);
-        return sl->n_units * b;
-    }
+    if (bits == KV_DECOMPOSE_BITS_AUTO) /* the slot's bands (kv_dec_auto_bits) */
+        return sl->n_units * kv_lr_bands_bytes(sl->bands, sl->n_bands);
     return sl->n_units * kv_lr_unit_bytes(rank, bits);
 }
 

@@ -40,7 +40,7 @@
 const int KV_DECOMPOSE_WIDTHS[KV_DECOMPOSE_N_WIDTHS] = {16, 8, 4, 3, 2};
 #define NW KV_DECOMPOSE_N_WIDTHS
 #define FP16_REL (0x1p-22 / 3.0) /* mean square of fp16's relative rounding */
-#define START (-2)                 /* slot_best's arg of a first band */
+#define START (-2)                 /* kv_dec_best_bands' arg of a first band */
 
 /* ---- c(n) */
 
@@ -103,7 +103,8 @@ double kv_dec_band_noise(const double *c, const double *P, const double *W, cons
      * point absorbs: the range is that of the block's other directions, at
      * their mean energy */
     double top = (P[a + p] - P[a + 1]) / (double)(p - 1), q = (double)((1 << bits) - 1);
-    double r2 = 0; /* E[range²] */
+    if (!(top > 0)) top = 0; /* no energy in the first block past its first direction */
+    double r2 = 0;           /* E[range²] */
     if (top > 0) {
         /* the smaller blocks' values widen the range less: count each
          * rotated value by its variance over the first block's, n_eff in
@@ -113,15 +114,13 @@ double kv_dec_band_noise(const double *c, const double *P, const double *W, cons
         int64_t k = (int64_t)neff;
         double cn = k >= n ? c[n] : c[k] + (neff - (double)k) * (c[k + 1] - c[k]);
         r2 = cn * top;
-    } else if (n > p) { /* no energy in the first block past its first direction */
-        top = 0;
     }
     if (n > p) {
         /* with more blocks the first direction's shift s moves the first
          * block against the others: its energy beyond the others', per
          * value, widens the range by |s| on top of the rest (E|s| of a
          * normal s, and half the rest's range beside it) */
-        double ex = (P[a + 1] - P[a] - (top > 0 ? top : 0)) / (double)p;
+        double ex = (P[a + 1] - P[a] - top) / (double)p;
         if (ex > 0) r2 += ex + sqrt(2.0 / M_PI) * sqrt(ex * r2);
     }
     /* the row's min and max are stored exactly: n - 2 of n values round */

@@ -75,12 +75,15 @@ int kv_lr_unit_bands(const struct kv_lr_unit *un, int kv_bits, struct kv_lr_band
     return 1;
 }
 
-int64_t kv_lr_unit_bytes_at(const struct kv_lr_unit *un, int kv_bits) {
-    struct kv_lr_band b[KV_LR_MAX_BANDS];
-    int n = kv_lr_unit_bands(un, kv_bits, b);
+int64_t kv_lr_bands_bytes(const struct kv_lr_band *b, int n) {
     int64_t bytes = 0;
     for (int i = 0; i < n; i++) bytes += kv_lr_unit_bytes(b[i].n, b[i].bits);
     return bytes;
+}
+
+int64_t kv_lr_unit_bytes_at(const struct kv_lr_unit *un, int kv_bits) {
+    struct kv_lr_band b[KV_LR_MAX_BANDS];
+    return kv_lr_bands_bytes(b, kv_lr_unit_bands(un, kv_bits, b));
 }
 
 int kv_lr_bands_check(const struct kv_lr_band *b, int n, int64_t r, char *why, size_t why_len) {

@@ -47,6 +47,8 @@ void kv_lr_unit_hadamard(const struct kv_lr_unit *un, double *h);
 /* The bands unit un is stored in at kv_bits: its own at KV_LR_BITS_MIXED,
  * else one band of its whole rank at kv_bits. Returns their count. */
 int kv_lr_unit_bands(const struct kv_lr_unit *un, int kv_bits, struct kv_lr_band out[KV_LR_MAX_BANDS]);
+/* The bytes per token of n bands: Σ kv_lr_unit_bytes(b[i].n, b[i].bits). */
+int64_t kv_lr_bands_bytes(const struct kv_lr_band *b, int n);
 /* The bytes per token of unit un at kv_bits (kv_lr_unit_bands). */
 int64_t kv_lr_unit_bytes_at(const struct kv_lr_unit *un, int kv_bits);
 /* Whether n bands b are well formed for a unit of rank r: 1 ..
