@@ -132,6 +132,16 @@ int cli_mpi_rank(void);
 int cli_mpi_size(void);
 /* Whether any rank's failed is non-zero (every rank calls it). */
 int cli_mpi_any_failed(int failed);
+/* v[0..n) summed (cli_mpi_sum) or maximised (cli_mpi_max) element-wise
+ * over the ranks, in place on every rank (every rank calls it). */
+void cli_mpi_sum(double *v, int64_t n);
+void cli_mpi_max(double *v, int64_t n);
+/* After mpirun stopped the job (this rank got SIGTERM): the ranks on this
+ * host whose process has ended, as "1, 3" in list, and their count; 0
+ * when none is known (a peer on another host, or the user stopped the
+ * job). *speak: whether no lower rank is still running, so that this rank
+ * reports for the job and the message is said once. */
+int cli_mpi_dead_ranks(char *list, size_t cap, int *speak);
 /* Rank from's file src copied to dst on rank 0 (created, synced), by
  * messages: every rank calls it; 0, or 1 with the reason in msg on the
  * rank that failed (from's read, or rank 0's write). */

@@ -114,7 +114,10 @@ static const struct cli_cmd collect_cmd = {
     "writing OUT.rankIofN (checkpointed; --resume continues each rank's), and rank 0\n"
     "receives the others' in rank order and merges them into OUT: the bytes of\n"
     "--shard I/N on every I then 'kvcal merge'. --threads is per rank. A rank that\n"
-    "fails says so in one line naming its rank, and no OUT is written.\n"
+    "fails says so in one line naming its rank, and no OUT is written. When a rank\n"
+    "dies (killed, crashed), mpirun stops the others; each saves its checkpoint and\n"
+    "the lowest rank still running names the dead one (on its host) in one line\n"
+    "(mpirun -q keeps mpirun's own banner out); rerun with --resume.\n"
     "\nexamples:\n"
     "  kvcal collect -m stories260K.bin --tokenizer tok512.bin -t val1k.txt -o s.kvstats\n"
     "  kvcal collect -m tinystories-656K -t c4-part1.jsonl.gz -t c4-part2.jsonl.gz \\\n"
@@ -218,6 +221,23 @@ static int run_windows(const struct kv_model *m, struct kv_calib *c, struct kv_s
     return rc;
 }
 
+/* Under mpirun, this rank stopped by a signal: mpirun stops every rank
+ * when one dies. The lowest rank still running says so once, naming the
+ * dead when they ran on its host; without one known dead (the user
+ * stopped the job, or the dead ran elsewhere) rank 0 says it was
+ * interrupted. Each rank has saved its checkpoint. */
+static void say_stopped(const struct collect_args *a, const struct kv_err *err) {
+    char dead[256];
+    int speak = 0, n = cli_mpi_dead_ranks(dead, sizeof dead, &speak);
+    if (n > 0 && speak)
+        fprintf(stderr,
+                "kvcal: rank%s %s of %d: ended before finishing (killed or crashed); %s was not "
+                "written, and each other rank's checkpoint is kept for --resume\n",
+                n > 1 ? "s" : "", dead, cli_mpi_size(), a->output);
+    else if (n == 0 && cli_mpi_rank() == 0)
+        cli_report(err);
+}
+
 /* Everything after the checks: the model, the inputs, the statistics to
  * continue or start, the run and its summary. */
 static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
@@ -253,7 +273,10 @@ static int collect(const struct collect_args *a, struct kv_collect_opts *o) {
         fprintf(stderr, "resuming %s at window %lld of %lld\n", a->output,
                 (long long)o->resumed_from, (long long)kv_stats_info(s).plan_windows);
     if (!rc) rc = run_windows(m, c, s, o, quiet, &err);
-    if (rc) {
+    if (rc && interrupted && mpi) {
+        say_stopped(a, &err);
+        rc = 128 + SIGINT;
+    } else if (rc) {
         cli_report(&err);
         rc = interrupted ? 128 + SIGINT : EXIT_ERR; /* as a shell reports an interrupted command */
     } else if (mpi) {
@@ -379,5 +402,7 @@ int cmd_collect(int argc, char **argv) {
                                 &err))
         return n_ranks > 1 ? mpi_merge(a, cli_report_refusal(&err)) : cli_report_refusal(&err);
     rc = collect(a, &o);
+    /* stopped by mpirun (or the user): no merge, the ranks keep their checkpoints */
+    if (n_ranks > 1 && interrupted) return rc;
     return n_ranks > 1 ? mpi_merge(a, rc) : rc;
 }

@@ -75,6 +75,58 @@ static int run_windows(const struct kv_model *m, const struct kv_lowrank *lr, in
     return rc;
 }
 
+/* Under mpirun: this rank's share of the windows (w ≡ rank mod ranks),
+ * every window's sums added over the ranks (each window's row comes from
+ * one rank, the others' are zero, so the sum is that row exactly) and the
+ * totals taken in window order: what one process gives, bit for bit. The
+ * forward-pass seconds are the slowest rank's. Prints errors, naming src
+ * and the rank; every rank returns the same status. */
+static double V_peak_rss = -1; /* the largest rank's peak rss, under mpirun */
+
+static int run_parts(const struct kv_model *m, const struct kv_lowrank *lr, int bits,
+                     const struct kv_token_src *ts, int64_t seq_len, int64_t max_windows,
+                     int quiet, const char *src, struct kv_compare_result *r) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    int64_t windows = 0;
+    double *sums = NULL, sec[2] = {0, 0};
+    int rc = kv_ppl_windows(ts->n_tokens, seq_len, max_windows, &windows, &err);
+    int oom = !rc && !(sums = calloc((size_t)windows * KV_PPL_SUMS, sizeof *sums));
+    if (oom) {
+        fprintf(stderr, "kvcal: out of memory for %lld windows' sums\n", (long long)windows);
+        rc = EXIT_ERR;
+    } else if (!rc) {
+        struct cli_progress prog;
+        cli_progress_start(&prog, "windows of this rank", quiet || cli_mpi_rank() > 0);
+        rc = kv_ppl_compare_part(m, lr, bits, ts, seq_len, max_windows, cli_mpi_rank(),
+                                 cli_mpi_size(), cli_progress_cb, &prog, sums, sec, &err);
+        cli_progress_end(&prog);
+    }
+    if (rc && !oom) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+        rc = cli_report(&err);
+    }
+    if (cli_mpi_any_failed(rc)) {
+        free(sums);
+        return rc ? rc : EXIT_ERR;
+    }
+    cli_mpi_sum(sums, windows * KV_PPL_SUMS);
+    cli_mpi_max(sec, 2);
+    V_peak_rss = cli_peak_rss_mib();
+    cli_mpi_max(&V_peak_rss, 1);
+    rc = kv_ppl_compare_finish(sums, windows, ts->n_tokens, seq_len, lr != NULL, sec, r, &err);
+    free(sums);
+    return rc ? cli_report(&err) : EXIT_OK;
+}
+
+/* Peak resident memory: this process's, or under mpirun the largest rank's. */
+static double peak_rss(void) { return V_peak_rss >= 0 ? V_peak_rss : cli_peak_rss_mib(); }
+
+/* The ranks that ran the windows, in the JSON under mpirun. */
+static void json_ranks(json_t *o) {
+    if (o && cli_mpi_size() > 1) json_object_set_new(o, "ranks", json_integer(cli_mpi_size()));
+}
+
 static double tokens_per_s(const struct kv_ppl_result *r, int64_t seq_len) {
     return r->seconds > 0 ? (double)(r->windows * seq_len) / r->seconds : 0;
 }
@@ -190,6 +242,11 @@ static const struct cli_cmd verify_cmd = {
     "agreement. An f16 cache (the default) rounds what it stores, as a deployment would;\n"
     "f32 reproduces the cpu path to rounding. When |device ppl / cpu ppl - 1| exceeds\n"
     "--device-tol verify prints the numbers, says so on stderr and exits 3.\n"
+    "\nunder mpirun (the MPI build, build/mpi/kvcal) rank I of N runs windows I, I+N, ...\n"
+    "with --threads threads; the windows' sums are added over the ranks and the totals\n"
+    "taken in window order, so every number equals one process's to the last bit (the\n"
+    "JSON adds \"ranks\"; its seconds are the slowest rank's, peak_rss_mib the largest).\n"
+    "Rank 0 prints. --device runs in one process only.\n"
     "\nexamples:\n"
     "  kvcal verify --model stories260K.bin --tokenizer tok512.bin --text val1k.txt\n"
     "  kvcal verify --model tinystories-656K --compressed out-656K --text wiki.test.raw\n"
@@ -253,7 +310,8 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
             cli_json_real(r->kl), "top1", cli_json_real(r->top1), "kv_bytes_per_token", "base",
             (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
             "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
-            "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+            "peak_rss_mib", cli_json_real(peak_rss()));
+        json_ranks(o);
         if (o) { /* 95% bootstrap over windows: ppl / base_ppl - 1, and kl */
             json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r->dppl_ci[0]),
                                                                    cli_json_real(r->dppl_ci[1])));
@@ -293,14 +351,20 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
     char bn[160];
     printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n"
            "blas        %s\n",
-           tb, tc, cli_peak_rss_mib(), cli_blas_note(bn, sizeof bn));
+           tb, tc, peak_rss(), cli_blas_note(bn, sizeof bn));
     if (dv->on) device_print(dv, r, &r->comp, seq_len, NULL);
     return EXIT_OK;
 }
 
-/* Base against compressed: both models on the same windows. */
-static int verify_compressed(const struct verify_args *a, const char *src, struct kv_model *m,
-                             const struct kv_token_src *ts, size_t n_bytes, struct device *dv) {
+/* lr's latent bits as run: --kv-bits, else the manifest's. */
+static int run_bits(const struct verify_args *a, const struct kv_lowrank *lr) {
+    return a->kv_bits ? (int)a->kv_bits : kv_lr_info(lr).kv_bits;
+}
+
+/* The compressed model of --compressed, ready to run (--hadamard fused,
+ * the bits set); prints errors. */
+static int open_compressed(const struct verify_args *a, struct kv_model *m, const struct device *dv,
+                           struct kv_lowrank **out) {
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_lowrank *lr;
@@ -310,7 +374,7 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
         kv_lr_free(lr);
         return cli_report(&err);
     }
-    int bits = a->kv_bits ? (int)a->kv_bits : li.kv_bits;
+    int bits = run_bits(a, lr);
     if (dv->on && bits == KV_LR_BITS_MIXED) {
         kv_lr_free(lr);
         fprintf(stderr,
@@ -322,11 +386,21 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
     }
     if (bits != KV_LR_BITS_MIXED) /* what the runtime is asked to cache; checked above */
         kv_lr_set_kv_bits(lr, bits, &err);
+    *out = lr;
+    return EXIT_OK;
+}
+
+/* Base against compressed: both models on the same windows. */
+static int verify_compressed(const struct verify_args *a, const char *src, struct kv_model *m,
+                             const struct kv_lowrank *lr, const struct kv_token_src *ts,
+                             size_t n_bytes, struct device *dv) {
+    int bits = run_bits(a, lr), quiet = a->quiet || a->json;
     struct kv_compare_result r;
-    int rc = run_windows(m, lr, bits, dv, ts, a->seq_len, a->max_windows, a->quiet || a->json,
-                         src, &r);
-    if (!rc) rc = device_verdict(dv, &r, print_compressed(a, src, n_bytes, m, lr, bits, dv, &r));
-    kv_lr_free(lr);
+    int rc = cli_mpi_size() > 1
+                 ? run_parts(m, lr, bits, ts, a->seq_len, a->max_windows, quiet, src, &r)
+                 : run_windows(m, lr, bits, dv, ts, a->seq_len, a->max_windows, quiet, src, &r);
+    if (!rc && cli_mpi_rank() == 0)
+        rc = device_verdict(dv, &r, print_compressed(a, src, n_bytes, m, lr, bits, dv, &r));
     return rc;
 }
 
@@ -345,7 +419,8 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
                               "params", (json_int_t)kv_model_n_params(m), "nll",
                               cli_json_real(r->nll), "ppl", cli_json_real(r->ppl), "tokens_per_s",
                               cli_json_real(tps), "seconds", cli_json_real(r->seconds), "threads",
-                              nthreads, "peak_rss_mib", cli_json_real(cli_peak_rss_mib()));
+                              nthreads, "peak_rss_mib", cli_json_real(peak_rss()));
+        json_ranks(o);
         json_tokenization(o, a, m);
         cli_json_blas(o);
         if (o && dv->on) device_print(dv, cr, r, a->seq_len, o);
@@ -367,8 +442,12 @@ static int print_base(const struct verify_args *a, const char *src, size_t n_byt
     printf("nll       %.6f\n", r->nll);
     printf("ppl       %.4f\n", r->ppl);
     char bn[160];
-    printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
-           r->seconds, cli_peak_rss_mib());
+    if (cli_mpi_size() > 1)
+        printf("speed     %.0f tokens/s (%d ranks of %d threads, %.2f s), peak rss %.1f MiB a rank\n",
+               tps, cli_mpi_size(), nthreads, r->seconds, peak_rss());
+    else
+        printf("speed     %.0f tokens/s (%d threads, %.2f s), peak rss %.1f MiB\n", tps, nthreads,
+               r->seconds, peak_rss());
     printf("blas      %s\n", cli_blas_note(bn, sizeof bn));
     if (dv->on) device_print(dv, cr, r, a->seq_len, NULL);
     return EXIT_OK;
@@ -380,7 +459,10 @@ static int verify_base(const struct verify_args *a, const char *src, struct kv_m
     struct kv_compare_result cr;
     struct kv_ppl_result r;
     int rc;
-    if (dv->on) { /* the device against the base */
+    if (cli_mpi_size() > 1) { /* the windows spread over the ranks */
+        rc = run_parts(m, NULL, 16, ts, a->seq_len, a->max_windows, a->quiet || a->json, src, &cr);
+        r = cr.base;
+    } else if (dv->on) { /* the device against the base */
         rc = run_windows(m, NULL, 16, dv, ts, a->seq_len, a->max_windows, a->quiet || a->json,
                          src, &cr);
         r = cr.base;
@@ -396,7 +478,7 @@ static int verify_base(const struct verify_args *a, const char *src, struct kv_m
             rc = cli_report(&err);
         }
     }
-    if (rc) return rc;
+    if (rc || cli_mpi_rank() > 0) return rc;
     return device_verdict(dv, &cr, print_base(a, src, n_bytes, m, dv, &cr, &r));
 }
 
@@ -429,6 +511,9 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
     if (dt < 0) return cli_usage_error(cmd, "--cache '%s' is not one of f16, f32", a->cache);
     if (kv_ppl_check_tol(a->device_tol, ppl_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
+    if (dv->on && cli_mpi_size() > 1)
+        return cli_usage_error(cmd, "--device runs in one process; under mpirun verify spreads "
+                                    "the cpu's windows over the ranks (run --device without mpirun)");
     dv->o.backend = (enum kvrt_backend)(dv->on ? be : KVRT_BACKEND_TWIN);
     dv->o.cache = (enum kvrt_dtype)dt;
     dv->tol = isnan(a->device_tol) ? 1e-3 : a->device_tol;
@@ -446,15 +531,27 @@ int cmd_verify(int argc, char **argv) {
     kv_set_threads((int)a->threads);
 
     const char *src = a->text ? a->text : a->tokens;
-    struct kv_model *m;
-    if ((rc = cli_load_model(a->model, a->tokenizer, &m))) return rc;
+    /* under mpirun rank 0 opens the inputs first, the others after it
+     * has: an input that is bad for all is reported once */
+    int mpi = cli_mpi_size() > 1, root = cli_mpi_rank() == 0;
+    if (mpi && !root && cli_mpi_any_failed(0)) return EXIT_ERR; /* rank 0 has said why */
+    struct kv_model *m = NULL;
+    struct kv_lowrank *lr = NULL;
     struct cli_tokens t;
-    if (!(rc = cli_open_tokens(m, a->text, a->tokens, &t))) {
+    int have_t = 0;
+    rc = cli_load_model(a->model, a->tokenizer, &m);
+    if (!rc && !(rc = cli_open_tokens(m, a->text, a->tokens, &t))) have_t = 1;
+    if (!rc && a->comp) rc = open_compressed(a, m, &dv, &lr);
+    /* rank 0's status lets the others start; then whether every rank could */
+    int stop = mpi && root && cli_mpi_any_failed(rc);
+    if (!stop && mpi && cli_mpi_any_failed(rc) && !rc) rc = EXIT_ERR;
+    if (!rc) {
         V_specials = t.specials;
-        rc = a->comp ? verify_compressed(a, src, m, &t.src, t.n_bytes, &dv)
+        rc = a->comp ? verify_compressed(a, src, m, lr, &t.src, t.n_bytes, &dv)
                      : verify_base(a, src, m, &t.src, t.n_bytes, &dv);
-        cli_close_tokens(&t);
     }
-    kv_model_close(m);
+    kv_lr_free(lr);
+    if (have_t) cli_close_tokens(&t);
+    if (m) kv_model_close(m);
     return rc;
 }

@@ -645,6 +645,41 @@ int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, in
                        int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
                        void *progress_ctx, struct kv_compare_result *out, struct kv_err *err);
 
+/* The same comparison split across processes (mpirun kvcal verify): each
+ * of part_count parts runs windows w ≡ part_index (mod part_count), then
+ * kv_ppl_compare_finish of every window's sums gives what one process
+ * gives, bit for bit. A window's sums are KV_PPL_SUMS doubles, each taken
+ * position by position in order (independent of threads); the totals add
+ * windows in order. Rows of other parts are left as they are, so parts
+ * that start from zeroed arrays can be added element-wise (an all-reduce)
+ * before the finish. */
+enum {
+    KV_PPL_BASE,      /* base nll */
+    KV_PPL_COMP,      /* compressed nll */
+    KV_PPL_KL,        /* KL(base ‖ compressed) */
+    KV_PPL_AGREE,     /* positions whose argmax agrees */
+    KV_PPL_DEV,       /* the device run's, in kv_ppl_compare_src only */
+    KV_PPL_DEV_KL,
+    KV_PPL_DEV_AGREE,
+    KV_PPL_SUMS
+};
+/* The windows the protocol evaluates: n_tokens / seq_len, at most
+ * max_windows when it is > 0; KV_EINVAL when not one fits. */
+int kv_ppl_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows, int64_t *windows,
+                   struct kv_err *err);
+/* One part's windows: base and, when lr is not NULL, compressed, into the
+ * rows of sums [windows][KV_PPL_SUMS]; seconds[0] and [1] the base's and
+ * compressed's forward-pass time. progress counts this part's windows. */
+int kv_ppl_compare_part(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                        const struct kv_token_src *src, int64_t seq_len, int64_t max_windows,
+                        int64_t part_index, int64_t part_count, kv_progress_fn progress,
+                        void *progress_ctx, double *sums, double seconds[2], struct kv_err *err);
+/* The result of every window's sums (out->comp, kl, top1 and the
+ * intervals only when with_comp; no device fields); seconds as given. */
+int kv_ppl_compare_finish(const double *sums, int64_t windows, int64_t n_tokens, int64_t seq_len,
+                          int with_comp, const double seconds[2], struct kv_compare_result *out,
+                          struct kv_err *err);
+
 /* ---------------------------------------------------------------- greedy generation */
 
 /* The options of a greedy decoding as a caller names them in messages: a

@@ -117,63 +117,6 @@ int kv_ppl_run(const struct kv_model *m, const int32_t *tokens, int64_t n_tokens
     return kv_ppl_run_src(m, &src, seq_len, max_windows, progress, progress_ctx, out, err);
 }
 
-int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int64_t seq_len,
-                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
-                   struct kv_ppl_result *out, struct kv_err *err) {
-    int64_t n_tokens = src->n_tokens;
-    int64_t windows;
-    int rc0 = count_windows(n_tokens, seq_len, max_windows, &windows, err);
-    if (rc0) return rc0;
-    struct kv_fwd *f;
-    int rc = kv_fwd_init(m, seq_len, &f, err);
-    if (rc) return rc;
-    kv_fwd_one_window(f); /* windows from position 0: one layer's cache serves all */
-    int64_t vocab = m->cfg.vocab_size, rows = slice_rows(seq_len, vocab);
-    int sliced = rows < seq_len;
-    if (sliced) kv_fwd_defer_head(f);
-    double nll = 0, t0 = kv_now();
-    for (int64_t w = 0; w < windows; w++) {
-        const int32_t *tw;
-        if ((rc = src->window(src->ctx, w, seq_len, &tw, err))) break;
-        rc = kv_fwd_run(f, tw, seq_len, 0, NULL, err);
-        if (rc) break;
-        double s = 0;
-        for (int64_t i0 = 0; i0 < seq_len - 1 && !rc; i0 += rows) {
-            int64_t nr = seq_len - 1 - i0 < rows ? seq_len - 1 - i0 : rows;
-            const float *lg = rows_of(f, sliced, i0, nr, vocab, NULL, &rc, err);
-            if (rc) break;
-            const int32_t *tg = tw + i0 + 1;
-            double s1 = 0;
-#pragma omp parallel for reduction(+ : s1) schedule(static)
-            for (int64_t i = 0; i < nr; i++) s1 += kv_nll_row(lg + i * vocab, vocab, tg[i]);
-            s += s1;
-        }
-        if (rc) break;
-        if (!isfinite(s)) {
-            rc = kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
-                         "non-finite loss in window %lld (tokens %lld..%lld)", (long long)w,
-                         (long long)(w * seq_len), (long long)((w + 1) * seq_len - 1));
-            break;
-        }
-        nll += s;
-        if (progress && progress(progress_ctx, w + 1, windows, (w + 1) * seq_len)) {
-            rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "interrupted after %lld windows",
-                         (long long)(w + 1));
-            break;
-        }
-    }
-    kv_fwd_free(f);
-    if (rc) return rc;
-    out->tokens = n_tokens;
-    out->windows = windows;
-    out->scored = windows * (seq_len - 1);
-    out->nll_sum = nll;
-    out->nll = nll / (double)out->scored;
-    out->ppl = exp(out->nll);
-    out->seconds = kv_now() - t0;
-    return KV_OK;
-}
-
 /* KL(p‖q) of two logit rows, with both log-softmaxes in float64. */
 static double kl_row(const float *lp, const float *lq, int64_t vocab) {
     double mp = lp[0], mq = lq[0];
@@ -259,19 +202,26 @@ int kv_bootstrap_ci(const double *d, const double *k, int64_t n, int64_t scored,
 enum { RUN_BASE, RUN_COMP, RUN_DEV, N_RUNS };
 static const char *const run_name[N_RUNS] = {"base", "compressed", "device"};
 
+/* The device run's own measures, outside the per-window sums. */
+struct dev_extra {
+    double best;          /* largest relative logit difference, -1 before any */
+    int64_t best_w, best_i;
+};
+
 /* Base, compressed (when with_comp: lr's latent cache on the CPU) and
- * device (when dev: attention through dev's hooks) on the same windows. */
+ * device (when dev: attention through dev's hooks) on windows w of
+ * 0..windows-1 with w % part_n == part_i, each window's sums into its row
+ * of sums (KV_PPL_SUMS columns), the forward passes' seconds into sec.
+ * Every sum of a window is taken position by position in order, so a row
+ * does not depend on the thread count nor on which process ran it. */
 static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
                    int with_comp, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
-                   int64_t seq_len, int64_t max_windows,
-                   kv_progress_fn progress, void *progress_ctx, struct kv_compare_result *out,
-                   struct kv_err *err) {
+                   int64_t seq_len, int64_t windows, int64_t part_i, int64_t part_n,
+                   kv_progress_fn progress, void *progress_ctx, double *sums,
+                   double sec[N_RUNS], struct dev_extra *dx, struct kv_err *err) {
     kv_err_clear(err);
-    int64_t n_tokens = src->n_tokens, windows;
-    int rc = count_windows(n_tokens, seq_len, max_windows, &windows, err);
-    if (rc) return rc;
     struct kv_fwd *f[N_RUNS] = {NULL};
-    rc = kv_fwd_init(m, seq_len, &f[RUN_BASE], err);
+    int rc = kv_fwd_init(m, seq_len, &f[RUN_BASE], err);
     if (!rc && with_comp && !(rc = kv_fwd_init(m, seq_len, &f[RUN_COMP], err)))
         rc = kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
     if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
@@ -283,18 +233,15 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
             kv_fwd_one_window(f[k]);
             if (sliced) kv_fwd_defer_head(f[k]);
         }
-    double *rel = dev ? malloc((size_t)seq_len * sizeof *rel) : NULL;
-    /* per window: compressed minus base nll, and KL, for the intervals */
-    double *wdiff = with_comp ? malloc((size_t)(windows > 0 ? windows : 1) * 2 * sizeof *wdiff) : NULL;
-    if (!rc && with_comp && !wdiff)
-        rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld windows' sums",
-                     (long long)windows);
-    if (!rc && dev && !rel)
-        rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld logit differences",
+    /* per position of a window: each column's term, and the device's
+     * relative logit difference */
+    double *pos = rc ? NULL : malloc((size_t)seq_len * (KV_PPL_SUMS + 1) * sizeof *pos);
+    if (!rc && !pos)
+        rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld positions' sums",
                      (long long)seq_len);
-    double nll[N_RUNS] = {0}, sec[N_RUNS] = {0}, kl = 0, dkl = 0, best = -1;
-    int64_t agree = 0, dagree = 0, best_w = 0, best_i = 0;
-    for (int64_t w = 0; w < windows && !rc; w++) {
+    double *rel = pos ? pos + seq_len * KV_PPL_SUMS : NULL;
+    int64_t mine = part_n > 0 && part_i < windows ? (windows - part_i + part_n - 1) / part_n : 0, done = 0;
+    for (int64_t w = part_i; w < windows && !rc; w += part_n) {
         const int32_t *tw;
         if ((rc = src->window(src->ctx, w, seq_len, &tw, err))) break;
         for (int k = 0; k < N_RUNS && !rc; k++) {
@@ -309,8 +256,6 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                         (long long)((w + 1) * seq_len - 1));
         }
         if (rc) break;
-        double sb = 0, sc = 0, sd = 0, sk = 0, skd = 0;
-        int64_t ag = 0, agd = 0;
         for (int64_t i0 = 0; i0 < seq_len - 1 && !rc; i0 += rows) { /* one slice of positions */
             int64_t nr = seq_len - 1 - i0 < rows ? seq_len - 1 - i0 : rows;
             const float *lb = rows_of(f[RUN_BASE], sliced, i0, nr, vocab, &sec[RUN_BASE], &rc, err);
@@ -319,33 +264,35 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
             if (rc) break;
             const float *lref = lc ? lc : lb; /* what the device run is compared with */
             const int32_t *tg = tw + i0 + 1;
-            double *rl = rel ? rel + i0 : NULL;
-            double b1 = 0, c1 = 0, d1 = 0, k1 = 0, kd1 = 0;
-            int64_t ag1 = 0, agd1 = 0;
-#pragma omp parallel for reduction(+ : b1, c1, d1, k1, kd1, ag1, agd1) schedule(static)
+#pragma omp parallel for schedule(static)
             for (int64_t i = 0; i < nr; i++) {
+                double *p = pos + (i0 + i) * KV_PPL_SUMS;
                 const float *rb = lb + i * vocab;
-                b1 += kv_nll_row(rb, vocab, tg[i]);
+                for (int c = 0; c < KV_PPL_SUMS; c++) p[c] = 0;
+                p[KV_PPL_BASE] = kv_nll_row(rb, vocab, tg[i]);
                 if (lc) {
                     const float *rcmp = lc + i * vocab;
-                    c1 += kv_nll_row(rcmp, vocab, tg[i]);
-                    k1 += kl_row(rb, rcmp, vocab);
-                    ag1 += argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
+                    p[KV_PPL_COMP] = kv_nll_row(rcmp, vocab, tg[i]);
+                    p[KV_PPL_KL] = kl_row(rb, rcmp, vocab);
+                    p[KV_PPL_AGREE] = argmax_row(rb, vocab) == argmax_row(rcmp, vocab);
                 }
                 if (ld) {
                     const float *rd = ld + i * vocab, *rr = lref + i * vocab;
-                    d1 += kv_nll_row(rd, vocab, tg[i]);
-                    kd1 += kl_row(rr, rd, vocab);
-                    agd1 += argmax_row(rr, vocab) == argmax_row(rd, vocab);
-                    rl[i] = rel_row(rr, rd, vocab);
+                    p[KV_PPL_DEV] = kv_nll_row(rd, vocab, tg[i]);
+                    p[KV_PPL_DEV_KL] = kl_row(rr, rd, vocab);
+                    p[KV_PPL_DEV_AGREE] = argmax_row(rr, vocab) == argmax_row(rd, vocab);
+                    rel[i0 + i] = rel_row(rr, rd, vocab);
                 }
             }
-            sb += b1, sc += c1, sd += d1, sk += k1, skd += kd1, ag += ag1, agd += agd1;
         }
         if (rc) break;
-        int bad = !isfinite(sb) ? RUN_BASE
-                  : !isfinite(sc) || !isfinite(sk) ? RUN_COMP
-                  : !isfinite(sd) || !isfinite(skd) ? RUN_DEV : -1;
+        double *row = sums + w * KV_PPL_SUMS;
+        for (int c = 0; c < KV_PPL_SUMS; c++) row[c] = 0;
+        for (int64_t i = 0; i < seq_len - 1; i++)
+            for (int c = 0; c < KV_PPL_SUMS; c++) row[c] += pos[i * KV_PPL_SUMS + c];
+        int bad = !isfinite(row[KV_PPL_BASE]) ? RUN_BASE
+                  : !isfinite(row[KV_PPL_COMP]) || !isfinite(row[KV_PPL_KL]) ? RUN_COMP
+                  : !isfinite(row[KV_PPL_DEV]) || !isfinite(row[KV_PPL_DEV_KL]) ? RUN_DEV : -1;
         if (bad >= 0) {
             rc = kv_fail(err, KV_ENUMERIC, NULL, KV_NO_OFFSET,
                          "non-finite loss in window %lld (tokens %lld..%lld) of the %s model",
@@ -353,48 +300,124 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                          run_name[bad]);
             break;
         }
-        for (int64_t i = 0; rel && i < seq_len - 1; i++)
-            if (!(rel[i] <= best)) best = rel[i], best_w = w, best_i = i;
-        nll[RUN_BASE] += sb, nll[RUN_COMP] += sc, nll[RUN_DEV] += sd;
-        if (wdiff) wdiff[w] = sc - sb, wdiff[windows + w] = sk;
-        kl += sk, dkl += skd, agree += ag, dagree += agd;
-        if (progress && progress(progress_ctx, w + 1, windows, (w + 1) * seq_len)) {
+        for (int64_t i = 0; dev && i < seq_len - 1; i++)
+            if (!(rel[i] <= dx->best)) dx->best = rel[i], dx->best_w = w, dx->best_i = i;
+        done++;
+        if (progress && progress(progress_ctx, done, mine, done * seq_len)) {
             rc = kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "interrupted after %lld windows",
-                         (long long)(w + 1));
+                         (long long)done);
             break;
         }
     }
     for (int k = 0; k < N_RUNS; k++) kv_fwd_free(f[k]);
-    free(rel);
-    if (rc) {
-        free(wdiff);
-        return rc;
-    }
-    int64_t scored = windows * (seq_len - 1);
+    free(pos);
+    return rc;
+}
+
+int kv_ppl_windows(int64_t n_tokens, int64_t seq_len, int64_t max_windows, int64_t *windows,
+                   struct kv_err *err) {
+    return count_windows(n_tokens, seq_len, max_windows, windows, err);
+}
+
+int kv_ppl_compare_part(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                        const struct kv_token_src *src, int64_t seq_len, int64_t max_windows,
+                        int64_t part_index, int64_t part_count, kv_progress_fn progress,
+                        void *progress_ctx, double *sums, double seconds[2], struct kv_err *err) {
+    int64_t windows;
+    int rc = count_windows(src->n_tokens, seq_len, max_windows, &windows, err);
+    if (rc) return rc;
+    if (part_count < 1 || part_index < 0 || part_index >= part_count)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "part %lld of %lld does not exist",
+                       (long long)part_index, (long long)part_count);
+    double sec[N_RUNS] = {0};
+    rc = compare(m, lr, kv_bits, lr != NULL, NULL, src, seq_len, windows, part_index, part_count,
+                 progress, progress_ctx, sums, sec, NULL, err);
+    seconds[0] = sec[RUN_BASE], seconds[1] = sec[RUN_COMP];
+    return rc;
+}
+
+/* One run's totals from the sums' column col, in window order. */
+static void run_totals(const double *sums, int col, int64_t windows, int64_t n_tokens,
+                       int64_t seq_len, double seconds, struct kv_ppl_result *r) {
+    double nll = 0;
+    for (int64_t w = 0; w < windows; w++) nll += sums[w * KV_PPL_SUMS + col];
+    r->tokens = n_tokens, r->windows = windows, r->scored = windows * (seq_len - 1);
+    r->nll_sum = nll, r->nll = nll / (double)r->scored;
+    r->ppl = exp(r->nll), r->seconds = seconds;
+}
+
+static double column_sum(const double *sums, int col, int64_t windows) {
+    double s = 0;
+    for (int64_t w = 0; w < windows; w++) s += sums[w * KV_PPL_SUMS + col];
+    return s;
+}
+
+int kv_ppl_compare_finish(const double *sums, int64_t windows, int64_t n_tokens, int64_t seq_len,
+                          int with_comp, const double seconds[2], struct kv_compare_result *out,
+                          struct kv_err *err) {
     memset(out, 0, sizeof *out);
-    struct kv_ppl_result *r[N_RUNS] = {&out->base, &out->comp, &out->dev};
-    for (int k = 0; k < N_RUNS; k++) {
-        if (k != RUN_BASE && (k == RUN_COMP ? !with_comp : !dev)) continue;
-        r[k]->tokens = n_tokens, r[k]->windows = windows, r[k]->scored = scored;
-        r[k]->nll_sum = nll[k], r[k]->nll = nll[k] / (double)scored;
-        r[k]->ppl = exp(r[k]->nll), r[k]->seconds = sec[k];
+    if (windows < 1 || seq_len < 2)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "no windows to sum (%lld of %lld tokens)",
+                       (long long)windows, (long long)seq_len);
+    run_totals(sums, KV_PPL_BASE, windows, n_tokens, seq_len, seconds[0], &out->base);
+    if (!with_comp) return KV_OK;
+    run_totals(sums, KV_PPL_COMP, windows, n_tokens, seq_len, seconds[1], &out->comp);
+    double scored = (double)out->base.scored;
+    out->kl = column_sum(sums, KV_PPL_KL, windows) / scored;
+    out->top1 = column_sum(sums, KV_PPL_AGREE, windows) / scored;
+    /* per window: compressed minus base nll, and KL, for the intervals */
+    double *d = malloc((size_t)windows * 2 * sizeof *d);
+    if (!d)
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld windows' sums",
+                       (long long)windows);
+    for (int64_t w = 0; w < windows; w++) {
+        const double *row = sums + w * KV_PPL_SUMS;
+        d[w] = row[KV_PPL_COMP] - row[KV_PPL_BASE], d[windows + w] = row[KV_PPL_KL];
     }
-    if (with_comp) {
-        out->kl = kl / (double)scored;
-        out->top1 = (double)agree / (double)scored;
-        rc = kv_bootstrap_ci(wdiff, wdiff + windows, windows, seq_len - 1, KV_BOOTSTRAP_DRAWS, 1,
+    int rc = kv_bootstrap_ci(d, d + windows, windows, seq_len - 1, KV_BOOTSTRAP_DRAWS, 1,
                              out->dppl_ci, out->kl_ci, err);
-        free(wdiff);
-        if (rc) return rc;
-    }
-    if (dev) {
+    free(d);
+    return rc;
+}
+
+/* The whole comparison in one process: every window, then the totals. */
+static int compare_all(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+                       const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+                       int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
+                       void *progress_ctx, struct kv_compare_result *out, struct kv_err *err) {
+    kv_err_clear(err);
+    int64_t windows;
+    int rc = count_windows(src->n_tokens, seq_len, max_windows, &windows, err);
+    if (rc) return rc;
+    double *sums = calloc((size_t)windows * KV_PPL_SUMS, sizeof *sums);
+    if (!sums)
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for %lld windows' sums",
+                       (long long)windows);
+    double sec[N_RUNS] = {0};
+    struct dev_extra dx = {-1, 0, 0};
+    rc = compare(m, lr, kv_bits, lr != NULL, dev, src, seq_len, windows, 0, 1, progress,
+                 progress_ctx, sums, sec, &dx, err);
+    if (!rc) rc = kv_ppl_compare_finish(sums, windows, src->n_tokens, seq_len, lr != NULL, sec, out, err);
+    if (!rc && dev) {
+        run_totals(sums, KV_PPL_DEV, windows, src->n_tokens, seq_len, sec[RUN_DEV], &out->dev);
+        double scored = (double)out->dev.scored;
         out->has_dev = 1;
-        out->max_rel_logit = best;
-        out->max_rel_window = best_w, out->max_rel_pos = best_i;
-        out->dev_kl = dkl / (double)scored;
-        out->dev_top1 = (double)dagree / (double)scored;
+        out->max_rel_logit = dx.best;
+        out->max_rel_window = dx.best_w, out->max_rel_pos = dx.best_i;
+        out->dev_kl = column_sum(sums, KV_PPL_DEV_KL, windows) / scored;
+        out->dev_top1 = column_sum(sums, KV_PPL_DEV_AGREE, windows) / scored;
     }
-    return KV_OK;
+    free(sums);
+    return rc;
+}
+
+int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int64_t seq_len,
+                   int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
+                   struct kv_ppl_result *out, struct kv_err *err) {
+    struct kv_compare_result r;
+    int rc = compare_all(m, NULL, 16, NULL, src, seq_len, max_windows, progress, progress_ctx, &r, err);
+    if (!rc) *out = r.base;
+    return rc;
 }
 
 int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
@@ -403,8 +426,8 @@ int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                    struct kv_compare_result *out, struct kv_err *err) {
     struct array_src a = {tokens};
     struct kv_token_src src = {array_window, &a, n_tokens};
-    return compare(m, lr, kv_bits, 1, NULL, &src, seq_len, max_windows, progress, progress_ctx,
-                   out, err);
+    return compare_all(m, lr, kv_bits, NULL, &src, seq_len, max_windows, progress, progress_ctx,
+                       out, err);
 }
 
 int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
@@ -415,8 +438,8 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "device hooks without an attn hook");
     struct array_src a = {tokens};
     struct kv_token_src src = {array_window, &a, n_tokens};
-    return compare(m, lr, kv_bits, lr != NULL, dev, &src, seq_len, max_windows, progress,
-                   progress_ctx, out, err);
+    return compare_all(m, lr, kv_bits, dev, &src, seq_len, max_windows, progress, progress_ctx,
+                       out, err);
 }
 
 int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
@@ -428,6 +451,6 @@ int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, in
     if (!lr && !dev)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "a comparison needs a compressed model or device hooks");
-    return compare(m, lr, kv_bits, lr != NULL, dev, src, seq_len, max_windows, progress,
-                   progress_ctx, out, err);
+    return compare_all(m, lr, kv_bits, dev, src, seq_len, max_windows, progress, progress_ctx,
+                       out, err);
 }

@@ -1,10 +1,14 @@
 /* `mpirun -n N kvcal collect` (the MPI build, build/mpi/kvcal): the file
  * equals, byte for byte, collect --shard I/N of every I then merge, for
  * N = 2 and 3; a rank that fails says so in one line naming its rank and
- * no output is left; --shard is refused under mpirun. Runs mpirun
+ * no output is left; a killed rank is named once, and --resume finishes
+ * the job; --shard is refused under mpirun. `mpirun kvcal verify` gives
+ * the numbers of one process to the last bit; --device is refused. Runs mpirun
  * --oversubscribe on this machine (--allow-run-as-root for CI); skips
  * without mpirun or the MPI build. */
 #include <criterion/criterion.h>
+#include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,5 +154,176 @@ Test(mpi, shard_is_refused_under_mpirun, .timeout = 600) {
               "%s", e);
     cr_assert(access(out, F_OK) != 0);
     free(o), free(e), free(out);
+    kvt_rm_dir(dir);
+}
+
+/* ---------------------------------------------------------------- verify */
+
+#define VERIFY_ARGS "-m " MODEL " -t " TEXT " --seq-len 64 --max-windows 23 --json"
+
+/* The verify JSON of text o without what depends on the run, not the
+ * numbers: timing, memory, threads and the ranks, sorted and printed with
+ * every digit. */
+static char *numbers_of(const char *o) {
+    json_error_t je;
+    json_t *j = json_loads(o ? o : "", 0, &je);
+    cr_assert(j, "not JSON (%s): %s", je.text, o);
+    static const char *const runtime[] = {"tokens_per_s", "base_tokens_per_s", "seconds",
+                                          "peak_rss_mib", "threads", "ranks"};
+    for (size_t i = 0; i < sizeof runtime / sizeof runtime[0]; i++) json_object_del(j, runtime[i]);
+    char *s = json_dumps(j, JSON_SORT_KEYS | JSON_INDENT(1) | JSON_REAL_PRECISION(17));
+    json_decref(j);
+    return s;
+}
+
+/* verify under mpirun -n n equals one process with 2 threads, every
+ * number to the last bit; extra are verify's further arguments. */
+static void verify_same(int n, const char *extra) {
+    char args[8192], *o1, *e1, *on, *en;
+    snprintf(args, sizeof args, "verify " VERIFY_ARGS " --threads 2 %s", extra);
+    int rc = kvt_run_cli(args, &o1, &e1);
+    cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e1);
+    snprintf(args, sizeof args, "verify " VERIFY_ARGS " --threads 1 %s", extra);
+    rc = run_mpi(n, args, &on, &en);
+    cr_assert_eq(rc, 0, "mpirun -n %d kvcal %s: exit %d\n%s", n, args, rc, en);
+    char *a = numbers_of(o1), *b = numbers_of(on);
+    size_t at = 0;
+    while (a[at] && a[at] == b[at]) at++;
+    cr_assert(!a[at] && !b[at], "mpirun -n %d differs from one process at byte %zu:\n%s\n---\n%s", n,
+              at, a, b);
+    json_t *j = json_loads(on, 0, NULL);
+    cr_assert_eq(json_integer_value(json_object_get(j, "ranks")), n, "%s", on);
+    json_decref(j);
+    cr_log_info("mpirun -n %d verify %s: the same %zu bytes of numbers as one process", n, extra, strlen(a));
+    free(a), free(b), free(o1), free(e1), free(on), free(en);
+}
+
+Test(mpi, verify_of_two_ranks_is_one_process, .timeout = 600) {
+    need_mpi();
+    verify_same(2, "");
+}
+
+Test(mpi, compressed_verify_of_three_ranks_is_one_process, .timeout = 600) {
+    need_mpi();
+    char *dir = kvt_temp_dir(), *st = kvt_path(dir, "s.kvstats"), *comp = kvt_path(dir, "c"), args[8192], *e;
+    snprintf(args, sizeof args, "collect " ARGS " -o '%s'", st);
+    int rc = kvt_run_cli(args, NULL, &e);
+    cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e);
+    free(e);
+    snprintf(args, sizeof args, "decompose -m " MODEL " -s '%s' --eps 0.9 -o '%s' -q", st, comp);
+    rc = kvt_run_cli(args, NULL, &e);
+    cr_assert_eq(rc, 0, "kvcal %s: exit %d\n%s", args, rc, e);
+    free(e);
+    snprintf(args, sizeof args, "--compressed '%s'", comp);
+    verify_same(3, args);
+    snprintf(args, sizeof args, "--compressed '%s' --kv-bits 4", comp);
+    verify_same(2, args);
+    free(st), free(comp);
+    kvt_rm_dir(dir);
+}
+
+Test(mpi, device_is_refused_under_mpirun, .timeout = 600) {
+    need_mpi();
+    char *o, *e;
+    int rc = run_mpi(2, "verify " VERIFY_ARGS " --device twin", &o, &e);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, e);
+    const char *want = "kvcal verify: --device runs in one process; under mpirun verify spreads the "
+                       "cpu's windows over the ranks (run --device without mpirun)\n";
+    cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
+    cr_assert(!strstr(strstr(e, want) + 1, want), "said twice:\n%s", e);
+    free(o), free(e);
+}
+
+/* A model that is not there: said once (rank 0 opens the inputs first). */
+Test(mpi, a_bad_input_is_said_once, .timeout = 600) {
+    need_mpi();
+    char *o, *e;
+    int rc = run_mpi(3, "verify -m no/such/model -t " TEXT " --json", &o, &e);
+    cr_assert_eq(rc, 1, "exit %d\n%s", rc, e);
+    int lines = 0;
+    for (const char *p = e; (p = strstr(p, "kvcal: ")); p++) lines++;
+    cr_assert_eq(lines, 1, "one message, not %d:\n%s", lines, e);
+    cr_assert(strstr(e, "kvcal: rank 0 of 3: no/such/model"), "%s", e);
+    free(o), free(e);
+}
+
+/* ---------------------------------------------------------------- a killed rank */
+
+/* The process id of rank `rank` of a running mpirun job of the MPI build
+ * (found by its environment), or -1. */
+static pid_t find_rank(int rank) {
+    char want[64], cmd[256];
+    snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
+    snprintf(cmd, sizeof cmd, "pgrep -f '%s collect'", mpi_bin());
+    FILE *p = popen(cmd, "r");
+    pid_t found = -1;
+    long pid;
+    while (p && found < 0 && fscanf(p, "%ld", &pid) == 1) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%ld/environ", pid);
+        size_t len = 0;
+        char *env = kvt_read_file(path, &len);
+        for (size_t at = 0; env && at < len; at += strlen(env + at) + 1)
+            if (!strcmp(env + at, want)) found = (pid_t)pid;
+        free(env);
+    }
+    if (p) pclose(p);
+    return found;
+}
+
+/* mpirun stops the job when rank 1 is killed: one line names rank 1, OUT
+ * is not written, rank 0 keeps its checkpoint, and --resume then finishes
+ * with the bytes of a run never stopped. */
+Test(mpi, a_killed_rank_is_named_once_and_resume_finishes, .timeout = 600) {
+    need_mpi();
+    char *dir = kvt_temp_dir(), *out = kvt_path(dir, "k.kvstats"), *fresh = kvt_path(dir, "f.kvstats");
+    char cmd[8192], args[4096], *o, *e;
+#define LONG_ARGS "-m " MODEL " -t " TEXT " --seq-len 128 --samples 1200 --seed 5 --threads 1 -q"
+    snprintf(cmd, sizeof cmd,
+             "timeout 300 mpirun -q --allow-run-as-root --oversubscribe --bind-to none -n 2 %s collect "
+             LONG_ARGS " --checkpoint-every 20 -o '%s' >%s/out 2>%s/err </dev/null; echo $? >%s/rc",
+             mpi_bin(), out, dir, dir, dir);
+    FILE *job = popen(cmd, "r"); /* runs it in the background */
+    cr_assert(job);
+    /* into the windows: rank 0's first checkpoint is there */
+    char ck[1200];
+    snprintf(ck, sizeof ck, "%s.rank0of2", out);
+    for (int i = 0; i < 6000 && access(ck, F_OK) != 0; i++) usleep(10000);
+    pid_t victim = find_rank(1);
+    cr_assert(victim > 0, "rank 1 is not running");
+    cr_assert_eq(kill(victim, SIGKILL), 0);
+    pclose(job);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/rc", dir);
+    char *rc_text = kvt_read_file(p, NULL);
+    snprintf(p, sizeof p, "%s/err", dir);
+    e = kvt_read_file(p, NULL);
+    cr_assert(rc_text && atoi(rc_text) != 0, "the job did not fail: %s\n%s", rc_text, e);
+    char want[1400];
+    snprintf(want, sizeof want,
+             "kvcal: rank 1 of 2: ended before finishing (killed or crashed); %s was not written, "
+             "and each other rank's checkpoint is kept for --resume\n", out);
+    cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
+    int lines = 0;
+    for (const char *q = e; (q = strstr(q, "kvcal: ")); q++) lines++;
+    cr_assert_eq(lines, 1, "one message, not %d:\n%s", lines, e);
+    cr_assert(access(out, F_OK) != 0, "%s was written", out);
+    free(rc_text), free(e);
+    /* the same command with --resume: rank 0 from its checkpoint, rank 1 anew */
+    snprintf(args, sizeof args, "collect " LONG_ARGS " --checkpoint-every 20 --resume -o '%s'", out);
+    int rc = run_mpi(2, args, &o, &e);
+    cr_assert_eq(rc, 0, "resume: exit %d\n%s", rc, e);
+    free(o), free(e);
+    snprintf(args, sizeof args, "collect " LONG_ARGS " --checkpoint-every 20 -o '%s'", fresh);
+    rc = run_mpi(2, args, &o, &e);
+    cr_assert_eq(rc, 0, "fresh: exit %d\n%s", rc, e);
+    free(o), free(e);
+    size_t la = 0, lb = 0;
+    char *a = kvt_read_file(fresh, &la), *b = kvt_read_file(out, &lb);
+    cr_assert(a && b && la == lb, "sizes: fresh %zu, resumed %zu", la, lb);
+    size_t at = 0;
+    while (at < la && a[at] == b[at]) at++;
+    cr_assert_eq(at, la, "the resumed run differs from a fresh one at byte %zu of %zu", at, la);
+    free(a), free(b), free(out), free(fresh);
     kvt_rm_dir(dir);
 }

@@ -597,3 +597,66 @@ Test(ppl, bootstrap_intervals_of_the_window_means) {
     cr_assert(fabs(log1p(dc[1]) - (pd + half_d)) < 0.15 * half_d, "%g vs %g", log1p(dc[1]), pd + half_d);
     free(d), free(k);
 }
+
+/* tokens[] as a kv_token_src */
+static int tokens_window(void *ctx, int64_t w, int64_t seq_len, const int32_t **ids,
+                         struct kv_err *err) {
+    (void)err;
+    *ids = (const int32_t *)ctx + w * seq_len;
+    return KV_OK;
+}
+static struct kv_token_src array_src(const int32_t *tokens, int64_t n) {
+    return (struct kv_token_src){tokens_window, (void *)tokens, n};
+}
+
+/* A window at a time: parts 0, 1 and 2 of 3 (windows w ≡ i mod 3) fill
+ * only their own rows; the rows added element-wise, as mpirun's reduction
+ * does, give kv_ppl_compare's numbers bit for bit, and a thread count
+ * does not change a row. */
+Test(ppl, parts_added_up_are_the_whole_comparison) {
+    struct svd_case K;
+    svd_case_init(&K);
+    struct kv_err err;
+    struct kv_compare_result whole, got;
+    cr_assert_eq(kv_ppl_compare(K.m, K.lr, 16, K.tok, DEV_N, DEV_T, 0, NULL, NULL, &whole, &err), KV_OK,
+                 "%s", err.msg);
+    int64_t windows;
+    cr_assert_eq(kv_ppl_windows(DEV_N, DEV_T, 0, &windows, &err), KV_OK);
+    cr_assert_eq(windows, DEV_N / DEV_T);
+    double *sum = calloc((size_t)windows * KV_PPL_SUMS, sizeof *sum);
+    double *part = malloc((size_t)windows * KV_PPL_SUMS * sizeof *part);
+    double sec[2], total_sec[2] = {0, 0};
+    for (int64_t i = 0; i < 3; i++) {
+        for (int64_t j = 0; j < windows * KV_PPL_SUMS; j++) part[j] = 0;
+        kv_set_threads((int)(i + 1)); /* 1, 2, 3 threads */
+        struct kv_token_src src = array_src(K.tok, DEV_N);
+        cr_assert_eq(kv_ppl_compare_part(K.m, K.lr, 16, &src, DEV_T, 0, i, 3, NULL, NULL, part, sec, &err),
+                     KV_OK, "%s", err.msg);
+        for (int64_t w = 0; w < windows; w++)
+            for (int c = 0; c < KV_PPL_SUMS; c++) {
+                double v = part[w * KV_PPL_SUMS + c];
+                if (w % 3 != i) cr_assert(v == 0, "part %lld wrote window %lld", (long long)i, (long long)w);
+                sum[w * KV_PPL_SUMS + c] += v;
+            }
+        total_sec[0] += sec[0], total_sec[1] += sec[1];
+    }
+    kv_set_threads(0);
+    cr_assert_eq(kv_ppl_compare_finish(sum, windows, DEV_N, DEV_T, 1, total_sec, &got, &err), KV_OK);
+    cr_assert(got.base.nll_sum == whole.base.nll_sum && got.comp.nll_sum == whole.comp.nll_sum,
+              "nll sums %.17g %.17g against %.17g %.17g", got.base.nll_sum, got.comp.nll_sum,
+              whole.base.nll_sum, whole.comp.nll_sum);
+    cr_assert(got.kl == whole.kl && got.top1 == whole.top1, "kl %.17g top1 %.17g against %.17g %.17g",
+              got.kl, got.top1, whole.kl, whole.top1);
+    cr_assert(got.dppl_ci[0] == whole.dppl_ci[0] && got.dppl_ci[1] == whole.dppl_ci[1] &&
+              got.kl_ci[0] == whole.kl_ci[0] && got.kl_ci[1] == whole.kl_ci[1], "intervals differ");
+    cr_assert_gt(whole.kl, 0, "the compression changes the model");
+    /* a part that does not exist */
+    struct kv_token_src src = array_src(K.tok, DEV_N);
+    cr_assert_eq(kv_ppl_compare_part(K.m, K.lr, 16, &src, DEV_T, 0, 3, 3, NULL, NULL, part, sec, &err),
+                 KV_EINVAL);
+    cr_assert_str_eq(err.msg, "part 3 of 3 does not exist");
+    free(sum), free(part);
+    kv_lr_free(K.lr);
+    free(K.D.kc), free(K.D.vc);
+    kv_model_close(K.m);
+}
