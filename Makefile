@@ -40,7 +40,7 @@ LDLIBS := -L$(BLAS_LIB) -Wl,-rpath,$(BLAS_LIB) -lopenblas -llapacke -Wl,--no-as-
 
 DEB_PACKAGES := build-essential pkg-config libopenblas-openmp-dev liblapacke-dev \
                 libcriterion-dev libjansson-dev nettle-dev zlib1g-dev bible-kjv \
-                libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin
+                libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin chromium
 
 LIB_SRC  := $(wildcard lib/*.c formats/*.c calib/*.c)
 CMD_SRC  := $(wildcard cmd/*.c)

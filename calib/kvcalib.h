@@ -562,6 +562,43 @@ int kv_decompose_write(const struct kv_model *m, const struct kv_lowrank *lr,
                        const char *model_path, const char *tokenizer_path, const char *dir,
                        struct kv_err *err);
 
+/* ---------------------------------------------------------------- report */
+
+/* The relative output error of unit u of layer `layer`'s keys (which 0)
+ * or values (1) of lr, measured exactly on statistics s (any text's, from
+ * `kvcal collect`; m's shapes): with y = W x + b the unit's rows of W_k or
+ * W_v [n_heads*d_h, d] and their bias, and ŷ = up (down x + down_bias) +
+ * up_bias, the residual is r = A x + c with A = W − up·down and c = b −
+ * up·down_bias − up_bias, so over the tokens
+ *   *resid = Σ‖r‖² = tr(A XᵀX Aᵀ) + 2 cᵀ A Σx + n ‖c‖²,
+ *   *total = Σ‖y‖² = tr(W XᵀX Wᵀ) + 2 bᵀ W Σx + n ‖b‖²,
+ * from s's XᵀX, Σx and token count n, in float64 (the float32 factors
+ * widened). The error is *resid / *total; on the calibration statistics
+ * of an energy-basis decomposition without centring it equals the
+ * manifest's dropped / energy. KV_EUNSUPPORTED (the reason in err) for a
+ * side kept full, a post-RoPE rotation unit (no down/up) or factors not
+ * read; KV_ENUMERIC when a sum is not finite; KV_ENOMEM. */
+int kv_lr_unit_error(const struct kv_stats *s, const struct kv_model *m,
+                     const struct kv_lowrank *lr, int64_t layer, int which, int64_t u,
+                     double *resid, double *total, struct kv_err *err);
+
+/* The eigenvalues (descending, by kv_la_eigh's LAPACKE dsyevd) of each
+ * unit's output covariance in r from the calibration statistics s of m
+ * (kv_stats_out_cov; post-RoPE rotation units: the post-RoPE key
+ * covariance their rank is of). The units are the compressed model's
+ * (kv_report_set_compressed first) or, without one, one per KV head.
+ * s must match m (kv_stats_matches_model). Errors: KV_ENUMERIC naming the
+ * layer and heads, KV_ENOMEM. */
+int kv_report_spectra(struct kv_report *r, const struct kv_stats *s, const struct kv_model *m,
+                      struct kv_err *err);
+
+/* Every compressed unit's measured error (kv_lr_unit_error) on the
+ * held-out statistics s read from eval_path, into r (whose units are lr's:
+ * kv_report_set_compressed first); a unit kv_lr_unit_error cannot measure
+ * keeps its reason and is shown as not measured. Errors name eval_path. */
+int kv_report_measure(struct kv_report *r, const char *eval_path, const struct kv_stats *s,
+                      const struct kv_model *m, const struct kv_lowrank *lr, struct kv_err *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -13,5 +13,6 @@ int cmd_export(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_train_tokenizer(int argc, char **argv);
 int cmd_bench_attn(int argc, char **argv);
+int cmd_report(int argc, char **argv);
 
 #endif

@@ -20,6 +20,7 @@ static const struct {
     {"decompose", cmd_decompose, "low-rank K/V factors under a budget, written as a latent-cache model"},
     {"export", cmd_export, "a compressed model back as an ordinary dense model (a quality proxy)"},
     {"inspect", cmd_inspect, "a model, a .kvstats file's spectra, or a compressed model's ranks"},
+    {"report", cmd_report, "an HTML page with SVG figures of a calibration, a compression and results"},
     {"train", cmd_train, "a small model from scratch (maintainers: the fixture models)"},
     {"train-tokenizer", cmd_train_tokenizer, "learn a byte-level BPE tokenizer.json from text"},
     {"bench-attn", cmd_bench_attn, "time one decode-attention step over a latent KV cache (runtime benchmark)"},
@@ -81,6 +82,16 @@ static int run(int argc, char **argv) {
     if (!strcmp(name, "--version") || !strcmp(name, "version")) {
         printf("kvcal %s\n", KVCAL_VERSION);
         return EXIT_OK;
+    }
+    /* under mpirun -n N > 1, only collect and verify know how to share
+     * their work; any other command would run N times over one output */
+    int known = 0;
+    for (int i = 0; i < N_COMMANDS; i++) known |= !strcmp(name, commands[i].name);
+    if (known && cli_mpi_size() > 1 && strcmp(name, "collect") && strcmp(name, "verify")) {
+        if (cli_mpi_rank() == 0)
+            fprintf(stderr, "kvcal: %s runs in one process; under mpirun only collect and verify "
+                            "spread their work (run 'kvcal %s' without mpirun)\n", name, name);
+        return EXIT_USAGE;
     }
     for (int i = 0; i < N_COMMANDS; i++)
         if (!strcmp(name, commands[i].name)) return commands[i].fn(argc - 1, argv + 1);

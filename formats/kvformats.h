@@ -241,6 +241,69 @@ int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
                        struct kv_export_report *rep, struct kv_err *err);
 
 
+
+/* ---------------------------------------------------------------- report */
+
+/* `kvcal report` (formats/report.h has the page's layout): one
+ * self-contained HTML page (inline SVG, no script, nothing fetched) of what
+ * a calibration and a compression did, and each figure as its own SVG
+ * file. A report gathers its inputs through the calls below and calib/'s
+ * kv_report_spectra and kv_report_measure (kvcalib.h); each section
+ * appears only when its inputs were given. The same inputs give the same
+ * bytes: no time, no pointer, fixed number formats, input order. */
+struct kv_report;
+int kv_report_init(struct kv_report **out, struct kv_err *err);
+void kv_report_free(struct kv_report *r);
+/* The page's heading (copied; the default is "kvcal report"). */
+int kv_report_set_title(struct kv_report *r, const char *title, struct kv_err *err);
+/* The base model m as given (path), for the provenance and the shapes.
+ * Before kv_report_set_compressed. */
+int kv_report_set_model(struct kv_report *r, const char *path, const struct kv_model *m,
+                        struct kv_err *err);
+/* A statistics file s read from path, shown in the provenance under role
+ * ("calibration", "evaluation"). KV_EINVAL naming path when its shapes are
+ * not the model's (set first). */
+int kv_report_add_stats(struct kv_report *r, const char *role, const char *path,
+                        const struct kv_stats *s, struct kv_err *err);
+/* The compressed model lr (kv_lr_dir_open, or kv_lr_manifest_read without
+ * a model: no factors needed) read from directory dir: its units, ranks,
+ * predicted errors and bytes per token (the library's own count), and its
+ * manifest's options (dir/kvcal.json). KV_EINVAL naming dir when its
+ * shapes are not the model's. Before kv_report_spectra. */
+int kv_report_set_compressed(struct kv_report *r, const char *dir, const struct kv_lowrank *lr,
+                             struct kv_err *err);
+/* The JSON lines of `make results` or `make results-kjv` (one object per
+ * line holding the row's "verify" object, and "decompose"; rows with
+ * "error", a refused decompose, are counted and left out; blank lines are
+ * skipped). KV_EIO when path cannot be read, KV_EFORMAT naming path and
+ * "line N" for a line that is not such an object. */
+int kv_report_add_results(struct kv_report *r, const char *path, struct kv_err *err);
+/* The JSON object of `kvcal verify --json` (with --compressed or of the
+ * base alone). Errors as kv_json_load, KV_EFORMAT for missing fields. */
+int kv_report_add_verify(struct kv_report *r, const char *path, struct kv_err *err);
+/* The figures the report's data draws, in page order: up to cap names
+ * (static strings) into names; returns how many there are. */
+int kv_report_figures(const struct kv_report *r, const char **names, int cap);
+/* The page (*out malloc'd, *len bytes, NUL-terminated). svg_stem names the
+ * figure files in the captions (only its last path component is shown). */
+int kv_report_html(const struct kv_report *r, const char *svg_stem, char **out, size_t *len,
+                   struct kv_err *err);
+/* One figure as a standalone SVG document (with the XML declaration).
+ * KV_EINVAL when the report does not draw it. */
+int kv_report_svg(const struct kv_report *r, const char *figure, char **out, size_t *len,
+                  struct kv_err *err);
+/* The file of a figure beside html_path: STEM-figure.svg, STEM being
+ * html_path less a final ".html" (malloc'd; NULL without memory). */
+char *kv_report_svg_path(const char *html_path, const char *figure);
+/* Before any work: html_path must not be a directory (KV_EINVAL naming it),
+ * nor any of the figure files, and its folder must exist (KV_EIO). */
+int kv_report_check_output(const char *html_path, struct kv_err *err);
+/* Write the page to html_path and every figure beside it
+ * (kv_report_svg_path), each atomically (temporary, fsync, rename);
+ * *n_svg (may be NULL) receives the figure count. Errors name the file. */
+int kv_report_write(const struct kv_report *r, const char *html_path, int *n_svg,
+                    struct kv_err *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -50,13 +50,14 @@ Test(docs, correctness_examples_print_what_they_show) { check_file("docs/correct
 Test(docs, design_examples_print_what_they_show) { check_file("docs/design.md"); }
 Test(docs, families_examples_print_what_they_show) { check_file("docs/families.md"); }
 Test(docs, bench_8b_examples_print_what_they_show) { check_file("docs/bench-8b.md"); }
+Test(docs, report_examples_print_what_they_show) { check_file("docs/report.md"); }
 
 /* A new document gets its test above: every markdown file in docs/ is one of these. */
 Test(docs, every_document_is_checked) {
     static const char *const checked[] = {"docs/formats.md", "docs/results.md",
                                           "docs/performance.md", "docs/correctness.md",
                                           "docs/design.md", "docs/families.md",
-                                          "docs/bench-8b.md"};
+                                          "docs/bench-8b.md", "docs/report.md"};
     glob_t g;
     cr_assert_eq(glob("docs/*.md", 0, NULL, &g), 0, "no docs/*.md from %s", getcwd(NULL, 0));
     for (size_t i = 0; i < g.gl_pathc; i++) {

@@ -327,3 +327,18 @@ Test(mpi, a_killed_rank_is_named_once_and_resume_finishes, .timeout = 600) {
     free(a), free(b), free(out), free(fresh);
     kvt_rm_dir(dir);
 }
+
+/* decompose (and every command but collect and verify) runs in one
+ * process: under mpirun it is refused once, before any work. */
+Test(mpi, other_commands_are_refused_under_mpirun, .timeout = 600) {
+    need_mpi();
+    char *o, *e;
+    int rc = run_mpi(2, "decompose -m " MODEL " -s none.kvstats --eps 0.9 -o none", &o, &e);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, e);
+    const char *want = "kvcal: decompose runs in one process; under mpirun only collect and verify "
+                       "spread their work (run 'kvcal decompose' without mpirun)\n";
+    cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
+    cr_assert(!strstr(strstr(e, want) + 1, "kvcal: "), "said twice:\n%s", e);
+    cr_assert(access("none", F_OK) != 0);
+    free(o), free(e);
+}

@@ -17,8 +17,10 @@
 #   ONLY           run only the rows of this --alloc (e.g. ONLY=fisher)
 #   JSON_TOOL      jq, python or awk (default: jq if installed, else python3,
 #                  else awk on the pretty-printed output)
-# Writes the markdown table to stdout, progress to stderr, and one JSON line per
-# row (the raw decompose and verify objects) to build/results/*.jsonl.
+# Writes the markdown table to stdout, progress to stderr, one JSON line per
+# row (the raw decompose and verify objects) to build/results/*.jsonl, and
+# `kvcal report` of those lines (with tinystories-656K's spectra) beside
+# them: build/results/report.html and its figures build/results/report-*.svg.
 set -euo pipefail
 export LC_ALL=C
 
@@ -299,6 +301,10 @@ echo
 echo "base PPL $(fmt %.3f "$(cat "$OUT/656K-quant.base")")"
 header
 cat "$OUT/656K-quant.md"
+REPORT_ARGS=()
+for f in "$OUT"/*.jsonl; do REPORT_ARGS+=(--results "$f"); done
+"$BIN" report "${M656[@]}" -s "$OUT/656K.kvstats" "${REPORT_ARGS[@]}" --title "make results" \
+    --threads "$THREADS" -o "$OUT/report.html" -q
 echo
-echo "wall time: $((T1 - T0)) s; raw JSON lines in $OUT/*.jsonl"
+echo "wall time: $((T1 - T0)) s; raw JSON lines in $OUT/*.jsonl, their figures in $OUT/report.html"
 rm -rf "$DIR" "$DJ" "$VJ" "$ERR" "$OUT"/*.md "$OUT"/*.base

@@ -17,8 +17,9 @@
 #   SAMPLES       calibration windows (default 2000)
 #   MODELS        default "kjv-llama kjv-gpt2 kjv-bpe-llama"
 #   RATIOS        default "0.5 0.25 0.125"
-# Writes markdown tables to stdout, progress to stderr, and each row's
-# decompose and verify JSON to $OUT/<model>.jsonl.
+# Writes markdown tables to stdout, progress to stderr, each row's
+# decompose and verify JSON to $OUT/<model>.jsonl, and `kvcal report` of
+# those lines beside them: $OUT/report.html and its figures $OUT/report-*.svg.
 set -euo pipefail
 export LC_ALL=C
 
@@ -119,4 +120,7 @@ for model in $MODELS; do
         row "$model" "$stats" "$g" "${e%%|*}" "eps 0.9" ${e#*|} --eps 0.9
     done
 done
-echo "results-kjv: done in $(( $(date +%s) - T0 )) s" >&2
+REPORT_ARGS=()
+for model in $MODELS; do REPORT_ARGS+=(--results "$OUT/$model.jsonl"); done
+"$BIN" report "${REPORT_ARGS[@]}" --title "make results-kjv" -o "$OUT/report.html" -q
+echo "results-kjv: done in $(( $(date +%s) - T0 )) s; figures in $OUT/report.html" >&2
