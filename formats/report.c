@@ -172,16 +172,24 @@ int kv_report_set_model(struct kv_report *r, const char *path, const struct kv_m
     return kv_model_fingerprint(m, r->fingerprint, err);
 }
 
+/* Whether what (statistics, a compressed model) at path has r's layers,
+ * KV heads and head size; else KV_EINVAL in err saying both. */
+static int same_shape(const struct kv_report *r, int64_t n_layers, int64_t n_kv_heads,
+                      int64_t head_dim, const char *what, const char *path, struct kv_err *err) {
+    if (n_layers == r->n_layers && n_kv_heads == r->n_kv_heads && head_dim == r->head_dim) return 1;
+    kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+            "%s of %lld layers, %lld KV heads of %lld, but the model has %lld layers, %lld KV "
+            "heads of %lld",
+            what, (long long)n_layers, (long long)n_kv_heads, (long long)head_dim,
+            (long long)r->n_layers, (long long)r->n_kv_heads, (long long)r->head_dim);
+    return 0;
+}
+
 int kv_report_add_stats(struct kv_report *r, const char *role, const char *path,
                         const struct kv_stats *s, struct kv_err *err) {
     struct kv_stats_info si = kv_stats_info(s);
-    if (r->n_layers && (si.n_layers != r->n_layers || si.n_kv_heads != r->n_kv_heads ||
-                        si.head_dim != r->head_dim))
-        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
-                       "statistics of %lld layers, %lld KV heads of %lld, but the model has "
-                       "%lld layers, %lld KV heads of %lld",
-                       (long long)si.n_layers, (long long)si.n_kv_heads, (long long)si.head_dim,
-                       (long long)r->n_layers, (long long)r->n_kv_heads, (long long)r->head_dim);
+    if (r->n_layers && !same_shape(r, si.n_layers, si.n_kv_heads, si.head_dim, "statistics", path, err))
+        return err->code;
     struct kv_report_stats *ns = realloc(r->stats, (size_t)(r->n_stats + 1) * sizeof *ns);
     if (!ns) return nomem(err);
     r->stats = ns;
@@ -241,13 +249,9 @@ int kv_report_head_units(struct kv_report *r, struct kv_err *err) {
 int kv_report_set_compressed(struct kv_report *r, const char *dir, const struct kv_lowrank *lr,
                              struct kv_err *err) {
     struct kv_lr_info li = kv_lr_info(lr);
-    if (r->model_path && (li.n_layers != r->n_layers || li.n_kv_heads != r->n_kv_heads ||
-                          li.head_dim != r->head_dim))
-        return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
-                       "a compressed model of %lld layers, %lld KV heads of %lld, but the model "
-                       "has %lld layers, %lld KV heads of %lld",
-                       (long long)li.n_layers, (long long)li.n_kv_heads, (long long)li.head_dim,
-                       (long long)r->n_layers, (long long)r->n_kv_heads, (long long)r->head_dim);
+    if (r->model_path &&
+        !same_shape(r, li.n_layers, li.n_kv_heads, li.head_dim, "a compressed model", dir, err))
+        return err->code;
     KV_ASSERT(r->n_units == 0 && !r->comp_path);
     r->n_layers = li.n_layers, r->n_kv_heads = li.n_kv_heads, r->head_dim = li.head_dim;
     if (!(r->comp_path = strdup(dir))) return nomem(err);

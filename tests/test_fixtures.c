@@ -12,18 +12,6 @@
 
 #include "testutil.h"
 
-static int exists(const char *p) {
-    struct stat st;
-    return stat(p, &st) == 0;
-}
-
-#define NEED_KJV()                                                                            \
-    do {                                                                                      \
-        if (!exists("data/kjv/train.txt") || !exists("data/kjv/gospels.txt"))                 \
-            cr_skip_test("data/kjv is absent (make data, which needs Debian's bible-kjv); "   \
-                         "skipping");                                                         \
-    } while (0)
-
 static void check_config(const char *dir, enum kv_arch arch, int64_t kv_heads) {
     struct kv_model *m;
     struct kv_err err = {0};
@@ -74,11 +62,11 @@ static void beats_unigram(const char *dir) {
 }
 
 Test(fixtures, llama_beats_unigram) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     beats_unigram("data/kjv-llama");
 }
 Test(fixtures, gpt2_beats_unigram) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     beats_unigram("data/kjv-gpt2");
 }
 
@@ -94,7 +82,7 @@ static double json_num(const char *s, const char *key) {
  * (keys folded into the query, values into the output projection) computes
  * what the base does up to fp32 rounding. */
 Test(fixtures, gpt2_full_rank_is_exact) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     char *dir = kvt_temp_dir(), args[2048], *out = NULL, *err = NULL;
     snprintf(args, sizeof args,
              "collect -m data/kjv-gpt2 -t data/kjv/train.txt -n 8 -o %s/s.kvstats -q", dir);

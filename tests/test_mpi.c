@@ -222,16 +222,21 @@ Test(mpi, compressed_verify_of_three_ranks_is_one_process, .timeout = 600) {
     kvt_rm_dir(dir);
 }
 
-Test(mpi, device_is_refused_under_mpirun, .timeout = 600) {
-    need_mpi();
+/* mpirun -n 2 of args exits 2 with want on stderr, said once (by rank 0). */
+static void refused_once(const char *args, const char *want) {
     char *o, *e;
-    int rc = run_mpi(2, "verify " VERIFY_ARGS " --device twin", &o, &e);
+    int rc = run_mpi(2, args, &o, &e);
     cr_assert_eq(rc, 2, "exit %d\n%s", rc, e);
-    const char *want = "kvcal verify: --device runs in one process; under mpirun verify spreads the "
-                       "cpu's windows over the ranks (run --device without mpirun)\n";
     cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
     cr_assert(!strstr(strstr(e, want) + 1, want), "said twice:\n%s", e);
     free(o), free(e);
+}
+
+Test(mpi, device_is_refused_under_mpirun, .timeout = 600) {
+    need_mpi();
+    refused_once("verify " VERIFY_ARGS " --device twin",
+                 "kvcal verify: --device runs in one process; under mpirun verify spreads the "
+                 "cpu's windows over the ranks (run --device without mpirun)\n");
 }
 
 /* A model that is not there: said once (rank 0 opens the inputs first). */
@@ -332,13 +337,8 @@ Test(mpi, a_killed_rank_is_named_once_and_resume_finishes, .timeout = 600) {
  * process: under mpirun it is refused once, before any work. */
 Test(mpi, other_commands_are_refused_under_mpirun, .timeout = 600) {
     need_mpi();
-    char *o, *e;
-    int rc = run_mpi(2, "decompose -m " MODEL " -s none.kvstats --eps 0.9 -o none", &o, &e);
-    cr_assert_eq(rc, 2, "exit %d\n%s", rc, e);
-    const char *want = "kvcal: decompose runs in one process; under mpirun only collect and verify "
-                       "spread their work (run 'kvcal decompose' without mpirun)\n";
-    cr_assert(e && strstr(e, want), "stderr lacks '%s':\n%s", want, e);
-    cr_assert(!strstr(strstr(e, want) + 1, "kvcal: "), "said twice:\n%s", e);
+    refused_once("decompose -m " MODEL " -s none.kvstats --eps 0.9 -o none",
+                 "kvcal: decompose runs in one process; under mpirun only collect and verify "
+                 "spread their work (run 'kvcal decompose' without mpirun)\n");
     cr_assert(access("none", F_OK) != 0);
-    free(o), free(e);
 }

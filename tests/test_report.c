@@ -22,17 +22,6 @@
 
 #define PATHCAP 4096 /* paths of the temporaries (lib/limits.h shadows <limits.h>) */
 
-static int exists(const char *p) {
-    struct stat st;
-    return stat(p, &st) == 0;
-}
-
-#define NEED_KJV()                                                                            \
-    do {                                                                                      \
-        if (!exists("data/kjv/train.txt") || !exists("data/kjv/gospels.txt"))                 \
-            cr_skip_test("data/kjv is absent (make data, which needs Debian's bible-kjv); "   \
-                         "skipping");                                                         \
-    } while (0)
 
 static double gauss(uint64_t *s) {
     double u = ((double)lcg(s) + 0.5) / 2147483648.0, v = ((double)lcg(s) + 0.5) / 2147483648.0;
@@ -578,7 +567,7 @@ static char *report_args(const struct kjv *k, const char *out) {
  * with the calibration statistics as --eval-stats and palu's plain energy
  * basis without centring, measured equals predicted. */
 Test(report_cli, kjv_palu_measured_equals_predicted_on_its_calibration, .timeout = 120) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     struct kjv k = kjv_make(0);
     struct kv_model *m;
     struct kv_stats *s;
@@ -608,7 +597,7 @@ Test(report_cli, kjv_palu_measured_equals_predicted_on_its_calibration, .timeout
 }
 
 Test(report_cli, the_same_inputs_give_the_same_bytes, .timeout = 120) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     struct kjv k = kjv_make(1);
     char *d1 = kvt_path(k.dir, "one"), *d2 = kvt_path(k.dir, "two");
     cr_assert_eq(mkdir(d1, 0755), 0);
@@ -641,7 +630,7 @@ Test(report_cli, the_same_inputs_give_the_same_bytes, .timeout = 120) {
 }
 
 Test(report_cli, refusals_are_one_line, .timeout = 120) {
-    NEED_KJV();
+    KVT_NEED_KJV();
     struct kjv k = kjv_make(0);
     char *g2 = kvt_path(k.dir, "gpt2.kvstats"), *g2c = kvt_path(k.dir, "g2c");
     char *bad = kvt_write_text(k.dir, "bad.jsonl", "{\"verify\": {\"ppl\": 2, \"base_ppl\": 2, "
@@ -697,7 +686,7 @@ Test(report_cli, refusals_are_one_line, .timeout = 120) {
         cr_assert_str_eq(err, want, "kvcal %s", full);
         cr_assert_str_eq(out, "");
         free(out), free(err);
-        cr_assert(!exists(html), "kvcal %s wrote %s", full, html);
+        cr_assert(!kvt_exists(html), "kvcal %s wrote %s", full, html);
     }
     free(g2), free(g2c), free(bad), free(html);
     kjv_free(&k);
@@ -816,7 +805,7 @@ static struct png shoot(const char *bin, const char *dir, const char *path, int 
              dir, bin, png, w, h, path, log);
     int st = system(cmd);
     char *text = kvt_read_file(log, NULL);
-    cr_assert(st == 0 && exists(png), "chromium failed (status %d) on %s:\n%s", st, path,
+    cr_assert(st == 0 && kvt_exists(png), "chromium failed (status %d) on %s:\n%s", st, path,
               text ? text : "");
     /* the page's own messages (the dbus lines are chromium's noise) */
     for (char *line = text; line && *line;) {
@@ -834,7 +823,7 @@ static struct png shoot(const char *bin, const char *dir, const char *path, int 
 Test(report_browser, every_figure_draws_in_chromium, .timeout = 600) {
     const char *bin = chromium_bin();
     if (!bin) cr_skip_test("chromium is absent (make deps installs it); skipping");
-    NEED_KJV();
+    KVT_NEED_KJV();
     struct kjv k = kjv_make(1);
     char *html = kvt_path(k.dir, "report.html"), *prof = kvt_path(k.dir, "browser");
     cr_assert_eq(mkdir(prof, 0755), 0);
@@ -871,7 +860,7 @@ Test(report_browser, every_figure_draws_in_chromium, .timeout = 600) {
                 {"bytes", 3000},   {"error", 300},   {"quality", 60}};
     for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) {
         char *svg = kv_report_svg_path(abs, figs[i].name);
-        cr_assert(exists(svg), "%s", svg);
+        cr_assert(kvt_exists(svg), "%s", svg);
         char *text = kvt_read_file(svg, NULL);
         int w = 0, h = 0;
         const char *at = strstr(text, "<svg ");

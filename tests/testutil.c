@@ -76,6 +76,11 @@ float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n) {
     return out;
 }
 
+int kvt_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
 char *kvt_read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;

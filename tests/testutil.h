@@ -52,6 +52,16 @@ float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n);
 /* Read a whole file (malloc'd, NUL-terminated); NULL on failure. */
 char *kvt_read_file(const char *path, size_t *len);
 
+/* Whether path exists (stat succeeds). */
+int kvt_exists(const char *path);
+/* Skips the test, saying why, when the King James text of make data is absent. */
+#define KVT_NEED_KJV()                                                                        \
+    do {                                                                                      \
+        if (!kvt_exists("data/kjv/train.txt") || !kvt_exists("data/kjv/gospels.txt"))         \
+            cr_skip_test("data/kjv is absent (make data, which needs Debian's bible-kjv); "   \
+                         "skipping");                                                         \
+    } while (0)
+
 /* Run the kvcal binary ($KVCAL_BIN, default build/kvcal) with a shell-quoted
  * argument string; captures stdout and stderr (malloc'd) and returns the exit
  * code (or 128+signal). */
