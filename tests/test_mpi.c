@@ -56,6 +56,18 @@ static int run_mpi(int n, const char *args, char **out, char **err) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
+/* Files want (named wname) and got (gname) hold the same bytes; their length. */
+static size_t same_bytes(const char *want, const char *got, const char *wname, const char *gname) {
+    size_t la = 0, lb = 0;
+    char *a = kvt_read_file(want, &la), *b = kvt_read_file(got, &lb);
+    cr_assert(a && b && la == lb, "sizes: %s %zu, %s %zu", wname, la, gname, lb);
+    size_t at = 0;
+    while (at < la && a[at] == b[at]) at++;
+    cr_assert_eq(at, la, "%s differs from %s at byte %zu of %zu", gname, wname, at, la);
+    free(a), free(b);
+    return la;
+}
+
 static void same_as_shards_then_merge(int n) {
     need_mpi();
     char *dir = kvt_temp_dir(), args[8192], shards[4096] = "", *o, *e;
@@ -81,13 +93,8 @@ static void same_as_shards_then_merge(int n) {
     snprintf(want, sizeof want, "merged    %d ranks", n);
     cr_assert(o && strstr(o, want), "stdout: %s", o);
     free(o), free(e);
-    size_t la = 0, lb = 0;
-    char *a = kvt_read_file(merged, &la), *b = kvt_read_file(viampi, &lb);
-    cr_assert(a && b && la == lb, "sizes: merge %zu, mpirun %zu", la, lb);
-    size_t at = 0;
-    while (at < la && a[at] == b[at]) at++;
-    cr_assert_eq(at, la, "mpirun -n %d differs from shards then merge at byte %zu of %zu", n, at, la);
-    cr_log_info("mpirun -n %d: %zu bytes, equal to --shard I/%d then merge", n, la, n);
+    size_t len = same_bytes(merged, viampi, "shards then merge", "mpirun");
+    cr_log_info("mpirun -n %d: %zu bytes, equal to --shard I/%d then merge", n, len, n);
     /* nothing of the ranks' own is left beside the output */
     for (int r = 0; r < n; r++) {
         char p[1200];
@@ -96,7 +103,7 @@ static void same_as_shards_then_merge(int n) {
         snprintf(p, sizeof p, "%s.rank%dof%d.recv", viampi, r, n);
         cr_assert(access(p, F_OK) != 0, "%s was left behind", p);
     }
-    free(a), free(b), free(merged), free(viampi);
+    free(merged), free(viampi);
     kvt_rm_dir(dir);
 }
 
@@ -323,13 +330,8 @@ Test(mpi, a_killed_rank_is_named_once_and_resume_finishes, .timeout = 600) {
     rc = run_mpi(2, args, &o, &e);
     cr_assert_eq(rc, 0, "fresh: exit %d\n%s", rc, e);
     free(o), free(e);
-    size_t la = 0, lb = 0;
-    char *a = kvt_read_file(fresh, &la), *b = kvt_read_file(out, &lb);
-    cr_assert(a && b && la == lb, "sizes: fresh %zu, resumed %zu", la, lb);
-    size_t at = 0;
-    while (at < la && a[at] == b[at]) at++;
-    cr_assert_eq(at, la, "the resumed run differs from a fresh one at byte %zu of %zu", at, la);
-    free(a), free(b), free(out), free(fresh);
+    same_bytes(fresh, out, "a fresh run", "the resumed run");
+    free(out), free(fresh);
     kvt_rm_dir(dir);
 }
 
