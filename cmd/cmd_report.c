@@ -163,6 +163,12 @@ int cmd_report(int argc, char **argv) {
     if (!rc && in.eval && kv_report_measure(in.rep, A.eval, in.eval, in.m, in.lr, &err))
         rc = cli_report(&err);
     int n_svg = 0;
+    const char *names[16];
+    if (!rc && kv_report_figures(in.rep, names, 16) == 0) { /* say so rather than write a bare page */
+        fprintf(stderr, "kvcal: nothing to draw: the inputs hold no results rows, verify runs or "
+                        "statistics; %s was not written\n", A.out);
+        rc = EXIT_ERR;
+    }
     if (!rc && kv_report_write(in.rep, A.out, &n_svg, &err)) rc = cli_report(&err);
     if (!rc && !A.quiet) {
         char *first = kv_report_svg_path(A.out, "NAME");

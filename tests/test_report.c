@@ -635,6 +635,7 @@ Test(report_cli, refusals_are_one_line, .timeout = 120) {
     char *g2 = kvt_path(k.dir, "gpt2.kvstats"), *g2c = kvt_path(k.dir, "g2c");
     char *bad = kvt_write_text(k.dir, "bad.jsonl", "{\"verify\": {\"ppl\": 2, \"base_ppl\": 2, "
                                "\"kv_bytes_per_token\": {\"ratio\": 1}}}\nnot json\n");
+    char *refused = kvt_write_text(k.dir, "refused.jsonl", "{\"error\": \"decompose refused\"}\n");
     char *html = kvt_path(k.dir, "r.html");
     char a[8192];
     snprintf(a, sizeof a, "collect -m data/kjv-gpt2 -t data/kjv/train.txt --samples 1 --seq-len 32 "
@@ -674,6 +675,9 @@ Test(report_cli, refusals_are_one_line, .timeout = 120) {
          "kvcal: %1$s/none/r.html: its folder '%1$s/none' does not exist\n"},
         {"-c '%1$s/none' -o '%1$s/r.html'", 1,
          "kvcal: %1$s/none/kvcal.json: cannot open: no such file or directory\n"},
+        {"--results '%1$s/refused.jsonl' -o '%1$s/r.html'", 1,
+         "kvcal: nothing to draw: the inputs hold no results rows, verify runs or statistics; "
+         "%1$s/r.html was not written\n"},
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         char args[4096], want[4096], full[4200];
@@ -688,7 +692,7 @@ Test(report_cli, refusals_are_one_line, .timeout = 120) {
         free(out), free(err);
         cr_assert(!kvt_exists(html), "kvcal %s wrote %s", full, html);
     }
-    free(g2), free(g2c), free(bad), free(html);
+    free(g2), free(g2c), free(bad), free(refused), free(html);
     kjv_free(&k);
 }
 
