@@ -599,6 +599,37 @@ int kv_report_spectra(struct kv_report *r, const struct kv_stats *s, const struc
 int kv_report_measure(struct kv_report *r, const char *eval_path, const struct kv_stats *s,
                       const struct kv_model *m, const struct kv_lowrank *lr, struct kv_err *err);
 
+/* ---------------------------------------------------------------- MLA export */
+
+/* The rewrite of a Llama-family model as DeepSeek-V2 multi-head latent
+ * attention (docs/design.md, "Export as Multi-head Latent Attention"). */
+struct kv_mla;
+struct kv_mla_opts {
+    int64_t kv_lora_rank; /* d_c: latent values per token (1 .. 2 G d_h) */
+    int64_t rope_dim;     /* R: the shared RoPE key's dims (even, 2 .. d_h) */
+    int64_t rope_step;    /* slot i holds the model's pair i*rope_step */
+    int balance;          /* weigh keys and values to equal energy in the latent */
+};
+/* What each layer's rewrite keeps: the share of the pre-RoPE key energy
+ * that keeps its rotation (component 0 of the kept pairs), the share of
+ * the (balanced) joint key-value energy the latent keeps, the latent
+ * scale alpha and the bound on the latent's RMS it was chosen from. */
+struct kv_mla_layer_info {
+    double rope_share, latent_share, alpha, latent_rms_bound;
+};
+/* KV_OK when c and o can be converted; else KV_EUNSUPPORTED (the model) or
+ * KV_EINVAL (the options), the reason in err. */
+int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct kv_err *err);
+/* m rewritten under o with the calibration statistics s (m's); info
+ * [n_layers] or NULL. Free *out with kv_mla_free (formats). */
+int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                   struct kv_mla **out, struct kv_mla_layer_info *info, struct kv_err *err);
+/* kv_mla_convert, then the result written to path as GGUF "deepseek2"
+ * (float32 matrices; kv_gguf_write_mla in formats/ggufmodelw.h). */
+int kv_mla_export_gguf(const struct kv_model *m, const struct kv_stats *s,
+                       const struct kv_mla_opts *o, const char *path,
+                       struct kv_mla_layer_info *info, struct kv_err *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,9 @@
 /* kvcal export --dense: a compressed model back as an ordinary model in the
- * source's own format, with K/V weights W' = up·down. */
+ * source's own format, with K/V weights W' = up·down; --mla: a Llama-family
+ * model rewritten as DeepSeek-V2 multi-head latent attention (GGUF
+ * deepseek2), whose latent cache llama.cpp runs. */
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,11 +18,119 @@ static int64_t n_compressed(const struct kv_lowrank *lr, int v) {
     return n;
 }
 
+/* The MLA options of the command line. */
+struct mla_args {
+    const char *stats;
+    int64_t rank, rope_dim, rope_step;
+    double ratio;
+    int no_balance;
+};
+
+/* export --mla: the conversion, the file and a table of what each layer kept. */
+static int export_mla(const struct cli_cmd *cmd, const char *model, const char *tokenizer,
+                      const char *out, const struct mla_args *x, int json) {
+    if (!x->stats) return cli_usage_error(cmd, "--mla needs --stats FILE (kvcal collect of the model)");
+    if (!x->rank == !(x->ratio > 0))
+        return cli_usage_error(cmd, "--mla needs exactly one of --kv-lora-rank N or --ratio X");
+    if (x->ratio > 1) return cli_usage_error(cmd, "--ratio must be in (0, 1], got %g", x->ratio);
+    struct kv_model *m;
+    int rc = cli_load_model(model, tokenizer, &m);
+    if (rc) return rc;
+    const struct kv_config *c = kv_model_config(m);
+    int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
+    struct kv_mla_opts o = {x->rank, x->rope_dim ? x->rope_dim : dh, x->rope_step ? x->rope_step : 1,
+                            !x->no_balance};
+    if (x->ratio > 0) { /* values a token and layer, as llama.cpp caches them: d_c + R */
+        o.kv_lora_rank = (int64_t)floor(x->ratio * (double)base + 1e-9) - o.rope_dim;
+        if (o.kv_lora_rank < 1) {
+            kv_model_close(m);
+            fprintf(stderr,
+                    "kvcal: --ratio %g keeps %lld values a token and layer, and the rope key "
+                    "alone takes %lld: lower --rope-dim\n",
+                    x->ratio, (long long)floor(x->ratio * (double)base + 1e-9), (long long)o.rope_dim);
+            return EXIT_ERR;
+        }
+    }
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_stats *s = NULL;
+    struct kv_mla_layer_info *info = calloc((size_t)L, sizeof *info);
+    if (!info) {
+        kv_model_close(m);
+        fprintf(stderr, "kvcal: out of memory\n");
+        return EXIT_ERR;
+    }
+    rc = kv_stats_open(x->stats, &s, &err) || kv_stats_check_complete(s, x->stats, &err) ||
+                 !kv_stats_matches_model(s, m, x->stats, &err)
+             ? cli_report(&err)
+             : EXIT_OK;
+    if (!rc && kv_mla_check(c, &o, &err)) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", model);
+        rc = cli_report(&err);
+    }
+    double t0 = kv_now();
+    if (!rc && kv_mla_export_gguf(m, s, &o, out, info, &err)) rc = cli_report(&err);
+    double secs = kv_now() - t0;
+    int64_t per = o.kv_lora_rank + o.rope_dim; /* values a token and layer */
+    double theta = pow((double)c->rope_theta, (double)(o.rope_step * o.rope_dim) / (double)dh);
+    if (!rc && json) {
+        json_t *layers = json_array();
+        for (int64_t l = 0; l < L; l++)
+            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o}", "layer", (json_int_t)l,
+                                                    "rope_share", cli_json_real(info[l].rope_share),
+                                                    "latent_share", cli_json_real(info[l].latent_share),
+                                                    "alpha", cli_json_real(info[l].alpha)));
+        rc = cli_print_json(
+            json_pack("{s:o, s:o, s:o, s:s, s:I, s:I, s:I, s:o, s:b, s:I, s:I, s:o, s:o, s:o}", "output",
+                      cli_json_text(out), "model", cli_json_text(model), "stats",
+                      cli_json_text(x->stats), "architecture", "deepseek2", "kv_lora_rank",
+                      (json_int_t)o.kv_lora_rank, "rope_dim", (json_int_t)o.rope_dim, "rope_step",
+                      (json_int_t)o.rope_step, "rope_freq_base", cli_json_real(theta), "balance",
+                      o.balance, "cache_values_per_token_layer", (json_int_t)per,
+                      "base_values_per_token_layer", (json_int_t)base, "ratio",
+                      cli_json_real((double)per / (double)base), "layers", layers, "seconds",
+                      cli_json_real(secs)),
+            JSON_INDENT(2));
+    } else if (!rc) {
+        printf("wrote     %s (gguf deepseek2: kv_lora_rank %lld, rope dims %lld, pairs 0..%lld "
+               "step %lld, freq_base %.6g)\n",
+               out, (long long)o.kv_lora_rank, (long long)o.rope_dim,
+               (long long)((o.rope_dim / 2 - 1) * o.rope_step), (long long)o.rope_step, theta);
+        printf("cache     %lld values a token and layer against %lld: %.4f of the base\n",
+               (long long)per, (long long)base, (double)per / (double)base);
+        printf("\nlayer  rope keeps (key energy)  latent keeps (k+v energy)\n");
+        for (int64_t l = 0; l < L; l++)
+            printf("%5lld  %22.4f  %25.6f\n", (long long)l, info[l].rope_share, info[l].latent_share);
+        printf("\nnote      the key energy outside the rope key is scored without its rotation "
+               "(docs/design.md)\n");
+    }
+    free(info);
+    kv_stats_free(s);
+    kv_model_close(m);
+    return rc;
+}
+
 int cmd_export(int argc, char **argv) {
     const char *dense = NULL, *model = NULL, *tokenizer = NULL, *out = NULL;
-    int json = 0;
+    int json = 0, mla = 0;
+    struct mla_args x = {0};
     const struct cli_opt opts[] = {
         {"dense", 0, OPT_STR, &dense, "DIR", "the compressed model: an output of 'kvcal decompose'"},
+        {"mla", 0, OPT_FLAG, &mla, NULL,
+         "instead: the model as DeepSeek-V2 multi-head latent attention, GGUF deepseek2\n"
+         "(llama and mistral models), from --stats and --kv-lora-rank or --ratio"},
+        {"stats", 's', OPT_STR, &x.stats, "FILE", "with --mla: calibration statistics of the model"},
+        {"kv-lora-rank", 0, OPT_INT, &x.rank, "N",
+         "with --mla: latent values per token and layer (up to 2 * kv heads * head_dim)"},
+        {"ratio", 0, OPT_DOUBLE, &x.ratio, "X",
+         "with --mla: the cache llama.cpp keeps (latent + rope key) as a fraction of the\n"
+         "base's keys and values; sets --kv-lora-rank"},
+        {"rope-dim", 0, OPT_INT, &x.rope_dim, "R",
+         "with --mla: dimensions of the shared rope key (even; default head_dim)"},
+        {"rope-step", 0, OPT_INT, &x.rope_step, "S",
+         "with --mla: keep the model's rope pairs 0, S, 2S, ... (default 1: the fastest)"},
+        {"no-balance", 0, OPT_FLAG, &x.no_balance, NULL,
+         "with --mla: do not weigh keys and values to equal energy in the latent"},
         {"model", 'm', OPT_STR, &model, "PATH",
          "the base model DIR was made from: HF directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
@@ -29,8 +140,9 @@ int cmd_export(int argc, char **argv) {
         CLI_OPT_JSON(&json),
     };
     const struct cli_cmd cmd = {
-        "export", "--dense DIR --model PATH -o OUT [options]",
-        "Write a compressed model as an ordinary dense model in the base model's format.",
+        "export", "--dense DIR --model PATH -o OUT [options] | --mla --model PATH --stats FILE -o OUT.gguf",
+        "Write a compressed model as an ordinary dense model in the base model's format, or\n"
+        "(--mla) a model as DeepSeek-V2 latent attention that llama.cpp runs.",
         "what it is for: a quality proxy. Each compressed layer's K and V projections become\n"
         "the products W' = up·down of its factors (biases up·down_bias), so any engine\n"
         "(transformers, llama.cpp, vLLM, llama2.c) loads OUT and computes the keys and\n"
@@ -50,15 +162,35 @@ int cmd_export(int argc, char **argv) {
         "\nOUT is written atomically (through OUT.tmp-<pid>-<n>, or OUT.tmp-<pid>/ for a\n"
         "directory). An existing file or empty directory is replaced; the base model\n"
         "itself and a non-empty directory are refused.\n"
+        "\n--mla instead rewrites a llama or mistral model (no attention biases, no rope\n"
+        "scaling, no window) as DeepSeek-V2 multi-head latent attention in one GGUF file of\n"
+        "architecture deepseek2, which llama.cpp runs with a cache of kv_lora_rank latent\n"
+        "values plus one shared rope key of --rope-dim values per token and layer. For each\n"
+        "rope pair the KV heads are mixed so that one component keeps its rotation in the\n"
+        "shared key; the rest of the keys and all values go through the latent (the top\n"
+        "directions of their calibration covariance, keys and values weighed to equal\n"
+        "energy), scored without rotation. Exact with one KV head and a full-rank latent;\n"
+        "with more, the rotation lost costs quality (docs/design.md, \"Export as Multi-head\n"
+        "Latent Attention\", measures it). The table printed says, per layer, the share of\n"
+        "key energy that keeps its rotation and of key and value energy the latent keeps.\n"
+        "kvcal itself cannot load the deepseek2 file yet.\n"
         "\nexamples:\n"
         "  kvcal export --dense out-656K --model tinystories-656K -o 656K-dense\n"
         "  kvcal export --dense out-260K --model stories260K.bin -o 260K-dense.bin\n"
-        "  kvcal verify --model 260K-dense.bin --tokenizer tok512.bin --text val1k.txt\n",
+        "  kvcal verify --model 260K-dense.bin --tokenizer tok512.bin --text val1k.txt\n"
+        "  kvcal export --mla -m data/kjv-llama -s kjv.kvstats --ratio 0.5 -o kjv-mla.gguf\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 0};
     const char *pos[1];
     int n_pos;
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
+    if (mla && dense) return cli_usage_error(&cmd, "give one of --dense DIR or --mla");
+    if (!mla && (x.stats || x.rank || x.ratio > 0 || x.rope_dim || x.rope_step || x.no_balance))
+        return cli_usage_error(&cmd, "--stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step and "
+                                     "--no-balance go with --mla");
+    if (mla && !model) return cli_usage_error(&cmd, "missing --model");
+    if (mla && !out) return cli_usage_error(&cmd, "missing --output");
+    if (mla) return export_mla(&cmd, model, tokenizer, out, &x, json);
     if (!dense) return cli_usage_error(&cmd, "missing --dense DIR");
     if (!model) return cli_usage_error(&cmd, "missing --model");
     if (!out) return cli_usage_error(&cmd, "missing --output");

@@ -18,7 +18,7 @@ static const struct {
     {"collect", cmd_collect, "float64 calibration statistics of a model into a .kvstats file"},
     {"merge", cmd_merge, "add .kvstats shards of the same model into one file"},
     {"decompose", cmd_decompose, "low-rank K/V factors under a budget, written as a latent-cache model"},
-    {"export", cmd_export, "a compressed model back as an ordinary dense model (a quality proxy)"},
+    {"export", cmd_export, "a compressed model as a dense one (a quality proxy), or a model as MLA GGUF"},
     {"inspect", cmd_inspect, "a model, a .kvstats file's spectra, or a compressed model's ranks"},
     {"report", cmd_report, "an HTML page with SVG figures of a calibration, a compression and results"},
     {"train", cmd_train, "a small model from scratch (maintainers: the fixture models)"},

@@ -509,7 +509,7 @@ struct wtensor {
     char name[KV_MAX_NAME_LEN + 1];
     uint32_t type;
     int ndim;
-    int64_t shape[2]; /* row-major, as stored */
+    int64_t shape[3]; /* row-major, as stored */
     int64_t rows, cols;
     const float *src; /* NULL for a streamed model's weight: fetched as written */
     /* kinds stored stacked along the rows (gptneox's and phi3's attn_qkv,
@@ -571,8 +571,10 @@ static int plan_add(struct plan *p, const char *name, uint32_t type, int ndim, c
     strcpy(t->name, name);
     t->type = type, t->ndim = ndim, t->src = src, t->perm = perm;
     t->head_dim = p->m->cfg.head_dim;
-    t->shape[0] = shape[0], t->shape[1] = ndim == 2 ? shape[1] : 1;
-    if (ndim == 2)
+    t->shape[0] = shape[0], t->shape[1] = ndim >= 2 ? shape[1] : 1, t->shape[2] = ndim == 3 ? shape[2] : 1;
+    if (ndim == 3) /* [a, b, c] row-major: a*b rows of c */
+        t->rows = shape[0] * shape[1], t->cols = shape[2];
+    else if (ndim == 2)
         t->rows = shape[0], t->cols = shape[1];
     else if (perm != PERM_NONE)
         t->rows = shape[0], t->cols = 1;
@@ -1050,6 +1052,142 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
     if (!rc) rc = plan_tensors(&p, mtype, path, err);
     if (!rc) {
         meta_hparams(&p);
+        meta_vocab(&p.meta, &v);
+        if (p.meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    vocab_free(&v);
+    if (!rc) rc = kv_write_atomic(path, fill, &p, err);
+    free(p.meta.b.p);
+    free(p.t);
+    for (int64_t i = 0; i < p.n_owned; i++) free(p.owned[i]);
+    free(p.owned);
+    if (!rc && o) o->n_fallback = p.n_fallback;
+    return rc;
+}
+
+/* ================================================================ MLA (deepseek2) */
+
+void kv_mla_free(struct kv_mla *mla) {
+    if (!mla) return;
+    for (int64_t l = 0; mla->layers && l < mla->n_layers; l++) {
+        struct kv_mla_layer *y = &mla->layers[l];
+        free(y->wq), free(y->wkv_a), free(y->kv_norm), free(y->wk_b), free(y->wv_b);
+    }
+    free(mla->layers);
+    free(mla);
+}
+
+/* The model's weight k of layer l (-1: a global) under name, in type. */
+static int plan_weight(struct plan *p, const char *name, enum kv_wkind k, int64_t l, uint32_t type,
+                       const char *path, struct kv_err *err) {
+    const struct kv_config *c = &p->m->cfg;
+    const float *w = kv_model_weight(p->m, k, l < 0 ? 0 : l);
+    if (!w)
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET, "the model has no %s weight%s",
+                       kv_wkind_name(k), l < 0 ? "" : " in some layer");
+    int64_t shape[2];
+    int nd = kv_model_expected_shape(c, k, shape);
+    int rc = plan_add(p, name, nd == 2 ? type : KV_GGML_F32, nd, shape, w, PERM_NONE, path, err);
+    if (!rc) rc = check_finite(&p->t[p->n_t - 1], path, err);
+    if (rc) return rc;
+    struct wtensor *t = &p->t[p->n_t - 1];
+    t->kind = k, t->layer = l < 0 ? 0 : l;
+    if (kv_model_is_streamed(p->m)) t->src = NULL; /* fetched again when written */
+    return KV_OK;
+}
+
+/* One of mla's own tensors. */
+static int plan_mla(struct plan *p, const char *name, int64_t l, uint32_t type, int nd,
+                    const int64_t *shape, const float *src, const char *path, struct kv_err *err) {
+    char full[KV_MAX_NAME_LEN + 1];
+    snprintf(full, sizeof full, "blk.%lld.%s", (long long)l, name);
+    int rc = plan_add(p, full, nd >= 2 ? type : KV_GGML_F32, nd, shape, src, PERM_NONE, path, err);
+    return rc ? rc : check_finite(&p->t[p->n_t - 1], path, err);
+}
+
+static int plan_mla_tensors(struct plan *p, const struct kv_mla *mla, uint32_t mtype,
+                            const char *path, struct kv_err *err) {
+    const struct kv_config *c = &p->m->cfg;
+    int64_t d = c->dim, H = mla->n_heads, dc = mla->kv_lora_rank, R = mla->rope_dim;
+    int64_t n = mla->nope_dim, v = mla->v_dim;
+    int rc;
+    if ((rc = plan_weight(p, "token_embd.weight", KV_W_TOK_EMB, -1, mtype, path, err)) ||
+        (rc = plan_weight(p, "output_norm.weight", KV_W_OUT_NORM, -1, mtype, path, err)))
+        return rc;
+    if (!c->tied_embeddings && (rc = plan_weight(p, "output.weight", KV_W_LM_HEAD, -1, mtype, path, err)))
+        return rc;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const struct kv_mla_layer *y = &mla->layers[l];
+        char name[KV_MAX_NAME_LEN + 1];
+#define W(suffix, kind)                                                                          \
+    do {                                                                                         \
+        snprintf(name, sizeof name, "blk.%lld." suffix, (long long)l);                           \
+        if ((rc = plan_weight(p, name, kind, l, mtype, path, err))) return rc;                   \
+    } while (0)
+        W("attn_norm.weight", KV_W_ATTN_NORM);
+        int64_t sq[2] = {H * (n + R), d}, sa[2] = {dc + R, d}, sn[1] = {dc};
+        int64_t sk[3] = {H, dc, n}, sv[3] = {H, v, dc};
+        if ((rc = plan_mla(p, "attn_q.weight", l, mtype, 2, sq, y->wq, path, err)) ||
+            (rc = plan_mla(p, "attn_kv_a_mqa.weight", l, KV_GGML_F32, 2, sa, y->wkv_a, path, err)) ||
+            (rc = plan_mla(p, "attn_kv_a_norm.weight", l, KV_GGML_F32, 1, sn, y->kv_norm, path, err)) ||
+            (rc = plan_mla(p, "attn_k_b.weight", l, mtype, 3, sk, y->wk_b, path, err)) ||
+            (rc = plan_mla(p, "attn_v_b.weight", l, mtype, 3, sv, y->wv_b, path, err)))
+            return rc;
+        W("attn_output.weight", KV_W_O);
+        W("ffn_norm.weight", KV_W_FFN_NORM);
+        W("ffn_gate.weight", KV_W_GATE);
+        W("ffn_down.weight", KV_W_DOWN);
+        W("ffn_up.weight", KV_W_UP);
+#undef W
+    }
+    return KV_OK;
+}
+
+static void meta_mla(struct plan *p, const struct kv_mla *mla) {
+    const struct kv_config *c = &p->m->cfg;
+    struct meta *m = &p->meta;
+    m_str(m, "general.architecture", "deepseek2");
+    m_str(m, "general.name", "kvcal");
+    m_u32(m, "deepseek2.context_length", (uint32_t)c->max_seq_len);
+    m_u32(m, "deepseek2.embedding_length", (uint32_t)c->dim);
+    m_u32(m, "deepseek2.block_count", (uint32_t)c->n_layers);
+    m_u32(m, "deepseek2.feed_forward_length", (uint32_t)c->hidden_dim);
+    m_u32(m, "deepseek2.attention.head_count", (uint32_t)mla->n_heads);
+    m_u32(m, "deepseek2.attention.head_count_kv", 1); /* the latent: one "head" */
+    m_u32(m, "deepseek2.attention.key_length", (uint32_t)(mla->kv_lora_rank + mla->rope_dim));
+    m_u32(m, "deepseek2.attention.value_length", (uint32_t)mla->kv_lora_rank);
+    m_u32(m, "deepseek2.attention.key_length_mla", (uint32_t)(mla->nope_dim + mla->rope_dim));
+    m_u32(m, "deepseek2.attention.value_length_mla", (uint32_t)mla->v_dim);
+    m_u32(m, "deepseek2.rope.dimension_count", (uint32_t)mla->rope_dim);
+    m_f32(m, "deepseek2.rope.freq_base", mla->rope_base);
+    m_f32(m, "deepseek2.attention.layer_norm_rms_epsilon", c->norm_eps);
+    m_u32(m, "deepseek2.leading_dense_block_count", (uint32_t)c->n_layers);
+    m_u32(m, "deepseek2.attention.q_lora_rank", 0);
+    m_u32(m, "deepseek2.attention.kv_lora_rank", (uint32_t)mla->kv_lora_rank);
+    m_u32(m, "deepseek2.expert_feed_forward_length", 0);
+    m_u32(m, "deepseek2.expert_count", 0);
+    m_u32(m, "deepseek2.expert_used_count", 0);
+    m_u32(m, "deepseek2.expert_shared_count", 0);
+    m_u32(m, "deepseek2.vocab_size", (uint32_t)c->vocab_size);
+}
+
+int kv_gguf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *path,
+                      struct kv_gguf_write_opts *o, struct kv_err *err) {
+    KV_ASSERT(m && mla && path);
+    const struct kv_config *c = &m->cfg;
+    uint32_t mtype = o ? o->matrix_type : KV_GGML_F32;
+    if (!kv_ggml_can_quant(mtype) || !kv_ggml_can_dequant(mtype))
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "matrix type %u is not one kvcal can write; expected %s", mtype, TYPES_WRITTEN);
+    KV_ASSERT(mla->n_layers == c->n_layers && mla->layers);
+    struct plan p = {.m = m, .ga = find_arch(KV_ARCH_LLAMA), .fallback = o && o->fallback};
+    struct vocab v = {0};
+    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
+    int rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
+    if (!rc) rc = vocab_check_unique(&v, path, err);
+    if (!rc) rc = plan_mla_tensors(&p, mla, mtype, path, err);
+    if (!rc) {
+        meta_mla(&p, mla);
         meta_vocab(&p.meta, &v);
         if (p.meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
     }

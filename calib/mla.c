@@ -1,0 +1,273 @@
+/* A Llama-family model's attention rewritten as DeepSeek-V2's multi-head
+ * latent attention (docs/design.md, "Export as Multi-head Latent
+ * Attention"): per RoPE pair, the KV heads mixed so that one component
+ * carries most of the key energy and keeps its rotation in the shared
+ * k^pe; the rest of the keys and all values in one latent per token, the
+ * top directions of their calibration covariance; the latent's RMSNorm
+ * made linear by scaling its input far below the norm's epsilon. */
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "ggufmodelw.h"
+#include "kvcalib.h"
+#include "kvstats.h"
+#include "linalg.h"
+#include "model.h"
+
+int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct kv_err *err) {
+    if (c->arch != KV_ARCH_LLAMA && c->arch != KV_ARCH_MISTRAL)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "architecture '%s' has no deepseek2 form: only llama and mistral layers "
+                       "(RMSNorm, RoPE, SwiGLU, no attention biases) convert",
+                       kv_arch_name(c->arch));
+    if (c->has_qkv_bias)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "q/k/v biases have no place in llama.cpp's deepseek2");
+    if (c->sliding_window > 0)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "a sliding window of %lld positions has no deepseek2 key",
+                       (long long)c->sliding_window);
+    if (c->rope_scaling.type != KV_ROPE_SCALING_NONE)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
+                       "rope scaling '%s' has no deepseek2 form (its frequencies must be "
+                       "theta^(-2i/R))",
+                       kv_rope_scaling_name(c->rope_scaling.type));
+    if (kv_rope_dim(c) != c->head_dim)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET, "partial rotary dimensions");
+    int64_t dh = c->head_dim, full = 2 * c->n_kv_heads * dh;
+    if (o->rope_dim < 2 || o->rope_dim % 2 || o->rope_dim > dh)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "rope dims %lld must be even, from 2 to the head size %lld",
+                       (long long)o->rope_dim, (long long)dh);
+    if (o->rope_step < 1 || (o->rope_dim / 2 - 1) * o->rope_step >= dh / 2)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "rope step %lld over %lld pairs passes the head's %lld pairs",
+                       (long long)o->rope_step, (long long)(o->rope_dim / 2), (long long)(dh / 2));
+    if (o->kv_lora_rank < 1 || o->kv_lora_rank > full)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "kv lora rank %lld must be from 1 to %lld (keys and values of every KV head)",
+                       (long long)o->kv_lora_rank, (long long)full);
+    return KV_OK;
+}
+
+/* The two coordinates of RoPE pair f in a head of dh under layout. */
+static void pair_coords(enum kv_rope_layout layout, int64_t dh, int64_t f, int64_t *a, int64_t *b) {
+    if (layout == KV_ROPE_HALF)
+        *a = f, *b = f + dh / 2;
+    else
+        *a = 2 * f, *b = 2 * f + 1;
+}
+
+/* Per layer scratch, float64. */
+struct work {
+    double *wq, *wk, *wv, *ckk, *kpe, *b, *cov, *t, *eig, *vec, *a, *aat, *aeig;
+};
+
+static void work_free(struct work *w) {
+    free(w->wq), free(w->wk), free(w->wv), free(w->ckk), free(w->kpe), free(w->b), free(w->cov);
+    free(w->t), free(w->eig), free(w->vec), free(w->a), free(w->aat), free(w->aeig);
+}
+
+static void widen(double *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = (double)src[i];
+}
+
+static int convert_layer(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                         int64_t l, struct work *w, struct kv_mla_layer *y,
+                         struct kv_mla_layer_info *info, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    int64_t d = c->dim, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, gs = H / G;
+    int64_t R = o->rope_dim, dc = o->kv_lora_rank, n = dh, ny = 2 * G * dh;
+    widen(w->wq, kv_model_weight(m, KV_W_Q, l), H * dh * d);
+    widen(w->wk, kv_model_weight(m, KV_W_K, l), G * dh * d);
+    widen(w->wv, kv_model_weight(m, KV_W_V, l), G * dh * d);
+    int rc = kv_stats_out_cov(s, m, l, 0, 0, G, w->ckk, err); /* [G dh]² pre-RoPE keys */
+    if (rc) return rc;
+    /* 1-2: per kept pair f, the top eigenvector m_f of S_f across heads */
+    double gmix[64]; /* m_f[g], G <= 64 checked by the caller */
+    double total_k = 0, kept_k = 0;
+    for (int64_t i = 0; i < G * dh; i++) total_k += w->ckk[i * G * dh + i];
+    memcpy(w->b, w->wk, (size_t)(G * dh * d) * sizeof *w->b); /* K_res starts as W_k */
+    for (int64_t i = 0; i < R / 2; i++) {
+        int64_t f = i * o->rope_step, pa, pb;
+        pair_coords(c->rope_layout, dh, f, &pa, &pb);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t h = 0; h < G; h++)
+                w->cov[g * G + h] = w->ckk[(g * dh + pa) * G * dh + h * dh + pa] +
+                                    w->ckk[(g * dh + pb) * G * dh + h * dh + pb];
+        char what[64];
+        snprintf(what, sizeof what, "layer %lld rope pair %lld across kv heads", (long long)l, (long long)f);
+        if ((rc = kv_la_eigh(w->cov, G, w->eig, w->vec, what, err))) return rc;
+        for (int64_t g = 0; g < G; g++) gmix[g] = w->vec[g * G]; /* column 0 */
+        {
+            double e0 = 0;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t h = 0; h < G; h++) e0 += gmix[g] * gmix[h] * w->cov[g * G + h];
+            kept_k += e0 > 0 ? e0 : 0;
+        }
+        /* k^pe rows 2i, 2i+1: Σ_g m_f[g] W_k rows (g, pa), (g, pb) */
+        double *ka = w->kpe + (2 * i) * d, *kb = w->kpe + (2 * i + 1) * d;
+        memset(ka, 0, (size_t)(2 * d) * sizeof *ka);
+        for (int64_t g = 0; g < G; g++) {
+            cblas_daxpy((int)d, gmix[g], w->wk + (g * dh + pa) * d, 1, ka, 1);
+            cblas_daxpy((int)d, gmix[g], w->wk + (g * dh + pb) * d, 1, kb, 1);
+        }
+        /* the residual keys: component 0 taken out */
+        for (int64_t g = 0; g < G; g++) {
+            cblas_daxpy((int)d, -gmix[g], ka, 1, w->b + (g * dh + pa) * d, 1);
+            cblas_daxpy((int)d, -gmix[g], kb, 1, w->b + (g * dh + pb) * d, 1);
+        }
+        /* q^pe of every head, slot i: m_f[g(h)] times its rows (pa, pb) */
+        for (int64_t h = 0; h < H; h++) {
+            double mg = gmix[h / gs];
+            float *qa = y->wq + (h * (n + R) + n + 2 * i) * d, *qb = qa + d;
+            for (int64_t j = 0; j < d; j++) {
+                qa[j] = (float)(mg * w->wq[(h * dh + pa) * d + j]);
+                qb[j] = (float)(mg * w->wq[(h * dh + pb) * d + j]);
+            }
+        }
+    }
+    info->rope_share = total_k > 0 ? kept_k / total_k : 0;
+    /* q^nope: every head's query unrotated */
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t r = 0; r < dh; r++)
+            for (int64_t j = 0; j < d; j++)
+                y->wq[(h * (n + R) + r) * d + j] = (float)w->wq[(h * dh + r) * d + j];
+    /* the score scale: the model's, where the engine divides by sqrt(n + R) */
+    float qs = kv_attn_scale(c) * sqrtf((float)(n + R));
+    for (int64_t i = 0; i < H * (n + R) * d; i++) y->wq[i] *= qs;
+    /* 4: Y = [K_res; V] = B x, its covariance B C Bᵀ, K and V balanced */
+    memcpy(w->b + G * dh * d, w->wv, (size_t)(G * dh * d) * sizeof *w->b);
+    const struct kv_stats_layer *L = &s->layers[l];
+    cblas_dsymm(CblasRowMajor, CblasRight, CblasUpper, (int)ny, (int)d, 1.0, L->xtx, (int)d, w->b,
+                (int)d, 0.0, w->t, (int)d);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)ny, (int)ny, (int)d, 1.0, w->t, (int)d,
+                w->b, (int)d, 0.0, w->cov, (int)ny);
+    double ek = 0, ev = 0;
+    for (int64_t i = 0; i < G * dh; i++) ek += w->cov[i * ny + i], ev += w->cov[(G * dh + i) * ny + G * dh + i];
+    double beta = o->balance && ek > 0 && ev > 0 ? sqrt(ev / ek) : 1.0;
+    for (int64_t i = 0; i < ny; i++)
+        for (int64_t j = 0; j < ny; j++)
+            w->cov[i * ny + j] *= (i < G * dh ? beta : 1.0) * (j < G * dh ? beta : 1.0);
+    char what[64];
+    snprintf(what, sizeof what, "layer %lld joint key-value output covariance", (long long)l);
+    if ((rc = kv_la_eigh(w->cov, ny, w->eig, w->vec, what, err))) return rc;
+    double tot = 0, kept = 0;
+    for (int64_t i = 0; i < ny; i++) {
+        double e = w->eig[i] > 0 ? w->eig[i] : 0;
+        tot += e;
+        if (i < dc) kept += e;
+    }
+    info->latent_share = tot > 0 ? kept / tot : 1;
+    /* A = P_rᵀ D B [dc, d]; U = D⁻¹ P_r */
+    for (int64_t r = 0; r < dc; r++) {
+        double *ar = w->a + r * d;
+        memset(ar, 0, (size_t)d * sizeof *ar);
+        for (int64_t i = 0; i < ny; i++) {
+            double coef = w->vec[i * ny + r] * (i < G * dh ? beta : 1.0);
+            if (coef != 0) cblas_daxpy((int)d, coef, w->b + i * d, 1, ar, 1);
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        int64_t g = h / gs;
+        for (int64_t r = 0; r < dc; r++)
+            for (int64_t j = 0; j < n; j++) /* wk_b[h][r][j] = U[K row g dh + j][r] */
+                y->wk_b[(h * dc + r) * n + j] = (float)(w->vec[(g * dh + j) * ny + r] / beta);
+        for (int64_t j = 0; j < dh; j++) /* wv_b[h][j][r] = U[V row g dh + j][r] */
+            for (int64_t r = 0; r < dc; r++)
+                y->wv_b[(h * dh + j) * dc + r] = (float)w->vec[(G * dh + g * dh + j) * ny + r];
+    }
+    /* 5: the latent's RMSNorm linear: α² σ_max(A)² max|g|² d / dc = 1e-6 ε */
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)dc, (int)dc, (int)d, 1.0, w->a, (int)d,
+                w->a, (int)d, 0.0, w->aat, (int)dc);
+    if ((rc = kv_la_eigh(w->aat, dc, w->aeig, NULL, what, err))) return rc;
+    const float *gain = kv_model_weight(m, KV_W_ATTN_NORM, l);
+    double gmax = 0;
+    for (int64_t j = 0; j < d; j++) gmax = fabs(gain[j]) > gmax ? fabs(gain[j]) : gmax;
+    double bound = w->aeig[0] * gmax * gmax * (double)d / (double)dc; /* mean(c̃²) over any token */
+    double eps = c->norm_eps > 0 ? c->norm_eps : 1e-6;
+    double alpha = bound > 0 ? sqrt(1e-6 * eps / bound) : 1.0;
+    info->alpha = alpha, info->latent_rms_bound = sqrt(bound);
+    for (int64_t r = 0; r < dc; r++) {
+        y->kv_norm[r] = (float)(sqrt(eps) / alpha);
+        for (int64_t j = 0; j < d; j++) y->wkv_a[r * d + j] = (float)(alpha * w->a[r * d + j]);
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < d; j++) y->wkv_a[(dc + r) * d + j] = (float)w->kpe[r * d + j];
+    return KV_OK;
+}
+
+int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                   struct kv_mla **out, struct kv_mla_layer_info *info, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    int rc = kv_mla_check(c, o, err);
+    if (rc) return rc;
+    if (c->n_kv_heads > 64)
+        return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET, "more than 64 kv heads");
+    int64_t d = c->dim, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers;
+    int64_t R = o->rope_dim, dc = o->kv_lora_rank, n = dh, ny = 2 * G * dh;
+    struct kv_mla *mla = calloc(1, sizeof *mla);
+    if (!mla || !(mla->layers = calloc((size_t)L, sizeof *mla->layers))) {
+        free(mla);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    mla->n_layers = L, mla->n_heads = H, mla->kv_lora_rank = dc, mla->rope_dim = R;
+    mla->nope_dim = n, mla->v_dim = dh;
+    /* slot i is pair i*step: θ'^(-2i/R) = θ^(-2 i step / dh) */
+    mla->rope_base = (float)pow((double)c->rope_theta, (double)(o->rope_step * R) / (double)dh);
+    struct work w = {0};
+    size_t big = (size_t)(ny > H * dh ? ny : H * dh) * (size_t)d;
+    w.wq = malloc((size_t)(H * dh * d) * sizeof *w.wq);
+    w.wk = malloc((size_t)(G * dh * d) * sizeof *w.wk);
+    w.wv = malloc((size_t)(G * dh * d) * sizeof *w.wv);
+    w.ckk = malloc((size_t)(G * dh * G * dh) * sizeof *w.ckk);
+    w.kpe = malloc((size_t)(R * d) * sizeof *w.kpe);
+    w.b = malloc((size_t)(ny * d) * sizeof *w.b);
+    w.cov = malloc((size_t)(ny * ny) * sizeof *w.cov);
+    w.t = malloc(big * sizeof *w.t);
+    w.eig = malloc((size_t)ny * sizeof *w.eig);
+    w.vec = malloc((size_t)(ny * ny) * sizeof *w.vec);
+    w.a = malloc((size_t)(dc * d) * sizeof *w.a);
+    w.aat = malloc((size_t)(dc * dc) * sizeof *w.aat);
+    w.aeig = malloc((size_t)dc * sizeof *w.aeig);
+    rc = !w.wq || !w.wk || !w.wv || !w.ckk || !w.kpe || !w.b || !w.cov || !w.t || !w.eig || !w.vec ||
+                 !w.a || !w.aat || !w.aeig
+             ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+             : KV_OK;
+    for (int64_t l = 0; l < L && !rc; l++) {
+        struct kv_mla_layer *y = &mla->layers[l];
+        y->wq = malloc((size_t)(H * (n + R) * d) * sizeof *y->wq);
+        y->wkv_a = malloc((size_t)((dc + R) * d) * sizeof *y->wkv_a);
+        y->kv_norm = malloc((size_t)dc * sizeof *y->kv_norm);
+        y->wk_b = malloc((size_t)(H * dc * n) * sizeof *y->wk_b);
+        y->wv_b = malloc((size_t)(H * dh * dc) * sizeof *y->wv_b);
+        if (!y->wq || !y->wkv_a || !y->kv_norm || !y->wk_b || !y->wv_b) {
+            rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+            break;
+        }
+        struct kv_mla_layer_info li = {0};
+        rc = convert_layer(m, s, o, l, &w, y, &li, err);
+        if (info) info[l] = li;
+    }
+    work_free(&w);
+    if (rc) {
+        kv_mla_free(mla);
+        return rc;
+    }
+    *out = mla;
+    return KV_OK;
+}
+
+int kv_mla_export_gguf(const struct kv_model *m, const struct kv_stats *s,
+                       const struct kv_mla_opts *o, const char *path,
+                       struct kv_mla_layer_info *info, struct kv_err *err) {
+    struct kv_mla *mla = NULL;
+    int rc = kv_mla_convert(m, s, o, &mla, info, err);
+    if (!rc) rc = kv_gguf_write_mla(m, mla, path, NULL, err);
+    kv_mla_free(mla);
+    return rc;
+}

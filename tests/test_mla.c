@@ -1,0 +1,155 @@
+/* The MLA export (calib/mla.c, kvcal export --mla): which models and
+ * options convert, with their messages; the GGUF deepseek2 file kvcal
+ * writes for data/kjv-llama, its keys and tensor shapes as llama.cpp reads
+ * them (llama.cpp itself runs the rewrite in tests/test_llamacpp.c). */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "kvcalib.h"
+#include "model.h"
+#include "testutil.h"
+
+static struct kv_config llama_cfg(void) {
+    struct kv_config c = {0};
+    c.arch = KV_ARCH_LLAMA;
+    c.dim = 256, c.hidden_dim = 512, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2;
+    c.head_dim = 64, c.vocab_size = 300, c.max_seq_len = 256, c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f, c.rope_layout = KV_ROPE_HALF;
+    return c;
+}
+
+Test(mla, models_and_options_that_do_not_convert_say_why) {
+    struct kv_mla_opts ok = {64, 64, 1, 1};
+    struct kv_err e;
+    struct kv_config c = llama_cfg();
+    cr_assert_eq(kv_mla_check(&c, &ok, &e), KV_OK, "%s", e.msg);
+    enum { GPT2, BIAS, WINDOW, SCALING, ODD_ROPE, WIDE_ROPE, STEP, RANK0, RANK };
+    static const struct {
+        int what;
+        int code;
+        const char *msg;
+    } rows[] = {
+        {GPT2, KV_EUNSUPPORTED,
+         "architecture 'gpt2' has no deepseek2 form: only llama and mistral layers (RMSNorm, "
+         "RoPE, SwiGLU, no attention biases) convert"},
+        {BIAS, KV_EUNSUPPORTED, "q/k/v biases have no place in llama.cpp's deepseek2"},
+        {WINDOW, KV_EUNSUPPORTED, "a sliding window of 64 positions has no deepseek2 key"},
+        {SCALING, KV_EUNSUPPORTED,
+         "rope scaling 'linear' has no deepseek2 form (its frequencies must be theta^(-2i/R))"},
+        {ODD_ROPE, KV_EINVAL, "rope dims 33 must be even, from 2 to the head size 64"},
+        {WIDE_ROPE, KV_EINVAL, "rope dims 66 must be even, from 2 to the head size 64"},
+        {STEP, KV_EINVAL, "rope step 3 over 16 pairs passes the head's 32 pairs"},
+        {RANK0, KV_EINVAL, "kv lora rank 0 must be from 1 to 256 (keys and values of every KV head)"},
+        {RANK, KV_EINVAL, "kv lora rank 257 must be from 1 to 256 (keys and values of every KV head)"},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        struct kv_config ci = llama_cfg();
+        struct kv_mla_opts oi = ok;
+        switch (rows[i].what) {
+        case GPT2: ci.arch = KV_ARCH_GPT2; break;
+        case BIAS: ci.has_qkv_bias = 1; break;
+        case WINDOW: ci.sliding_window = 64; break;
+        case SCALING: ci.rope_scaling.type = KV_ROPE_SCALING_LINEAR; break;
+        case ODD_ROPE: oi.rope_dim = 33; break;
+        case WIDE_ROPE: oi.rope_dim = 66; break;
+        case STEP: oi.rope_dim = 32, oi.rope_step = 3; break;
+        case RANK0: oi.kv_lora_rank = 0; break;
+        case RANK: oi.kv_lora_rank = 257; break;
+        }
+        kv_err_clear(&e);
+        cr_assert_eq(kv_mla_check(&ci, &oi, &e), rows[i].code, "row %zu: %s", i, e.msg);
+        cr_assert_str_eq(e.msg, rows[i].msg, "row %zu", i);
+    }
+    /* the largest step that fits: pairs 0, 2, ..., 30 of 32 */
+    struct kv_mla_opts edge = {64, 32, 2, 1};
+    cr_assert_eq(kv_mla_check(&c, &edge, &e), KV_OK, "%s", e.msg);
+}
+
+Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
+    KVT_NEED_KJV();
+    char *dir = kvt_temp_dir(), *st = kvt_path(dir, "s.kvstats"), *out = kvt_path(dir, "m.gguf");
+    char args[4096], *o, *e;
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t data/kjv/train.txt --samples 8 "
+                                "--seq-len 64 --threads 1 -q -o '%s'", st);
+    cr_assert_eq(kvt_run_cli(args, NULL, &e), 0, "%s", e);
+    free(e);
+    /* usage */
+    struct {
+        const char *args;
+        const char *err;
+    } bad[] = {
+        {"export --mla --dense x -m data/kjv-llama -o y", "kvcal export: give one of --dense DIR or --mla\n"},
+        {"export --dense x -m data/kjv-llama --ratio 0.5 -o y",
+         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step and --no-balance go with --mla\n"},
+        {"export --mla -m data/kjv-llama -o y", "kvcal export: --mla needs --stats FILE (kvcal collect of the model)\n"},
+        {"export --mla -m data/kjv-llama -s S -o y",
+         "kvcal export: --mla needs exactly one of --kv-lora-rank N or --ratio X\n"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = kvt_run_cli(bad[i].args, &o, &e);
+        cr_assert_eq(rc, 2, "%s: exit %d\n%s", bad[i].args, rc, e);
+        cr_assert(!strncmp(e, bad[i].err, strlen(bad[i].err)), "%s:\n%s", bad[i].args, e);
+        free(o), free(e);
+    }
+    /* 0.25 of the bytes with the whole head's rope key leaves no latent */
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.25 -o '%s'", st, out);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 1, "%s", e);
+    cr_assert_str_eq(e, "kvcal: --ratio 0.25 keeps 64 values a token and layer, and the rope key "
+                        "alone takes 64: lower --rope-dim\n");
+    free(o), free(e);
+    /* 0.25 as rope 16 (pairs 0, 2, ..., 14) and a latent of 48 */
+    snprintf(args, sizeof args,
+             "export --mla -m data/kjv-llama -s '%s' --ratio 0.25 --rope-dim 16 --rope-step 2 -o '%s'", st, out);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "kv_lora_rank 48, rope dims 16, pairs 0..14 step 2, freq_base 10"), "%s", o);
+    cr_assert(strstr(o, "cache     64 values a token and layer against 256: 0.2500 of the base"), "%s", o);
+    free(o), free(e);
+    struct kv_gguf_file *g;
+    struct kv_err err;
+    cr_assert_eq(kv_gguf_open(out, &g, &err), KV_OK, "%s", err.msg);
+    struct kv_gguf_str arch;
+    cr_assert_eq(kv_gguf_get_str(g, "general.architecture", &arch, &err), KV_OK);
+    cr_assert(arch.len == 9 && !memcmp(arch.p, "deepseek2", 9));
+    static const struct {
+        const char *key;
+        uint32_t want;
+    } keys[] = {{"deepseek2.attention.kv_lora_rank", 48}, {"deepseek2.rope.dimension_count", 16},
+                {"deepseek2.attention.key_length", 64},   {"deepseek2.attention.value_length", 48},
+                {"deepseek2.attention.key_length_mla", 80}, {"deepseek2.attention.value_length_mla", 64},
+                {"deepseek2.attention.head_count_kv", 1}, {"deepseek2.leading_dense_block_count", 4},
+                {"deepseek2.attention.q_lora_rank", 0},   {"deepseek2.expert_count", 0}};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        uint32_t v = 0;
+        cr_assert_eq(kv_gguf_get_u32(g, keys[i].key, &v, &err), KV_OK, "%s: %s", keys[i].key, err.msg);
+        cr_assert_eq(v, keys[i].want, "%s: %u, want %u", keys[i].key, v, keys[i].want);
+    }
+    float base;
+    cr_assert_eq(kv_gguf_get_f32(g, "deepseek2.rope.freq_base", &base, &err), KV_OK);
+    /* pairs 0, 2, ...: θ' = θ^(2·16/64) = 10000^0.5 */
+    cr_assert_float_eq(base, 100.0f, 1e-3f, "freq_base %g", (double)base);
+    static const struct {
+        const char *name;
+        int64_t ne[3];
+        uint32_t type;
+    } ts[] = {{"blk.0.attn_q.weight", {256, 4 * 80, 1}, 0},
+              {"blk.0.attn_kv_a_mqa.weight", {256, 64, 1}, 0},
+              {"blk.0.attn_kv_a_norm.weight", {48, 1, 1}, 0},
+              {"blk.0.attn_k_b.weight", {64, 48, 4}, 0},
+              {"blk.0.attn_v_b.weight", {48, 64, 4}, 0},
+              {"blk.3.ffn_down.weight", {704, 256, 1}, 0}};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) {
+        const struct kv_gguf_tensor *t = kv_gguf_find_tensor(g, ts[i].name);
+        cr_assert(t, "%s is missing", ts[i].name);
+        cr_assert_eq(t->n_dims, ts[i].ne[2] > 1 ? 3 : ts[i].ne[1] > 1 ? 2 : 1, "%s: %d dims", ts[i].name, t->n_dims);
+        for (int d = 0; d < t->n_dims; d++)
+            cr_assert_eq(t->ne[d], ts[i].ne[d], "%s ne[%d] %lld, want %lld", ts[i].name, d,
+                         (long long)t->ne[d], (long long)ts[i].ne[d]);
+        cr_assert_eq(t->ggml_type, ts[i].type, "%s type %u", ts[i].name, t->ggml_type);
+    }
+    kv_gguf_close(g);
+    free(st), free(out);
+    kvt_rm_dir(dir);
+}
