@@ -977,6 +977,39 @@ static int fill(int fd, const char *path, const char *tmp, void *ctx, struct kv_
 static const char *TYPES_WRITTEN =
     "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K";
 
+static int plan_mla_tensors(struct plan *p, const struct kv_mla *mla, uint32_t mtype,
+                            const char *path, struct kv_err *err);
+static void meta_mla(struct plan *p, const struct kv_mla *mla);
+
+/* The vocabulary, the tensors and the metadata of p's model (its own
+ * architecture's, or mla's deepseek2 when mla is not NULL), then the
+ * file, atomically; p's buffers freed. */
+static int write_planned(struct plan *p, const struct kv_mla *mla, uint32_t mtype, const char *path,
+                         struct kv_gguf_write_opts *o, struct kv_err *err) {
+    const struct kv_config *c = &p->m->cfg;
+    struct vocab v = {0};
+    const struct kv_tokenizer *tok = kv_model_tokenizer(p->m);
+    int rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
+    if (!rc) rc = vocab_check_unique(&v, path, err);
+    if (!rc) rc = mla ? plan_mla_tensors(p, mla, mtype, path, err) : plan_tensors(p, mtype, path, err);
+    if (!rc) {
+        if (mla)
+            meta_mla(p, mla);
+        else
+            meta_hparams(p);
+        meta_vocab(&p->meta, &v);
+        if (p->meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
+    }
+    vocab_free(&v);
+    if (!rc) rc = kv_write_atomic(path, fill, p, err);
+    free(p->meta.b.p);
+    free(p->t);
+    for (int64_t i = 0; i < p->n_owned; i++) free(p->owned[i]);
+    free(p->owned);
+    if (!rc && o) o->n_fallback = p->n_fallback;
+    return rc;
+}
+
 int kv_gguf_write_model(const struct kv_model *m, const char *path,
                         struct kv_gguf_write_opts *o, struct kv_err *err) {
     KV_ASSERT(m && path);
@@ -1045,24 +1078,7 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
         KV_ASSERT(kv_wkind_use(c, (enum kv_wkind)k) == KV_WUSE_NONE ||
                   kv_arch_find(&kv_arch_desc(c->arch)->gguf, (enum kv_wkind)k, NULL));
 
-    struct vocab v = {0};
-    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
-    rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
-    if (!rc) rc = vocab_check_unique(&v, path, err);
-    if (!rc) rc = plan_tensors(&p, mtype, path, err);
-    if (!rc) {
-        meta_hparams(&p);
-        meta_vocab(&p.meta, &v);
-        if (p.meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    }
-    vocab_free(&v);
-    if (!rc) rc = kv_write_atomic(path, fill, &p, err);
-    free(p.meta.b.p);
-    free(p.t);
-    for (int64_t i = 0; i < p.n_owned; i++) free(p.owned[i]);
-    free(p.owned);
-    if (!rc && o) o->n_fallback = p.n_fallback;
-    return rc;
+    return write_planned(&p, NULL, mtype, path, o, err);
 }
 
 /* ================================================================ MLA (deepseek2) */
@@ -1181,22 +1197,5 @@ int kv_gguf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const 
                        "matrix type %u is not one kvcal can write; expected %s", mtype, TYPES_WRITTEN);
     KV_ASSERT(mla->n_layers == c->n_layers && mla->layers);
     struct plan p = {.m = m, .ga = find_arch(KV_ARCH_LLAMA), .fallback = o && o->fallback};
-    struct vocab v = {0};
-    const struct kv_tokenizer *tok = kv_model_tokenizer(m);
-    int rc = tok ? vocab_from_tokenizer(tok, c, &v, path, err) : vocab_synthetic(c, &v, path, err);
-    if (!rc) rc = vocab_check_unique(&v, path, err);
-    if (!rc) rc = plan_mla_tensors(&p, mla, mtype, path, err);
-    if (!rc) {
-        meta_mla(&p, mla);
-        meta_vocab(&p.meta, &v);
-        if (p.meta.b.oom) rc = kv_fail(err, KV_ENOMEM, path, KV_NO_OFFSET, "out of memory");
-    }
-    vocab_free(&v);
-    if (!rc) rc = kv_write_atomic(path, fill, &p, err);
-    free(p.meta.b.p);
-    free(p.t);
-    for (int64_t i = 0; i < p.n_owned; i++) free(p.owned[i]);
-    free(p.owned);
-    if (!rc && o) o->n_fallback = p.n_fallback;
-    return rc;
+    return write_planned(&p, mla, mtype, path, o, err);
 }
