@@ -30,7 +30,8 @@
  *     scoring the key energy outside the shared rope key without its
  *     rotation is logged; in every case, at full rank or not, llama.cpp
  *     computes what a float64 oracle of the MLA form computes
- *     (tests/naive_mla.h), to 2e-3.
+ *     (tests/naive_mla.h), to 2e-3; and the KV cache llama.cpp reports for
+ *     kjv-llama and its export at 0.25 of the bytes is kvcal's count.
  *
  * For a block type the model's matrices are replaced by
  * kv_ggml_dequant(kv_ggml_quant(w)) after writing, so kvcal runs the very
@@ -753,3 +754,77 @@ Test(llamacpp, mla_mqa_full_rank_half_is_exact) { run_mla(&mla_cases[0]); }
 Test(llamacpp, mla_mqa_full_rank_interleaved_is_exact) { run_mla(&mla_cases[1]); }
 Test(llamacpp, mla_gqa2_full_rank_exact_at_position_0) { run_mla(&mla_cases[2]); }
 Test(llamacpp, mla_gqa2_rank48_rope16_step2_as_the_oracle) { run_mla(&mla_cases[3]); }
+
+/* "node SCRIPT A B C OPTS" from the repository root: its last stdout line
+ * (the caller frees); asserts it exits 0. */
+static char *node_last_line(const char *what, const char *script, const char *a, const char *b,
+                            const char *c, const char *opts) {
+    char cmd[4096], line[65536], *last = NULL;
+    snprintf(cmd, sizeof cmd, "node '%s' '%s' '%s' '%s' %s 2>/dev/null", script, a, b, c, opts);
+    FILE *pp = popen(cmd, "r");
+    cr_assert_not_null(pp);
+    while (fgets(line, sizeof line, pp)) {
+        free(last);
+        last = strdup(line);
+    }
+    cr_assert_eq(pclose(pp), 0, "%s: node %s failed", what, script);
+    cr_assert_not_null(last, "%s: node %s printed nothing", what, script);
+    return last;
+}
+
+/* llama.cpp's own KV cache (its log's "llama_kv_cache: size = ... MiB (N
+ * cells"), for 4096 cells of f16 of kjv-llama and of its MLA export at 0.25
+ * of the bytes (rope key 32, latent 32), against kvcal's count: (d_c + R)
+ * values a token and layer for the export, 2 G d_h for the base. */
+Test(llamacpp, mla_kv_cache_is_kvcals_count, .timeout = 300) {
+    need_llamacpp();
+    struct kv_model *m;
+    struct kv_err e;
+    cr_assert_eq(kv_model_open("data/kjv-llama", NULL, &m, &e), KV_OK, "%s", e.msg);
+    const struct kv_config *c = kv_model_config(m);
+    struct kv_stats *s;
+    struct kv_accum *a;
+    cr_assert_eq(kv_stats_init(c, &s, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
+    uint64_t st = 17;
+    int32_t win[64];
+    for (int w = 0; w < 4; w++) {
+        for (int i = 0; i < 64; i++) win[i] = (int32_t)(rng_next(&st) % 256);
+        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
+    }
+    kv_accum_sync(a);
+    kv_accum_free(a);
+    int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
+    struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1};
+    char *dir = kvt_temp_dir(), *mla_path = kvt_path(dir, "mla.gguf"), *base_path = kvt_path(dir, "base.gguf");
+    char *ids_path = kvt_path(dir, "ids.txt"), *out = kvt_path(dir, "lp.bin");
+    cr_assert_eq(kv_mla_export_gguf(m, s, &o, mla_path, NULL, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_gguf_write_model(m, base_path, NULL, &e), KV_OK, "%s", e.msg);
+    const int64_t n = 4096;
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
+    for (int64_t i = 0; i < n; i++) ids[i] = i == 0 ? c->bos_id : (int32_t)(rng_next(&st) % 256);
+    write_ids(ids_path, ids, n);
+    const char *paths[2] = {base_path, mla_path};
+    int64_t values[2] = {base, o.kv_lora_rank + o.rope_dim};
+    for (int k = 0; k < 2; k++) {
+        char *js = node_last_line("kv cache", LOGPROBS_MJS, paths[k], ids_path, out,
+                                  "--threads 2 --logits-only --kv-cache f16");
+        const char *at = strstr(js, "\"kv_cache_reported\":{\"mib\":");
+        cr_assert_not_null(at, "no kv_cache_reported in %s", js);
+        double mib = 0;
+        long cells = 0;
+        cr_assert_eq(sscanf(at, "\"kv_cache_reported\":{\"mib\":%lf,\"cells\":%ld", &mib, &cells), 2, "%s", at);
+        double want = (double)(values[k] * 2 * L * cells) / (1024.0 * 1024.0);
+        cr_log_info("%s: llama.cpp's kv cache %.2f MiB for %ld cells, kvcal's count %.4f MiB (%lld "
+                    "values a token and layer)",
+                    k ? "mla export at 0.25" : "base", mib, cells, want, (long long)values[k]);
+        cr_expect(fabs(mib - want) <= 0.05 * want, "%s: llama.cpp %.2f MiB, kvcal %.4f MiB",
+                  k ? "mla" : "base", mib, want);
+        free(js);
+    }
+    free(ids);
+    kvt_rm_dir(dir);
+    free(mla_path), free(base_path), free(ids_path), free(out);
+    kv_stats_free(s);
+    kv_model_close(m);
+}

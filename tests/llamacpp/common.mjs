@@ -67,6 +67,9 @@ export function parseArgs(argv, spec) {
 
 // getLlama on the CPU with the prebuilt binaries only (no build, no download).
 // llama.cpp's log lines are kept in `logs` (printed on stderr with verbose).
+// logs collects llama.cpp's messages from info level up (debug with
+// verbose, which also copies them to stderr), so a caller can read what
+// llama.cpp reports, such as its KV cache size (kvCacheSize).
 export async function cpuLlama(mod, { threads, verbose }) {
     const logs = [];
     const llama = await mod.getLlama({
@@ -75,7 +78,7 @@ export async function cpuLlama(mod, { threads, verbose }) {
         skipDownload: true,
         progressLogs: false,
         maxThreads: threads ?? 0,
-        logLevel: verbose ? mod.LlamaLogLevel.debug : mod.LlamaLogLevel.warn,
+        logLevel: verbose ? mod.LlamaLogLevel.debug : mod.LlamaLogLevel.info,
         logger: (level, message) => {
             logs.push(`[${level}] ${message}`);
             if (verbose) process.stderr.write(`[llama.cpp ${level}] ${message}\n`);
@@ -93,4 +96,14 @@ export function llamaCppBuild(mod, llama, pkgVersion) {
         build_type: llama.buildType,
         gpu: llama.gpu,
     };
+}
+
+// The KV cache llama.cpp reports when it creates a context ("llama_kv_cache:
+// size = 2.00 MiB (4096 cells, ...)"), as {mib, cells}, or null.
+export function kvCacheSize(logs) {
+    for (const line of logs) {
+        const m = /llama_kv_cache: size =\s+([0-9.]+) MiB \(\s*(\d+) cells/.exec(line);
+        if (m) return { mib: Number(m[1]), cells: Number(m[2]) };
+    }
+    return null;
 }

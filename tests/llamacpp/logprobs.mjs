@@ -18,7 +18,7 @@
 import fs from "node:fs";
 import path from "node:path";
 
-import { UsageError, cpuLlama, die, llamaCppBuild, loadNodeLlamaCpp, moduleVersion, parseArgs } from "./common.mjs";
+import { UsageError, cpuLlama, die, kvCacheSize, llamaCppBuild, loadNodeLlamaCpp, moduleVersion, parseArgs } from "./common.mjs";
 
 const USAGE = "usage: logprobs.mjs MODEL.gguf IDS.txt OUT.bin [--threads N] [--batch N] " +
     "[--kv-cache f32|f16] [--logits-only] [--verbose]";
@@ -64,7 +64,7 @@ async function main() {
 
     const mod = await loadNodeLlamaCpp();
     const pkgVersion = await moduleVersion(mod);
-    const { llama } = await cpuLlama(mod, { threads: opt.threads, verbose: opt.verbose });
+    const { llama, logs } = await cpuLlama(mod, { threads: opt.threads, verbose: opt.verbose });
     const model = await llama.loadModel({ modelPath, gpuLayers: 0 });
 
     const vocabTokens = model.fileInfo?.metadata?.tokenizer?.ggml?.tokens;
@@ -197,6 +197,7 @@ async function main() {
         first_id: ids[0],
         model_bos: model.tokens.bos,
         kv_cache_type: { k: kType, v: vType },
+        kv_cache_reported: kvCacheSize(logs),
         flash_attention: context.flashAttention,
         context_size: context.contextSize,
         batch_size: context.batchSize,
