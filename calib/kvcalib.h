@@ -621,7 +621,7 @@ struct kv_mla_layer_info {
  * KV_EINVAL (the options), the reason in err. */
 int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct kv_err *err);
 /* m rewritten under o with the calibration statistics s (m's); info
- * [n_layers] or NULL. Free *out with kv_mla_free (formats). */
+ * [n_layers] or NULL. Free *out with kv_mla_free (kvcal_core.h). */
 int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
                    struct kv_mla **out, struct kv_mla_layer_info *info, struct kv_err *err);
 /* kv_mla_convert, then the result written to path as GGUF "deepseek2"

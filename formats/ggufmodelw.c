@@ -1083,16 +1083,6 @@ int kv_gguf_write_model(const struct kv_model *m, const char *path,
 
 /* ================================================================ MLA (deepseek2) */
 
-void kv_mla_free(struct kv_mla *mla) {
-    if (!mla) return;
-    for (int64_t l = 0; mla->layers && l < mla->n_layers; l++) {
-        struct kv_mla_layer *y = &mla->layers[l];
-        free(y->wq), free(y->wkv_a), free(y->kv_norm), free(y->wk_b), free(y->wv_b);
-    }
-    free(mla->layers);
-    free(mla);
-}
-
 /* The model's weight k of layer l (-1: a global) under name, in type. */
 static int plan_weight(struct plan *p, const char *name, enum kv_wkind k, int64_t l, uint32_t type,
                        const char *path, struct kv_err *err) {

@@ -130,6 +130,7 @@
 #include <stdint.h>
 
 #include "kvformats.h"
+#include "mlamodel.h"
 
 struct kv_model;
 
@@ -160,28 +161,6 @@ struct kv_gguf_write_opts {
  * KV_EIO naming path, KV_ENOMEM. */
 int kv_gguf_write_model(const struct kv_model *m, const char *path,
                         struct kv_gguf_write_opts *o, struct kv_err *err);
-
-/* A Llama-family model rewritten as DeepSeek-V2's multi-head latent
- * attention (docs/design.md, "Export as Multi-head Latent Attention"):
- * per layer, in weight layout ([out, in], float32):
- *   wq      [H*(n+R), d]  each head's q^nope (n rows) then q^pe (R rows),
- *                         the score scale folded in
- *   wkv_a   [d_c+R, d]    the latent's rows (scaled by alpha) then k^pe's
- *   kv_norm [d_c]         the latent RMSNorm's gain (sqrt(eps) / alpha)
- *   wk_b    [H, d_c, n]   W_UK,h transposed (attn_k_b)
- *   wv_b    [H, v, d_c]   W_UV,h (attn_v_b)
- * with H the model's query heads, d_c kv_lora_rank, R rope_dim (pairs
- * (2i, 2i+1), base rope_base), n nope_dim, v v_dim. The other weights
- * (embedding, norms, W_o, the FFN, the head) are the model's. */
-struct kv_mla_layer {
-    float *wq, *wkv_a, *kv_norm, *wk_b, *wv_b;
-};
-struct kv_mla {
-    int64_t n_layers, n_heads, kv_lora_rank, rope_dim, nope_dim, v_dim;
-    float rope_base;
-    struct kv_mla_layer *layers;
-};
-void kv_mla_free(struct kv_mla *mla);
 
 /* Model m with its attention replaced by mla, as GGUF "deepseek2" (every
  * block dense: leading_dense_block_count = layers, no experts, no q-LoRA),

@@ -22,6 +22,7 @@
 #include "err.h"
 #include "limits.h"
 #include "lrmodel.h"
+#include "mlamodel.h"
 #include "model.h"
 
 #define QBLOCK 128 /* query rows per attention block */
@@ -74,6 +75,12 @@ struct kv_fwd {
     float *kfull;           /* [max_ctx][g*d_h] reconstructed or fresh keys */
     float *qrot;            /* [max_ctx][Σ_i r(i)] rotated or fused queries */
     float *attl;            /* [max_ctx][o_cols] latent attention outputs */
+    /* multi-head latent attention (kv_fwd_set_mla) */
+    const struct kv_mla *mla;
+    struct attn_desc *mla_desc;
+    float *mc;              /* [L][max_ctx][d_c + R]: the normed latent, then the roped key */
+    float *mq, *mqa, *mo;   /* [max_ctx][H*(n+R)], [max_ctx][H*(d_c+R)], [max_ctx][H*d_c] */
+    float *mcos, *msin;     /* [max_ctx][R/2] at the MLA's own base */
 };
 
 void kv_set_threads(int n) {
@@ -84,6 +91,13 @@ void kv_set_threads(int n) {
 
 static void desc_free(struct attn_desc *d) {
     if (d) free(d->qoff);
+}
+
+static void mla_free(struct kv_fwd *f) {
+    if (f->mla_desc) desc_free(f->mla_desc);
+    free(f->mla_desc), free(f->mc), free(f->mq), free(f->mqa), free(f->mo), free(f->mcos), free(f->msin);
+    f->mla_desc = NULL, f->mc = f->mq = f->mqa = f->mo = f->mcos = f->msin = NULL;
+    f->mla = NULL;
 }
 
 static void plan_free(struct kv_fwd *f) {
@@ -110,6 +124,7 @@ static int desc_alloc(struct attn_desc *d, int64_t h) {
 void kv_fwd_free(struct kv_fwd *f) {
     if (!f) return;
     plan_free(f);
+    mla_free(f);
     if (f->base_desc) desc_free(f->base_desc);
     free(f->base_desc);
     free(f->x), free(f->xn), free(f->xn2), free(f->q), free(f->att), free(f->a), free(f->b);
@@ -546,6 +561,111 @@ static int out_proj(struct kv_fwd *f, int64_t l, const float *att, const float *
     return KV_OK;
 }
 
+/* ---------------------------------------------------------------- MLA */
+
+int64_t kv_mla_bytes(const struct kv_mla *mla) {
+    return (mla->kv_lora_rank + mla->rope_dim) * 2 * mla->n_layers;
+}
+
+int kv_fwd_set_mla(struct kv_fwd *f, const struct kv_mla *mla, struct kv_err *err) {
+    const struct kv_config *c = &f->m->cfg;
+    if (f->lr)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a forward state runs a latent cache or MLA, not both");
+    if (mla->n_layers != c->n_layers || mla->n_heads != c->n_heads || mla->v_dim != c->head_dim ||
+        !f->arch->rope || f->arch->layernorm || mla->rope_dim < 2 || mla->rope_dim % 2 ||
+        mla->kv_lora_rank < 1 || mla->nope_dim < 1)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "an MLA of %lld layers and %lld heads (values of %lld) is not this model's "
+                       "attention (%lld layers, %lld heads of %lld)",
+                       (long long)mla->n_layers, (long long)mla->n_heads, (long long)mla->v_dim,
+                       (long long)c->n_layers, (long long)c->n_heads, (long long)c->head_dim);
+    mla_free(f);
+    int64_t T = f->max_ctx, H = mla->n_heads, dc = mla->kv_lora_rank, R = mla->rope_dim;
+    int64_t w = dc + R, nq = H * (mla->nope_dim + R), L = f->one_window ? 1 : c->n_layers;
+    f->mc = falloc(L * T * w);
+    f->mq = falloc(T * nq);
+    f->mqa = falloc(T * H * w);
+    f->mo = falloc(T * H * dc);
+    f->mcos = falloc(T * (R / 2));
+    f->msin = falloc(T * (R / 2));
+    f->mla_desc = malloc(sizeof *f->mla_desc);
+    if (!f->mc || !f->mq || !f->mqa || !f->mo || !f->mcos || !f->msin || !f->mla_desc ||
+        desc_alloc(f->mla_desc, H)) {
+        mla_free(f);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for an MLA cache of %lld positions",
+                       (long long)T);
+    }
+    /* every head scores its absorbed query against the one shared cache
+     * row [c ; k_pe] and reads the latent c */
+    struct attn_desc *D = f->mla_desc;
+    D->ldq = H * w, D->ldk = D->ldv = w, D->ldo = H * dc;
+    D->qw_total = H * w, D->o_total = H * dc;
+    for (int64_t i = 0; i < H; i++) {
+        D->qoff[i] = i * w, D->koff[i] = 0, D->kw[i] = w;
+        D->voff[i] = 0, D->vw[i] = dc, D->ooff[i] = i * dc;
+    }
+    for (int64_t t = 0; t < T; t++) /* llama.cpp's NORM rope: pairs (2i, 2i+1), θ'^(-2i/R) */
+        for (int64_t i = 0; i < R / 2; i++) {
+            double ang = (double)t * pow((double)mla->rope_base, -2.0 * (double)i / (double)R);
+            f->mcos[t * (R / 2) + i] = (float)cos(ang), f->msin[t * (R / 2) + i] = (float)sin(ang);
+        }
+    f->mla = mla;
+    return KV_OK;
+}
+
+/* Rotate pairs (2i, 2i+1) of the R values at p by position t's angles. */
+static void mla_rope(const struct kv_fwd *f, float *p, int64_t R, int64_t t) {
+    const float *cs = f->mcos + t * (R / 2), *sn = f->msin + t * (R / 2);
+    for (int64_t i = 0; i < R / 2; i++) {
+        float x0 = p[2 * i], x1 = p[2 * i + 1];
+        p[2 * i] = x0 * cs[i] - x1 * sn[i];
+        p[2 * i + 1] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* One layer's multi-head latent attention, as llama.cpp's deepseek2 graph
+ * computes it (docs/design.md): x += W_o [W_UV,h softmax(...) c]. */
+static int mla_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
+    const struct kv_config *c = &f->m->cfg;
+    const struct kv_mla *M = f->mla;
+    const struct kv_mla_layer *Y = &M->layers[l];
+    int64_t d = c->dim, H = M->n_heads, dc = M->kv_lora_rank, R = M->rope_dim, nn = M->nope_dim;
+    int64_t vd = M->v_dim, w = dc + R, nq = H * (nn + R);
+    float *cache = f->mc + (f->one_window ? 0 : l) * f->max_ctx * w, *kv = cache + pos0 * w;
+    linear(f->mq, nq, f->xn, Y->wq, n, d, nq, 0.0f);
+    linear(kv, w, f->xn, Y->wkv_a, n, d, w, 0.0f);
+    /* the engine's score scale 1/sqrt(n + R), where attention() applies the model's */
+    float qs = (float)(1.0 / sqrt((double)(nn + R))) / kv_attn_scale(c);
+#pragma omp parallel for if (n * H * dc * nn > 65536) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *e = kv + i * w; /* the latent's RMSNorm, the engine's epsilon */
+        double ss = 0;
+        for (int64_t r = 0; r < dc; r++) ss += (double)e[r] * e[r];
+        float inv = (float)(1.0 / sqrt(ss / (double)dc + (double)c->norm_eps));
+        for (int64_t r = 0; r < dc; r++) e[r] = e[r] * inv * Y->kv_norm[r];
+        mla_rope(f, e + dc, R, pos0 + i);
+        for (int64_t h = 0; h < H; h++) {
+            float *q = f->mq + i * nq + h * (nn + R), *qa = f->mqa + i * H * w + h * w;
+            mla_rope(f, q + nn, R, pos0 + i);
+            /* q̂_h = W_UK,hᵀ q^nope_h (wk_b[h] is [d_c][n]) */
+            const float *kb = Y->wk_b + h * dc * nn;
+            for (int64_t r = 0; r < dc; r++) {
+                float s = 0;
+                for (int64_t j = 0; j < nn; j++) s += kb[r * nn + j] * q[j];
+                qa[r] = s * qs;
+            }
+            for (int64_t j = 0; j < R; j++) qa[dc + j] = q[nn + j] * qs;
+        }
+    }
+    attention(f, f->mla_desc, f->mqa, cache, cache, f->mo, n, pos0, 0);
+    /* each head's value W_UV,h o_h (wv_b[h] is [v][d_c]) into att [n, H*v] */
+    for (int64_t h = 0; h < H; h++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)vd, (int)dc, 1.0f,
+                    f->mo + h * dc, (int)(H * dc), Y->wv_b + h * vd * dc, (int)dc, 0.0f,
+                    f->att + h * vd, (int)(H * vd));
+    return out_proj(f, l, f->att, kv_model_layer(f->m, l)[KV_W_O], NULL, H * vd, n, pos0);
+}
+
 /* One layer's attention from the latent cache: x += attention output
  * (without the output projection's bias). */
 static int lr_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
@@ -713,6 +833,8 @@ int kv_fwd_run(struct kv_fwd *f, const int32_t *tokens, int64_t n, int64_t pos0,
             if ((rc = hk->attn(hk->ctx, l, f->xn, n, pos0, f->x))) return rc;
         } else if (f->lr) {
             if ((rc = lr_attention(f, l, n, pos0))) return rc;
+        } else if (f->mla) {
+            if ((rc = mla_attention(f, l, n, pos0))) return rc;
         } else {
             linear(f->q, qd, f->xn, w[KV_W_Q], n, d, qd, 0.0f);
             linear(k, kd, f->xn, w[KV_W_K], n, d, kd, 0.0f);

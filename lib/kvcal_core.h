@@ -680,6 +680,27 @@ int kv_ppl_compare_finish(const double *sums, int64_t windows, int64_t n_tokens,
                           int with_comp, const double seconds[2], struct kv_compare_result *out,
                           struct kv_err *err);
 
+/* ---------------------------------------------------------------- MLA */
+
+/* A model's attention rewritten as DeepSeek-V2 multi-head latent attention
+ * (kv_mla_convert in kvcalib.h builds one, kv_mla_gguf_open in kvformats.h
+ * reads one back from the GGUF kvcal export --mla writes); opaque. */
+struct kv_mla;
+void kv_mla_free(struct kv_mla *mla);
+/* Run f's attention as mla's (made from f's model): queries absorbed, a
+ * cache of the normed latent and the roped shared key per token and layer,
+ * as llama.cpp's deepseek2 graph computes. KV_EINVAL when mla's shapes are
+ * not f's model's; KV_ENOMEM. */
+int kv_fwd_set_mla(struct kv_fwd *f, const struct kv_mla *mla, struct kv_err *err);
+/* Base against mla on the same windows, as kv_ppl_compare_src: out->comp
+ * is mla's run. */
+int kv_ppl_compare_mla_src(const struct kv_model *m, const struct kv_mla *mla,
+                           const struct kv_token_src *src, int64_t seq_len, int64_t max_windows,
+                           kv_progress_fn progress, void *progress_ctx,
+                           struct kv_compare_result *out, struct kv_err *err);
+/* Bytes per token of mla's cache at f16: (kv_lora_rank + rope_dim) · 2 · layers. */
+int64_t kv_mla_bytes(const struct kv_mla *mla);
+
 /* ---------------------------------------------------------------- greedy generation */
 
 /* The options of a greedy decoding as a caller names them in messages: a

@@ -214,8 +214,8 @@ struct dev_extra {
  * of sums (KV_PPL_SUMS columns), the forward passes' seconds into sec.
  * Every sum of a window is taken position by position in order, so a row
  * does not depend on the thread count nor on which process ran it. */
-static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
-                   int with_comp, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+static int compare(const struct kv_model *m, const struct kv_lowrank *lr, const struct kv_mla *mla,
+                   int kv_bits, int with_comp, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
                    int64_t seq_len, int64_t windows, int64_t part_i, int64_t part_n,
                    kv_progress_fn progress, void *progress_ctx, double *sums,
                    double sec[N_RUNS], struct dev_extra *dx, struct kv_err *err) {
@@ -223,7 +223,7 @@ static int compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
     struct kv_fwd *f[N_RUNS] = {NULL};
     int rc = kv_fwd_init(m, seq_len, &f[RUN_BASE], err);
     if (!rc && with_comp && !(rc = kv_fwd_init(m, seq_len, &f[RUN_COMP], err)))
-        rc = kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
+        rc = mla ? kv_fwd_set_mla(f[RUN_COMP], mla, err) : kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
     if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
         kv_fwd_set_hooks(f[RUN_DEV], dev);
     int64_t vocab = m->cfg.vocab_size, rows = slice_rows(seq_len, vocab);
@@ -330,7 +330,7 @@ int kv_ppl_compare_part(const struct kv_model *m, const struct kv_lowrank *lr, i
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "part %lld of %lld does not exist",
                        (long long)part_index, (long long)part_count);
     double sec[N_RUNS] = {0};
-    rc = compare(m, lr, kv_bits, lr != NULL, NULL, src, seq_len, windows, part_index, part_count,
+    rc = compare(m, lr, NULL, kv_bits, lr != NULL, NULL, src, seq_len, windows, part_index, part_count,
                  progress, progress_ctx, sums, sec, NULL, err);
     seconds[0] = sec[RUN_BASE], seconds[1] = sec[RUN_COMP];
     return rc;
@@ -381,7 +381,8 @@ int kv_ppl_compare_finish(const double *sums, int64_t windows, int64_t n_tokens,
 }
 
 /* The whole comparison in one process: every window, then the totals. */
-static int compare_all(const struct kv_model *m, const struct kv_lowrank *lr, int kv_bits,
+static int compare_all(const struct kv_model *m, const struct kv_lowrank *lr,
+                       const struct kv_mla *mla, int kv_bits,
                        const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
                        int64_t seq_len, int64_t max_windows, kv_progress_fn progress,
                        void *progress_ctx, struct kv_compare_result *out, struct kv_err *err) {
@@ -395,9 +396,10 @@ static int compare_all(const struct kv_model *m, const struct kv_lowrank *lr, in
                        (long long)windows);
     double sec[N_RUNS] = {0};
     struct dev_extra dx = {-1, 0, 0};
-    rc = compare(m, lr, kv_bits, lr != NULL, dev, src, seq_len, windows, 0, 1, progress,
+    int with_comp = lr != NULL || mla != NULL;
+    rc = compare(m, lr, mla, kv_bits, with_comp, dev, src, seq_len, windows, 0, 1, progress,
                  progress_ctx, sums, sec, &dx, err);
-    if (!rc) rc = kv_ppl_compare_finish(sums, windows, src->n_tokens, seq_len, lr != NULL, sec, out, err);
+    if (!rc) rc = kv_ppl_compare_finish(sums, windows, src->n_tokens, seq_len, with_comp, sec, out, err);
     if (!rc && dev) {
         run_totals(sums, KV_PPL_DEV, windows, src->n_tokens, seq_len, sec[RUN_DEV], &out->dev);
         double scored = (double)out->dev.scored;
@@ -415,7 +417,7 @@ int kv_ppl_run_src(const struct kv_model *m, const struct kv_token_src *src, int
                    int64_t max_windows, kv_progress_fn progress, void *progress_ctx,
                    struct kv_ppl_result *out, struct kv_err *err) {
     struct kv_compare_result r;
-    int rc = compare_all(m, NULL, 16, NULL, src, seq_len, max_windows, progress, progress_ctx, &r, err);
+    int rc = compare_all(m, NULL, NULL, 16, NULL, src, seq_len, max_windows, progress, progress_ctx, &r, err);
     if (!rc) *out = r.base;
     return rc;
 }
@@ -426,7 +428,7 @@ int kv_ppl_compare(const struct kv_model *m, const struct kv_lowrank *lr, int kv
                    struct kv_compare_result *out, struct kv_err *err) {
     struct array_src a = {tokens};
     struct kv_token_src src = {array_window, &a, n_tokens};
-    return compare_all(m, lr, kv_bits, NULL, &src, seq_len, max_windows, progress, progress_ctx,
+    return compare_all(m, lr, NULL, kv_bits, NULL, &src, seq_len, max_windows, progress, progress_ctx,
                        out, err);
 }
 
@@ -438,7 +440,7 @@ int kv_ppl_compare_attn(const struct kv_model *m, const struct kv_lowrank *lr, i
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "device hooks without an attn hook");
     struct array_src a = {tokens};
     struct kv_token_src src = {array_window, &a, n_tokens};
-    return compare_all(m, lr, kv_bits, dev, &src, seq_len, max_windows, progress, progress_ctx,
+    return compare_all(m, lr, NULL, kv_bits, dev, &src, seq_len, max_windows, progress, progress_ctx,
                        out, err);
 }
 
@@ -451,6 +453,14 @@ int kv_ppl_compare_src(const struct kv_model *m, const struct kv_lowrank *lr, in
     if (!lr && !dev)
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "a comparison needs a compressed model or device hooks");
-    return compare_all(m, lr, kv_bits, dev, src, seq_len, max_windows, progress, progress_ctx,
+    return compare_all(m, lr, NULL, kv_bits, dev, src, seq_len, max_windows, progress, progress_ctx,
+                       out, err);
+}
+
+int kv_ppl_compare_mla_src(const struct kv_model *m, const struct kv_mla *mla,
+                           const struct kv_token_src *src, int64_t seq_len, int64_t max_windows,
+                           kv_progress_fn progress, void *progress_ctx,
+                           struct kv_compare_result *out, struct kv_err *err) {
+    return compare_all(m, NULL, mla, 16, NULL, src, seq_len, max_windows, progress, progress_ctx,
                        out, err);
 }
