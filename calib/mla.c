@@ -215,6 +215,10 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
         free(mla);
         return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
     }
+    if ((rc = kv_model_fingerprint(m, mla->base_fingerprint, err))) {
+        kv_mla_free(mla);
+        return rc;
+    }
     mla->n_layers = L, mla->n_heads = H, mla->kv_lora_rank = dc, mla->rope_dim = R;
     mla->nope_dim = n, mla->v_dim = dh;
     /* slot i is pair i*step: θ'^(-2i/R) = θ^(-2 i step / dh) */

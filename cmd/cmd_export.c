@@ -173,12 +173,13 @@ int cmd_export(int argc, char **argv) {
         "with more, the rotation lost costs quality (docs/design.md, \"Export as Multi-head\n"
         "Latent Attention\", measures it). The table printed says, per layer, the share of\n"
         "key energy that keeps its rotation and of key and value energy the latent keeps.\n"
-        "kvcal itself cannot load the deepseek2 file yet.\n"
+        "kvcal verify --mla OUT.gguf runs it back against the model (its cache, PPL, KL).\n"
         "\nexamples:\n"
         "  kvcal export --dense out-656K --model tinystories-656K -o 656K-dense\n"
         "  kvcal export --dense out-260K --model stories260K.bin -o 260K-dense.bin\n"
         "  kvcal verify --model 260K-dense.bin --tokenizer tok512.bin --text val1k.txt\n"
-        "  kvcal export --mla -m data/kjv-llama -s kjv.kvstats --ratio 0.5 -o kjv-mla.gguf\n",
+        "  kvcal export --mla -m data/kjv-llama -s kjv.kvstats --ratio 0.5 -o kjv-mla.gguf\n"
+        "  kvcal verify -m data/kjv-llama -t data/kjv/gospels.txt --mla kjv-mla.gguf\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 0};
     const char *pos[1];
     int n_pos;

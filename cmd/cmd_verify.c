@@ -179,7 +179,7 @@ static int device_verdict(const struct device *dv, const struct kv_compare_resul
 
 /* What the command line gives (file scope: the option table points into it). */
 static struct verify_args {
-    const char *model, *tokenizer, *text, *tokens, *comp, *device, *cache;
+    const char *model, *tokenizer, *text, *tokens, *comp, *device, *cache, *mla;
     int64_t seq_len, max_windows, threads, kv_bits;
     int json, quiet, hadamard;
     double device_tol; /* NaN: not given */
@@ -197,6 +197,9 @@ static const struct cli_opt verify_opts[] = {
     {"compressed", 0, OPT_STR, &A.comp, "DIR",
      "also run the compressed model in DIR (from 'kvcal decompose') with a cache that\n"
      "stores latents, and compare it with the base: ppl, kl, top-1, kv bytes"},
+    {"mla", 0, OPT_STR, &A.mla, "FILE",
+     "also run the model's attention as the GGUF deepseek2 FILE from 'kvcal export --mla'\n"
+     "(multi-head latent attention, caching its latent and rope key) and compare"},
     {"kv-bits", 0, OPT_INT, &A.kv_bits, "B",
      "with --compressed: latent storage 16, 8, 4, 3 or 2 bits (default: the manifest's);\n"
      "below 16, per-token asymmetric quantization with fp16 scale and zero point"},
@@ -404,6 +407,81 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
     return rc;
 }
 
+/* Base against the MLA form of FILE on the same windows. */
+static int verify_mla(const struct verify_args *a, const char *src, struct kv_model *m,
+                      const struct kv_token_src *ts, size_t n_bytes) {
+    struct kv_err err;
+    kv_err_clear(&err);
+    struct kv_mla *mla;
+    if (kv_mla_gguf_open(a->mla, m, &mla, &err)) return cli_report(&err);
+    struct kv_compare_result r;
+    struct cli_progress prog;
+    cli_progress_start(&prog, "windows", a->quiet || a->json);
+    int rc = kv_ppl_compare_mla_src(m, mla, ts, a->seq_len, a->max_windows, cli_progress_cb, &prog, &r, &err);
+    cli_progress_end(&prog);
+    if (rc) {
+        if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", src);
+        kv_mla_free(mla);
+        return cli_report(&err);
+    }
+    const struct kv_config *c = kv_model_config(m);
+    int64_t base = kv_lr_base_bytes(c), comp = kv_mla_bytes(mla), seq_len = a->seq_len;
+    double ratio = (double)comp / (double)base;
+    double tb = tokens_per_s(&r.base, seq_len), tc = tokens_per_s(&r.comp, seq_len);
+    if (a->json) {
+        json_t *o = json_pack(
+            "{s:s, s:o, s:o, s:o, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
+            "s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
+            "protocol", "windows", "model", cli_json_text(a->model), "mla", cli_json_text(a->mla),
+            "text", cli_json_text(src), "method", "mla", "seq_len", (json_int_t)seq_len,
+            "tokens", (json_int_t)r.comp.tokens, "windows", (json_int_t)r.comp.windows, "scored",
+            (json_int_t)r.comp.scored, "nll", cli_json_real(r.comp.nll), "ppl", cli_json_real(r.comp.ppl),
+            "base_nll", cli_json_real(r.base.nll), "base_ppl", cli_json_real(r.base.ppl), "delta_ppl",
+            cli_json_real(r.comp.ppl - r.base.ppl), "kl", cli_json_real(r.kl), "top1",
+            cli_json_real(r.top1), "kv_bytes_per_token", "base", (json_int_t)base, "compressed",
+            (json_int_t)comp, "ratio", cli_json_real(ratio), "tokens_per_s", cli_json_real(tc),
+            "base_tokens_per_s", cli_json_real(tb), "peak_rss_mib", cli_json_real(peak_rss()));
+        if (o) {
+            json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r.dppl_ci[0]),
+                                                                   cli_json_real(r.dppl_ci[1])));
+            json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r.kl_ci[0]),
+                                                        cli_json_real(r.kl_ci[1])));
+        }
+        json_tokenization(o, a, m);
+        cli_json_blas(o);
+        rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    } else {
+        char desc[512], tdesc[160], bn[160];
+        const struct kv_mla_info mi = kv_mla_info(mla);
+        cli_describe_config(c, desc, sizeof desc);
+        printf("model       %s\n            %s\n", a->model, desc);
+        printf("mla         %s: deepseek2, kv_lora_rank %lld, rope key %lld (base %.6g), nope %lld\n",
+               a->mla, (long long)mi.kv_lora_rank, (long long)mi.rope_dim, (double)mi.rope_base,
+               (long long)mi.nope_dim);
+        if (a->text)
+            printf("text        %s: %zu bytes, %lld tokens %s\n", a->text, n_bytes,
+                   (long long)r.comp.tokens, describe_tokens(m, tdesc, sizeof tdesc));
+        else
+            printf("tokens      %s: %lld tokens\n", src, (long long)r.comp.tokens);
+        printf("protocol    windows: seq-len %lld, non-overlapping, remainder dropped, positions "
+               "1..%lld scored\n", (long long)seq_len, (long long)(seq_len - 1));
+        printf("windows     %lld, %lld scored tokens\n", (long long)r.comp.windows, (long long)r.comp.scored);
+        printf("\n            base        mla\n");
+        printf("ppl         %-11.4f %.4f   (delta %+.4f, %+.2f%%)\n", r.base.ppl, r.comp.ppl,
+               r.comp.ppl - r.base.ppl, 100 * (r.comp.ppl / r.base.ppl - 1));
+        printf("nll         %-11.6f %.6f\n", r.base.nll, r.comp.nll);
+        printf("kv bytes    %-11lld %lld per token   (%.4f of base; the latent and the rope key at f16)\n",
+               (long long)base, (long long)comp, ratio);
+        printf("kl          %.6f nats per token, KL(base || mla)\n", r.kl);
+        printf("top-1       %.4f of positions agree\n", r.top1);
+        printf("speed       %.0f tokens/s base, %.0f mla, peak rss %.1f MiB\nblas        %s\n", tb,
+               tc, peak_rss(), cli_blas_note(bn, sizeof bn));
+        rc = EXIT_OK;
+    }
+    kv_mla_free(mla);
+    return rc;
+}
+
 /* The base model alone, as one JSON object or text. */
 static int print_base(const struct verify_args *a, const char *src, size_t n_bytes,
                       const struct kv_model *m, const struct device *dv,
@@ -494,6 +572,10 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
     if (kv_ppl_check(a->seq_len, a->max_windows, ppl_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
     if (a->threads < 0) return cli_usage_error(cmd, "--threads must be 0 (all cores) or more");
+    if (a->mla && a->comp) return cli_usage_error(cmd, "give one of --compressed DIR or --mla FILE");
+    if (a->mla && strcmp(a->device, "cpu"))
+        return cli_usage_error(cmd, "--mla runs on the cpu; the runtime has no latent attention of this form");
+    if (a->mla && cli_mpi_size() > 1) return cli_usage_error(cmd, "--mla runs in one process, not under mpirun");
     if (a->kv_bits && !a->comp) return cli_usage_error(cmd, "--kv-bits needs --compressed");
     if (a->hadamard && !a->comp) return cli_usage_error(cmd, "--hadamard needs --compressed");
     if (a->kv_bits && !kv_lr_bits_valid(a->kv_bits))
@@ -547,8 +629,9 @@ int cmd_verify(int argc, char **argv) {
     if (!stop && mpi && cli_mpi_any_failed(rc) && !rc) rc = EXIT_ERR;
     if (!rc) {
         V_specials = t.specials;
-        rc = a->comp ? verify_compressed(a, src, m, lr, &t.src, t.n_bytes, &dv)
-                     : verify_base(a, src, m, &t.src, t.n_bytes, &dv);
+        rc = a->comp  ? verify_compressed(a, src, m, lr, &t.src, t.n_bytes, &dv)
+             : a->mla ? verify_mla(a, src, m, &t.src, t.n_bytes)
+                      : verify_base(a, src, m, &t.src, t.n_bytes, &dv);
     }
     kv_lr_free(lr);
     if (have_t) cli_close_tokens(&t);

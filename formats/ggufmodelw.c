@@ -1175,6 +1175,8 @@ static void meta_mla(struct plan *p, const struct kv_mla *mla) {
     m_u32(m, "deepseek2.expert_used_count", 0);
     m_u32(m, "deepseek2.expert_shared_count", 0);
     m_u32(m, "deepseek2.vocab_size", (uint32_t)c->vocab_size);
+    /* kvcal reads the attention back and runs it with the base's other weights */
+    m_str(m, "kvcal.mla.base_fingerprint", mla->base_fingerprint);
 }
 
 int kv_gguf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *path,

@@ -153,6 +153,12 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
                    struct kv_err *err);
 int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err);
 
+/* The attention of a GGUF deepseek2 file that kvcal export --mla wrote from
+ * model m (its kvcal.mla.base_fingerprint must be m's), as a struct
+ * kv_mla (kv_mla_free) to run with m's other weights (kv_fwd_set_mla). */
+int kv_mla_gguf_open(const char *path, const struct kv_model *m, struct kv_mla **out,
+                     struct kv_err *err);
+
 /* 1 when s was made by this model (same fingerprint and shapes), else 0 with
  * the difference in err (KV_EINVAL, naming path). */
 int kv_stats_matches_model(const struct kv_stats *s, const struct kv_model *m, const char *path,

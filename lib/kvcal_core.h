@@ -700,6 +700,11 @@ int kv_ppl_compare_mla_src(const struct kv_model *m, const struct kv_mla *mla,
                            struct kv_compare_result *out, struct kv_err *err);
 /* Bytes per token of mla's cache at f16: (kv_lora_rank + rope_dim) · 2 · layers. */
 int64_t kv_mla_bytes(const struct kv_mla *mla);
+struct kv_mla_info {
+    int64_t kv_lora_rank, rope_dim, nope_dim, v_dim;
+    float rope_base;
+};
+struct kv_mla_info kv_mla_info(const struct kv_mla *mla);
 
 /* ---------------------------------------------------------------- greedy generation */
 

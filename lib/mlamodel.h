@@ -24,6 +24,7 @@ struct kv_mla_layer {
 struct kv_mla {
     int64_t n_layers, n_heads, kv_lora_rank, rope_dim, nope_dim, v_dim;
     float rope_base;
+    char base_fingerprint[65]; /* the model it was made from (kv_model_fingerprint) */
     struct kv_mla_layer *layers;
 };
 

@@ -281,3 +281,72 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
     kv_stats_free(s);
     kv_model_close(m);
 }
+
+/* kvcal verify --mla: base against the MLA form read back from the file,
+ * with its cache bytes; the files it refuses, and the options. */
+Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
+    KVT_NEED_KJV();
+    char *dir = kvt_temp_dir(), *st = kvt_path(dir, "s.kvstats"), *g = kvt_path(dir, "m.gguf");
+    char *plain = kvt_path(dir, "plain.gguf"), *other = kvt_path(dir, "other.gguf"), args[4096], *o, *e;
+    snprintf(args, sizeof args, "collect -m data/kjv-llama -t data/kjv/train.txt --samples 8 "
+                                "--seq-len 64 --threads 1 -q -o '%s'", st);
+    cr_assert_eq(kvt_run_cli(args, NULL, &e), 0, "%s", e);
+    free(e);
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 -o '%s'", st, g);
+    cr_assert_eq(kvt_run_cli(args, NULL, &e), 0, "%s", e);
+    free(e);
+    snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' "
+                                "--max-windows 3 --json -q", g);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "\"method\": \"mla\"") && strstr(o, "\"compressed\": 1024") &&
+              strstr(o, "\"base\": 2048") && strstr(o, "\"windows\": 3"), "%s", o);
+    free(o), free(e);
+    /* a plain llama file, and an export of another model (same shapes) */
+    struct kv_model *m;
+    struct kv_err err;
+    cr_assert_eq(kv_model_open("data/kjv-llama", NULL, &m, &err), KV_OK, "%s", err.msg);
+    cr_assert_eq(kv_gguf_write_model(m, plain, NULL, &err), KV_OK, "%s", err.msg);
+    struct kv_config c = *kv_model_config(m);
+    kv_model_close(m);
+    cr_assert_eq(kv_model_init_random(&c, 1, &m, &err), KV_OK, "%s", err.msg);
+    struct kv_stats *s;
+    cr_assert_eq(kv_stats_open(st, &s, &err), KV_OK, "%s", err.msg);
+    struct kv_mla_opts mo = {128 - 64, 64, 1, 1};
+    cr_assert_eq(kv_mla_export_gguf(m, s, &mo, other, NULL, &err), KV_OK, "%s", err.msg);
+    kv_stats_free(s);
+    kv_model_close(m);
+    struct {
+        const char *file;
+        int code;
+        const char *err;
+    } bad[] = {
+        {plain, 1, "kvcal: %s: general.architecture is 'llama', not 'deepseek2' (kvcal export --mla writes it)\n"},
+        {other, 1, "kvcal: %s: made from another model (fingerprint "},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' -q",
+                 bad[i].file);
+        int rc = kvt_run_cli(args, &o, &e);
+        cr_assert_eq(rc, bad[i].code, "%s: exit %d\n%s", bad[i].file, rc, e);
+        char want[2048];
+        snprintf(want, sizeof want, bad[i].err, bad[i].file);
+        cr_assert(!strncmp(e, want, strlen(want)), "got:\n%swant:\n%s", e, want);
+        free(o), free(e);
+    }
+    static const struct {
+        const char *extra, *err;
+    } usage[] = {
+        {"--compressed x", "kvcal verify: give one of --compressed DIR or --mla FILE\n"},
+        {"--device twin", "kvcal verify: --mla runs on the cpu; the runtime has no latent attention of this form\n"},
+    };
+    for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++) {
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' %s",
+                 g, usage[i].extra);
+        int rc = kvt_run_cli(args, &o, &e);
+        cr_assert_eq(rc, 2, "%s: exit %d\n%s", usage[i].extra, rc, e);
+        cr_assert(!strncmp(e, usage[i].err, strlen(usage[i].err)), "got:\n%s", e);
+        free(o), free(e);
+    }
+    free(st), free(g), free(plain), free(other);
+    kvt_rm_dir(dir);
+}
