@@ -10,6 +10,37 @@
 #include "model.h"
 #include "naive_rope.h"
 
+/* x[t] += W_down (silu(W_gate xn[t]) * W_up xn[t]) for n rows, a [hid] scratch. */
+static inline void naive_swiglu_add(const float *const *w, double *x, const double *xn, double *a,
+                                    int64_t n, int64_t d, int64_t hid) {
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t r = 0; r < hid; r++) {
+            double gt = 0, up = 0;
+            for (int64_t j = 0; j < d; j++) {
+                gt += w[KV_W_GATE][r * d + j] * xn[t * d + j];
+                up += w[KV_W_UP][r * d + j] * xn[t * d + j];
+            }
+            a[r] = gt / (1 + exp(-gt)) * up;
+        }
+        for (int64_t r = 0; r < d; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < hid; j++) s += w[KV_W_DOWN][r * hid + j] * a[j];
+            x[t * d + r] += s;
+        }
+    }
+}
+
+/* logits [n, vocab] = xn lm_headᵀ. */
+static inline void naive_head(const struct kv_model *m, const double *xn, int64_t n, double *logits) {
+    int64_t d = m->cfg.dim, V = m->cfg.vocab_size;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < V; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < d; j++) s += m->lm_head[r * d + j] * xn[t * d + j];
+            logits[t * V + r] = s;
+        }
+}
+
 /* Reference logits [n, vocab] of tokens at positions 0..n-1. */
 static inline double *naive_forward(const struct kv_model *m, const int32_t *tok, int64_t n) {
     const struct kv_config *c = &m->cfg;
@@ -109,29 +140,10 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                 x[t * d + r] += s;
             }
         NORM(w[KV_W_FFN_NORM]);
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t r = 0; r < hid; r++) {
-                double gt = 0, up = 0;
-                for (int64_t j = 0; j < d; j++) {
-                    gt += w[KV_W_GATE][r * d + j] * xn[t * d + j];
-                    up += w[KV_W_UP][r * d + j] * xn[t * d + j];
-                }
-                a[r] = gt / (1 + exp(-gt)) * up;
-            }
-            for (int64_t r = 0; r < d; r++) {
-                double s = 0;
-                for (int64_t j = 0; j < hid; j++) s += w[KV_W_DOWN][r * hid + j] * a[j];
-                x[t * d + r] += s;
-            }
-        }
+        naive_swiglu_add(w, x, xn, a, n, d, hid);
     }
     NORM(m->out_norm);
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t r = 0; r < V; r++) {
-            double s = 0;
-            for (int64_t j = 0; j < d; j++) s += m->lm_head[r * d + j] * xn[t * d + j];
-            logits[t * V + r] = s;
-        }
+    naive_head(m, xn, n, logits);
     free(x), free(xn), free(q), free(k), free(v), free(o), free(a);
     return logits;
 }

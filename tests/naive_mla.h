@@ -10,8 +10,9 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "ggufmodelw.h"
+#include "mlamodel.h"
 #include "model.h"
+#include "naive_llama.h"
 
 /* Logits [n, vocab] of tokens at positions 0..n-1 of m's embedding, norms,
  * FFN and head with mla's attention. */
@@ -106,30 +107,11 @@ static inline double *naive_mla_forward(const struct kv_model *m, const struct k
                 x[t * d + r] += s;
             }
         MLA_NORM(w[KV_W_FFN_NORM]);
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t r = 0; r < hid; r++) {
-                double gt = 0, up = 0;
-                for (int64_t j = 0; j < d; j++) {
-                    gt += w[KV_W_GATE][r * d + j] * xn[t * d + j];
-                    up += w[KV_W_UP][r * d + j] * xn[t * d + j];
-                }
-                a[r] = gt / (1 + exp(-gt)) * up;
-            }
-            for (int64_t r = 0; r < d; r++) {
-                double s = 0;
-                for (int64_t j = 0; j < hid; j++) s += w[KV_W_DOWN][r * hid + j] * a[j];
-                x[t * d + r] += s;
-            }
-        }
+        naive_swiglu_add(w, x, xn, a, n, d, hid);
     }
     MLA_NORM(m->out_norm);
 #undef MLA_NORM
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t r = 0; r < V; r++) {
-            double s = 0;
-            for (int64_t j = 0; j < d; j++) s += m->lm_head[r * d + j] * xn[t * d + j];
-            logits[t * V + r] = s;
-        }
+    naive_head(m, xn, n, logits);
     free(x), free(xn), free(q), free(kv), free(knope), free(val), free(o), free(a);
     return logits;
 }
