@@ -30,8 +30,11 @@
  *     scoring the key energy outside the shared rope key without its
  *     rotation is logged; in every case, at full rank or not, llama.cpp
  *     computes what a float64 oracle of the MLA form computes
- *     (tests/naive_mla.h), to 2e-3; and the KV cache llama.cpp reports for
- *     kjv-llama and its export at 0.25 of the bytes is kvcal's count.
+ *     (tests/naive_mla.h), to 2e-3; kjv-llama, stories260K,
+ *     tinystories-656K and a Mistral exported at half the bytes: llama.cpp
+ *     against kvcal's own MLA forward (kv_fwd_set_mla), to 2e-3; and the KV
+ *     cache llama.cpp reports for kjv-llama and its export at 0.25 of the
+ *     bytes is kvcal's count.
  *
  * For a block type the model's matrices are replaced by
  * kv_ggml_dequant(kv_ggml_quant(w)) after writing, so kvcal runs the very
@@ -852,3 +855,103 @@ Test(llamacpp, mla_kv_cache_is_kvcals_count, .timeout = 300) {
     kv_stats_free(s);
     kv_model_close(m);
 }
+
+/* The real models at hand and a Mistral, exported as MLA at half the base's
+ * values (the rope key of the whole head, the latent the rest), run by
+ * llama.cpp against kvcal's own MLA forward on 128 random ids from BOS:
+ * the same model in two engines, whatever the rewrite cost. */
+struct mla_real {
+    const char *name, *model, *tokenizer; /* model: under ../shared when shared, else the repo */
+    int shared;
+};
+
+static void run_mla_real(const struct mla_real *k) {
+    need_llamacpp();
+    struct kv_model *m;
+    struct kv_err e;
+    if (k->model) {
+        char mpath[1024], tpath[1024] = "";
+        const char *p = k->shared ? kvt_shared(k->model) : k->model;
+        if (!p) cr_skip_test("shared model '%s' is absent; skipping", k->model);
+        snprintf(mpath, sizeof mpath, "%s", p);
+        if (k->tokenizer) {
+            p = kvt_shared(k->tokenizer);
+            if (!p) cr_skip_test("shared tokenizer '%s' is absent; skipping", k->tokenizer);
+            snprintf(tpath, sizeof tpath, "%s", p);
+        }
+        cr_assert_eq(kv_model_open(mpath, k->tokenizer ? tpath : NULL, &m, &e), KV_OK, "%s", e.msg);
+    } else { /* Mistral 7B's shape scaled down: GQA 4:1, heads of 128, theta 1e6 */
+        struct kv_config c = {0};
+        c.arch = KV_ARCH_MISTRAL, c.dim = 512, c.hidden_dim = 1024, c.n_layers = 2, c.n_heads = 8;
+        c.n_kv_heads = 2, c.head_dim = 128, c.vocab_size = 320, c.max_seq_len = 2048;
+        c.norm_eps = 1e-5f, c.rope_theta = 1e6f, c.rope_layout = KV_ROPE_HALF, c.bos_id = 1;
+        cr_assert_eq(kv_model_init_random(&c, 41, &m, &e), KV_OK, "%s", e.msg);
+        shape_weights(m);
+        shape_norms(m);
+    }
+    const struct kv_config *c = kv_model_config(m);
+    int64_t V = c->vocab_size, G = c->n_kv_heads, dh = c->head_dim;
+    struct kv_stats *s;
+    struct kv_accum *a;
+    cr_assert_eq(kv_stats_init(c, &s, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
+    uint64_t st = 29;
+    int32_t win[64];
+    for (int w = 0; w < 4; w++) {
+        for (int i = 0; i < 64; i++) win[i] = (int32_t)(rng_next(&st) % (uint64_t)V);
+        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
+    }
+    kv_accum_sync(a);
+    kv_accum_free(a);
+    struct kv_mla_opts o = {G * dh - dh, dh, 1, 1}; /* d_c + R = half of 2 G d_h */
+    if (o.kv_lora_rank < 1) o.kv_lora_rank = dh / 2, o.rope_dim = dh / 2;
+    struct kv_mla *mla;
+    cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
+    const int64_t n = N_IDS, P = n - 1;
+    int32_t ids[N_IDS];
+    for (int64_t i = 0; i < n; i++) ids[i] = i == 0 ? c->bos_id : (int32_t)(rng_next(&st) % (uint64_t)V);
+    char *dir = kvt_temp_dir(), *gguf = kvt_path(dir, "mla.gguf"), *ids_path = kvt_path(dir, "ids.txt");
+    char *lc_path = kvt_path(dir, "lc.bin");
+    cr_assert_eq(kv_gguf_write_mla(m, mla, gguf, NULL, &e), KV_OK, "%s", e.msg);
+    write_ids(ids_path, ids, n);
+    run_node(k->name, LOGPROBS_MJS, gguf, ids_path, lc_path, "--threads 1 --logits-only");
+    double *lc = read_logprobs(lc_path, P, V);
+    struct kv_fwd *f;
+    cr_assert_eq(kv_fwd_init(m, P, &f, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_fwd_set_mla(f, mla, &e), KV_OK, "%s", e.msg);
+    float *lg = malloc((size_t)(P * V) * sizeof *lg);
+    cr_assert_eq(kv_fwd_run(f, ids, P, 0, lg, &e), KV_OK, "%s", e.msg);
+    kv_fwd_free(f);
+    double *km = malloc((size_t)(P * V) * sizeof *km);
+    for (int64_t i = 0; i < P; i++) {
+        const float *row = lg + i * V;
+        double mx = -INFINITY, z = 0;
+        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+        for (int64_t v = 0; v < V; v++) z += exp((double)row[v] - mx);
+        for (int64_t v = 0; v < V; v++) km[i * V + v] = (double)row[v] - mx - log(z);
+    }
+    struct diff d = compare(lc, km, ids, P, V);
+    cr_log_info("%s: MLA at d_c %lld, R %lld: llama.cpp against kvcal's MLA forward: max |dlogp| "
+                "%.2e at position %lld; ppl kvcal %.6f llama.cpp %.6f",
+                k->name, (long long)o.kv_lora_rank, (long long)o.rope_dim, d.max, (long long)d.pos,
+                d.ppl_kv, d.ppl_lc);
+    cr_expect(d.max <= 2e-3, "%s: max |dlogp| %.3g at position %lld, tolerance 2e-3", k->name, d.max,
+              (long long)d.pos);
+    free(lg), free(km), free(lc);
+    kvt_rm_dir(dir);
+    free(gguf), free(ids_path), free(lc_path);
+    kv_mla_free(mla);
+    kv_stats_free(s);
+    kv_model_close(m);
+}
+
+static const struct mla_real mla_reals[] = {
+    {"mla_kjv_llama", "data/kjv-llama", NULL, 0},
+    {"mla_stories260k", "models/stories260K/stories260K.bin", "models/stories260K/tok512.bin", 1},
+    {"mla_tinystories_656k", "models/tinystories-656K", NULL, 1},
+    {"mla_mistral_hd128_gqa4", NULL, NULL, 0},
+};
+Test(llamacpp, mla_kjv_llama_as_kvcal_runs_it) { run_mla_real(&mla_reals[0]); }
+Test(llamacpp, mla_stories260k_as_kvcal_runs_it) { run_mla_real(&mla_reals[1]); }
+Test(llamacpp, mla_tinystories_656k_as_kvcal_runs_it) { run_mla_real(&mla_reals[2]); }
+Test(llamacpp, mla_mistral_hd128_gqa4_as_kvcal_runs_it) { run_mla_real(&mla_reals[3]); }
