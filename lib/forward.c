@@ -397,6 +397,8 @@ int kv_fwd_set_lowrank(struct kv_fwd *f, const struct kv_lowrank *lr, int kv_bit
                        struct kv_err *err) {
     plan_free(f);
     if (!lr) return KV_OK;
+    if (f->mla)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "a forward state runs a latent cache or MLA, not both");
     const struct kv_config *c = &f->m->cfg;
     if (!kv_shapes_match(c, lr->info.n_layers, lr->info.dim, lr->info.n_heads, lr->info.n_kv_heads, lr->info.head_dim,
                          "compressed attention factors", NULL, err))
