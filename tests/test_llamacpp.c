@@ -136,27 +136,39 @@ static void round_matrices(struct kv_model *m, uint32_t t) {
         }
 }
 
+/* Each of n rows of V logits replaced by its log-softmax, in float64. */
+static void log_softmax_rows(double *lg, int64_t n, int64_t V) {
+    for (int64_t i = 0; i < n; i++) {
+        double *row = lg + i * V, mx = -INFINITY, s = 0;
+        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+        for (int64_t v = 0; v < V; v++) s += exp(row[v] - mx);
+        double lse = mx + log(s);
+        for (int64_t v = 0; v < V; v++) row[v] -= lse;
+    }
+}
+
 /* kvcal's log p(v | ids[0..i]) for i < P, [P][V], as kvcal_logprobs.c: one
- * run from position 0, log-softmax of the float32 logits in double. */
-static double *kvcal_logprobs(const struct kv_model *m, const int32_t *ids, int64_t P) {
+ * run from position 0 (with mla's attention when not NULL), log-softmax of
+ * the float32 logits in double. */
+static double *kvcal_logprobs_mla(const struct kv_model *m, const struct kv_mla *mla,
+                                  const int32_t *ids, int64_t P) {
     int64_t V = kv_model_config(m)->vocab_size;
     struct kv_fwd *f;
     struct kv_err e;
     cr_assert_eq(kv_fwd_init(m, P, &f, &e), KV_OK, "%s", e.msg);
+    if (mla) cr_assert_eq(kv_fwd_set_mla(f, mla, &e), KV_OK, "%s", e.msg);
     float *lg = malloc((size_t)(P * V) * sizeof *lg);
     cr_assert_eq(kv_fwd_run(f, ids, P, 0, lg, &e), KV_OK, "%s", e.msg);
     kv_fwd_free(f);
     double *lp = malloc((size_t)(P * V) * sizeof *lp);
-    for (int64_t i = 0; i < P; i++) {
-        const float *row = lg + i * V;
-        double mx = -INFINITY, s = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) s += exp((double)row[v] - mx);
-        double lse = mx + log(s);
-        for (int64_t v = 0; v < V; v++) lp[i * V + v] = (double)row[v] - lse;
-    }
+    for (int64_t i = 0; i < P * V; i++) lp[i] = lg[i];
     free(lg);
+    log_softmax_rows(lp, P, V);
     return lp;
+}
+
+static double *kvcal_logprobs(const struct kv_model *m, const int32_t *ids, int64_t P) {
+    return kvcal_logprobs_mla(m, NULL, ids, P);
 }
 
 /* The float64 oracle's log p for a GELU family (tests/naive_neox.h,
@@ -168,13 +180,7 @@ static double *oracle_logprobs(const struct kv_model *m, const int32_t *ids, int
     *naive_gelu_fp16() = fp16;
     double *lg = c->arch == KV_ARCH_GPTNEOX ? naive_neox_forward(m, ids, P) : naive_gemma2_forward(m, ids, P);
     *naive_gelu_fp16() = 0;
-    for (int64_t i = 0; i < P; i++) {
-        double *row = lg + i * V, mx = -INFINITY, s = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) s += exp(row[v] - mx);
-        double lse = mx + log(s);
-        for (int64_t v = 0; v < V; v++) row[v] -= lse;
-    }
+    log_softmax_rows(lg, P, V);
     return lg;
 }
 
@@ -524,22 +530,24 @@ static const char REAL_TEXT[] =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
     "park.\nOne day, she saw a big, red ball. \"Can I play?\" she asked her mom.\n";
 
+/* The paths of model and tokenizer (NULL: none) under ../shared when
+ * shared, else as given; skips the test when a shared one is absent. */
+static void real_paths(const char *model, const char *tokenizer, int shared, char mpath[1024],
+                       char tpath[1024]) {
+    const char *p = shared ? kvt_shared(model) : model;
+    if (!p) cr_skip_test("shared model '%s' is absent; skipping", model);
+    snprintf(mpath, 1024, "%s", p);
+    tpath[0] = 0;
+    if (!tokenizer) return;
+    p = shared ? kvt_shared(tokenizer) : tokenizer;
+    if (!p) cr_skip_test("shared tokenizer '%s' is absent; skipping", tokenizer);
+    snprintf(tpath, 1024, "%s", p);
+}
+
 static void run_real(const struct real_case *k) {
     need_llamacpp();
     char mpath[1024], tpath[1024];
-    if (k->shared) {
-        const char *p = kvt_shared(k->model);
-        if (!p) cr_skip_test("shared model '%s' is absent; skipping", k->model);
-        snprintf(mpath, sizeof mpath, "%s", p);
-        if (k->tokenizer) {
-            p = kvt_shared(k->tokenizer);
-            if (!p) cr_skip_test("shared tokenizer '%s' is absent; skipping", k->tokenizer);
-            snprintf(tpath, sizeof tpath, "%s", p);
-        }
-    } else {
-        snprintf(mpath, sizeof mpath, "%s", k->model);
-        if (k->tokenizer) snprintf(tpath, sizeof tpath, "%s", k->tokenizer);
-    }
+    real_paths(k->model, k->tokenizer, k->shared, mpath, tpath);
     struct kv_model *m;
     struct kv_err e;
     char msg[2200];
@@ -649,6 +657,25 @@ Test(llamacpp, real_tinystories_656k_hf) { run_real(&reals[4]); }
 
 /* ---------------------------------------------------------------- MLA export */
 
+/* Statistics of m over `windows` windows of 64 ids drawn below vocab from
+ * *st (the first id 1 when bos). */
+static struct kv_stats *random_stats(const struct kv_model *m, int windows, uint64_t vocab, int bos,
+                                     uint64_t *st) {
+    struct kv_stats *s;
+    struct kv_accum *a;
+    struct kv_err e;
+    cr_assert_eq(kv_stats_init(kv_model_config(m), &s, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
+    int32_t win[64];
+    for (int w = 0; w < windows; w++) {
+        for (int i = 0; i < 64; i++) win[i] = bos && i == 0 ? 1 : (int32_t)(rng_next(st) % vocab);
+        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
+    }
+    kv_accum_sync(a);
+    kv_accum_free(a);
+    return s;
+}
+
 /* A random Llama as DeepSeek-V2 MLA (kv_mla_convert, kv_gguf_write_mla),
  * run by llama.cpp's deepseek2 graph, against kvcal's run of the model
  * itself. With one KV head the rewrite is exact at full latent rank
@@ -675,18 +702,8 @@ static void run_mla(const struct mla_case *k) {
     shape_weights(m);
     shape_norms(m);
     /* calibration statistics of 8 random windows of 64 */
-    struct kv_stats *s;
-    struct kv_accum *a;
-    cr_assert_eq(kv_stats_init(kv_model_config(m), &s, &e), KV_OK, "%s", e.msg);
-    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
     uint64_t st = 0x51ed270b27c6f4a3ull;
-    for (int w = 0; w < 8; w++) {
-        int32_t win[64];
-        for (int i = 0; i < 64; i++) win[i] = i == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
-        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
-    }
-    kv_accum_sync(a);
-    kv_accum_free(a);
+    struct kv_stats *s = random_stats(m, 8, 300, 1, &st);
     struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1};
     struct kv_mla *mla;
     struct kv_mla_layer_info info[2];
@@ -718,12 +735,7 @@ static void run_mla(const struct mla_case *k) {
      * layout (the rope key, the absorbed k^nope, the values) read as
      * written, whatever the rewrite cost */
     double *om = naive_mla_forward(m, mla, ids, P);
-    for (int64_t i = 0; i < P; i++) { /* log-softmax */
-        double *row = om + i * V, mx = -INFINITY, z = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) z += exp(row[v] - mx);
-        for (int64_t v = 0; v < V; v++) row[v] -= mx + log(z);
-    }
+    log_softmax_rows(om, P, V);
     struct diff dm = compare(lc, om, ids, P, V);
     cr_log_info("%s: llama.cpp against the float64 MLA oracle: max |dlogp| %.2e at position %lld "
                 "token %lld, mean KL %.2e",
@@ -733,21 +745,7 @@ static void run_mla(const struct mla_case *k) {
     free(om);
     /* and against kvcal's own MLA forward (kv_fwd_set_mla) */
     {
-        struct kv_fwd *f;
-        cr_assert_eq(kv_fwd_init(m, P, &f, &e), KV_OK, "%s", e.msg);
-        cr_assert_eq(kv_fwd_set_mla(f, mla, &e), KV_OK, "%s", e.msg);
-        float *lg = malloc((size_t)(P * V) * sizeof *lg);
-        cr_assert_eq(kv_fwd_run(f, ids, P, 0, lg, &e), KV_OK, "%s", e.msg);
-        kv_fwd_free(f);
-        double *km = malloc((size_t)(P * V) * sizeof *km);
-        for (int64_t i = 0; i < P * V; i++) km[i] = lg[i];
-        free(lg);
-        for (int64_t i = 0; i < P; i++) {
-            double *row = km + i * V, mx = -INFINITY, z = 0;
-            for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-            for (int64_t v = 0; v < V; v++) z += exp(row[v] - mx);
-            for (int64_t v = 0; v < V; v++) row[v] -= mx + log(z);
-        }
+        double *km = kvcal_logprobs_mla(m, mla, ids, P);
         struct diff dk = compare(lc, km, ids, P, V);
         cr_log_info("%s: llama.cpp against kvcal's MLA forward: max |dlogp| %.2e at position %lld",
                     k->name, dk.max, (long long)dk.pos);
@@ -809,18 +807,8 @@ Test(llamacpp, mla_kv_cache_is_kvcals_count, .timeout = 300) {
     struct kv_err e;
     cr_assert_eq(kv_model_open("data/kjv-llama", NULL, &m, &e), KV_OK, "%s", e.msg);
     const struct kv_config *c = kv_model_config(m);
-    struct kv_stats *s;
-    struct kv_accum *a;
-    cr_assert_eq(kv_stats_init(c, &s, &e), KV_OK, "%s", e.msg);
-    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
     uint64_t st = 17;
-    int32_t win[64];
-    for (int w = 0; w < 4; w++) {
-        for (int i = 0; i < 64; i++) win[i] = (int32_t)(rng_next(&st) % 256);
-        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
-    }
-    kv_accum_sync(a);
-    kv_accum_free(a);
+    struct kv_stats *s = random_stats(m, 4, 256, 0, &st);
     int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
     struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1};
     char *dir = kvt_temp_dir(), *mla_path = kvt_path(dir, "mla.gguf"), *base_path = kvt_path(dir, "base.gguf");
@@ -870,15 +858,8 @@ static void run_mla_real(const struct mla_real *k) {
     struct kv_model *m;
     struct kv_err e;
     if (k->model) {
-        char mpath[1024], tpath[1024] = "";
-        const char *p = k->shared ? kvt_shared(k->model) : k->model;
-        if (!p) cr_skip_test("shared model '%s' is absent; skipping", k->model);
-        snprintf(mpath, sizeof mpath, "%s", p);
-        if (k->tokenizer) {
-            p = kvt_shared(k->tokenizer);
-            if (!p) cr_skip_test("shared tokenizer '%s' is absent; skipping", k->tokenizer);
-            snprintf(tpath, sizeof tpath, "%s", p);
-        }
+        char mpath[1024], tpath[1024];
+        real_paths(k->model, k->tokenizer, k->shared, mpath, tpath);
         cr_assert_eq(kv_model_open(mpath, k->tokenizer ? tpath : NULL, &m, &e), KV_OK, "%s", e.msg);
     } else { /* Mistral 7B's shape scaled down: GQA 4:1, heads of 128, theta 1e6 */
         struct kv_config c = {0};
@@ -891,18 +872,8 @@ static void run_mla_real(const struct mla_real *k) {
     }
     const struct kv_config *c = kv_model_config(m);
     int64_t V = c->vocab_size, G = c->n_kv_heads, dh = c->head_dim;
-    struct kv_stats *s;
-    struct kv_accum *a;
-    cr_assert_eq(kv_stats_init(c, &s, &e), KV_OK, "%s", e.msg);
-    cr_assert_eq(kv_accum_init(m, s, 64, &a, &e), KV_OK, "%s", e.msg);
     uint64_t st = 29;
-    int32_t win[64];
-    for (int w = 0; w < 4; w++) {
-        for (int i = 0; i < 64; i++) win[i] = (int32_t)(rng_next(&st) % (uint64_t)V);
-        cr_assert_eq(kv_accum_window(a, win, &e), KV_OK, "%s", e.msg);
-    }
-    kv_accum_sync(a);
-    kv_accum_free(a);
+    struct kv_stats *s = random_stats(m, 4, (uint64_t)V, 0, &st);
     struct kv_mla_opts o = {G * dh - dh, dh, 1, 1}; /* d_c + R = half of 2 G d_h */
     if (o.kv_lora_rank < 1) o.kv_lora_rank = dh / 2, o.rope_dim = dh / 2;
     struct kv_mla *mla;
@@ -916,20 +887,7 @@ static void run_mla_real(const struct mla_real *k) {
     write_ids(ids_path, ids, n);
     run_node(k->name, LOGPROBS_MJS, gguf, ids_path, lc_path, "--threads 1 --logits-only");
     double *lc = read_logprobs(lc_path, P, V);
-    struct kv_fwd *f;
-    cr_assert_eq(kv_fwd_init(m, P, &f, &e), KV_OK, "%s", e.msg);
-    cr_assert_eq(kv_fwd_set_mla(f, mla, &e), KV_OK, "%s", e.msg);
-    float *lg = malloc((size_t)(P * V) * sizeof *lg);
-    cr_assert_eq(kv_fwd_run(f, ids, P, 0, lg, &e), KV_OK, "%s", e.msg);
-    kv_fwd_free(f);
-    double *km = malloc((size_t)(P * V) * sizeof *km);
-    for (int64_t i = 0; i < P; i++) {
-        const float *row = lg + i * V;
-        double mx = -INFINITY, z = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) z += exp((double)row[v] - mx);
-        for (int64_t v = 0; v < V; v++) km[i * V + v] = (double)row[v] - mx - log(z);
-    }
+    double *km = kvcal_logprobs_mla(m, mla, ids, P);
     struct diff d = compare(lc, km, ids, P, V);
     cr_log_info("%s: MLA at d_c %lld, R %lld: llama.cpp against kvcal's MLA forward: max |dlogp| "
                 "%.2e at position %lld; ppl kvcal %.6f llama.cpp %.6f",
@@ -937,7 +895,7 @@ static void run_mla_real(const struct mla_real *k) {
                 d.ppl_kv, d.ppl_lc);
     cr_expect(d.max <= 2e-3, "%s: max |dlogp| %.3g at position %lld, tolerance 2e-3", k->name, d.max,
               (long long)d.pos);
-    free(lg), free(km), free(lc);
+    free(km), free(lc);
     kvt_rm_dir(dir);
     free(gguf), free(ids_path), free(lc_path);
     kv_mla_free(mla);
