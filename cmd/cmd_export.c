@@ -132,11 +132,12 @@ int cmd_export(int argc, char **argv) {
         {"no-balance", 0, OPT_FLAG, &x.no_balance, NULL,
          "with --mla: do not weigh keys and values to equal energy in the latent"},
         {"model", 'm', OPT_STR, &model, "PATH",
-         "the base model DIR was made from: HF directory, .gguf or llama2.c .bin"},
+         "the base model DIR was made from (with --mla: the model to rewrite): HF\n"
+         "directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
          "override the base model's tokenizer (only for loading; nothing is copied)"},
         {"output", 'o', OPT_STR, &out, "OUT",
-         "where to write: a directory for an HF source, else one file"},
+         "where to write: a directory for an HF source, else one file (--mla: a .gguf)"},
         CLI_OPT_JSON(&json),
     };
     const struct cli_cmd cmd = {
