@@ -208,21 +208,21 @@ struct dev_extra {
     int64_t best_w, best_i;
 };
 
-/* Base, compressed (when with_comp: lr's latent cache on the CPU) and
+/* Base, compressed (lr's latent cache, or mla's attention, on the CPU) and
  * device (when dev: attention through dev's hooks) on windows w of
  * 0..windows-1 with w % part_n == part_i, each window's sums into its row
  * of sums (KV_PPL_SUMS columns), the forward passes' seconds into sec.
  * Every sum of a window is taken position by position in order, so a row
  * does not depend on the thread count nor on which process ran it. */
 static int compare(const struct kv_model *m, const struct kv_lowrank *lr, const struct kv_mla *mla,
-                   int kv_bits, int with_comp, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
+                   int kv_bits, const struct kv_fwd_hooks *dev, const struct kv_token_src *src,
                    int64_t seq_len, int64_t windows, int64_t part_i, int64_t part_n,
                    kv_progress_fn progress, void *progress_ctx, double *sums,
                    double sec[N_RUNS], struct dev_extra *dx, struct kv_err *err) {
     kv_err_clear(err);
     struct kv_fwd *f[N_RUNS] = {NULL};
     int rc = kv_fwd_init(m, seq_len, &f[RUN_BASE], err);
-    if (!rc && with_comp && !(rc = kv_fwd_init(m, seq_len, &f[RUN_COMP], err)))
+    if (!rc && (lr || mla) && !(rc = kv_fwd_init(m, seq_len, &f[RUN_COMP], err)))
         rc = mla ? kv_fwd_set_mla(f[RUN_COMP], mla, err) : kv_fwd_set_lowrank(f[RUN_COMP], lr, kv_bits, err);
     if (!rc && dev && !(rc = kv_fwd_init(m, seq_len, &f[RUN_DEV], err)))
         kv_fwd_set_hooks(f[RUN_DEV], dev);
@@ -330,7 +330,7 @@ int kv_ppl_compare_part(const struct kv_model *m, const struct kv_lowrank *lr, i
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET, "part %lld of %lld does not exist",
                        (long long)part_index, (long long)part_count);
     double sec[N_RUNS] = {0};
-    rc = compare(m, lr, NULL, kv_bits, lr != NULL, NULL, src, seq_len, windows, part_index, part_count,
+    rc = compare(m, lr, NULL, kv_bits, NULL, src, seq_len, windows, part_index, part_count,
                  progress, progress_ctx, sums, sec, NULL, err);
     seconds[0] = sec[RUN_BASE], seconds[1] = sec[RUN_COMP];
     return rc;
@@ -397,7 +397,7 @@ static int compare_all(const struct kv_model *m, const struct kv_lowrank *lr,
     double sec[N_RUNS] = {0};
     struct dev_extra dx = {-1, 0, 0};
     int with_comp = lr != NULL || mla != NULL;
-    rc = compare(m, lr, mla, kv_bits, with_comp, dev, src, seq_len, windows, 0, 1, progress,
+    rc = compare(m, lr, mla, kv_bits, dev, src, seq_len, windows, 0, 1, progress,
                  progress_ctx, sums, sec, &dx, err);
     if (!rc) rc = kv_ppl_compare_finish(sums, windows, src->n_tokens, seq_len, with_comp, sec, out, err);
     if (!rc && dev) {
