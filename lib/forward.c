@@ -638,7 +638,7 @@ static int mla_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     linear(kv, w, f->xn, Y->wkv_a, n, d, w, 0.0f);
     /* the engine's score scale 1/sqrt(n + R), where attention() applies the model's */
     float qs = (float)(1.0 / sqrt((double)(nn + R))) / kv_attn_scale(c);
-#pragma omp parallel for if (n * H * dc * nn > 65536) schedule(static)
+#pragma omp parallel for if (n * H * w > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         float *e = kv + i * w; /* the latent's RMSNorm, the engine's epsilon */
         double ss = 0;
@@ -646,19 +646,17 @@ static int mla_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
         float inv = (float)(1.0 / sqrt(ss / (double)dc + (double)c->norm_eps));
         for (int64_t r = 0; r < dc; r++) e[r] = e[r] * inv * Y->kv_norm[r];
         mla_rope(f, e + dc, R, pos0 + i);
-        for (int64_t h = 0; h < H; h++) {
-            float *q = f->mq + i * nq + h * (nn + R), *qa = f->mqa + i * H * w + h * w;
+        for (int64_t h = 0; h < H; h++) { /* q^pe, roped, after each head's q̂ */
+            float *q = f->mq + i * nq + h * (nn + R), *qa = f->mqa + i * H * w + h * w + dc;
             mla_rope(f, q + nn, R, pos0 + i);
-            /* q̂_h = W_UK,hᵀ q^nope_h (wk_b[h] is [d_c][n]) */
-            const float *kb = Y->wk_b + h * dc * nn;
-            for (int64_t r = 0; r < dc; r++) {
-                float s = 0;
-                for (int64_t j = 0; j < nn; j++) s += kb[r * nn + j] * q[j];
-                qa[r] = s * qs;
-            }
-            for (int64_t j = 0; j < R; j++) qa[dc + j] = q[nn + j] * qs;
+            for (int64_t j = 0; j < R; j++) qa[j] = q[nn + j] * qs;
         }
     }
+    /* q̂_h = W_UK,hᵀ q^nope_h for every row at once (wk_b[h] is [d_c][n]) */
+    for (int64_t h = 0; h < H; h++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)dc, (int)nn, qs,
+                    f->mq + h * (nn + R), (int)nq, Y->wk_b + h * dc * nn, (int)nn, 0.0f,
+                    f->mqa + h * w, (int)(H * w));
     attention(f, f->mla_desc, f->mqa, cache, cache, f->mo, n, pos0, 0);
     /* each head's value W_UV,h o_h (wv_b[h] is [v][d_c]) into att [n, H*v] */
     for (int64_t h = 0; h < H; h++)
