@@ -163,15 +163,11 @@ static int convert_layer(const struct kv_model *m, const struct kv_stats *s, con
         if (i < dc) kept += e;
     }
     info->latent_share = tot > 0 ? kept / tot : 1;
-    /* A = P_rᵀ D B [dc, d]; U = D⁻¹ P_r */
-    for (int64_t r = 0; r < dc; r++) {
-        double *ar = w->a + r * d;
-        memset(ar, 0, (size_t)d * sizeof *ar);
-        for (int64_t i = 0; i < ny; i++) {
-            double coef = w->vec[i * ny + r] * (i < G * dh ? beta : 1.0);
-            if (coef != 0) cblas_daxpy((int)d, coef, w->b + i * d, 1, ar, 1);
-        }
-    }
+    /* A = P_rᵀ D B [dc, d] (B's key rows weighed in place: B is not needed
+     * after); U = D⁻¹ P_r */
+    cblas_dscal((int)(G * dh * d), beta, w->b, 1);
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)dc, (int)d, (int)ny, 1.0, w->vec,
+                (int)ny, w->b, (int)d, 0.0, w->a, (int)d);
     for (int64_t h = 0; h < H; h++) {
         int64_t g = h / gs;
         for (int64_t r = 0; r < dc; r++)
