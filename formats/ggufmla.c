@@ -12,10 +12,6 @@
 #include "mlamodel.h"
 #include "model.h"
 
-static int get_u32(const struct kv_gguf_file *g, const char *key, uint32_t *v, struct kv_err *err) {
-    return kv_gguf_get_u32(g, key, v, err);
-}
-
 /* Tensor suffix of layer l, of nd dims, as float32 rows [a][b][c] (ne =
  * {c, b, a}), copied into *out. */
 static int read_tensor(const struct kv_gguf_file *g, const char *path, int64_t l, const char *suffix,
@@ -42,9 +38,11 @@ static int read_tensor(const struct kv_gguf_file *g, const char *path, int64_t l
     kv_convert_to_f32(t->t.dtype, t->t.data, f, n);
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(f[i])) {
+            double bad = f[i];
             free(f);
-            return kv_fail(err, KV_ENUMERIC, path, t->t.offset, "tensor '%s' holds %g at element %lld",
-                           name, (double)f[i], (long long)i);
+            uint64_t at = t->t.offset + (uint64_t)i * (t->t.dtype == KV_DTYPE_F32 ? 4 : 2);
+            return kv_fail(err, KV_ENUMERIC, path, at, "tensor '%s' holds %g at element %lld", name,
+                           bad, (long long)i);
         }
     *out = f;
     return KV_OK;
@@ -83,13 +81,13 @@ int kv_mla_gguf_open(const char *path, const struct kv_model *m, struct kv_mla *
     }
     uint32_t L, H, dc, R, kmla, vmla, qlora;
     float base, eps;
-    if ((rc = get_u32(g, "deepseek2.block_count", &L, err)) ||
-        (rc = get_u32(g, "deepseek2.attention.head_count", &H, err)) ||
-        (rc = get_u32(g, "deepseek2.attention.kv_lora_rank", &dc, err)) ||
-        (rc = get_u32(g, "deepseek2.rope.dimension_count", &R, err)) ||
-        (rc = get_u32(g, "deepseek2.attention.key_length_mla", &kmla, err)) ||
-        (rc = get_u32(g, "deepseek2.attention.value_length_mla", &vmla, err)) ||
-        (rc = get_u32(g, "deepseek2.attention.q_lora_rank", &qlora, err)) ||
+    if ((rc = kv_gguf_get_u32(g, "deepseek2.block_count", &L, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.attention.head_count", &H, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.attention.kv_lora_rank", &dc, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.rope.dimension_count", &R, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.attention.key_length_mla", &kmla, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.attention.value_length_mla", &vmla, err)) ||
+        (rc = kv_gguf_get_u32(g, "deepseek2.attention.q_lora_rank", &qlora, err)) ||
         (rc = kv_gguf_get_f32(g, "deepseek2.rope.freq_base", &base, err)) ||
         (rc = kv_gguf_get_f32(g, "deepseek2.attention.layer_norm_rms_epsilon", &eps, err)))
         goto done;

@@ -5,6 +5,7 @@
  * writes for data/kjv-llama, its keys and tensor shapes as llama.cpp reads
  * them (llama.cpp itself runs the rewrite in tests/test_llamacpp.c). */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -273,7 +274,9 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
 }
 
 /* kvcal verify --mla: base against the MLA form read back from the file,
- * with its cache bytes; the files it refuses, and the options. */
+ * with its cache bytes; the files it refuses (another architecture,
+ * another model, cut short, a key that disagrees with the tensors, a NaN),
+ * each in one line naming the file, and the options. */
 Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
     KVT_NEED_KJV();
     char *dir = kvt_temp_dir(), *st = kvt_path(dir, "s.kvstats"), *g = kvt_path(dir, "m.gguf");
@@ -323,6 +326,51 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
         cr_assert(!strncmp(e, want, strlen(want)), "got:\n%swant:\n%s", e, want);
         free(o), free(e);
     }
+    /* damaged copies of the export: cut in half, kv_lora_rank changed, a
+     * NaN in the latent's norm gain */
+    size_t len = 0;
+    char *bytes = kvt_read_file(g, &len);
+    cr_assert(bytes);
+    struct kv_gguf_file *gf;
+    cr_assert_eq(kv_gguf_open(g, &gf, &err), KV_OK, "%s", err.msg);
+    const struct kv_gguf_tensor *nt = kv_gguf_find_tensor(gf, "blk.0.attn_kv_a_norm.weight");
+    cr_assert(nt);
+    uint64_t nan_at = nt->t.offset;
+    kv_gguf_close(gf);
+    const char *key = "deepseek2.attention.kv_lora_rank";
+    char *kat = memmem(bytes, len, key, strlen(key));
+    cr_assert(kat);
+    size_t rank_at = (size_t)(kat - bytes) + strlen(key) + 4; /* after the u32 type */
+    static const struct {
+        const char *name, *err;
+    } dmg[] = {
+        {"cut.gguf", "but the data section holds"},
+        {"rank.gguf", "tensor 'blk.0.attn_kv_a_mqa.weight' has 32768 elements in 2 dims, expected "
+                      "[1, 129, 256] for this model\n"},
+        {"nan.gguf", "tensor 'blk.0.attn_kv_a_norm.weight' holds nan at element 0\n"},
+    };
+    for (size_t i = 0; i < sizeof dmg / sizeof dmg[0]; i++) {
+        char *copy = malloc(len), *path = kvt_path(dir, dmg[i].name);
+        memcpy(copy, bytes, len);
+        size_t n = len;
+        uint32_t rank = 65;
+        float nanv = NAN;
+        if (i == 0) n = len / 2;
+        if (i == 1) memcpy(copy + rank_at, &rank, 4);
+        if (i == 2) memcpy(copy + nan_at, &nanv, 4);
+        FILE *fp = fopen(path, "wb");
+        cr_assert(fp && fwrite(copy, 1, n, fp) == n && fclose(fp) == 0);
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' -q", path);
+        int rc = kvt_run_cli(args, &o, &e);
+        char want[1200];
+        snprintf(want, sizeof want, "kvcal: %s: offset ", path);
+        cr_assert_eq(rc, 1, "%s: exit %d\n%s", dmg[i].name, rc, e);
+        cr_assert(!strncmp(e, want, strlen(want)) && strstr(e, dmg[i].err) && !strchr(e, '\n')[1],
+                  "%s: one line naming the file and offset and '%s', got:\n%s", dmg[i].name,
+                  dmg[i].err, e);
+        free(o), free(e), free(copy), free(path);
+    }
+    free(bytes);
     static const struct {
         const char *extra, *err;
     } usage[] = {
