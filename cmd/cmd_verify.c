@@ -291,47 +291,53 @@ static void json_tokenization(json_t *o, const struct verify_args *a, const stru
                                   "special_strings", (json_int_t)V_specials));
 }
 
-static int print_compressed(const struct verify_args *a, const char *src, size_t n_bytes,
-                            const struct kv_model *m, const struct kv_lowrank *lr, int bits,
-                            const struct device *dv, const struct kv_compare_result *r) {
-    struct kv_lr_info li = kv_lr_info(lr);
-    const struct kv_config *c = kv_model_config(m);
-    int64_t base = kv_lr_base_bytes(c), comp = kv_lr_bytes(lr, bits), seq_len = a->seq_len;
-    double ratio = (double)comp / (double)base;
-    double tb = tokens_per_s(&r->base, seq_len), tc = tokens_per_s(&r->comp, seq_len);
-    if (a->json) {
-        json_t *o = json_pack(
-            "{s:s, s:o, s:o, s:o, s:s, s:s, s:i, s:b, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, "
-            "s:o, s:o, s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
-            "protocol", "windows", "model", cli_json_text(a->model), "compressed",
-            cli_json_text(a->comp), "text", cli_json_text(src), "method", li.method, "alloc",
-            li.alloc, "kv_bits", bits, "hadamard", li.hadamard, "seq_len", (json_int_t)seq_len,
-            "tokens", (json_int_t)r->comp.tokens, "windows", (json_int_t)r->comp.windows, "scored",
-            (json_int_t)r->comp.scored, "nll", cli_json_real(r->comp.nll), "ppl",
-            cli_json_real(r->comp.ppl), "base_nll", cli_json_real(r->base.nll), "base_ppl",
-            cli_json_real(r->base.ppl), "delta_ppl", cli_json_real(r->comp.ppl - r->base.ppl), "kl",
-            cli_json_real(r->kl), "top1", cli_json_real(r->top1), "kv_bytes_per_token", "base",
-            (json_int_t)base, "compressed", (json_int_t)comp, "ratio", cli_json_real(ratio),
-            "tokens_per_s", cli_json_real(tc), "base_tokens_per_s", cli_json_real(tb),
-            "peak_rss_mib", cli_json_real(peak_rss()));
-        json_ranks(o);
-        if (o) { /* 95% bootstrap over windows: ppl / base_ppl - 1, and kl */
-            json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r->dppl_ci[0]),
-                                                                   cli_json_real(r->dppl_ci[1])));
-            json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r->kl_ci[0]),
-                                                        cli_json_real(r->kl_ci[1])));
-        }
-        if (o && bits == KV_LR_BITS_MIXED) json_object_set_new(o, "latent_bits", cli_bits_mix_json(lr));
-        json_tokenization(o, a, m);
-        cli_json_blas(o);
-        if (o && dv->on) device_print(dv, r, &r->comp, seq_len, o);
-        return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+/* A run compared with the base (--compressed or --mla), as both print it. */
+struct vs_run {
+    const char *name;       /* "compressed" or "mla": the column, and the JSON key of path */
+    const char *path;
+    char desc[512];         /* what it is, after "name  path: " */
+    int64_t bytes;          /* its KV bytes per token */
+    const char *bytes_note; /* after the fraction of base in the kv bytes line, or "" */
+    char extra[200];        /* a line after kv bytes, or "" */
+};
+
+/* The numbers of r against the base, as JSON (the caller adds its own keys). */
+static json_t *vs_json(const struct verify_args *a, const char *src, const struct kv_model *m,
+                       const struct kv_compare_result *r, const struct vs_run *v) {
+    int64_t base = kv_lr_base_bytes(kv_model_config(m)), seq_len = a->seq_len;
+    json_t *o = json_pack(
+        "{s:s, s:o, s:o, s:o, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
+        "s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
+        "protocol", "windows", "model", cli_json_text(a->model), v->name, cli_json_text(v->path),
+        "text", cli_json_text(src), "seq_len", (json_int_t)seq_len, "tokens",
+        (json_int_t)r->comp.tokens, "windows", (json_int_t)r->comp.windows, "scored",
+        (json_int_t)r->comp.scored, "nll", cli_json_real(r->comp.nll), "ppl", cli_json_real(r->comp.ppl),
+        "base_nll", cli_json_real(r->base.nll), "base_ppl", cli_json_real(r->base.ppl), "delta_ppl",
+        cli_json_real(r->comp.ppl - r->base.ppl), "kl", cli_json_real(r->kl), "top1",
+        cli_json_real(r->top1), "kv_bytes_per_token", "base", (json_int_t)base, "compressed",
+        (json_int_t)v->bytes, "ratio", cli_json_real((double)v->bytes / (double)base),
+        "tokens_per_s", cli_json_real(tokens_per_s(&r->comp, seq_len)), "base_tokens_per_s",
+        cli_json_real(tokens_per_s(&r->base, seq_len)), "peak_rss_mib", cli_json_real(peak_rss()));
+    json_ranks(o);
+    if (o) { /* 95% bootstrap over windows: ppl / base_ppl - 1, and kl */
+        json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r->dppl_ci[0]),
+                                                               cli_json_real(r->dppl_ci[1])));
+        json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r->kl_ci[0]),
+                                                    cli_json_real(r->kl_ci[1])));
     }
-    char desc[512], tdesc[160];
-    cli_describe_config(c, desc, sizeof desc);
+    json_tokenization(o, a, m);
+    cli_json_blas(o);
+    return o;
+}
+
+/* The same as text. */
+static void vs_text(const struct verify_args *a, const char *src, size_t n_bytes,
+                    const struct kv_model *m, const struct kv_compare_result *r, const struct vs_run *v) {
+    int64_t base = kv_lr_base_bytes(kv_model_config(m)), seq_len = a->seq_len;
+    char desc[512], tdesc[160], bn[160];
+    cli_describe_config(kv_model_config(m), desc, sizeof desc);
     printf("model       %s\n            %s\n", a->model, desc);
-    printf("compressed  %s: %s, alloc %s, %s latents%s\n", a->comp, li.method, li.alloc,
-           latent_name(bits), li.hadamard ? ", hadamard" : "");
+    printf("%-11s %s: %s\n", v->name, v->path, v->desc);
     if (a->text)
         printf("text        %s: %zu bytes, %lld tokens %s\n", a->text, n_bytes,
                (long long)r->comp.tokens, describe_tokens(m, tdesc, sizeof tdesc));
@@ -340,22 +346,46 @@ static int print_compressed(const struct verify_args *a, const char *src, size_t
     printf("protocol    windows: seq-len %lld, non-overlapping, remainder dropped, positions "
            "1..%lld scored\n", (long long)seq_len, (long long)(seq_len - 1));
     printf("windows     %lld, %lld scored tokens\n", (long long)r->comp.windows, (long long)r->comp.scored);
-    printf("\n            base        compressed\n");
+    printf("\n            base        %s\n", v->name);
     printf("ppl         %-11.4f %.4f   (delta %+.4f, %+.2f%%)\n", r->base.ppl, r->comp.ppl,
            r->comp.ppl - r->base.ppl, 100 * (r->comp.ppl / r->base.ppl - 1));
     printf("nll         %-11.6f %.6f\n", r->base.nll, r->comp.nll);
-    printf("kv bytes    %-11lld %lld per token   (%.4f of base)\n", (long long)base, (long long)comp, ratio);
+    printf("kv bytes    %-11lld %lld per token   (%.4f of base%s)\n", (long long)base,
+           (long long)v->bytes, (double)v->bytes / (double)base, v->bytes_note);
+    if (v->extra[0]) printf("%s\n", v->extra);
+    printf("kl          %.6f nats per token, KL(base || %s)\n", r->kl, v->name);
+    printf("top-1       %.4f of positions agree\n", r->top1);
+    printf("speed       %.0f tokens/s base, %.0f %s, peak rss %.1f MiB\n"
+           "blas        %s\n",
+           tokens_per_s(&r->base, seq_len), tokens_per_s(&r->comp, seq_len), v->name, peak_rss(),
+           cli_blas_note(bn, sizeof bn));
+}
+
+static int print_compressed(const struct verify_args *a, const char *src, size_t n_bytes,
+                            const struct kv_model *m, const struct kv_lowrank *lr, int bits,
+                            const struct device *dv, const struct kv_compare_result *r) {
+    struct kv_lr_info li = kv_lr_info(lr);
+    struct vs_run v = {"compressed", a->comp, "", kv_lr_bytes(lr, bits), "", ""};
+    snprintf(v.desc, sizeof v.desc, "%s, alloc %s, %s latents%s", li.method, li.alloc,
+             latent_name(bits), li.hadamard ? ", hadamard" : "");
     if (bits == KV_LR_BITS_MIXED) {
         char mix[160];
-        printf("latents     %s\n", cli_bits_mix(lr, mix, sizeof mix));
+        snprintf(v.extra, sizeof v.extra, "latents     %s", cli_bits_mix(lr, mix, sizeof mix));
     }
-    printf("kl          %.6f nats per token, KL(base || compressed)\n", r->kl);
-    printf("top-1       %.4f of positions agree\n", r->top1);
-    char bn[160];
-    printf("speed       %.0f tokens/s base, %.0f compressed, peak rss %.1f MiB\n"
-           "blas        %s\n",
-           tb, tc, peak_rss(), cli_blas_note(bn, sizeof bn));
-    if (dv->on) device_print(dv, r, &r->comp, seq_len, NULL);
+    if (a->json) {
+        json_t *o = vs_json(a, src, m, r, &v);
+        if (o) {
+            json_object_set_new(o, "method", json_string(li.method));
+            json_object_set_new(o, "alloc", json_string(li.alloc));
+            json_object_set_new(o, "kv_bits", json_integer(bits));
+            json_object_set_new(o, "hadamard", json_boolean(li.hadamard));
+        }
+        if (o && bits == KV_LR_BITS_MIXED) json_object_set_new(o, "latent_bits", cli_bits_mix_json(lr));
+        if (o && dv->on) device_print(dv, r, &r->comp, a->seq_len, o);
+        return cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
+    }
+    vs_text(a, src, n_bytes, m, r, &v);
+    if (dv->on) device_print(dv, r, &r->comp, a->seq_len, NULL);
     return EXIT_OK;
 }
 
@@ -424,58 +454,17 @@ static int verify_mla(const struct verify_args *a, const char *src, struct kv_mo
         kv_mla_free(mla);
         return cli_report(&err);
     }
-    const struct kv_config *c = kv_model_config(m);
-    int64_t base = kv_lr_base_bytes(c), comp = kv_mla_bytes(mla), seq_len = a->seq_len;
-    double ratio = (double)comp / (double)base;
-    double tb = tokens_per_s(&r.base, seq_len), tc = tokens_per_s(&r.comp, seq_len);
+    const struct kv_mla_info mi = kv_mla_info(mla);
+    struct vs_run v = {"mla", a->mla, "", kv_mla_bytes(mla), "; the latent and the rope key at f16", ""};
+    snprintf(v.desc, sizeof v.desc, "deepseek2, kv_lora_rank %lld, rope key %lld (base %.6g), nope %lld",
+             (long long)mi.kv_lora_rank, (long long)mi.rope_dim, (double)mi.rope_base,
+             (long long)mi.nope_dim);
     if (a->json) {
-        json_t *o = json_pack(
-            "{s:s, s:o, s:o, s:o, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
-            "s:{s:I, s:I, s:o}, s:o, s:o, s:o}",
-            "protocol", "windows", "model", cli_json_text(a->model), "mla", cli_json_text(a->mla),
-            "text", cli_json_text(src), "method", "mla", "seq_len", (json_int_t)seq_len,
-            "tokens", (json_int_t)r.comp.tokens, "windows", (json_int_t)r.comp.windows, "scored",
-            (json_int_t)r.comp.scored, "nll", cli_json_real(r.comp.nll), "ppl", cli_json_real(r.comp.ppl),
-            "base_nll", cli_json_real(r.base.nll), "base_ppl", cli_json_real(r.base.ppl), "delta_ppl",
-            cli_json_real(r.comp.ppl - r.base.ppl), "kl", cli_json_real(r.kl), "top1",
-            cli_json_real(r.top1), "kv_bytes_per_token", "base", (json_int_t)base, "compressed",
-            (json_int_t)comp, "ratio", cli_json_real(ratio), "tokens_per_s", cli_json_real(tc),
-            "base_tokens_per_s", cli_json_real(tb), "peak_rss_mib", cli_json_real(peak_rss()));
-        if (o) {
-            json_object_set_new(o, "delta_ppl_rel_ci95", json_pack("[o, o]", cli_json_real(r.dppl_ci[0]),
-                                                                   cli_json_real(r.dppl_ci[1])));
-            json_object_set_new(o, "kl_ci95", json_pack("[o, o]", cli_json_real(r.kl_ci[0]),
-                                                        cli_json_real(r.kl_ci[1])));
-        }
-        json_tokenization(o, a, m);
-        cli_json_blas(o);
+        json_t *o = vs_json(a, src, m, &r, &v);
+        if (o) json_object_set_new(o, "method", json_string("mla"));
         rc = cli_print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(10));
     } else {
-        char desc[512], tdesc[160], bn[160];
-        const struct kv_mla_info mi = kv_mla_info(mla);
-        cli_describe_config(c, desc, sizeof desc);
-        printf("model       %s\n            %s\n", a->model, desc);
-        printf("mla         %s: deepseek2, kv_lora_rank %lld, rope key %lld (base %.6g), nope %lld\n",
-               a->mla, (long long)mi.kv_lora_rank, (long long)mi.rope_dim, (double)mi.rope_base,
-               (long long)mi.nope_dim);
-        if (a->text)
-            printf("text        %s: %zu bytes, %lld tokens %s\n", a->text, n_bytes,
-                   (long long)r.comp.tokens, describe_tokens(m, tdesc, sizeof tdesc));
-        else
-            printf("tokens      %s: %lld tokens\n", src, (long long)r.comp.tokens);
-        printf("protocol    windows: seq-len %lld, non-overlapping, remainder dropped, positions "
-               "1..%lld scored\n", (long long)seq_len, (long long)(seq_len - 1));
-        printf("windows     %lld, %lld scored tokens\n", (long long)r.comp.windows, (long long)r.comp.scored);
-        printf("\n            base        mla\n");
-        printf("ppl         %-11.4f %.4f   (delta %+.4f, %+.2f%%)\n", r.base.ppl, r.comp.ppl,
-               r.comp.ppl - r.base.ppl, 100 * (r.comp.ppl / r.base.ppl - 1));
-        printf("nll         %-11.6f %.6f\n", r.base.nll, r.comp.nll);
-        printf("kv bytes    %-11lld %lld per token   (%.4f of base; the latent and the rope key at f16)\n",
-               (long long)base, (long long)comp, ratio);
-        printf("kl          %.6f nats per token, KL(base || mla)\n", r.kl);
-        printf("top-1       %.4f of positions agree\n", r.top1);
-        printf("speed       %.0f tokens/s base, %.0f mla, peak rss %.1f MiB\nblas        %s\n", tb,
-               tc, peak_rss(), cli_blas_note(bn, sizeof bn));
+        vs_text(a, src, n_bytes, m, &r, &v);
         rc = EXIT_OK;
     }
     kv_mla_free(mla);
