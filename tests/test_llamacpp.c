@@ -136,17 +136,6 @@ static void round_matrices(struct kv_model *m, uint32_t t) {
         }
 }
 
-/* Each of n rows of V logits replaced by its log-softmax, in float64. */
-static void log_softmax_rows(double *lg, int64_t n, int64_t V) {
-    for (int64_t i = 0; i < n; i++) {
-        double *row = lg + i * V, mx = -INFINITY, s = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) s += exp(row[v] - mx);
-        double lse = mx + log(s);
-        for (int64_t v = 0; v < V; v++) row[v] -= lse;
-    }
-}
-
 /* kvcal's log p(v | ids[0..i]) for i < P, [P][V], as kvcal_logprobs.c: one
  * run from position 0 (with mla's attention when not NULL), log-softmax of
  * the float32 logits in double. */
@@ -163,7 +152,7 @@ static double *kvcal_logprobs_mla(const struct kv_model *m, const struct kv_mla 
     double *lp = malloc((size_t)(P * V) * sizeof *lp);
     for (int64_t i = 0; i < P * V; i++) lp[i] = lg[i];
     free(lg);
-    log_softmax_rows(lp, P, V);
+    kvt_log_softmax_rows(lp, P, V);
     return lp;
 }
 
@@ -180,7 +169,7 @@ static double *oracle_logprobs(const struct kv_model *m, const int32_t *ids, int
     *naive_gelu_fp16() = fp16;
     double *lg = c->arch == KV_ARCH_GPTNEOX ? naive_neox_forward(m, ids, P) : naive_gemma2_forward(m, ids, P);
     *naive_gelu_fp16() = 0;
-    log_softmax_rows(lg, P, V);
+    kvt_log_softmax_rows(lg, P, V);
     return lg;
 }
 
@@ -735,7 +724,7 @@ static void run_mla(const struct mla_case *k) {
      * layout (the rope key, the absorbed k^nope, the values) read as
      * written, whatever the rewrite cost */
     double *om = naive_mla_forward(m, mla, ids, P);
-    log_softmax_rows(om, P, V);
+    kvt_log_softmax_rows(om, P, V);
     struct diff dm = compare(lc, om, ids, P, V);
     cr_log_info("%s: llama.cpp against the float64 MLA oracle: max |dlogp| %.2e at position %lld "
                 "token %lld, mean KL %.2e",

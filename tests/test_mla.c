@@ -162,16 +162,6 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
     kvt_rm_dir(dir);
 }
 
-/* log-softmax of n rows of V logits, in place */
-static void log_softmax(double *lg, int64_t n, int64_t V) {
-    for (int64_t i = 0; i < n; i++) {
-        double *row = lg + i * V, mx = -INFINITY, z = 0;
-        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
-        for (int64_t v = 0; v < V; v++) z += exp(row[v] - mx);
-        for (int64_t v = 0; v < V; v++) row[v] -= mx + log(z);
-    }
-}
-
 /* A random Llama of 2 layers, dim 128, 4 heads of 64 over G KV heads, its
  * queries and keys scaled up for sharper attention than N(0, 0.02) gives,
  * and statistics of 4 random windows of 48 (the last in ids). */
@@ -213,7 +203,7 @@ Test(mla, one_kv_head_at_full_rank_is_the_model) {
         struct kv_mla *mla;
         cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
         double *base = naive_forward(m, ids, 48), *mf = naive_mla_forward(m, mla, ids, 48);
-        log_softmax(base, 48, 300), log_softmax(mf, 48, 300);
+        kvt_log_softmax_rows(base, 48, 300), kvt_log_softmax_rows(mf, 48, 300);
         double worst = 0;
         int64_t at = 0;
         for (int64_t i = 0; i < 48 * 300; i++)
@@ -244,7 +234,7 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
     struct kv_mla *mla;
     cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
     double *want = naive_mla_forward(m, mla, ids, 48);
-    log_softmax(want, 48, 300);
+    kvt_log_softmax_rows(want, 48, 300);
     /* whole window, then the same positions a few at a time from the cache */
     for (int split = 0; split < 2; split++) {
         struct kv_fwd *f;
@@ -257,7 +247,7 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
         }
         double *got = malloc(48 * 300 * sizeof *got), worst = 0;
         for (int64_t i = 0; i < 48 * 300; i++) got[i] = lg[i];
-        log_softmax(got, 48, 300);
+        kvt_log_softmax_rows(got, 48, 300);
         int64_t at = 0;
         for (int64_t i = 0; i < 48 * 300; i++)
             if (fabs(got[i] - want[i]) > worst) worst = fabs(got[i] - want[i]), at = i;

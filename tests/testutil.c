@@ -76,6 +76,16 @@ float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n) {
     return out;
 }
 
+void kvt_log_softmax_rows(double *lg, int64_t n, int64_t V) {
+    for (int64_t i = 0; i < n; i++) {
+        double *row = lg + i * V, mx = -INFINITY, z = 0;
+        for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+        for (int64_t v = 0; v < V; v++) z += exp(row[v] - mx);
+        double lse = mx + log(z);
+        for (int64_t v = 0; v < V; v++) row[v] -= lse;
+    }
+}
+
 int kvt_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0;

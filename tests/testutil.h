@@ -52,6 +52,9 @@ float *kvt_logits(struct kv_model *m, const int32_t *tok, int64_t n);
 /* Read a whole file (malloc'd, NUL-terminated); NULL on failure. */
 char *kvt_read_file(const char *path, size_t *len);
 
+/* Each of n rows of V logits replaced by its log-softmax, in float64. */
+void kvt_log_softmax_rows(double *lg, int64_t n, int64_t V);
+
 /* Whether path exists (stat succeeds). */
 int kvt_exists(const char *path);
 /* Skips the test, saying why, when the King James text of make data is absent. */
