@@ -609,6 +609,8 @@ struct kv_mla_opts {
     int64_t rope_dim;     /* R: the shared RoPE key's dims (even, 2 .. d_h) */
     int64_t rope_step;    /* slot i holds the model's pair i*rope_step */
     int balance;          /* weigh keys and values to equal energy in the latent */
+    double latent_eps;    /* the epsilon the engine normalizes the latent with;
+                           * 0: the model's rms_norm_eps */
 };
 /* What each layer's rewrite keeps: the share of the pre-RoPE key energy
  * that keeps its rotation (component 0 of the kept pairs), the share of
@@ -625,10 +627,19 @@ int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct 
 int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
                    struct kv_mla **out, struct kv_mla_layer_info *info, struct kv_err *err);
 /* kv_mla_convert, then the result written to path as GGUF "deepseek2"
- * (float32 matrices; kv_gguf_write_mla in formats/ggufmodelw.h). */
+ * (float32 matrices; kv_gguf_write_mla in formats/ggufmodelw.h). KV_EINVAL
+ * when o->latent_eps is not the model's epsilon (llama.cpp has one). */
 int kv_mla_export_gguf(const struct kv_model *m, const struct kv_stats *s,
                        const struct kv_mla_opts *o, const char *path,
                        struct kv_mla_layer_info *info, struct kv_err *err);
+/* kv_mla_convert, then the result written to the directory dir as HF
+ * transformers' DeepseekV2ForCausalLM (kv_hf_write_mla in kvformats.h),
+ * with the files files[0 .. n_files) (tokenizer files) copied in. The
+ * latent norm is made for o->latent_eps: the model's rms_norm_eps (0) for
+ * vLLM, SGLang and llama.cpp's converter, 1e-6 for transformers. */
+int kv_mla_export_hf(const struct kv_model *m, const struct kv_stats *s,
+                     const struct kv_mla_opts *o, const char *dir, const char *const *files,
+                     int n_files, struct kv_mla_layer_info *info, struct kv_err *err);
 
 #ifdef __cplusplus
 }

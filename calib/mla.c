@@ -18,6 +18,13 @@
 #include "linalg.h"
 #include "model.h"
 
+/* The epsilon the engine normalizes the latent with (o->latent_eps, else
+ * the model's). */
+static float kv_mla_latent_eps(const struct kv_config *c, const struct kv_mla_opts *o) {
+    if (o->latent_eps > 0) return (float)o->latent_eps;
+    return c->norm_eps > 0 ? c->norm_eps : 1e-6f;
+}
+
 int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct kv_err *err) {
     if (c->arch != KV_ARCH_LLAMA && c->arch != KV_ARCH_MISTRAL)
         return kv_fail(err, KV_EUNSUPPORTED, NULL, KV_NO_OFFSET,
@@ -51,6 +58,9 @@ int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct 
         return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
                        "kv lora rank %lld must be from 1 to %lld (keys and values of every KV head)",
                        (long long)o->kv_lora_rank, (long long)full);
+    if (!(o->latent_eps >= 0 && o->latent_eps < 1) || (o->latent_eps > 0 && (float)o->latent_eps <= 0))
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "latent norm epsilon %g must be positive and below 1", o->latent_eps);
     return KV_OK;
 }
 
@@ -185,7 +195,7 @@ static int convert_layer(const struct kv_model *m, const struct kv_stats *s, con
     double gmax = 0;
     for (int64_t j = 0; j < d; j++) gmax = fabs(gain[j]) > gmax ? fabs(gain[j]) : gmax;
     double bound = w->aeig[0] * gmax * gmax * (double)d / (double)dc; /* mean(c̃²) over any token */
-    double eps = c->norm_eps > 0 ? c->norm_eps : 1e-6;
+    double eps = (double)kv_mla_latent_eps(c, o);
     double alpha = bound > 0 ? sqrt(1e-6 * eps / bound) : 1.0;
     info->alpha = alpha, info->latent_rms_bound = sqrt(bound);
     for (int64_t r = 0; r < dc; r++) {
@@ -216,7 +226,7 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
         return rc;
     }
     mla->n_layers = L, mla->n_heads = H, mla->kv_lora_rank = dc, mla->rope_dim = R;
-    mla->nope_dim = n, mla->v_dim = dh;
+    mla->nope_dim = n, mla->v_dim = dh, mla->latent_eps = kv_mla_latent_eps(c, o);
     /* slot i is pair i*step: θ'^(-2i/R) = θ^(-2 i step / dh) */
     mla->rope_base = (float)pow((double)c->rope_theta, (double)(o->rope_step * R) / (double)dh);
     struct work w = {0};
@@ -265,9 +275,25 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
 int kv_mla_export_gguf(const struct kv_model *m, const struct kv_stats *s,
                        const struct kv_mla_opts *o, const char *path,
                        struct kv_mla_layer_info *info, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    if (kv_mla_latent_eps(c, o) != (c->norm_eps > 0 ? c->norm_eps : 1e-6f))
+        return kv_fail(err, KV_EINVAL, path, KV_NO_OFFSET,
+                       "llama.cpp's deepseek2 normalizes the latent with the model's epsilon %g; "
+                       "a latent norm epsilon of %g is for an HF directory",
+                       (double)c->norm_eps, o->latent_eps);
     struct kv_mla *mla = NULL;
     int rc = kv_mla_convert(m, s, o, &mla, info, err);
     if (!rc) rc = kv_gguf_write_mla(m, mla, path, NULL, err);
+    kv_mla_free(mla);
+    return rc;
+}
+
+int kv_mla_export_hf(const struct kv_model *m, const struct kv_stats *s,
+                     const struct kv_mla_opts *o, const char *dir, const char *const *files,
+                     int n_files, struct kv_mla_layer_info *info, struct kv_err *err) {
+    struct kv_mla *mla = NULL;
+    int rc = kv_mla_convert(m, s, o, &mla, info, err);
+    if (!rc) rc = kv_hf_write_mla(m, mla, dir, files, n_files, err);
     kv_mla_free(mla);
     return rc;
 }

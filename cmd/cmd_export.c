@@ -1,12 +1,14 @@
 /* kvcal export --dense: a compressed model back as an ordinary model in the
  * source's own format, with K/V weights W' = up·down; --mla: a Llama-family
  * model rewritten as DeepSeek-V2 multi-head latent attention (GGUF
- * deepseek2), whose latent cache llama.cpp runs. */
+ * deepseek2, whose latent cache llama.cpp runs, or an HF
+ * DeepseekV2ForCausalLM directory). */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -22,9 +24,40 @@ static int64_t n_compressed(const struct kv_lowrank *lr, int v) {
 struct mla_args {
     const char *stats;
     int64_t rank, rope_dim, rope_step;
-    double ratio;
+    double ratio, latent_eps;
     int no_balance;
 };
+
+/* The tokenizer files an HF MLA directory gets: those of an HF model
+ * directory, else a --tokenizer that is a tokenizer.json. */
+static const char *const TOK_FILES[] = {"tokenizer.json", "tokenizer_config.json",
+                                        "special_tokens_map.json", "tokenizer.model",
+                                        "generation_config.json"};
+#define N_TOK_FILES ((int)(sizeof TOK_FILES / sizeof TOK_FILES[0]))
+
+static int tokenizer_files(const char *model, const char *tokenizer, char **files) {
+    int n = 0;
+    struct stat st;
+    if (stat(model, &st) == 0 && S_ISDIR(st.st_mode)) {
+        for (int i = 0; i < N_TOK_FILES; i++) {
+            size_t len = strlen(model) + strlen(TOK_FILES[i]) + 2;
+            char *p = malloc(len);
+            if (p) snprintf(p, len, "%s/%s", model, TOK_FILES[i]);
+            if (p && stat(p, &st) == 0 && S_ISREG(st.st_mode)) files[n++] = p;
+            else free(p);
+        }
+    } else if (tokenizer) {
+        const char *base = strrchr(tokenizer, '/');
+        if (!strcmp(base ? base + 1 : tokenizer, "tokenizer.json") && (files[n] = strdup(tokenizer))) n++;
+    }
+    return n;
+}
+
+/* 1 when OUT names a GGUF file (it ends in .gguf), else an HF directory. */
+static int gguf_output(const char *out) {
+    size_t n = strlen(out);
+    return n >= 5 && !strcmp(out + n - 5, ".gguf");
+}
 
 /* export --mla: the conversion, the file and a table of what each layer kept. */
 static int export_mla(const struct cli_cmd *cmd, const char *model, const char *tokenizer,
@@ -33,13 +66,19 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
     if (!x->rank == !(x->ratio > 0))
         return cli_usage_error(cmd, "--mla needs exactly one of --kv-lora-rank N or --ratio X");
     if (x->ratio > 1) return cli_usage_error(cmd, "--ratio must be in (0, 1], got %g", x->ratio);
+    int gguf = gguf_output(out);
+    if (gguf && x->latent_eps > 0)
+        return cli_usage_error(cmd, "--latent-norm-eps is for an HF directory: llama.cpp's deepseek2 "
+                                    "normalizes the latent with the model's rms_norm_eps");
+    if (x->latent_eps < 0 || x->latent_eps >= 1)
+        return cli_usage_error(cmd, "--latent-norm-eps must be in (0, 1), got %g", x->latent_eps);
     struct kv_model *m;
     int rc = cli_load_model(model, tokenizer, &m);
     if (rc) return rc;
     const struct kv_config *c = kv_model_config(m);
     int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
     struct kv_mla_opts o = {x->rank, x->rope_dim ? x->rope_dim : dh, x->rope_step ? x->rope_step : 1,
-                            !x->no_balance};
+                            !x->no_balance, x->latent_eps};
     if (x->ratio > 0) { /* values a token and layer, as llama.cpp caches them: d_c + R */
         o.kv_lora_rank = (int64_t)floor(x->ratio * (double)base + 1e-9) - o.rope_dim;
         if (o.kv_lora_rank < 1) {
@@ -68,9 +107,21 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
         if (!err.path[0]) snprintf(err.path, sizeof err.path, "%s", model);
         rc = cli_report(&err);
     }
+    char *files[N_TOK_FILES];
+    int n_files = gguf ? 0 : tokenizer_files(model, tokenizer, files);
     double t0 = kv_now();
-    if (!rc && kv_mla_export_gguf(m, s, &o, out, info, &err)) rc = cli_report(&err);
+    if (!rc && gguf && kv_mla_export_gguf(m, s, &o, out, info, &err)) rc = cli_report(&err);
+    if (!rc && !gguf &&
+        kv_mla_export_hf(m, s, &o, out, (const char *const *)files, n_files, info, &err))
+        rc = cli_report(&err);
     double secs = kv_now() - t0;
+    double leps = x->latent_eps > 0 ? x->latent_eps : (double)c->norm_eps;
+    json_t *copied = json_array();
+    for (int i = 0; i < n_files; i++) {
+        const char *b = strrchr(files[i], '/');
+        json_array_append_new(copied, json_string(b ? b + 1 : files[i]));
+        free(files[i]);
+    }
     int64_t per = o.kv_lora_rank + o.rope_dim; /* values a token and layer */
     double theta = pow((double)c->rope_theta, (double)(o.rope_step * o.rope_dim) / (double)dh);
     if (!rc && json) {
@@ -81,9 +132,11 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
                                                     "latent_share", cli_json_real(info[l].latent_share),
                                                     "alpha", cli_json_real(info[l].alpha)));
         rc = cli_print_json(
-            json_pack("{s:o, s:o, s:o, s:s, s:I, s:I, s:I, s:o, s:b, s:I, s:I, s:o, s:o, s:o}", "output",
-                      cli_json_text(out), "model", cli_json_text(model), "stats",
-                      cli_json_text(x->stats), "architecture", "deepseek2", "kv_lora_rank",
+            json_pack("{s:o, s:o, s:o, s:s, s:s, s:o, s:o, s:I, s:I, s:I, s:o, s:b, s:I, s:I, s:o, s:o, s:o}",
+                      "output", cli_json_text(out), "model", cli_json_text(model), "stats",
+                      cli_json_text(x->stats), "architecture", "deepseek2", "format",
+                      gguf ? "gguf" : "hf", "latent_norm_eps", cli_json_real(leps), "copied",
+                      copied, "kv_lora_rank",
                       (json_int_t)o.kv_lora_rank, "rope_dim", (json_int_t)o.rope_dim, "rope_step",
                       (json_int_t)o.rope_step, "rope_freq_base", cli_json_real(theta), "balance",
                       o.balance, "cache_values_per_token_layer", (json_int_t)per,
@@ -92,10 +145,19 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
                       cli_json_real(secs)),
             JSON_INDENT(2));
     } else if (!rc) {
-        printf("wrote     %s (gguf deepseek2: kv_lora_rank %lld, rope dims %lld, pairs 0..%lld "
+        printf("wrote     %s (%s: kv_lora_rank %lld, rope dims %lld, pairs 0..%lld "
                "step %lld, freq_base %.6g)\n",
-               out, (long long)o.kv_lora_rank, (long long)o.rope_dim,
-               (long long)((o.rope_dim / 2 - 1) * o.rope_step), (long long)o.rope_step, theta);
+               out, gguf ? "gguf deepseek2" : "hf DeepseekV2ForCausalLM", (long long)o.kv_lora_rank,
+               (long long)o.rope_dim, (long long)((o.rope_dim / 2 - 1) * o.rope_step),
+               (long long)o.rope_step, theta);
+        if (!gguf) {
+            printf("tokenizer ");
+            for (size_t i = 0; i < json_array_size(copied); i++)
+                printf("%s%s", i ? ", " : "", json_string_value(json_array_get(copied, i)));
+            printf("%s\n", json_array_size(copied) ? " copied"
+                                                   : "none copied (the model has no HF tokenizer "
+                                                     "files; give --tokenizer tokenizer.json)");
+        }
         printf("cache     %lld values a token and layer against %lld: %.4f of the base\n",
                (long long)per, (long long)base, (double)per / (double)base);
         printf("\nlayer  rope keeps (key energy)  latent keeps (k+v energy)\n");
@@ -103,7 +165,16 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
             printf("%5lld  %22.4f  %25.6f\n", (long long)l, info[l].rope_share, info[l].latent_share);
         printf("\nnote      the key energy outside the rope key is scored without its rotation "
                "(docs/design.md)\n");
+        if (!gguf && (float)leps != 1e-6f)
+            printf("note      the latent norm is made for epsilon %g (config.json's rms_norm_eps: "
+                   "vLLM, SGLang, llama.cpp's converter); transformers normalizes kv_a_layernorm "
+                   "with 1e-06 whatever the config says: export with --latent-norm-eps 1e-6 for it\n",
+                   leps);
+        if (!gguf)
+            printf("note      run it in float32 or bfloat16: the latent's input is scaled below "
+                   "float16's range\n");
     }
+    if (rc || !json) json_decref(copied);
     free(info);
     kv_stats_free(s);
     kv_model_close(m);
@@ -117,8 +188,9 @@ int cmd_export(int argc, char **argv) {
     const struct cli_opt opts[] = {
         {"dense", 0, OPT_STR, &dense, "DIR", "the compressed model: an output of 'kvcal decompose'"},
         {"mla", 0, OPT_FLAG, &mla, NULL,
-         "instead: the model as DeepSeek-V2 multi-head latent attention, GGUF deepseek2\n"
-         "(llama and mistral models), from --stats and --kv-lora-rank or --ratio"},
+         "instead: the model as DeepSeek-V2 multi-head latent attention (llama and\n"
+         "mistral models), from --stats and --kv-lora-rank or --ratio: GGUF deepseek2\n"
+         "when OUT ends in .gguf, else an HF DeepseekV2ForCausalLM directory"},
         {"stats", 's', OPT_STR, &x.stats, "FILE", "with --mla: calibration statistics of the model"},
         {"kv-lora-rank", 0, OPT_INT, &x.rank, "N",
          "with --mla: latent values per token and layer (up to 2 * kv heads * head_dim)"},
@@ -131,19 +203,25 @@ int cmd_export(int argc, char **argv) {
          "with --mla: keep the model's rope pairs 0, S, 2S, ... (default 1: the fastest)"},
         {"no-balance", 0, OPT_FLAG, &x.no_balance, NULL,
          "with --mla: do not weigh keys and values to equal energy in the latent"},
+        {"latent-norm-eps", 0, OPT_DOUBLE, &x.latent_eps, "E",
+         "with --mla to an HF directory: the epsilon the engine normalizes the latent\n"
+         "with (default the model's rms_norm_eps: vLLM, SGLang; 1e-6 for transformers)"},
         {"model", 'm', OPT_STR, &model, "PATH",
          "the base model DIR was made from (with --mla: the model to rewrite): HF\n"
          "directory, .gguf or llama2.c .bin"},
         {"tokenizer", 0, OPT_STR, &tokenizer, "FILE",
-         "override the base model's tokenizer (only for loading; nothing is copied)"},
+         "override the base model's tokenizer (for loading; with --mla to an HF\n"
+         "directory a tokenizer.json is also copied there)"},
         {"output", 'o', OPT_STR, &out, "OUT",
-         "where to write: a directory for an HF source, else one file (--mla: a .gguf)"},
+         "where to write: a directory for an HF source, else one file (--mla: a\n"
+         ".gguf file, or any other name for an HF directory)"},
         CLI_OPT_JSON(&json),
     };
     const struct cli_cmd cmd = {
-        "export", "--dense DIR --model PATH -o OUT [options] | --mla --model PATH --stats FILE -o OUT.gguf",
+        "export", "--dense DIR --model PATH -o OUT [options] | --mla --model PATH --stats FILE -o OUT[.gguf]",
         "Write a compressed model as an ordinary dense model in the base model's format, or\n"
-        "(--mla) a model as DeepSeek-V2 latent attention that llama.cpp runs.",
+        "(--mla) a model as DeepSeek-V2 latent attention that llama.cpp, transformers and\n"
+        "vLLM run.",
         "what it is for: a quality proxy. Each compressed layer's K and V projections become\n"
         "the products W' = up·down of its factors (biases up·down_bias), so any engine\n"
         "(transformers, llama.cpp, vLLM, llama2.c) loads OUT and computes the keys and\n"
@@ -175,21 +253,32 @@ int cmd_export(int argc, char **argv) {
         "Latent Attention\", measures it). The table printed says, per layer, the share of\n"
         "key energy that keeps its rotation and of key and value energy the latent keeps.\n"
         "kvcal verify --mla OUT.gguf runs it back against the model (its cache, PPL, KL).\n"
+        "\nan OUT that does not end in .gguf is written as an HF directory of\n"
+        "transformers' DeepseekV2ForCausalLM (config.json, model.safetensors, and the\n"
+        "model's tokenizer files copied): the same weights, kv_b_proj holding each head's\n"
+        "key rows then value rows, every layer dense. Engines disagree on one number:\n"
+        "transformers normalizes the latent (kv_a_layernorm) with epsilon 1e-6 whatever\n"
+        "config.json says, vLLM and SGLang with rms_norm_eps. The latent norm is made\n"
+        "for one of them: the model's rms_norm_eps by default, --latent-norm-eps 1e-6\n"
+        "for transformers (the same when the model's epsilon is 1e-6). Run it in float32\n"
+        "or bfloat16. kvcal verify --mla DIR runs the directory back.\n"
         "\nexamples:\n"
         "  kvcal export --dense out-656K --model tinystories-656K -o 656K-dense\n"
         "  kvcal export --dense out-260K --model stories260K.bin -o 260K-dense.bin\n"
         "  kvcal verify --model 260K-dense.bin --tokenizer tok512.bin --text val1k.txt\n"
         "  kvcal export --mla -m data/kjv-llama -s kjv.kvstats --ratio 0.5 -o kjv-mla.gguf\n"
-        "  kvcal verify -m data/kjv-llama -t data/kjv/gospels.txt --mla kjv-mla.gguf\n",
+        "  kvcal verify -m data/kjv-llama -t data/kjv/gospels.txt --mla kjv-mla.gguf\n"
+        "  kvcal export --mla -m data/kjv-llama -s kjv.kvstats --ratio 0.5 --latent-norm-eps 1e-6 -o kjv-mla-hf\n",
         opts, (int)(sizeof opts / sizeof opts[0]), 0};
     const char *pos[1];
     int n_pos;
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     if (mla && dense) return cli_usage_error(&cmd, "give one of --dense DIR or --mla");
-    if (!mla && (x.stats || x.rank || x.ratio > 0 || x.rope_dim || x.rope_step || x.no_balance))
-        return cli_usage_error(&cmd, "--stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step and "
-                                     "--no-balance go with --mla");
+    if (!mla && (x.stats || x.rank || x.ratio > 0 || x.rope_dim || x.rope_step || x.no_balance ||
+                 x.latent_eps))
+        return cli_usage_error(&cmd, "--stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, "
+                                     "--no-balance and --latent-norm-eps go with --mla");
     if (mla && !model) return cli_usage_error(&cmd, "missing --model");
     if (mla && !out) return cli_usage_error(&cmd, "missing --output");
     if (mla) return export_mla(&cmd, model, tokenizer, out, &x, json);

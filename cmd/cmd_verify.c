@@ -197,9 +197,10 @@ static const struct cli_opt verify_opts[] = {
     {"compressed", 0, OPT_STR, &A.comp, "DIR",
      "also run the compressed model in DIR (from 'kvcal decompose') with a cache that\n"
      "stores latents, and compare it with the base: ppl, kl, top-1, kv bytes"},
-    {"mla", 0, OPT_STR, &A.mla, "FILE",
-     "also run the model's attention as the GGUF deepseek2 FILE from 'kvcal export --mla'\n"
-     "(multi-head latent attention, caching its latent and rope key) and compare"},
+    {"mla", 0, OPT_STR, &A.mla, "PATH",
+     "also run the model's attention as PATH from 'kvcal export --mla' (a GGUF\n"
+     "deepseek2 file or an HF DeepseekV2ForCausalLM directory: multi-head latent\n"
+     "attention, caching its latent and rope key) and compare"},
     {"kv-bits", 0, OPT_INT, &A.kv_bits, "B",
      "with --compressed: latent storage 16, 8, 4, 3 or 2 bits (default: the manifest's);\n"
      "below 16, per-token asymmetric quantization with fp16 scale and zero point"},
@@ -443,7 +444,7 @@ static int verify_mla(const struct verify_args *a, const char *src, struct kv_mo
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_mla *mla;
-    if (kv_mla_gguf_open(a->mla, m, &mla, &err)) return cli_report(&err);
+    if (kv_mla_open(a->mla, m, &mla, &err)) return cli_report(&err);
     struct kv_compare_result r;
     struct cli_progress prog;
     cli_progress_start(&prog, "windows", a->quiet || a->json);
@@ -561,7 +562,7 @@ static int check_args(const struct cli_cmd *cmd, const struct verify_args *a, st
     if (kv_ppl_check(a->seq_len, a->max_windows, ppl_names, &err))
         return cli_usage_error(cmd, "%s", err.msg);
     if (a->threads < 0) return cli_usage_error(cmd, "--threads must be 0 (all cores) or more");
-    if (a->mla && a->comp) return cli_usage_error(cmd, "give one of --compressed DIR or --mla FILE");
+    if (a->mla && a->comp) return cli_usage_error(cmd, "give one of --compressed DIR or --mla PATH");
     if (a->mla && strcmp(a->device, "cpu"))
         return cli_usage_error(cmd, "--mla runs on the cpu; the runtime has no latent attention of this form");
     if (a->mla && cli_mpi_size() > 1) return cli_usage_error(cmd, "--mla runs in one process, not under mpirun");

@@ -1170,7 +1170,8 @@ static void meta_mla(struct plan *p, const struct kv_mla *mla) {
     m_u32(m, "deepseek2.leading_dense_block_count", (uint32_t)c->n_layers);
     m_u32(m, "deepseek2.attention.q_lora_rank", 0);
     m_u32(m, "deepseek2.attention.kv_lora_rank", (uint32_t)mla->kv_lora_rank);
-    m_u32(m, "deepseek2.expert_feed_forward_length", 0);
+    /* no experts; the FFN's width, as llama.cpp's converter writes for a dense model */
+    m_u32(m, "deepseek2.expert_feed_forward_length", (uint32_t)c->hidden_dim);
     m_u32(m, "deepseek2.expert_count", 0);
     m_u32(m, "deepseek2.expert_used_count", 0);
     m_u32(m, "deepseek2.expert_shared_count", 0);

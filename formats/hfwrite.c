@@ -12,6 +12,7 @@
 #include "err.h"
 #include "hfdir.h"
 #include "mapfile.h"
+#include "mlamodel.h"
 #include "model.h"
 #include "pretok.h"
 #include "ropejson.h"
@@ -31,6 +32,21 @@ static double short_float(float f) {
 }
 
 static int jset(json_t *o, const char *key, json_t *v) { return json_object_set_new(o, key, v); }
+
+/* o as config.json text (indented, ending in a newline) into *out, o
+ * released; bad: a member could not be set (out of memory). */
+static int config_dump(json_t *o, int bad, char **out, struct kv_err *err) {
+    char *text = bad ? NULL : json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
+    json_decref(o);
+    char *t2 = text ? realloc(text, strlen(text) + 2) : NULL;
+    if (!t2) {
+        free(text);
+        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    }
+    strcat(t2, "\n");
+    *out = t2;
+    return KV_OK;
+}
 
 int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err) {
     int gpt2 = c->arch == KV_ARCH_GPT2;
@@ -148,16 +164,7 @@ int kv_hf_config_text(const struct kv_config *c, char **out, struct kv_err *err)
     bad |= jset(o, "tie_word_embeddings", json_boolean(c->tied_embeddings));
     bad |= jset(o, "bos_token_id", c->bos_id >= 0 ? json_integer(c->bos_id) : json_null());
     bad |= jset(o, "eos_token_id", c->eos_id >= 0 ? json_integer(c->eos_id) : json_null());
-    char *text = bad ? NULL : json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
-    json_decref(o);
-    char *t2 = text ? realloc(text, strlen(text) + 2) : NULL;
-    if (!t2) {
-        free(text);
-        return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    }
-    strcat(t2, "\n");
-    *out = t2;
-    return KV_OK;
+    return config_dump(o, bad, out, err);
 }
 
 /* kv_write_atomic's fill: a NUL-terminated text. */
@@ -187,6 +194,47 @@ static int64_t hf_row(const struct kv_config *c, enum kv_wkind k, int64_t r) {
     int64_t dh = c->head_dim, j = r % dh, half = kv_rope_dim(c) / 2;
     if (j >= 2 * half) return r; /* partial rope: the unturned dimensions stay */
     return r - j + (j % 2 ? half + j / 2 : j / 2);
+}
+
+/* A streamed model's weight, produced while the file is written: its rows
+ * converted from the model file, in its stored F16 or BF16 (exact), else
+ * F32. */
+struct wfill {
+    const struct kv_model *m;
+    enum kv_wkind kind;
+    int64_t layer, cols;
+    enum kv_dtype dtype;
+};
+
+static int fill_weight(void *ctx, uint64_t off, uint64_t n, void *out, struct kv_err *err) {
+    const struct wfill *f = ctx;
+    size_t es = kv_dtype_size(f->dtype);
+    int64_t e0 = (int64_t)(off / es), ne = (int64_t)(n / es);
+    int64_t r0 = e0 / f->cols, r1 = (e0 + ne + f->cols - 1) / f->cols;
+    float *tmp = malloc((size_t)((r1 - r0) * f->cols) * sizeof *tmp);
+    if (!tmp) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    kv_model_rows(f->m, f->kind, f->layer, r0, r1 - r0, tmp);
+    kv_convert_from_f32(f->dtype, tmp + (e0 - r0 * f->cols), out, ne);
+    free(tmp);
+    return KV_OK;
+}
+
+int kv_hf_add_model_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind kind,
+                           int64_t l, const char *name, struct kv_err *err) {
+    int64_t shape[2];
+    int nd = kv_model_expected_shape(&m->cfg, kind, shape);
+    if (!kv_model_is_streamed(m)) {
+        const float *data = kv_model_weight(m, kind, l);
+        uint64_t n = (uint64_t)shape[0] * (uint64_t)(nd == 2 ? shape[1] : 1);
+        return kv_stw_add(w, name, KV_DTYPE_F32, nd, shape, data, n * 4, err);
+    }
+    const struct kv_wsrc *src = kind < KV_W_FIRST_LAYER ? &m->gsrc[kind] : &m->layers[l].src[kind];
+    enum kv_dtype dt = src->data && !src->block_type &&
+                               (src->dtype == KV_DTYPE_F16 || src->dtype == KV_DTYPE_BF16)
+                           ? src->dtype
+                           : KV_DTYPE_F32;
+    struct wfill f = {m, kind, l, nd == 2 ? shape[1] : shape[0], dt};
+    return kv_stw_add_fn_copy(w, name, dt, nd, shape, fill_weight, &f, sizeof f, err);
 }
 
 /* Add table entry e of layer (global entries: layer 0) under name: its
@@ -248,6 +296,17 @@ static int add_weights(struct kv_stw *w, const struct kv_model *m, enum kv_dtype
 
 /* ================================================================ directory */
 
+/* dir created when absent (its parent must exist), or already a directory. */
+static int make_dir(const char *dir, struct kv_err *err) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        char eb[128];
+        return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot create the directory: %s",
+                       kv_errtext(errno, eb, sizeof eb));
+    }
+    if (kv_path_kind(dir) != 1) return kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "not a directory");
+    return KV_OK;
+}
+
 int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
                 const char *tokenizer_json_path, struct kv_err *err) {
     if (dtype != KV_DTYPE_F32 && dtype != KV_DTYPE_F16 && dtype != KV_DTYPE_BF16)
@@ -256,13 +315,7 @@ int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
     char *config = NULL;
     int rc = kv_hf_config_text(&m->cfg, &config, err);
     if (rc) return rc;
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-        char eb[128];
-        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "cannot create the directory: %s",
-                     kv_errtext(errno, eb, sizeof eb));
-    } else if (kv_path_kind(dir) != 1) {
-        rc = kv_fail(err, KV_EIO, dir, KV_NO_OFFSET, "not a directory");
-    }
+    rc = make_dir(dir, err);
     char *wpath = kv_path_join(dir, "model.safetensors");
     char *tpath = kv_path_join(dir, "tokenizer.json");
     char *cpath = kv_path_join(dir, "config.json");
@@ -277,6 +330,129 @@ int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
     if (!rc && tokenizer_json_path) rc = kv_file_copy(tokenizer_json_path, tpath, err);
     if (!rc) rc = kv_write_atomic(cpath, fill_text, config, err); /* last: the directory is whole */
     free(config), free(wpath), free(tpath), free(cpath);
+    return rc;
+}
+
+/* ================================================================ MLA directory */
+
+/* config.json of m's model rewritten as mla, in transformers'
+ * DeepseekV2Config keys: every layer dense (first_k_dense_replace = layers,
+ * no routed experts), no q-LoRA, one key-value head per query head (the
+ * keys come from kv_b_proj per head; llama.cpp's converter asserts it). */
+static int mla_config_text(const struct kv_config *c, const struct kv_mla *mla, char **out,
+                           struct kv_err *err) {
+    json_t *o = json_object();
+    int bad = !o;
+    bad |= jset(o, "architectures", json_pack("[s]", "DeepseekV2ForCausalLM"));
+    bad |= jset(o, "model_type", json_string("deepseek_v2"));
+    bad |= jset(o, "hidden_size", json_integer(c->dim));
+    bad |= jset(o, "intermediate_size", json_integer(c->hidden_dim));
+    bad |= jset(o, "moe_intermediate_size", json_integer(c->hidden_dim));
+    bad |= jset(o, "num_hidden_layers", json_integer(c->n_layers));
+    bad |= jset(o, "first_k_dense_replace", json_integer(c->n_layers));
+    bad |= jset(o, "n_routed_experts", json_null());
+    bad |= jset(o, "moe_layer_freq", json_integer(1));
+    bad |= jset(o, "num_attention_heads", json_integer(mla->n_heads));
+    bad |= jset(o, "num_key_value_heads", json_integer(mla->n_heads));
+    bad |= jset(o, "q_lora_rank", json_null());
+    bad |= jset(o, "kv_lora_rank", json_integer(mla->kv_lora_rank));
+    bad |= jset(o, "qk_nope_head_dim", json_integer(mla->nope_dim));
+    bad |= jset(o, "qk_rope_head_dim", json_integer(mla->rope_dim));
+    bad |= jset(o, "v_head_dim", json_integer(mla->v_dim));
+    bad |= jset(o, "vocab_size", json_integer(c->vocab_size));
+    if (c->max_seq_len > 0)
+        bad |= jset(o, "max_position_embeddings", json_integer(c->max_seq_len));
+    bad |= jset(o, "rms_norm_eps", json_real(short_float(c->norm_eps)));
+    bad |= jset(o, "rope_theta", json_real(short_float(mla->rope_base)));
+    bad |= jset(o, "rope_scaling", json_null());
+    bad |= jset(o, "hidden_act", json_string("silu"));
+    bad |= jset(o, "attention_bias", json_false());
+    bad |= jset(o, "attention_dropout", json_real(0.0));
+    bad |= jset(o, "tie_word_embeddings", json_boolean(c->tied_embeddings));
+    bad |= jset(o, "bos_token_id", c->bos_id >= 0 ? json_integer(c->bos_id) : json_null());
+    bad |= jset(o, "eos_token_id", c->eos_id >= 0 ? json_integer(c->eos_id) : json_null());
+    bad |= jset(o, "torch_dtype", json_string("float32"));
+    return config_dump(o, bad, out, err);
+}
+
+/* The weights: the model's own under their HF names (streamed), its q/k/v
+ * replaced by the latent attention's four tensors. */
+static int add_mla_weights(struct kv_stw *w, const struct kv_model *m, const struct kv_mla *mla,
+                           struct kv_err *err) {
+    const struct kv_config *c = &m->cfg;
+    const struct kv_arch_names *nm = &kv_arch_desc(c->arch)->hf;
+    int64_t d = c->dim, H = mla->n_heads, dc = mla->kv_lora_rank, R = mla->rope_dim;
+    int64_t n = mla->nope_dim, v = mla->v_dim;
+    int rc = KV_OK;
+    for (int64_t i = 0; !rc && i < nm->n_globals; i++)
+        if (kv_wkind_use(c, nm->globals[i].kinds[0]) != KV_WUSE_NONE)
+            rc = kv_hf_add_model_weight(w, m, nm->globals[i].kinds[0], 0, nm->globals[i].name, err);
+    float *kvb = malloc((size_t)(H * (n + v) * dc) * sizeof *kvb);
+    if (!rc && !kvb) rc = kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+    char name[512];
+    for (int64_t l = 0; !rc && l < c->n_layers; l++) {
+        const struct kv_mla_layer *y = &mla->layers[l];
+        for (int64_t i = 0; !rc && i < nm->n_layer; i++) {
+            enum kv_wkind k = nm->layer[i].kinds[0];
+            if (kv_wkind_use(c, k) == KV_WUSE_NONE || k == KV_W_K || k == KV_W_V || k == KV_W_BQ ||
+                k == KV_W_BK || k == KV_W_BV)
+                continue;
+            snprintf(name, sizeof name, "%s%lld.", nm->layer_prefix, (long long)l);
+            size_t at = strlen(name);
+            if (k != KV_W_Q) {
+                snprintf(name + at, sizeof name - at, "%s", nm->layer[i].name);
+                rc = kv_hf_add_model_weight(w, m, k, l, name, err);
+                continue;
+            }
+            /* in q_proj's place: transformers' DeepseekV2Attention's four */
+            int64_t sq[2] = {H * (n + R), d}, sa[2] = {dc + R, d}, sn[1] = {dc}, sb[2] = {H * (n + v), dc};
+            snprintf(name + at, sizeof name - at, "self_attn.q_proj.weight");
+            rc = kv_stw_add(w, name, KV_DTYPE_F32, 2, sq, y->wq, (uint64_t)(sq[0] * d) * 4, err);
+            snprintf(name + at, sizeof name - at, "self_attn.kv_a_proj_with_mqa.weight");
+            if (!rc) rc = kv_stw_add(w, name, KV_DTYPE_F32, 2, sa, y->wkv_a, (uint64_t)(sa[0] * d) * 4, err);
+            snprintf(name + at, sizeof name - at, "self_attn.kv_a_layernorm.weight");
+            if (!rc) rc = kv_stw_add(w, name, KV_DTYPE_F32, 1, sn, y->kv_norm, (uint64_t)dc * 4, err);
+            /* kv_b_proj: head h's n key rows (W_UK,h = wk_b[h]ᵀ), then its v value rows */
+            for (int64_t h = 0; h < H; h++) {
+                float *rows = kvb + h * (n + v) * dc;
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t r = 0; r < dc; r++) rows[j * dc + r] = y->wk_b[(h * dc + r) * n + j];
+                memcpy(rows + n * dc, y->wv_b + h * v * dc, (size_t)(v * dc) * sizeof *rows);
+            }
+            snprintf(name + at, sizeof name - at, "self_attn.kv_b_proj.weight");
+            if (!rc) rc = kv_stw_add_f32(w, name, KV_DTYPE_F32, 2, sb, kvb, err);
+        }
+    }
+    free(kvb);
+    return rc;
+}
+
+int kv_hf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *dir,
+                    const char *const *files, int n_files, struct kv_err *err) {
+    KV_ASSERT(m && mla && dir && mla->n_layers == m->cfg.n_layers);
+    char *config = NULL, eps[32];
+    int rc = mla_config_text(&m->cfg, mla, &config, err);
+    if (!rc) rc = make_dir(dir, err);
+    char *wpath = kv_path_join(dir, "model.safetensors"), *cpath = kv_path_join(dir, "config.json");
+    if (!rc && (!wpath || !cpath)) rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+    struct kv_stw *w = NULL;
+    snprintf(eps, sizeof eps, "%.9g", (double)mla->latent_eps);
+    if (!rc) rc = kv_stw_init(&w, err);
+    if (!rc) rc = kv_stw_add_meta(w, "format", "pt", err);
+    if (!rc) rc = kv_stw_add_meta(w, "kvcal.mla.base_fingerprint", mla->base_fingerprint, err);
+    if (!rc) rc = kv_stw_add_meta(w, "kvcal.mla.latent_norm_eps", eps, err);
+    if (!rc) rc = add_mla_weights(w, m, mla, err);
+    if (!rc) rc = kv_stw_write(w, wpath, err);
+    kv_stw_free(w);
+    for (int i = 0; !rc && i < n_files; i++) {
+        const char *base = strrchr(files[i], '/');
+        char *dst = kv_path_join(dir, base ? base + 1 : files[i]);
+        rc = dst ? kv_file_copy(files[i], dst, err)
+                 : kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
+        free(dst);
+    }
+    if (!rc) rc = kv_write_atomic(cpath, fill_text, config, err); /* last: the directory is whole */
+    free(config), free(wpath), free(cpath);
     return rc;
 }
 

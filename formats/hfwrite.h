@@ -29,10 +29,21 @@
 #define KV_HFWRITE_H
 
 #include "kvformats.h"
+#include "model.h"
 
 /* config.json text of cfg (indented JSON ending in a newline), malloc'd;
  * KV_EINVAL when HF cannot describe cfg (gpt2 with head_dim * n_heads !=
  * dim), KV_ENOMEM. */
 int kv_hf_config_text(const struct kv_config *cfg, char **out, struct kv_err *err);
+
+struct kv_stw;
+
+/* Weight kind of layer l (0 for a global) of m under name: a resident
+ * model's f32 array borrowed (m must outlive the write), a streamed model's
+ * rows converted while the file is written, in their stored F16 or BF16
+ * (exact) else F32, so memory stays one piece whatever the model's size.
+ * Errors: those of kv_stw_add. */
+int kv_hf_add_model_weight(struct kv_stw *w, const struct kv_model *m, enum kv_wkind kind,
+                           int64_t l, const char *name, struct kv_err *err);
 
 #endif

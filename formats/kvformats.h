@@ -69,6 +69,17 @@ int kv_tokens_read(const char *path, int32_t **ids, int64_t *n, int32_t n_vocab,
 int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
                 const char *tokenizer_json_path, struct kv_err *err);
 
+/* Write m with its attention replaced by mla as an HF directory of
+ * transformers' DeepseekV2ForCausalLM (docs/formats.md, "MLA as an HF
+ * directory"): config.json, model.safetensors (the attention in F32, the
+ * model's other weights in their stored F16 or BF16, else F32; streamed,
+ * so memory does not grow with the model) and the files files[0 ..
+ * n_files) copied in under their own names (tokenizer files). Atomic per
+ * file, config.json last. Errors: KV_EIO naming the file, KV_ENOMEM. */
+struct kv_mla;
+int kv_hf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *dir,
+                    const char *const *files, int n_files, struct kv_err *err);
+
 /* Write (atomically) an HF tokenizer.json of a byte-level vocabulary: a BPE
  * model with byte_fallback whose ids 0..255 are the pieces "<0x00>".."<0xFF>"
  * and no merges, plus the special tokens "<s>" = 256 (bos) and "</s>" = 257
@@ -153,11 +164,13 @@ int kv_stats_parse(const void *buf, uint64_t len, const char *path, struct kv_st
                    struct kv_err *err);
 int kv_stats_open(const char *path, struct kv_stats **out, struct kv_err *err);
 
-/* The attention of a GGUF deepseek2 file that kvcal export --mla wrote from
- * model m (its kvcal.mla.base_fingerprint must be m's), as a struct
- * kv_mla (kv_mla_free) to run with m's other weights (kv_fwd_set_mla). */
-int kv_mla_gguf_open(const char *path, const struct kv_model *m, struct kv_mla **out,
-                     struct kv_err *err);
+/* The attention of what kvcal export --mla wrote from model m (a GGUF
+ * deepseek2 file, or an HF DeepseekV2ForCausalLM directory when path is a
+ * directory; its kvcal.mla.base_fingerprint must be m's), as a struct
+ * kv_mla (kv_mla_free) to run with m's other weights (kv_fwd_set_mla).
+ * Errors name the file and, where there is one, the byte offset. */
+int kv_mla_open(const char *path, const struct kv_model *m, struct kv_mla **out,
+                struct kv_err *err);
 
 /* 1 when s was made by this model (same fingerprint and shapes), else 0 with
  * the difference in err (KV_EINVAL, naming path). */

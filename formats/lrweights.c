@@ -8,6 +8,7 @@
 
 #include "arch.h"
 #include "err.h"
+#include "hfwrite.h"
 #include "lrlayout.h"
 #include "lrmodel.h"
 #include "safetensors.h"
@@ -47,48 +48,6 @@ static int add_f32(struct kv_stw *w, const char *name, const float *data, int64_
     return kv_stw_add(w, name, KV_DTYPE_F32, nd, shape, data, n * 4, err);
 }
 
-/* A streamed model's weight, produced while the file is written: its rows
- * converted from the model file, in its stored F16 or BF16 (exact), else
- * F32. */
-struct wfill {
-    const struct kv_model *m;
-    enum kv_wkind kind;
-    int64_t layer, cols;
-    enum kv_dtype dtype;
-};
-
-static int fill_weight(void *ctx, uint64_t off, uint64_t n, void *out, struct kv_err *err) {
-    const struct wfill *f = ctx;
-    size_t es = kv_dtype_size(f->dtype);
-    int64_t e0 = (int64_t)(off / es), ne = (int64_t)(n / es);
-    int64_t r0 = e0 / f->cols, r1 = (e0 + ne + f->cols - 1) / f->cols;
-    float *tmp = malloc((size_t)((r1 - r0) * f->cols) * sizeof *tmp);
-    if (!tmp) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    kv_model_rows(f->m, f->kind, f->layer, r0, r1 - r0, tmp);
-    kv_convert_from_f32(f->dtype, tmp + (e0 - r0 * f->cols), out, ne);
-    free(tmp);
-    return KV_OK;
-}
-
-/* A weight of m: borrowed, or for a streamed model (whose layer slots are
- * reused, and whose weights may not fit in memory) produced as written. */
-static int add_model_w(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
-                       enum kv_wkind kind, int64_t l, const char *name, struct kv_err *err) {
-    int64_t shape[2];
-    int nd = kv_model_expected_shape(&m->cfg, kind, shape);
-    if (!kv_model_is_streamed(m))
-        return add_f32(w, name, kv_model_weight(m, kind, l), shape[0], nd == 2 ? shape[1] : 0, err);
-    struct wfill *f = (struct wfill *)own(bufs, (int64_t)((sizeof *f + sizeof(float) - 1) / sizeof(float)));
-    if (!f) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-    const struct kv_wsrc *src = kind < KV_W_FIRST_LAYER ? &m->gsrc[kind] : &m->layers[l].src[kind];
-    enum kv_dtype dt = src->data && !src->block_type &&
-                               (src->dtype == KV_DTYPE_F16 || src->dtype == KV_DTYPE_BF16)
-                           ? src->dtype
-                           : KV_DTYPE_F32;
-    *f = (struct wfill){m, kind, l, nd == 2 ? shape[1] : shape[0], dt};
-    return kv_stw_add_fn(w, name, dt, nd, shape, fill_weight, f, err);
-}
-
 static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_model *m,
                     const struct kv_lowrank *lr, int64_t l, int which, const char *path,
                     struct kv_err *err) {
@@ -99,10 +58,10 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
     int rc = KV_OK;
     if (!kv_lrl_has_down(s->mode)) {
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.weight");
-        if ((rc = add_model_w(w, own_bufs, m, which ? KV_W_V : KV_W_K, l, name, err))) return rc;
+        if ((rc = kv_hf_add_model_weight(w, m, which ? KV_W_V : KV_W_K, l, name, err))) return rc;
         kv_lrl_attn_name(name, c->arch, l, sc, "_proj.bias");
         if (kv_model_has(m, which ? KV_W_BV : KV_W_BK, l) &&
-            (rc = add_model_w(w, own_bufs, m, which ? KV_W_BV : KV_W_BK, l, name, err)))
+            (rc = kv_hf_add_model_weight(w, m, which ? KV_W_BV : KV_W_BK, l, name, err)))
             return rc;
         for (int64_t u = 0; u < s->n_units && !rc; u++) {
             kv_lrl_unit_name(name, c->arch, l, which, "rot", u);
@@ -143,7 +102,7 @@ static int add_side(struct kv_stw *w, struct owned *own_bufs, const struct kv_mo
 static int add_weight(struct kv_stw *w, struct owned *bufs, const struct kv_model *m,
                       enum kv_wkind kind, int64_t l, const char *name, struct kv_err *err) {
     if (!kv_model_has(m, kind, l)) return KV_OK;
-    return add_model_w(w, bufs, m, kind, l, name, err);
+    return kv_hf_add_model_weight(w, m, kind, l, name, err);
 }
 
 /* Every tensor of the file (data borrowed from m, lr and bufs): the globals

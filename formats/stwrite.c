@@ -36,7 +36,8 @@ struct stw_tensor {
     const void *data;     /* borrowed, or == owned */
     uint64_t nbytes;
     uint64_t begin;       /* offset in the data section */
-    void *owned;          /* converted copy from kv_stw_add_f32, or NULL */
+    void *owned;          /* converted copy from kv_stw_add_f32, the fill context of
+                           * kv_stw_add_fn_copy, or NULL */
     kv_stw_fill_fn fill;  /* kv_stw_add_fn: bytes produced as they are written */
     void *fill_ctx;
 };
@@ -223,6 +224,19 @@ int kv_stw_add_fn(struct kv_stw *w, const char *name, enum kv_dtype dtype, int n
     int rc = check_tensor(w, name, dtype, ndim, shape, &need, err);
     if (!rc) rc = append(w, name, dtype, ndim, shape, NULL, need, NULL, err);
     if (!rc) w->t[w->n_t - 1].fill = fill, w->t[w->n_t - 1].fill_ctx = ctx;
+    return rc;
+}
+
+int kv_stw_add_fn_copy(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
+                       const int64_t *shape, kv_stw_fill_fn fill, const void *ctx,
+                       size_t ctx_size, struct kv_err *err) {
+    KV_ASSERT(ctx && ctx_size);
+    void *copy = malloc(ctx_size);
+    if (!copy) return kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory for '%s'", name);
+    memcpy(copy, ctx, ctx_size);
+    int rc = kv_stw_add_fn(w, name, dtype, ndim, shape, fill, copy, err);
+    if (rc) free(copy);
+    else w->t[w->n_t - 1].owned = copy; /* freed with the writer */
     return rc;
 }
 

@@ -29,6 +29,7 @@
 #ifndef KV_STWRITE_H
 #define KV_STWRITE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvformats.h"
@@ -62,6 +63,13 @@ typedef int (*kv_stw_fill_fn)(void *ctx, uint64_t off, uint64_t n, void *out, st
  * must stay valid until kv_stw_write returns. Errors as kv_stw_add. */
 int kv_stw_add_fn(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
                   const int64_t *shape, kv_stw_fill_fn fill, void *ctx, struct kv_err *err);
+
+/* As kv_stw_add_fn, with ctx_size bytes of ctx copied into memory the
+ * writer owns (freed by kv_stw_free), so ctx need not outlive the call.
+ * Errors as kv_stw_add. */
+int kv_stw_add_fn_copy(struct kv_stw *w, const char *name, enum kv_dtype dtype, int ndim,
+                       const int64_t *shape, kv_stw_fill_fn fill, const void *ctx,
+                       size_t ctx_size, struct kv_err *err);
 
 /* As kv_stw_add, from f32 values converted to dtype (F32, F16 or BF16,
  * rounding to nearest even) into a buffer the writer owns, so data need not

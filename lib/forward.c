@@ -640,10 +640,10 @@ static int mla_attention(struct kv_fwd *f, int64_t l, int64_t n, int64_t pos0) {
     float qs = (float)(1.0 / sqrt((double)(nn + R))) / kv_attn_scale(c);
 #pragma omp parallel for if (n * H * w > 65536) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        float *e = kv + i * w; /* the latent's RMSNorm, the engine's epsilon */
+        float *e = kv + i * w; /* the latent's RMSNorm, at the epsilon it was made for */
         double ss = 0;
         for (int64_t r = 0; r < dc; r++) ss += (double)e[r] * e[r];
-        float inv = (float)(1.0 / sqrt(ss / (double)dc + (double)c->norm_eps));
+        float inv = (float)(1.0 / sqrt(ss / (double)dc + (double)M->latent_eps));
         for (int64_t r = 0; r < dc; r++) e[r] = e[r] * inv * Y->kv_norm[r];
         mla_rope(f, e + dc, R, pos0 + i);
         for (int64_t h = 0; h < H; h++) { /* q^pe, roped, after each head's q̂ */

@@ -683,8 +683,9 @@ int kv_ppl_compare_finish(const double *sums, int64_t windows, int64_t n_tokens,
 /* ---------------------------------------------------------------- MLA */
 
 /* A model's attention rewritten as DeepSeek-V2 multi-head latent attention
- * (kv_mla_convert in kvcalib.h builds one, kv_mla_gguf_open in kvformats.h
- * reads one back from the GGUF kvcal export --mla writes); opaque. */
+ * (kv_mla_convert in kvcalib.h builds one, kv_mla_open in kvformats.h
+ * reads one back from the GGUF file or HF directory kvcal export --mla
+ * writes); opaque. */
 struct kv_mla;
 void kv_mla_free(struct kv_mla *mla);
 /* Run f's attention as mla's (made from f's model): queries absorbed, a

@@ -12,7 +12,7 @@
  *   wq      [H*(n+R), d]  each head's q^nope (n rows) then q^pe (R rows),
  *                         the score scale folded in
  *   wkv_a   [d_c+R, d]    the latent's rows (scaled by alpha) then k^pe's
- *   kv_norm [d_c]         the latent RMSNorm's gain (sqrt(eps) / alpha)
+ *   kv_norm [d_c]         the latent RMSNorm's gain (sqrt(latent_eps) / alpha)
  *   wk_b    [H, d_c, n]   W_UK,h transposed (attn_k_b)
  *   wv_b    [H, v, d_c]   W_UV,h (attn_v_b)
  * with H the model's query heads, d_c kv_lora_rank, R rope_dim (pairs
@@ -24,6 +24,10 @@ struct kv_mla_layer {
 struct kv_mla {
     int64_t n_layers, n_heads, kv_lora_rank, rope_dim, nope_dim, v_dim;
     float rope_base;
+    /* the epsilon of the latent's RMSNorm the gain was made for: the
+     * model's rms_norm_eps in GGUF (llama.cpp's one epsilon), either that or
+     * 1e-6 (transformers' fixed kv_a_layernorm) in an HF directory */
+    float latent_eps;
     char base_fingerprint[65]; /* the model it was made from (kv_model_fingerprint) */
     struct kv_mla_layer *layers;
 };

@@ -54,7 +54,7 @@ static inline double *naive_mla_forward(const struct kv_model *m, const struct k
             /* the latent's RMSNorm, as the engine applies it */
             double ss = 0;
             for (int64_t r = 0; r < dc; r++) ss += e[r] * e[r];
-            double inv = 1.0 / sqrt(ss / (double)dc + c->norm_eps);
+            double inv = 1.0 / sqrt(ss / (double)dc + (double)mla->latent_eps);
             for (int64_t r = 0; r < dc; r++) e[r] = e[r] * inv * y->kv_norm[r];
             /* RoPE (pairs 2i, 2i+1, base rope_base over R) on k^pe and each q^pe */
             for (int64_t i = 0; i < R / 2; i++) {

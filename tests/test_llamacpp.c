@@ -693,7 +693,7 @@ static void run_mla(const struct mla_case *k) {
     /* calibration statistics of 8 random windows of 64 */
     uint64_t st = 0x51ed270b27c6f4a3ull;
     struct kv_stats *s = random_stats(m, 8, 300, 1, &st);
-    struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1};
+    struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1, 0};
     struct kv_mla *mla;
     struct kv_mla_layer_info info[2];
     cr_assert_eq(kv_mla_convert(m, s, &mo, &mla, info, &e), KV_OK, "%s", e.msg);
@@ -799,7 +799,7 @@ Test(llamacpp, mla_kv_cache_is_kvcals_count, .timeout = 300) {
     uint64_t st = 17;
     struct kv_stats *s = random_stats(m, 4, 256, 0, &st);
     int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
-    struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1};
+    struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1, 0};
     char *dir = kvt_temp_dir(), *mla_path = kvt_path(dir, "mla.gguf"), *base_path = kvt_path(dir, "base.gguf");
     char *ids_path = kvt_path(dir, "ids.txt"), *out = kvt_path(dir, "lp.bin");
     cr_assert_eq(kv_mla_export_gguf(m, s, &o, mla_path, NULL, &e), KV_OK, "%s", e.msg);
@@ -863,7 +863,7 @@ static void run_mla_real(const struct mla_real *k) {
     int64_t V = c->vocab_size, G = c->n_kv_heads, dh = c->head_dim;
     uint64_t st = 29;
     struct kv_stats *s = random_stats(m, 4, (uint64_t)V, 0, &st);
-    struct kv_mla_opts o = {G * dh - dh, dh, 1, 1}; /* d_c + R = half of 2 G d_h */
+    struct kv_mla_opts o = {G * dh - dh, dh, 1, 1, 0}; /* d_c + R = half of 2 G d_h */
     if (o.kv_lora_rank < 1) o.kv_lora_rank = dh / 2, o.rope_dim = dh / 2;
     struct kv_mla *mla;
     cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);

@@ -5,6 +5,7 @@
  * writes for data/kjv-llama, its keys and tensor shapes as llama.cpp reads
  * them (llama.cpp itself runs the rewrite in tests/test_llamacpp.c). */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include "model.h"
 #include "naive_llama.h"
 #include "naive_mla.h"
+#include "safetensors.h"
 #include "testutil.h"
 #include "xorshift64.h"
 
@@ -30,7 +32,7 @@ static struct kv_config llama_cfg(void) {
 }
 
 Test(mla, models_and_options_that_do_not_convert_say_why) {
-    struct kv_mla_opts ok = {64, 64, 1, 1};
+    struct kv_mla_opts ok = {64, 64, 1, 1, 0};
     struct kv_err e;
     struct kv_config c = llama_cfg();
     cr_assert_eq(kv_mla_check(&c, &ok, &e), KV_OK, "%s", e.msg);
@@ -72,7 +74,7 @@ Test(mla, models_and_options_that_do_not_convert_say_why) {
         cr_assert_str_eq(e.msg, rows[i].msg, "row %zu", i);
     }
     /* the largest step that fits: pairs 0, 2, ..., 30 of 32 */
-    struct kv_mla_opts edge = {64, 32, 2, 1};
+    struct kv_mla_opts edge = {64, 32, 2, 1, 0};
     cr_assert_eq(kv_mla_check(&c, &edge, &e), KV_OK, "%s", e.msg);
 }
 
@@ -91,7 +93,7 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
     } bad[] = {
         {"export --mla --dense x -m data/kjv-llama -o y", "kvcal export: give one of --dense DIR or --mla\n"},
         {"export --dense x -m data/kjv-llama --ratio 0.5 -o y",
-         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step and --no-balance go with --mla\n"},
+         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, --no-balance and --latent-norm-eps go with --mla\n"},
         {"export --mla -m data/kjv-llama -o y", "kvcal export: --mla needs --stats FILE (kvcal collect of the model)\n"},
         {"export --mla -m data/kjv-llama -s S -o y",
          "kvcal export: --mla needs exactly one of --kv-lora-rank N or --ratio X\n"},
@@ -199,7 +201,7 @@ Test(mla, one_kv_head_at_full_rank_is_the_model) {
         struct kv_stats *s;
         int32_t ids[48];
         struct kv_model *m = random_case(G, 5, &s, ids);
-        struct kv_mla_opts o = {2 * G * 64, 64, 1, 1};
+        struct kv_mla_opts o = {2 * G * 64, 64, 1, 1, 0};
         struct kv_mla *mla;
         cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
         double *base = naive_forward(m, ids, 48), *mf = naive_mla_forward(m, mla, ids, 48);
@@ -221,6 +223,189 @@ Test(mla, one_kv_head_at_full_rank_is_the_model) {
     }
 }
 
+/* The HF directory, taken through the mapping llama.cpp's converter
+ * (convert_hf_to_gguf.py, DeepseekV2Model, in the llama.cpp release
+ * node-llama-cpp ships) applies to DeepseekV2ForCausalLM, is the GGUF
+ * export, which llama.cpp runs (llamacpp/mla_*): config.json to the
+ * deepseek2 keys, each tensor to its GGUF name (gguf-py's tensor map), and
+ * kv_b_proj viewed as [heads, qk_nope + v, kv_lora_rank], split into k_b
+ * (transposed) and v_b. Every float equal, every GGUF tensor accounted for.
+ * Reading both back (kv_mla_open) gives the same struct. */
+Test(mla, hf_directory_is_the_gguf_through_llamacpps_converter) {
+    struct kv_err e;
+    struct kv_stats *s;
+    int32_t ids[48];
+    struct kv_model *m = random_case(2, 11, &s, ids);
+    struct kv_mla_opts o = {48, 16, 2, 1, 0};
+    char *dir = kvt_temp_dir(), *gpath = kvt_path(dir, "m.gguf"), *hdir = kvt_path(dir, "hf");
+    cr_assert_eq(kv_mla_export_gguf(m, s, &o, gpath, NULL, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_mla_export_hf(m, s, &o, hdir, NULL, 0, NULL, &e), KV_OK, "%s", e.msg);
+    char *cpath = kvt_path(hdir, "config.json"), *wpath = kvt_path(hdir, "model.safetensors");
+    json_error_t je;
+    json_t *cfg = json_load_file(cpath, 0, &je);
+    cr_assert(cfg, "%s", je.text);
+    struct kv_gguf_file *g;
+    struct kv_st_file *st;
+    cr_assert_eq(kv_gguf_open(gpath, &g, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_st_open(wpath, &st, &e), KV_OK, "%s", e.msg);
+#define CI(k) ((int64_t)json_integer_value(json_object_get(cfg, k)))
+    cr_assert_str_eq(json_string_value(json_object_get(cfg, "model_type")), "deepseek_v2");
+    int64_t L = CI("num_hidden_layers"), H = CI("num_attention_heads"), dc = CI("kv_lora_rank");
+    int64_t R = CI("qk_rope_head_dim"), n = CI("qk_nope_head_dim"), v = CI("v_head_dim");
+    /* set_gguf_parameters: the keys each config member becomes */
+    const struct {
+        const char *key;
+        int64_t want;
+    } keys[] = {
+        {"deepseek2.block_count", L},
+        {"deepseek2.embedding_length", CI("hidden_size")},
+        {"deepseek2.feed_forward_length", CI("intermediate_size")},
+        {"deepseek2.expert_feed_forward_length", CI("moe_intermediate_size")},
+        {"deepseek2.attention.head_count", H},
+        {"deepseek2.attention.head_count_kv", 1}, /* the converter sets num_key_value_heads 1 */
+        {"deepseek2.leading_dense_block_count", CI("first_k_dense_replace")},
+        {"deepseek2.attention.kv_lora_rank", dc},
+        {"deepseek2.attention.key_length", dc + R},
+        {"deepseek2.attention.value_length", dc},
+        {"deepseek2.attention.key_length_mla", n + R},
+        {"deepseek2.attention.value_length_mla", v},
+        {"deepseek2.rope.dimension_count", R},
+        {"deepseek2.context_length", CI("max_position_embeddings")},
+        {"deepseek2.vocab_size", CI("vocab_size")},
+    };
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        uint32_t got = 0;
+        cr_assert_eq(kv_gguf_get_u32(g, keys[i].key, &got, &e), KV_OK, "%s: %s", keys[i].key, e.msg);
+        cr_assert_eq((int64_t)got, keys[i].want, "%s: gguf %u, config.json gives %lld", keys[i].key,
+                     got, (long long)keys[i].want);
+    }
+    cr_assert(json_is_null(json_object_get(cfg, "q_lora_rank")) &&
+              json_is_null(json_object_get(cfg, "n_routed_experts")) && CI("first_k_dense_replace") == L &&
+              CI("num_key_value_heads") == H, "every layer dense, no q-LoRA, a kv head per head");
+    const struct {
+        const char *key, *member;
+    } reals[] = {{"deepseek2.attention.layer_norm_rms_epsilon", "rms_norm_eps"},
+                 {"deepseek2.rope.freq_base", "rope_theta"}};
+    for (size_t i = 0; i < 2; i++) {
+        float got = 0;
+        cr_assert_eq(kv_gguf_get_f32(g, reals[i].key, &got, &e), KV_OK, "%s", e.msg);
+        double want = json_number_value(json_object_get(cfg, reals[i].member));
+        cr_assert_eq(got, (float)want, "%s: gguf %.9g, config.json %.9g", reals[i].key, (double)got, want);
+    }
+    /* the tensors: HF name -> GGUF name, equal float for float */
+    int64_t mapped = 0;
+    char gn[160];
+    for (int64_t i = 0; i < st->n_tensors; i++) {
+        const struct kv_tensor *t = &st->tensors[i];
+        cr_assert_eq(t->dtype, KV_DTYPE_F32, "%s", t->name);
+        int64_t l;
+        char rest[128];
+        static const char *const glob[][2] = {{"model.embed_tokens.weight", "token_embd.weight"},
+                                              {"model.norm.weight", "output_norm.weight"},
+                                              {"lm_head.weight", "output.weight"}};
+        static const char *const lay[][2] = {{"input_layernorm.weight", "attn_norm.weight"},
+                                             {"post_attention_layernorm.weight", "ffn_norm.weight"},
+                                             {"mlp.gate_proj.weight", "ffn_gate.weight"},
+                                             {"mlp.up_proj.weight", "ffn_up.weight"},
+                                             {"mlp.down_proj.weight", "ffn_down.weight"},
+                                             {"self_attn.q_proj.weight", "attn_q.weight"},
+                                             {"self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"},
+                                             {"self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"},
+                                             {"self_attn.o_proj.weight", "attn_output.weight"}};
+        gn[0] = 0;
+        for (size_t k = 0; k < 3; k++)
+            if (!strcmp(t->name, glob[k][0])) snprintf(gn, sizeof gn, "%s", glob[k][1]);
+        if (!gn[0]) {
+            cr_assert_eq(sscanf(t->name, "model.layers.%lld.%127s", (long long *)&l, rest), 2, "%s", t->name);
+            if (!strcmp(rest, "self_attn.kv_b_proj.weight")) {
+                /* kv_b.view(H, n + v, dc); k_b = [:, :n, :].transpose(1, 2); v_b = [:, n:, :] */
+                const float *kvb = t->data;
+                cr_assert(t->ndim == 2 && t->shape[0] == H * (n + v) && t->shape[1] == dc);
+                snprintf(gn, sizeof gn, "blk.%lld.attn_k_b.weight", (long long)l);
+                const struct kv_gguf_tensor *kb = kv_gguf_find_tensor(g, gn);
+                snprintf(gn, sizeof gn, "blk.%lld.attn_v_b.weight", (long long)l);
+                const struct kv_gguf_tensor *vb = kv_gguf_find_tensor(g, gn);
+                cr_assert(kb && vb && kb->t.dtype == KV_DTYPE_F32 && vb->t.dtype == KV_DTYPE_F32);
+                cr_assert(kb->ne[0] == n && kb->ne[1] == dc && kb->ne[2] == H, "k_b [H, dc, n]");
+                cr_assert(vb->ne[0] == dc && vb->ne[1] == v && vb->ne[2] == H, "v_b [H, v, dc]");
+                const float *K = kb->t.data, *V = vb->t.data;
+                for (int64_t h = 0; h < H; h++)
+                    for (int64_t r = 0; r < dc; r++) {
+                        for (int64_t j = 0; j < n; j++)
+                            cr_assert_eq(K[(h * dc + r) * n + j], kvb[(h * (n + v) + j) * dc + r],
+                                         "layer %lld k_b[%lld][%lld][%lld]", (long long)l, (long long)h,
+                                         (long long)r, (long long)j);
+                        for (int64_t j = 0; j < v; j++)
+                            cr_assert_eq(V[(h * v + j) * dc + r], kvb[(h * (n + v) + n + j) * dc + r],
+                                         "layer %lld v_b[%lld][%lld][%lld]", (long long)l, (long long)h,
+                                         (long long)j, (long long)r);
+                    }
+                mapped += 2;
+                continue;
+            }
+            for (size_t k = 0; k < sizeof lay / sizeof lay[0]; k++)
+                if (!strcmp(rest, lay[k][0])) snprintf(gn, sizeof gn, "blk.%lld.%s", (long long)l, lay[k][1]);
+        }
+        cr_assert(gn[0], "%s has no place in the converter's map", t->name);
+        const struct kv_gguf_tensor *gt = kv_gguf_find_tensor(g, gn);
+        cr_assert(gt, "%s: gguf has no %s", t->name, gn);
+        cr_assert(gt->t.dtype == KV_DTYPE_F32 && gt->t.nbytes == t->nbytes, "%s: %llu bytes, gguf %llu",
+                  t->name, (unsigned long long)t->nbytes, (unsigned long long)gt->t.nbytes);
+        /* safetensors [out, in] is GGUF ne {in, out}: the same row-major bytes */
+        cr_assert(gt->ne[0] == t->shape[t->ndim - 1], "%s: ne[0] %lld", t->name, (long long)gt->ne[0]);
+        cr_assert(!memcmp(gt->t.data, t->data, t->nbytes), "%s differs from gguf %s", t->name, gn);
+        mapped++;
+    }
+    cr_assert_eq(mapped, g->n_tensors, "%lld tensors mapped, the gguf holds %lld",
+                 (long long)mapped, (long long)g->n_tensors);
+#undef CI
+    /* read back, both are one model */
+    struct kv_mla *a, *b;
+    cr_assert_eq(kv_mla_open(gpath, m, &a, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_mla_open(hdir, m, &b, &e), KV_OK, "%s", e.msg);
+    cr_assert(a->n_layers == b->n_layers && a->n_heads == b->n_heads && a->kv_lora_rank == b->kv_lora_rank &&
+              a->rope_dim == b->rope_dim && a->nope_dim == b->nope_dim && a->v_dim == b->v_dim &&
+              a->rope_base == b->rope_base && a->latent_eps == b->latent_eps &&
+              !strcmp(a->base_fingerprint, b->base_fingerprint));
+    for (int64_t l = 0; l < L; l++) {
+        const struct kv_mla_layer *x = &a->layers[l], *y = &b->layers[l];
+        cr_assert(!memcmp(x->wq, y->wq, (size_t)(H * (n + R) * 128) * 4) &&
+                  !memcmp(x->wkv_a, y->wkv_a, (size_t)((dc + R) * 128) * 4) &&
+                  !memcmp(x->kv_norm, y->kv_norm, (size_t)dc * 4) &&
+                  !memcmp(x->wk_b, y->wk_b, (size_t)(H * dc * n) * 4) &&
+                  !memcmp(x->wv_b, y->wv_b, (size_t)(H * v * dc) * 4), "layer %lld", (long long)l);
+    }
+    kv_mla_free(a), kv_mla_free(b);
+    /* for transformers (its kv_a_layernorm's epsilon is 1e-6): the same
+     * gain, the latent's input scaled by sqrt(1e-6 / 1e-5), the epsilon in
+     * the metadata; GGUF has no place for it */
+    struct kv_mla_opts o6 = o;
+    o6.latent_eps = 1e-6;
+    char *h6 = kvt_path(dir, "hf6");
+    cr_assert_eq(kv_mla_export_gguf(m, s, &o6, gpath, NULL, &e), KV_EINVAL);
+    cr_assert(strstr(e.msg, "a latent norm epsilon of 1e-06 is for an HF directory"), "%s", e.msg);
+    cr_assert_eq(kv_mla_export_hf(m, s, &o6, h6, NULL, 0, NULL, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_mla_open(h6, m, &b, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(kv_mla_open(hdir, m, &a, &e), KV_OK, "%s", e.msg);
+    cr_assert_eq(b->latent_eps, 1e-6f);
+    double worst = 0;
+    for (int64_t i = 0; i < dc * 128; i++) {
+        double want = a->layers[0].wkv_a[i] * sqrt(0.1), got = b->layers[0].wkv_a[i];
+        double rel = fabs(got - want) / (fabs(want) + 1e-30);
+        worst = rel > worst ? rel : worst;
+    }
+    cr_assert_leq(worst, 1e-6, "latent rows scaled by sqrt(0.1): worst relative %.3g", worst);
+    cr_assert(!memcmp(a->layers[0].kv_norm, b->layers[0].kv_norm, (size_t)dc * 4), "the same gain");
+    kv_mla_free(a), kv_mla_free(b);
+    json_decref(cfg);
+    kv_st_close(st);
+    kv_gguf_close(g);
+    kv_stats_free(s);
+    kv_model_close(m);
+    free(gpath), free(hdir), free(cpath), free(wpath), free(h6);
+    kvt_rm_dir(dir);
+}
+
 /* kvcal's own MLA forward (kv_fwd_set_mla: the absorbed query, a cache of
  * the normed latent and the roped key) against the float64 oracle of the
  * MLA form, two KV heads, d_c 48, R 16 over pairs 0, 2, ..., 14: float32
@@ -230,7 +415,7 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
     struct kv_stats *s;
     int32_t ids[48];
     struct kv_model *m = random_case(2, 8, &s, ids);
-    struct kv_mla_opts o = {48, 16, 2, 1};
+    struct kv_mla_opts o = {48, 16, 2, 1, 0};
     struct kv_mla *mla;
     cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
     double *want = naive_mla_forward(m, mla, ids, 48);
@@ -283,7 +468,88 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
     cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
     cr_assert(strstr(o, "\"method\": \"mla\"") && strstr(o, "\"compressed\": 1024") &&
               strstr(o, "\"base\": 2048") && strstr(o, "\"windows\": 3"), "%s", o);
+    json_t *jg = json_loads(o, 0, NULL);
     free(o), free(e);
+    /* the same export as an HF directory runs to the same numbers */
+    char *hf = kvt_path(dir, "hf");
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 -o '%s'", st, hf);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "(hf DeepseekV2ForCausalLM: kv_lora_rank 64, rope dims 64,") &&
+              strstr(o, "\ntokenizer tokenizer.json copied\n") &&
+              strstr(o, "note      the latent norm is made for epsilon 1e-05 (config.json's "
+                        "rms_norm_eps: vLLM, SGLang, llama.cpp's converter)"), "%s", o);
+    free(o), free(e);
+    snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' "
+                                "--max-windows 3 --json -q", hf);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    json_t *jh = json_loads(o, 0, NULL);
+    cr_assert(jg && jh, "%s", o);
+    static const char *const same[] = {"nll", "base_nll", "kl", "top1", "scored"};
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++)
+        cr_assert(json_equal(json_object_get(jg, same[i]), json_object_get(jh, same[i])),
+                  "%s: gguf %g, hf directory %g", same[i], json_number_value(json_object_get(jg, same[i])),
+                  json_number_value(json_object_get(jh, same[i])));
+    json_decref(jg), json_decref(jh);
+    free(o), free(e);
+    /* a GGUF has one epsilon; an impossible one is a usage error */
+    static const struct {
+        const char *extra, *err;
+    } eps_bad[] = {
+        {"--latent-norm-eps 1e-6 -o x.gguf",
+         "kvcal export: --latent-norm-eps is for an HF directory: llama.cpp's deepseek2 normalizes "
+         "the latent with the model's rms_norm_eps\n"},
+        {"--latent-norm-eps 2 -o xdir", "kvcal export: --latent-norm-eps must be in (0, 1), got 2\n"},
+    };
+    for (size_t i = 0; i < sizeof eps_bad / sizeof eps_bad[0]; i++) {
+        snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 %s", st,
+                 eps_bad[i].extra);
+        int rc = kvt_run_cli(args, &o, &e);
+        cr_assert_eq(rc, 2, "%s: exit %d\n%s", eps_bad[i].extra, rc, e);
+        cr_assert(!strncmp(e, eps_bad[i].err, strlen(eps_bad[i].err)), "got:\n%s", e);
+        free(o), free(e);
+    }
+    /* damaged directories: another model_type, no latent epsilon, a kv_b_proj of another shape */
+    char *cfg_path = kvt_path(hf, "config.json"), *w_path = kvt_path(hf, "model.safetensors");
+    size_t clen = 0, wlen = 0;
+    char *cfg_text = kvt_read_file(cfg_path, &clen), *w_bytes = kvt_read_file(w_path, &wlen);
+    cr_assert(cfg_text && w_bytes);
+    static const struct {
+        const char *file, *from, *to, *err;
+    } hbad[] = {
+        {"config.json", "\"deepseek_v2\"", "\"deepseek_v3\"",
+         "config.json: model_type is 'deepseek_v3', not 'deepseek_v2' (kvcal export --mla writes it)\n"},
+        {"config.json", "\"v_head_dim\": 64", "\"v_head_dim\": 32",
+         "config.json: 4 layers (4 dense), 4 heads (4 kv), values of 32, rope dims 64, epsilon 1e-05 "
+         "do not fit the model (4 layers, 4 heads of 64, epsilon 1e-05)\n"},
+        {"model.safetensors", "kvcal.mla.latent_norm_eps", "kvcal.mla.latent_norm_xxx",
+         "model.safetensors: metadata kvcal.mla.latent_norm_eps is missing, expected a number in (0, 1)\n"},
+        {"model.safetensors", "\"model.layers.2.self_attn.kv_b_proj.weight\"",
+         "\"model.layers.2.self_attn.kv_b_proj.weighT\"",
+         "model.safetensors: tensor 'model.layers.2.self_attn.kv_b_proj.weight' is missing\n"},
+    };
+    for (size_t i = 0; i < sizeof hbad / sizeof hbad[0]; i++) {
+        int is_cfg = !strcmp(hbad[i].file, "config.json");
+        char *copy = malloc(is_cfg ? clen : wlen), *path = is_cfg ? cfg_path : w_path;
+        memcpy(copy, is_cfg ? cfg_text : w_bytes, is_cfg ? clen : wlen);
+        char *at = memmem(copy, is_cfg ? clen : wlen, hbad[i].from, strlen(hbad[i].from));
+        cr_assert(at && strlen(hbad[i].from) == strlen(hbad[i].to), "%s", hbad[i].from);
+        memcpy(at, hbad[i].to, strlen(hbad[i].to));
+        FILE *fp = fopen(path, "wb");
+        cr_assert(fp && fwrite(copy, 1, is_cfg ? clen : wlen, fp) == (is_cfg ? clen : wlen) && fclose(fp) == 0);
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' -q", hf);
+        int rc = kvt_run_cli(args, &o, &e);
+        char want[1200];
+        snprintf(want, sizeof want, "kvcal: %s/%s", hf, hbad[i].err);
+        cr_assert_eq(rc, 1, "%s: exit %d\n%s", hbad[i].to, rc, e);
+        cr_assert_str_eq(e, want, "%s", hbad[i].to);
+        free(o), free(e);
+        /* put the file back */
+        fp = fopen(path, "wb");
+        cr_assert(fp && fwrite(is_cfg ? cfg_text : w_bytes, 1, is_cfg ? clen : wlen, fp) == (is_cfg ? clen : wlen) &&
+                  fclose(fp) == 0);
+        free(copy);
+    }
+    free(cfg_text), free(w_bytes), free(cfg_path), free(w_path), free(hf);
     /* a plain llama file, and an export of another model (same shapes) */
     struct kv_model *m;
     struct kv_err err;
@@ -294,7 +560,7 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
     cr_assert_eq(kv_model_init_random(&c, 1, &m, &err), KV_OK, "%s", err.msg);
     struct kv_stats *s;
     cr_assert_eq(kv_stats_open(st, &s, &err), KV_OK, "%s", err.msg);
-    struct kv_mla_opts mo = {128 - 64, 64, 1, 1};
+    struct kv_mla_opts mo = {128 - 64, 64, 1, 1, 0};
     cr_assert_eq(kv_mla_export_gguf(m, s, &mo, other, NULL, &err), KV_OK, "%s", err.msg);
     kv_stats_free(s);
     kv_model_close(m);
@@ -364,7 +630,7 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
     static const struct {
         const char *extra, *err;
     } usage[] = {
-        {"--compressed x", "kvcal verify: give one of --compressed DIR or --mla FILE\n"},
+        {"--compressed x", "kvcal verify: give one of --compressed DIR or --mla PATH\n"},
         {"--device twin", "kvcal verify: --mla runs on the cpu; the runtime has no latent attention of this form\n"},
     };
     for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++) {
