@@ -438,7 +438,8 @@ static int verify_compressed(const struct verify_args *a, const char *src, struc
     return rc;
 }
 
-/* Base against the MLA form of FILE on the same windows. */
+/* Base against the MLA form of PATH (a GGUF file or an HF directory) on the
+ * same windows. */
 static int verify_mla(const struct verify_args *a, const char *src, struct kv_model *m,
                       const struct kv_token_src *ts, size_t n_bytes) {
     struct kv_err err;
@@ -457,9 +458,10 @@ static int verify_mla(const struct verify_args *a, const char *src, struct kv_mo
     }
     const struct kv_mla_info mi = kv_mla_info(mla);
     struct vs_run v = {"mla", a->mla, "", kv_mla_bytes(mla), "; the latent and the rope key at f16", ""};
-    snprintf(v.desc, sizeof v.desc, "deepseek2, kv_lora_rank %lld, rope key %lld (base %.6g), nope %lld",
-             (long long)mi.kv_lora_rank, (long long)mi.rope_dim, (double)mi.rope_base,
-             (long long)mi.nope_dim);
+    snprintf(v.desc, sizeof v.desc,
+             "deepseek2, kv_lora_rank %lld, rope key %lld (base %.6g), nope %lld, latent norm "
+             "epsilon %g", (long long)mi.kv_lora_rank, (long long)mi.rope_dim,
+             (double)mi.rope_base, (long long)mi.nope_dim, (double)mi.latent_eps);
     if (a->json) {
         json_t *o = vs_json(a, src, m, &r, &v);
         if (o) json_object_set_new(o, "method", json_string("mla"));

@@ -436,7 +436,7 @@ int kv_hf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const ch
     char *wpath = kv_path_join(dir, "model.safetensors"), *cpath = kv_path_join(dir, "config.json");
     if (!rc && (!wpath || !cpath)) rc = kv_fail(err, KV_ENOMEM, dir, KV_NO_OFFSET, "out of memory");
     struct kv_stw *w = NULL;
-    snprintf(eps, sizeof eps, "%.9g", (double)mla->latent_eps);
+    snprintf(eps, sizeof eps, "%.9g", short_float(mla->latent_eps)); /* "1e-05" */
     if (!rc) rc = kv_stw_init(&w, err);
     if (!rc) rc = kv_stw_add_meta(w, "format", "pt", err);
     if (!rc) rc = kv_stw_add_meta(w, "kvcal.mla.base_fingerprint", mla->base_fingerprint, err);

@@ -704,6 +704,7 @@ int64_t kv_mla_bytes(const struct kv_mla *mla);
 struct kv_mla_info {
     int64_t kv_lora_rank, rope_dim, nope_dim, v_dim;
     float rope_base;
+    float latent_eps; /* the epsilon of the latent's RMSNorm it was made for */
 };
 struct kv_mla_info kv_mla_info(const struct kv_mla *mla);
 

@@ -14,5 +14,6 @@ void kv_mla_free(struct kv_mla *mla) {
 }
 
 struct kv_mla_info kv_mla_info(const struct kv_mla *mla) {
-    return (struct kv_mla_info){mla->kv_lora_rank, mla->rope_dim, mla->nope_dim, mla->v_dim, mla->rope_base};
+    return (struct kv_mla_info){mla->kv_lora_rank, mla->rope_dim, mla->nope_dim,
+                                mla->v_dim,        mla->rope_base, mla->latent_eps};
 }

@@ -249,7 +249,7 @@ Test(export_cli, usage_errors_exit_2) {
     int rc = kvt_run_cli("export --model m.bin -o x.bin", &out, &errs);
     cr_assert_eq(rc, 2, "exit %d, stderr: %s", rc, errs);
     cr_assert_str_eq(errs, "kvcal export: missing --dense DIR\n"
-                           "usage: kvcal export --dense DIR --model PATH -o OUT [options] | --mla --model PATH --stats FILE -o OUT.gguf "
+                           "usage: kvcal export --dense DIR --model PATH -o OUT [options] | --mla --model PATH --stats FILE -o OUT[.gguf] "
                            "(see 'kvcal export --help')\n");
     cr_assert_str_eq(out, "");
     free(out), free(errs);
