@@ -611,6 +611,12 @@ struct kv_mla_opts {
     int balance;          /* weigh keys and values to equal energy in the latent */
     double latent_eps;    /* the epsilon the engine normalizes the latent with;
                            * 0: the model's rms_norm_eps */
+    /* calibration windows [calib_windows][seq_len] (NULL: none): the key
+     * components that lose RoPE are then turned by the map fitted to the
+     * model's scores on them (kv_mla_fit_turn, docs/design.md step 3'),
+     * else scored as they are */
+    const int32_t *calib_tokens;
+    int64_t calib_windows, seq_len;
 };
 /* What each layer's rewrite keeps: the share of the pre-RoPE key energy
  * that keeps its rotation (component 0 of the kept pairs), the share of
@@ -618,10 +624,22 @@ struct kv_mla_opts {
  * scale alpha and the bound on the latent's RMS it was chosen from. */
 struct kv_mla_layer_info {
     double rope_share, latent_share, alpha, latent_rms_bound;
+    /* with calibration windows: the attention's mean distance in the
+     * layer (positions), else 0 */
+    double mean_distance;
 };
 /* KV_OK when c and o can be converted; else KV_EUNSUPPORTED (the model) or
  * KV_EINVAL (the options), the reason in err. */
 int kv_mla_check(const struct kv_config *c, const struct kv_mla_opts *o, struct kv_err *err);
+/* Step 3' (docs/design.md): for every layer, KV head g and RoPE pair f,
+ * the map [[c, s], [−s, c]] that best stands, on o's calibration windows,
+ * for the rotation R(−ωΔ) the residual key (what loses RoPE) would get:
+ * least squares of each query's scores, centred and weighed by its
+ * attention. turn [n_layers][n_kv_heads][head_dim/2][2] receives (c, s),
+ * the identity where nothing loses RoPE; mean_distance [n_layers] (or
+ * NULL) the attention's mean distance. KV_EINVAL without windows. */
+int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                    double *turn, double *mean_distance, struct kv_err *err);
 /* m rewritten under o with the calibration statistics s (m's); info
  * [n_layers] or NULL. Free *out with kv_mla_free (kvcal_core.h). */
 int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,

@@ -86,8 +86,221 @@ static void widen(double *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = (double)src[i];
 }
 
+/* ---------------------------------------------------------------- mixing */
+
+/* Step 1 for kept slot i of layer l: m_f, the top eigenvector across KV
+ * heads of pair f's pre-RoPE key covariance (ckk [G dh]², from the
+ * statistics), into gmix [G]; *e0 its energy. cov, eig, vec: scratch of
+ * G², G, G². */
+static int pair_mixing(const struct kv_config *c, const struct kv_mla_opts *o, int64_t l, int64_t i,
+                       const double *ckk, double *cov, double *eig, double *vec, double *gmix,
+                       double *e0, struct kv_err *err) {
+    int64_t G = c->n_kv_heads, dh = c->head_dim, f = i * o->rope_step, pa, pb;
+    pair_coords(c->rope_layout, dh, f, &pa, &pb);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t h = 0; h < G; h++)
+            cov[g * G + h] = ckk[(g * dh + pa) * G * dh + h * dh + pa] +
+                             ckk[(g * dh + pb) * G * dh + h * dh + pb];
+    char what[64];
+    snprintf(what, sizeof what, "layer %lld rope pair %lld across kv heads", (long long)l, (long long)f);
+    int rc = kv_la_eigh(cov, G, eig, vec, what, err);
+    if (rc) return rc;
+    double e = 0;
+    for (int64_t g = 0; g < G; g++) gmix[g] = vec[g * G]; /* column 0 */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t h = 0; h < G; h++) e += gmix[g] * gmix[h] * cov[g * G + h];
+    *e0 = e > 0 ? e : 0;
+    return KV_OK;
+}
+
+/* ---------------------------------------------------------------- the turn */
+
+/* Fitting the turn (docs/design.md, step 3'): for layer l, KV head g and
+ * RoPE pair f, the map M = [[c, s], [−s, c]] that stands for R(−ωΔ) on the
+ * residual key r (what loses RoPE), so that q·R(−ωΔ)r ≈ q·Mr. With A = q·r
+ * and B = q_a r_b − q_b r_a, q·R(−ωΔ)r = y = cos(ωΔ) A + sin(ωΔ) B and
+ * q·Mr = c A + s B: a least-squares fit of y over every query q of a head
+ * of group g and every key r up to it, weighed by the query's attention
+ * weights p and centred per query (softmax ignores a shift common to a
+ * query's scores). sums[l][g][f] = Σ (Ã², ÃB̃, B̃², ỹÃ, ỹB̃). */
+#define FIT_N 5
+struct fit {
+    const struct kv_config *c;
+    const struct kv_mla_opts *o;
+    const double *mix;   /* [L][R/2][G] */
+    const double *omega; /* [dh/2] the model's frequencies */
+    double *sums;        /* [L][G][dh/2][FIT_N] */
+    double *dist;        /* [L][2]: Σ p Δ, Σ p */
+    double *part;        /* [H][dh/2][FIT_N] one layer's, per query head */
+    double *pd;          /* [H][2] */
+    double *qp, *kp;     /* [T][H dh], [T][G dh] pre-RoPE queries, residual keys */
+    double *cs, *sn;     /* [T][dh/2] cos, sin of ω Δ */
+    float *sc;           /* [H][T][T] scores */
+    double *pw;          /* [H][T] one query's weights */
+};
+
+/* x [n][nh][dh] (post-RoPE, position t in row t) turned back by R(−ω t)
+ * per pair into out. */
+static void unrope(const struct kv_config *c, const double *omega, const float *x, double *out,
+                   int64_t n, int64_t nh) {
+    int64_t dh = c->head_dim;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t f = 0; f < dh / 2; f++) {
+            int64_t pa, pb;
+            pair_coords(c->rope_layout, dh, f, &pa, &pb);
+            double cw = cos(omega[f] * (double)t), sw = sin(omega[f] * (double)t);
+            for (int64_t h = 0; h < nh; h++) {
+                const float *e = x + (t * nh + h) * dh;
+                double *o = out + (t * nh + h) * dh;
+                o[pa] = cw * e[pa] + sw * e[pb], o[pb] = -sw * e[pa] + cw * e[pb];
+            }
+        }
+}
+
+static int fit_hook(void *ctx, int64_t l, const float *q, const float *k, int64_t n, int64_t pos0) {
+    struct fit *F = ctx;
+    const struct kv_config *c = F->c;
+    int64_t H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, gs = H / G, half = dh / 2;
+    int64_t R2 = F->o->rope_dim / 2, T = F->o->seq_len;
+    KV_ASSERT(pos0 == 0 && n <= T);
+    unrope(c, F->omega, q, F->qp, n, H);
+    unrope(c, F->omega, k, F->kp, n, G);
+    /* the residual: component 0 of each kept pair taken out */
+    for (int64_t i = 0; i < R2; i++) {
+        const double *m = F->mix + (l * R2 + i) * G;
+        int64_t pa, pb;
+        pair_coords(c->rope_layout, dh, i * F->o->rope_step, &pa, &pb);
+        for (int64_t t = 0; t < n; t++) {
+            double *kt = F->kp + t * G * dh, ca = 0, cb = 0;
+            for (int64_t g = 0; g < G; g++) ca += m[g] * kt[g * dh + pa], cb += m[g] * kt[g * dh + pb];
+            for (int64_t g = 0; g < G; g++) kt[g * dh + pa] -= m[g] * ca, kt[g * dh + pb] -= m[g] * cb;
+        }
+    }
+    memset(F->part, 0, (size_t)(H * half * FIT_N) * sizeof *F->part);
+    memset(F->pd, 0, (size_t)(H * 2) * sizeof *F->pd);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t h = 0; h < H; h++) {
+        int64_t g = h / gs;
+        float *sc = F->sc + h * T * T;
+        double *pw = F->pw + h * T, *part = F->part + h * half * FIT_N, *pd = F->pd + h * 2;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)dh,
+                    kv_attn_scale(c), q + h * dh, (int)(H * dh), k + g * dh, (int)(G * dh), 0.0f,
+                    sc, (int)n);
+        for (int64_t t = 0; t < n; t++) {
+            const float *row = sc + t * n;
+            double mx = row[0], z = 0;
+            for (int64_t u = 1; u <= t; u++) mx = row[u] > mx ? row[u] : mx;
+            for (int64_t u = 0; u <= t; u++) z += pw[u] = exp((double)row[u] - mx);
+            for (int64_t u = 0; u <= t; u++) {
+                pw[u] /= z;
+                pd[0] += pw[u] * (double)(t - u);
+            }
+            pd[1] += 1.0;
+            const double *qt = F->qp + (t * H + h) * dh;
+            for (int64_t f = 0; f < half; f++) {
+                int64_t pa, pb;
+                pair_coords(c->rope_layout, dh, f, &pa, &pb);
+                double qa = qt[pa], qb = qt[pb];
+                double mA = 0, mB = 0, mY = 0, sAA = 0, sAB = 0, sBB = 0, sYA = 0, sYB = 0;
+                for (int64_t u = 0; u <= t; u++) {
+                    const double *r = F->kp + (u * G + g) * dh;
+                    double A = qa * r[pa] + qb * r[pb], B = qa * r[pb] - qb * r[pa];
+                    double y = F->cs[(t - u) * half + f] * A + F->sn[(t - u) * half + f] * B;
+                    double p = pw[u];
+                    mA += p * A, mB += p * B, mY += p * y;
+                    sAA += p * A * A, sAB += p * A * B, sBB += p * B * B;
+                    sYA += p * y * A, sYB += p * y * B;
+                }
+                double *o = part + f * FIT_N;
+                o[0] += sAA - mA * mA, o[1] += sAB - mA * mB, o[2] += sBB - mB * mB;
+                o[3] += sYA - mY * mA, o[4] += sYB - mY * mB;
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) { /* in head order: the same sums whatever the threads */
+        double *dst = F->sums + (l * G + h / gs) * half * FIT_N;
+        for (int64_t i = 0; i < half * FIT_N; i++) dst[i] += F->part[h * half * FIT_N + i];
+        F->dist[l * 2] += F->pd[h * 2], F->dist[l * 2 + 1] += F->pd[h * 2 + 1];
+    }
+    return KV_OK;
+}
+
+int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                    double *turn, double *mean_distance, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    int rc = kv_mla_check(c, o, err);
+    if (rc) return rc;
+    if (!o->calib_tokens || o->calib_windows < 1 || o->seq_len < 2)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "no calibration windows to fit the turn on");
+    int64_t L = c->n_layers, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, half = dh / 2;
+    int64_t R2 = o->rope_dim / 2, T = o->seq_len;
+    double omega[KV_MAX_ROPE_FACTORS];
+    kv_rope_freqs(c, T, omega);
+    struct fit F = {.c = c, .o = o, .omega = omega};
+    double *mix = calloc((size_t)(L * R2 * G), sizeof *mix);
+    double *ckk = malloc((size_t)(G * dh * G * dh) * sizeof *ckk);
+    double *cov = malloc((size_t)(G * G) * sizeof *cov), *eig = malloc((size_t)G * sizeof *eig);
+    double *vec = malloc((size_t)(G * G) * sizeof *vec);
+    F.mix = mix;
+    F.sums = calloc((size_t)(L * G * half * FIT_N), sizeof *F.sums);
+    F.dist = calloc((size_t)(L * 2), sizeof *F.dist);
+    F.part = malloc((size_t)(H * half * FIT_N) * sizeof *F.part);
+    F.pd = malloc((size_t)(H * 2) * sizeof *F.pd);
+    F.qp = malloc((size_t)(T * H * dh) * sizeof *F.qp);
+    F.kp = malloc((size_t)(T * G * dh) * sizeof *F.kp);
+    F.cs = malloc((size_t)(T * half) * sizeof *F.cs);
+    F.sn = malloc((size_t)(T * half) * sizeof *F.sn);
+    F.sc = malloc((size_t)(H * T * T) * sizeof *F.sc);
+    F.pw = malloc((size_t)(H * T) * sizeof *F.pw);
+    rc = !mix || !ckk || !cov || !eig || !vec || !F.sums || !F.dist || !F.part || !F.pd || !F.qp ||
+                 !F.kp || !F.cs || !F.sn || !F.sc || !F.pw
+             ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+             : KV_OK;
+    for (int64_t d = 0; !rc && d < T; d++)
+        for (int64_t f = 0; f < half; f++) {
+            F.cs[d * half + f] = cos(omega[f] * (double)d);
+            F.sn[d * half + f] = sin(omega[f] * (double)d);
+        }
+    for (int64_t l = 0; l < L && !rc; l++) {
+        double e0;
+        rc = kv_stats_out_cov(s, m, l, 0, 0, G, ckk, err);
+        for (int64_t i = 0; i < R2 && !rc; i++)
+            rc = pair_mixing(c, o, l, i, ckk, cov, eig, vec, mix + (l * R2 + i) * G, &e0, err);
+    }
+    struct kv_fwd *f = NULL;
+    if (!rc) rc = kv_fwd_init(m, T, &f, err);
+    if (!rc) {
+        struct kv_fwd_hooks hk = {.ctx = &F, .qk_rope = fit_hook, .hooks_only = 1};
+        kv_fwd_one_window(f);
+        kv_fwd_set_hooks(f, &hk);
+    }
+    for (int64_t w = 0; w < o->calib_windows && !rc; w++)
+        rc = kv_fwd_run(f, o->calib_tokens + w * T, T, 0, NULL, err);
+    kv_fwd_free(f);
+    /* each 2x2 system solved; where the residual is nil (one KV head, a
+     * kept pair) or the system degenerate, the turn is the identity */
+    for (int64_t i = 0; !rc && i < L * G * half; i++) {
+        const double *S = F.sums + i * FIT_N;
+        double tr = S[0] + S[2], det = S[0] * S[2] - S[1] * S[1], *tc = turn + i * 2;
+        if (!(tr > 0) || !(det > 1e-12 * tr * tr)) {
+            tc[0] = 1.0, tc[1] = 0.0;
+            continue;
+        }
+        tc[0] = (S[3] * S[2] - S[4] * S[1]) / det;
+        tc[1] = (S[4] * S[0] - S[3] * S[1]) / det;
+    }
+    for (int64_t l = 0; !rc && mean_distance && l < L; l++)
+        mean_distance[l] = F.dist[l * 2 + 1] > 0 ? F.dist[l * 2] / F.dist[l * 2 + 1] : 0;
+    free(mix), free(ckk), free(cov), free(eig), free(vec), free(F.sums), free(F.dist), free(F.part);
+    free(F.pd), free(F.qp), free(F.kp), free(F.cs), free(F.sn), free(F.sc), free(F.pw);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- layers */
+
 static int convert_layer(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
-                         int64_t l, struct work *w, struct kv_mla_layer *y,
+                         int64_t l, const double *turn, struct work *w, struct kv_mla_layer *y,
                          struct kv_mla_layer_info *info, struct kv_err *err) {
     const struct kv_config *c = kv_model_config(m);
     int64_t d = c->dim, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, gs = H / G;
@@ -104,21 +317,10 @@ static int convert_layer(const struct kv_model *m, const struct kv_stats *s, con
     memcpy(w->b, w->wk, (size_t)(G * dh * d) * sizeof *w->b); /* K_res starts as W_k */
     for (int64_t i = 0; i < R / 2; i++) {
         int64_t f = i * o->rope_step, pa, pb;
+        double e0;
         pair_coords(c->rope_layout, dh, f, &pa, &pb);
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t h = 0; h < G; h++)
-                w->cov[g * G + h] = w->ckk[(g * dh + pa) * G * dh + h * dh + pa] +
-                                    w->ckk[(g * dh + pb) * G * dh + h * dh + pb];
-        char what[64];
-        snprintf(what, sizeof what, "layer %lld rope pair %lld across kv heads", (long long)l, (long long)f);
-        if ((rc = kv_la_eigh(w->cov, G, w->eig, w->vec, what, err))) return rc;
-        for (int64_t g = 0; g < G; g++) gmix[g] = w->vec[g * G]; /* column 0 */
-        {
-            double e0 = 0;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t h = 0; h < G; h++) e0 += gmix[g] * gmix[h] * w->cov[g * G + h];
-            kept_k += e0 > 0 ? e0 : 0;
-        }
+        if ((rc = pair_mixing(c, o, l, i, w->ckk, w->cov, w->eig, w->vec, gmix, &e0, err))) return rc;
+        kept_k += e0;
         /* k^pe rows 2i, 2i+1: Σ_g m_f[g] W_k rows (g, pa), (g, pb) */
         double *ka = w->kpe + (2 * i) * d, *kb = w->kpe + (2 * i + 1) * d;
         memset(ka, 0, (size_t)(2 * d) * sizeof *ka);
@@ -141,6 +343,19 @@ static int convert_layer(const struct kv_model *m, const struct kv_stats *s, con
             }
         }
     }
+    /* 3': what loses RoPE turned by the fitted map M = [[c, s], [−s, c]] of
+     * its pair and KV head (kv_mla_fit_turn), r ← M r */
+    for (int64_t g = 0; turn && g < G; g++)
+        for (int64_t f = 0; f < dh / 2; f++) {
+            double cs = turn[(g * (dh / 2) + f) * 2], sn = turn[(g * (dh / 2) + f) * 2 + 1];
+            int64_t pa, pb;
+            pair_coords(c->rope_layout, dh, f, &pa, &pb);
+            double *ra = w->b + (g * dh + pa) * d, *rb = w->b + (g * dh + pb) * d;
+            for (int64_t j = 0; j < d; j++) {
+                double x = ra[j], z = rb[j];
+                ra[j] = cs * x + sn * z, rb[j] = -sn * x + cs * z;
+            }
+        }
     info->rope_share = total_k > 0 ? kept_k / total_k : 0;
     /* q^nope: every head's query unrotated */
     for (int64_t h = 0; h < H; h++)
@@ -229,6 +444,18 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
     mla->nope_dim = n, mla->v_dim = dh, mla->latent_eps = kv_mla_latent_eps(c, o);
     /* slot i is pair i*step: θ'^(-2i/R) = θ^(-2 i step / dh) */
     mla->rope_base = (float)pow((double)c->rope_theta, (double)(o->rope_step * R) / (double)dh);
+    double *turn = NULL, *mdist = NULL;
+    if (o->calib_tokens && o->calib_windows > 0) { /* step 3': the turn, fitted first */
+        turn = malloc((size_t)(L * G * (dh / 2) * 2) * sizeof *turn);
+        mdist = malloc((size_t)L * sizeof *mdist);
+        rc = turn && mdist ? kv_mla_fit_turn(m, s, o, turn, mdist, err)
+                           : kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
+        if (rc) {
+            free(turn), free(mdist);
+            kv_mla_free(mla);
+            return rc;
+        }
+    }
     struct work w = {0};
     size_t big = (size_t)(ny > H * dh ? ny : H * dh) * (size_t)d;
     w.wq = malloc((size_t)(H * dh * d) * sizeof *w.wq);
@@ -260,10 +487,12 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
             break;
         }
         struct kv_mla_layer_info li = {0};
-        rc = convert_layer(m, s, o, l, &w, y, &li, err);
+        rc = convert_layer(m, s, o, l, turn ? turn + l * G * (dh / 2) * 2 : NULL, &w, y, &li, err);
+        li.mean_distance = turn ? mdist[l] : 0;
         if (info) info[l] = li;
     }
     work_free(&w);
+    free(turn), free(mdist);
     if (rc) {
         kv_mla_free(mla);
         return rc;

@@ -22,8 +22,8 @@ static int64_t n_compressed(const struct kv_lowrank *lr, int v) {
 
 /* The MLA options of the command line. */
 struct mla_args {
-    const char *stats;
-    int64_t rank, rope_dim, rope_step;
+    const char *stats, *text;
+    int64_t rank, rope_dim, rope_step, windows, seq_len;
     double ratio, latent_eps;
     int no_balance;
 };
@@ -70,6 +70,10 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
     if (gguf && x->latent_eps > 0)
         return cli_usage_error(cmd, "--latent-norm-eps is for an HF directory: llama.cpp's deepseek2 "
                                     "normalizes the latent with the model's rms_norm_eps");
+    if ((x->windows || x->seq_len) && !x->text)
+        return cli_usage_error(cmd, "--windows and --seq-len go with --text");
+    if (x->windows < 0 || (x->seq_len && x->seq_len < 2))
+        return cli_usage_error(cmd, "--windows must be positive and --seq-len at least 2");
     if (x->latent_eps < 0 || x->latent_eps >= 1)
         return cli_usage_error(cmd, "--latent-norm-eps must be in (0, 1), got %g", x->latent_eps);
     struct kv_model *m;
@@ -78,7 +82,7 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
     const struct kv_config *c = kv_model_config(m);
     int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
     struct kv_mla_opts o = {x->rank, x->rope_dim ? x->rope_dim : dh, x->rope_step ? x->rope_step : 1,
-                            !x->no_balance, x->latent_eps};
+                            !x->no_balance, x->latent_eps, NULL, 0, 0};
     if (x->ratio > 0) { /* values a token and layer, as llama.cpp caches them: d_c + R */
         o.kv_lora_rank = (int64_t)floor(x->ratio * (double)base + 1e-9) - o.rope_dim;
         if (o.kv_lora_rank < 1) {
@@ -90,11 +94,30 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
             return EXIT_ERR;
         }
     }
+    int32_t *ids = NULL;
+    if (x->text) { /* windows of the text from its start, as decompose --text takes them */
+        int64_t n_ids = 0, T = x->seq_len ? x->seq_len : 256, W = x->windows ? x->windows : 8;
+        size_t n_bytes = 0;
+        if (c->max_seq_len > 0 && T > c->max_seq_len) T = c->max_seq_len;
+        if ((rc = cli_load_tokens(m, x->text, NULL, &ids, &n_ids, &n_bytes))) {
+            kv_model_close(m);
+            return rc;
+        }
+        o.seq_len = T, o.calib_windows = n_ids / T < W ? n_ids / T : W, o.calib_tokens = ids;
+        if (o.calib_windows < 1) {
+            fprintf(stderr, "kvcal: %s: %lld tokens, fewer than one window of %lld\n", x->text,
+                    (long long)n_ids, (long long)T);
+            free(ids);
+            kv_model_close(m);
+            return EXIT_ERR;
+        }
+    }
     struct kv_err err;
     kv_err_clear(&err);
     struct kv_stats *s = NULL;
     struct kv_mla_layer_info *info = calloc((size_t)L, sizeof *info);
     if (!info) {
+        free(ids);
         kv_model_close(m);
         fprintf(stderr, "kvcal: out of memory\n");
         return EXIT_ERR;
@@ -127,14 +150,18 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
     if (!rc && json) {
         json_t *layers = json_array();
         for (int64_t l = 0; l < L; l++)
-            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o}", "layer", (json_int_t)l,
+            json_array_append_new(layers, json_pack("{s:I, s:o, s:o, s:o, s:o}", "layer", (json_int_t)l,
                                                     "rope_share", cli_json_real(info[l].rope_share),
                                                     "latent_share", cli_json_real(info[l].latent_share),
-                                                    "alpha", cli_json_real(info[l].alpha)));
+                                                    "alpha", cli_json_real(info[l].alpha),
+                                                    "mean_distance",
+                                                    ids ? cli_json_real(info[l].mean_distance) : json_null()));
         rc = cli_print_json(
-            json_pack("{s:o, s:o, s:o, s:s, s:s, s:o, s:o, s:I, s:I, s:I, s:o, s:b, s:I, s:I, s:o, s:o, s:o}",
+            json_pack("{s:o, s:o, s:o, s:o, s:I, s:I, s:s, s:s, s:o, s:o, s:I, s:I, s:I, s:o, s:b, s:I, s:I, s:o, s:o, s:o}",
                       "output", cli_json_text(out), "model", cli_json_text(model), "stats",
-                      cli_json_text(x->stats), "architecture", "deepseek2", "format",
+                      cli_json_text(x->stats), "text", ids ? cli_json_text(x->text) : json_null(),
+                      "windows", (json_int_t)o.calib_windows, "seq_len", (json_int_t)o.seq_len,
+                      "architecture", "deepseek2", "format",
                       gguf ? "gguf" : "hf", "latent_norm_eps", cli_json_real(leps), "copied",
                       copied, "kv_lora_rank",
                       (json_int_t)o.kv_lora_rank, "rope_dim", (json_int_t)o.rope_dim, "rope_step",
@@ -160,11 +187,23 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
         }
         printf("cache     %lld values a token and layer against %lld: %.4f of the base\n",
                (long long)per, (long long)base, (double)per / (double)base);
-        printf("\nlayer  rope keeps (key energy)  latent keeps (k+v energy)\n");
-        for (int64_t l = 0; l < L; l++)
-            printf("%5lld  %22.4f  %25.6f\n", (long long)l, info[l].rope_share, info[l].latent_share);
-        printf("\nnote      the key energy outside the rope key is scored without its rotation "
-               "(docs/design.md)\n");
+        if (ids)
+            printf("turn      fitted on %s: %lld windows of %lld from its start\n", x->text,
+                   (long long)o.calib_windows, (long long)o.seq_len);
+        printf("\nlayer  rope keeps (key energy)  latent keeps (k+v energy)%s\n",
+               ids ? "  mean attention distance" : "");
+        for (int64_t l = 0; l < L; l++) {
+            printf("%5lld  %22.4f  %25.6f", (long long)l, info[l].rope_share, info[l].latent_share);
+            if (ids) printf("  %23.2f", info[l].mean_distance);
+            printf("\n");
+        }
+        if (ids)
+            printf("\nnote      the key energy outside the rope key is turned by a map fitted to the "
+                   "scores on the calibration windows (docs/design.md)\n");
+        else
+            printf("\nnote      the key energy outside the rope key is scored without its rotation; "
+                   "--text FILE fits a turn for it on calibration text, which costs less "
+                   "(docs/design.md)\n");
         if (!gguf && (float)leps != 1e-6f)
             printf("note      the latent norm is made for epsilon %g (config.json's rms_norm_eps: "
                    "vLLM, SGLang, llama.cpp's converter); transformers normalizes kv_a_layernorm "
@@ -175,7 +214,7 @@ static int export_mla(const struct cli_cmd *cmd, const char *model, const char *
                    "float16's range\n");
     }
     if (rc || !json) json_decref(copied);
-    free(info);
+    free(info), free(ids);
     kv_stats_free(s);
     kv_model_close(m);
     return rc;
@@ -203,6 +242,12 @@ int cmd_export(int argc, char **argv) {
          "with --mla: keep the model's rope pairs 0, S, 2S, ... (default 1: the fastest)"},
         {"no-balance", 0, OPT_FLAG, &x.no_balance, NULL,
          "with --mla: do not weigh keys and values to equal energy in the latent"},
+        {"text", 't', OPT_STR, &x.text, "FILE",
+         "with --mla: calibration text; the key parts that lose RoPE are turned by a\n"
+         "map fitted to the model's scores on its windows (recommended: costs less)"},
+        CLI_OPT_PARSE_SPECIAL,
+        {"windows", 0, OPT_INT, &x.windows, "W", "--text: windows measured, from its start (default 8)"},
+        {"seq-len", 0, OPT_INT, &x.seq_len, "N", "--text: window length (default 256)"},
         {"latent-norm-eps", 0, OPT_DOUBLE, &x.latent_eps, "E",
          "with --mla to an HF directory: the epsilon the engine normalizes the latent\n"
          "with (default the model's rms_norm_eps: vLLM, SGLang; 1e-6 for transformers)"},
@@ -276,9 +321,9 @@ int cmd_export(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (mla && dense) return cli_usage_error(&cmd, "give one of --dense DIR or --mla");
     if (!mla && (x.stats || x.rank || x.ratio > 0 || x.rope_dim || x.rope_step || x.no_balance ||
-                 x.latent_eps))
+                 x.latent_eps || x.text || x.windows || x.seq_len))
         return cli_usage_error(&cmd, "--stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, "
-                                     "--no-balance and --latent-norm-eps go with --mla");
+                                     "--no-balance, --text and --latent-norm-eps go with --mla");
     if (mla && !model) return cli_usage_error(&cmd, "missing --model");
     if (mla && !out) return cli_usage_error(&cmd, "missing --output");
     if (mla) return export_mla(&cmd, model, tokenizer, out, &x, json);

@@ -42,6 +42,10 @@ static inline void naive_head(const struct kv_model *m, const double *xn, int64_
 }
 
 /* Reference logits [n, vocab] of tokens at positions 0..n-1. */
+/* When set, naive_forward hands it each layer's queries q [n][h][dh] and
+ * keys k [n][g][dh] before RoPE (an oracle's inputs for kv_mla_fit_turn). */
+static void (*naive_qk_pre)(int64_t layer, const double *q, const double *k, int64_t n);
+
 static inline double *naive_forward(const struct kv_model *m, const int32_t *tok, int64_t n) {
     const struct kv_config *c = &m->cfg;
     int64_t d = c->dim, h = c->n_heads, g = c->n_kv_heads, dh = c->head_dim, hid = c->hidden_dim;
@@ -93,6 +97,7 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                 for (int64_t i = 0; i < dh; i++) e[i] = e[i] * inv * nw[i];
             }
         }
+        if (naive_qk_pre) naive_qk_pre(l, q, k, n);
         /* rope: rotate pair (a, b) of each head by its angle (naive_rope.h) */
         for (int p = 0; p < 2; p++) {
             double *buf = p ? k : q;

@@ -676,6 +676,7 @@ struct mla_case {
     enum kv_rope_layout layout;
     int64_t rank, rope_dim, rope_step; /* rank 0: full */
     double tol;                        /* max |Δ log p| allowed; 0: only measured */
+    int turned;                        /* what loses RoPE turned by its mean rotation */
 };
 
 static void run_mla(const struct mla_case *k) {
@@ -693,7 +694,13 @@ static void run_mla(const struct mla_case *k) {
     /* calibration statistics of 8 random windows of 64 */
     uint64_t st = 0x51ed270b27c6f4a3ull;
     struct kv_stats *s = random_stats(m, 8, 300, 1, &st);
-    struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1, 0};
+    struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1, 0,
+                             NULL, 0, 0};
+    int32_t calib[2 * N_IDS];
+    if (k->turned) { /* the attention distances of two more random windows */
+        for (int i = 0; i < 2 * N_IDS; i++) calib[i] = i % N_IDS == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
+        mo.calib_tokens = calib, mo.calib_windows = 2, mo.seq_len = N_IDS;
+    }
     struct kv_mla *mla;
     struct kv_mla_layer_info info[2];
     cr_assert_eq(kv_mla_convert(m, s, &mo, &mla, info, &e), KV_OK, "%s", e.msg);
@@ -759,15 +766,17 @@ static void run_mla(const struct mla_case *k) {
 }
 
 static const struct mla_case mla_cases[] = {
-    {"mla_mqa_full_rank_half", 1, KV_ROPE_HALF, 0, 64, 1, 2e-3},
-    {"mla_mqa_full_rank_interleaved", 1, KV_ROPE_INTERLEAVED, 0, 64, 1, 2e-3},
-    {"mla_gqa2_full_rank", 2, KV_ROPE_HALF, 0, 64, 1, 0}, /* the lost rotation: measured */
-    {"mla_gqa2_rank48_rope16_step2", 2, KV_ROPE_INTERLEAVED, 48, 16, 2, 0},
+    {"mla_mqa_full_rank_half", 1, KV_ROPE_HALF, 0, 64, 1, 2e-3, 0},
+    {"mla_mqa_full_rank_interleaved", 1, KV_ROPE_INTERLEAVED, 0, 64, 1, 2e-3, 0},
+    {"mla_gqa2_full_rank", 2, KV_ROPE_HALF, 0, 64, 1, 0, 0}, /* the lost rotation: measured */
+    {"mla_gqa2_rank48_rope16_step2", 2, KV_ROPE_INTERLEAVED, 48, 16, 2, 0, 0},
+    {"mla_gqa2_rank48_rope16_step2_turned", 2, KV_ROPE_INTERLEAVED, 48, 16, 2, 0, 1},
 };
 Test(llamacpp, mla_mqa_full_rank_half_is_exact) { run_mla(&mla_cases[0]); }
 Test(llamacpp, mla_mqa_full_rank_interleaved_is_exact) { run_mla(&mla_cases[1]); }
 Test(llamacpp, mla_gqa2_full_rank_exact_at_position_0) { run_mla(&mla_cases[2]); }
 Test(llamacpp, mla_gqa2_rank48_rope16_step2_as_the_oracle) { run_mla(&mla_cases[3]); }
+Test(llamacpp, mla_gqa2_turned_by_mean_rotation_as_the_oracle) { run_mla(&mla_cases[4]); }
 
 /* "node SCRIPT A B C OPTS" from the repository root: its last stdout line
  * (the caller frees); asserts it exits 0. */
@@ -799,7 +808,7 @@ Test(llamacpp, mla_kv_cache_is_kvcals_count, .timeout = 300) {
     uint64_t st = 17;
     struct kv_stats *s = random_stats(m, 4, 256, 0, &st);
     int64_t G = c->n_kv_heads, dh = c->head_dim, L = c->n_layers, base = 2 * G * dh;
-    struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1, 0};
+    struct kv_mla_opts o = {base / 4 - 32, 32, 1, 1, 0, NULL, 0, 0};
     char *dir = kvt_temp_dir(), *mla_path = kvt_path(dir, "mla.gguf"), *base_path = kvt_path(dir, "base.gguf");
     char *ids_path = kvt_path(dir, "ids.txt"), *out = kvt_path(dir, "lp.bin");
     cr_assert_eq(kv_mla_export_gguf(m, s, &o, mla_path, NULL, &e), KV_OK, "%s", e.msg);
@@ -863,7 +872,7 @@ static void run_mla_real(const struct mla_real *k) {
     int64_t V = c->vocab_size, G = c->n_kv_heads, dh = c->head_dim;
     uint64_t st = 29;
     struct kv_stats *s = random_stats(m, 4, (uint64_t)V, 0, &st);
-    struct kv_mla_opts o = {G * dh - dh, dh, 1, 1, 0}; /* d_c + R = half of 2 G d_h */
+    struct kv_mla_opts o = {G * dh - dh, dh, 1, 1, 0, NULL, 0, 0}; /* d_c + R = half of 2 G d_h */
     if (o.kv_lora_rank < 1) o.kv_lora_rank = dh / 2, o.rope_dim = dh / 2;
     struct kv_mla *mla;
     cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);

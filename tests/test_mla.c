@@ -32,7 +32,7 @@ static struct kv_config llama_cfg(void) {
 }
 
 Test(mla, models_and_options_that_do_not_convert_say_why) {
-    struct kv_mla_opts ok = {64, 64, 1, 1, 0};
+    struct kv_mla_opts ok = {64, 64, 1, 1, 0, NULL, 0, 0};
     struct kv_err e;
     struct kv_config c = llama_cfg();
     cr_assert_eq(kv_mla_check(&c, &ok, &e), KV_OK, "%s", e.msg);
@@ -74,7 +74,7 @@ Test(mla, models_and_options_that_do_not_convert_say_why) {
         cr_assert_str_eq(e.msg, rows[i].msg, "row %zu", i);
     }
     /* the largest step that fits: pairs 0, 2, ..., 30 of 32 */
-    struct kv_mla_opts edge = {64, 32, 2, 1, 0};
+    struct kv_mla_opts edge = {64, 32, 2, 1, 0, NULL, 0, 0};
     cr_assert_eq(kv_mla_check(&c, &edge, &e), KV_OK, "%s", e.msg);
 }
 
@@ -93,7 +93,7 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
     } bad[] = {
         {"export --mla --dense x -m data/kjv-llama -o y", "kvcal export: give one of --dense DIR or --mla\n"},
         {"export --dense x -m data/kjv-llama --ratio 0.5 -o y",
-         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, --no-balance and --latent-norm-eps go with --mla\n"},
+         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, --no-balance, --text and --latent-norm-eps go with --mla\n"},
         {"export --mla -m data/kjv-llama -o y", "kvcal export: --mla needs --stats FILE (kvcal collect of the model)\n"},
         {"export --mla -m data/kjv-llama -s S -o y",
          "kvcal export: --mla needs exactly one of --kv-lora-rank N or --ratio X\n"},
@@ -110,6 +110,39 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
     cr_assert_str_eq(e, "kvcal: --ratio 0.25 keeps 64 values a token and layer, and the rope key "
                         "alone takes 64: lower --rope-dim\n");
     free(o), free(e);
+    /* the turn fitted on calibration text: said, and closer to the model
+     * than the residual scored as it is (KL on 4 windows of the Gospels) */
+    char *turned = kvt_path(dir, "turned.gguf"), *plain = kvt_path(dir, "plain.gguf");
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 --windows 2 -o '%s'", st, out);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 2, "%s", e);
+    cr_assert_str_eq(e, "kvcal export: --windows and --seq-len go with --text\n"
+                        "usage: kvcal export --dense DIR --model PATH -o OUT [options] | --mla --model "
+                        "PATH --stats FILE -o OUT[.gguf] (see 'kvcal export --help')\n");
+    free(o), free(e);
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 -t data/kjv/train.txt "
+                                "--windows 2 -o '%s'", st, turned);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "\nturn      fitted on data/kjv/train.txt: 2 windows of 256 from its start\n") &&
+              strstr(o, "latent keeps (k+v energy)  mean attention distance\n"), "%s", o);
+    free(o), free(e);
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 -o '%s'", st, plain);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "--text FILE fits a turn for it on calibration text"), "%s", o);
+    free(o), free(e);
+    double kl[2];
+    for (int i = 0; i < 2; i++) {
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' "
+                                    "--max-windows 4 --json -q", i ? turned : plain);
+        cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+        json_t *j = json_loads(o, 0, NULL);
+        cr_assert(j, "%s", o);
+        kl[i] = json_number_value(json_object_get(j, "kl"));
+        json_decref(j);
+        free(o), free(e);
+    }
+    cr_log_info("kjv-llama at 0.5, 4 windows: KL %.4f as it is, %.4f turned", kl[0], kl[1]);
+    cr_assert_lt(kl[1], 0.8 * kl[0], "KL %.4f turned against %.4f as it is", kl[1], kl[0]);
+    free(turned), free(plain);
     /* 0.25 as rope 16 (pairs 0, 2, ..., 14) and a latent of 48 */
     snprintf(args, sizeof args,
              "export --mla -m data/kjv-llama -s '%s' --ratio 0.25 --rope-dim 16 --rope-step 2 -o '%s'", st, out);
@@ -201,7 +234,7 @@ Test(mla, one_kv_head_at_full_rank_is_the_model) {
         struct kv_stats *s;
         int32_t ids[48];
         struct kv_model *m = random_case(G, 5, &s, ids);
-        struct kv_mla_opts o = {2 * G * 64, 64, 1, 1, 0};
+        struct kv_mla_opts o = {2 * G * 64, 64, 1, 1, 0, NULL, 0, 0};
         struct kv_mla *mla;
         cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
         double *base = naive_forward(m, ids, 48), *mf = naive_mla_forward(m, mla, ids, 48);
@@ -236,7 +269,7 @@ Test(mla, hf_directory_is_the_gguf_through_llamacpps_converter) {
     struct kv_stats *s;
     int32_t ids[48];
     struct kv_model *m = random_case(2, 11, &s, ids);
-    struct kv_mla_opts o = {48, 16, 2, 1, 0};
+    struct kv_mla_opts o = {48, 16, 2, 1, 0, NULL, 0, 0};
     char *dir = kvt_temp_dir(), *gpath = kvt_path(dir, "m.gguf"), *hdir = kvt_path(dir, "hf");
     cr_assert_eq(kv_mla_export_gguf(m, s, &o, gpath, NULL, &e), KV_OK, "%s", e.msg);
     cr_assert_eq(kv_mla_export_hf(m, s, &o, hdir, NULL, 0, NULL, &e), KV_OK, "%s", e.msg);
@@ -406,6 +439,142 @@ Test(mla, hf_directory_is_the_gguf_through_llamacpps_converter) {
     kvt_rm_dir(dir);
 }
 
+/* The turn (kv_mla_fit_turn) against a float64 oracle written from its
+ * definition (docs/design.md, step 3'): one KV head, a rope key of 16 of
+ * 64, so pairs 0..7 keep RoPE (nothing to turn: the identity) and pairs
+ * 8..31 lose it whole (r = k). For each pair, the least squares of
+ * q·R(−ωΔ)k ≈ c q·k + s (q_a k_b − q_b k_a), weighed by the attention
+ * weights and centred per query, over two windows of 48, solved here in
+ * closed form from the oracle's own queries, keys and softmax. */
+static double *oracle_q[2], *oracle_k[2];
+static void keep_qk(int64_t l, const double *q, const double *k, int64_t n) {
+    free(oracle_q[l]), free(oracle_k[l]);
+    oracle_q[l] = malloc((size_t)(n * 4 * 64) * sizeof(double));
+    oracle_k[l] = malloc((size_t)(n * 64) * sizeof(double));
+    memcpy(oracle_q[l], q, (size_t)(n * 4 * 64) * sizeof(double));
+    memcpy(oracle_k[l], k, (size_t)(n * 64) * sizeof(double));
+}
+
+Test(mla, the_turn_is_the_oracles_least_squares) {
+    struct kv_err e;
+    struct kv_stats *s;
+    int32_t ids[48], two[96];
+    struct kv_model *m = random_case(1, 3, &s, ids);
+    uint64_t st = 99;
+    for (int i = 0; i < 96; i++) two[i] = i % 48 == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
+    struct kv_mla_opts o = {64, 16, 1, 1, 0, two, 2, 48};
+    double turn[2 * 32 * 2], want[2 * 32 * 5] = {0};
+    cr_assert_eq(kv_mla_fit_turn(m, s, &o, turn, NULL, &e), KV_OK, "%s", e.msg);
+    naive_qk_pre = keep_qk;
+    for (int w = 0; w < 2; w++) {
+        free(naive_forward(m, two + 48 * w, 48));
+        for (int64_t l = 0; l < 2; l++)
+            for (int64_t h = 0; h < 4; h++)
+                for (int64_t t = 0; t < 48; t++) {
+                    /* the softmax of the roped scores, from scratch */
+                    double sc[48], mx = -INFINITY, z = 0;
+                    for (int64_t u = 0; u <= t; u++) {
+                        double dot = 0;
+                        for (int64_t f = 0; f < 32; f++) {
+                            double om = pow(10000.0, -2.0 * (double)f / 64.0), ang = om * (double)(t - u);
+                            const double *q = oracle_q[l] + (t * 4 + h) * 64, *k = oracle_k[l] + u * 64;
+                            dot += cos(ang) * (q[f] * k[f] + q[f + 32] * k[f + 32]) +
+                                   sin(ang) * (q[f] * k[f + 32] - q[f + 32] * k[f]);
+                        }
+                        sc[u] = dot / 8.0;
+                        mx = sc[u] > mx ? sc[u] : mx;
+                    }
+                    for (int64_t u = 0; u <= t; u++) z += sc[u] = exp(sc[u] - mx);
+                    for (int64_t f = 16 / 2; f < 32; f++) { /* the pairs that lose RoPE */
+                        double om = pow(10000.0, -2.0 * (double)f / 64.0), m1[3] = {0}, m2[5] = {0};
+                        const double *q = oracle_q[l] + (t * 4 + h) * 64;
+                        for (int64_t u = 0; u <= t; u++) {
+                            const double *k = oracle_k[l] + u * 64;
+                            double p = sc[u] / z, A = q[f] * k[f] + q[f + 32] * k[f + 32];
+                            double B = q[f] * k[f + 32] - q[f + 32] * k[f];
+                            double y = cos(om * (double)(t - u)) * A + sin(om * (double)(t - u)) * B;
+                            m1[0] += p * A, m1[1] += p * B, m1[2] += p * y;
+                            m2[0] += p * A * A, m2[1] += p * A * B, m2[2] += p * B * B;
+                            m2[3] += p * y * A, m2[4] += p * y * B;
+                        }
+                        double *wv = want + (l * 32 + f) * 5;
+                        wv[0] += m2[0] - m1[0] * m1[0], wv[1] += m2[1] - m1[0] * m1[1];
+                        wv[2] += m2[2] - m1[1] * m1[1], wv[3] += m2[3] - m1[2] * m1[0];
+                        wv[4] += m2[4] - m1[2] * m1[1];
+                    }
+                }
+    }
+    naive_qk_pre = NULL;
+    double worst = 0;
+    int64_t at = 0;
+    for (int64_t l = 0; l < 2; l++)
+        for (int64_t f = 0; f < 32; f++) {
+            const double *S = want + (l * 32 + f) * 5;
+            double det = S[0] * S[2] - S[1] * S[1];
+            double wc = f < 8 ? 1 : (S[3] * S[2] - S[4] * S[1]) / det;
+            double ws = f < 8 ? 0 : (S[4] * S[0] - S[3] * S[1]) / det;
+            const double *g = turn + (l * 32 + f) * 2;
+            double err = fmax(fabs(g[0] - wc), fabs(g[1] - ws)) / (1e-4 + 1e-4 * fmax(fabs(wc), fabs(ws)));
+            if (err > worst) worst = err, at = l * 32 + f;
+        }
+    cr_log_info("worst |turn - oracle| / (1e-4 + 1e-4 |oracle|) %.3g at layer %lld pair %lld", worst,
+                (long long)(at / 32), (long long)(at % 32));
+    cr_assert_leq(worst, 1.0, "layer %lld pair %lld: (%.9g, %.9g)", (long long)(at / 32),
+                  (long long)(at % 32), turn[at * 2], turn[at * 2 + 1]);
+    for (int64_t f = 0; f < 8; f++) /* nothing loses RoPE there */
+        cr_assert(turn[f * 2] == 1 && turn[f * 2 + 1] == 0, "pair %lld: (%g, %g)", (long long)f,
+                  turn[f * 2], turn[f * 2 + 1]);
+    for (int l = 0; l < 2; l++) free(oracle_q[l]), free(oracle_k[l]), oracle_q[l] = oracle_k[l] = NULL;
+    kv_stats_free(s);
+    kv_model_close(m);
+}
+
+/* The fitted turn: nothing to turn with one KV head at full rank (the file
+ * is the same bit for bit); with two it brings the MLA form closer to the
+ * model, on the calibration window and on another (KL of the float64
+ * oracles, base against MLA). */
+Test(mla, the_turn_brings_the_model_closer) {
+    for (int G = 1; G <= 2; G++) {
+        struct kv_err e;
+        struct kv_stats *s;
+        int32_t ids[48], other[48];
+        struct kv_model *m = random_case(G, 7, &s, ids);
+        uint64_t st = 1234;
+        for (int i = 0; i < 48; i++) other[i] = i == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
+        struct kv_mla_opts plain = {2 * G * 64, 64, 1, 1, 0, NULL, 0, 0}, fold = plain;
+        fold.calib_tokens = ids, fold.calib_windows = 1, fold.seq_len = 48;
+        struct kv_mla *a, *b;
+        cr_assert_eq(kv_mla_convert(m, s, &plain, &a, NULL, &e), KV_OK, "%s", e.msg);
+        cr_assert_eq(kv_mla_convert(m, s, &fold, &b, NULL, &e), KV_OK, "%s", e.msg);
+        if (G == 1) {
+            for (int64_t l = 0; l < 2; l++)
+                cr_assert(!memcmp(a->layers[l].wk_b, b->layers[l].wk_b, (size_t)(4 * 128 * 64) * 4) &&
+                              !memcmp(a->layers[l].wkv_a, b->layers[l].wkv_a, (size_t)((128 + 64) * 128) * 4),
+                          "one kv head: nothing loses RoPE, yet layer %lld changed", (long long)l);
+        } else {
+            const int32_t *wins[2] = {ids, other};
+            for (int k = 0; k < 2; k++) {
+                double *base = naive_forward(m, wins[k], 48), *pa = naive_mla_forward(m, a, wins[k], 48),
+                       *pb = naive_mla_forward(m, b, wins[k], 48);
+                kvt_log_softmax_rows(base, 48, 300), kvt_log_softmax_rows(pa, 48, 300);
+                kvt_log_softmax_rows(pb, 48, 300);
+                double kla = 0, klb = 0;
+                for (int64_t i = 0; i < 48 * 300; i++) {
+                    kla += exp(base[i]) * (base[i] - pa[i]);
+                    klb += exp(base[i]) * (base[i] - pb[i]);
+                }
+                cr_log_info("window %d: KL %.5f unrotated, %.5f turned", k, kla / 48, klb / 48);
+                cr_assert_lt(klb, 0.9 * kla, "window %d: KL %.5f turned against %.5f unrotated", k,
+                             klb / 48, kla / 48);
+                free(base), free(pa), free(pb);
+            }
+        }
+        kv_mla_free(a), kv_mla_free(b);
+        kv_stats_free(s);
+        kv_model_close(m);
+    }
+}
+
 /* kvcal's own MLA forward (kv_fwd_set_mla: the absorbed query, a cache of
  * the normed latent and the roped key) against the float64 oracle of the
  * MLA form, two KV heads, d_c 48, R 16 over pairs 0, 2, ..., 14: float32
@@ -415,7 +584,7 @@ Test(mla, kvcals_mla_forward_is_the_oracle) {
     struct kv_stats *s;
     int32_t ids[48];
     struct kv_model *m = random_case(2, 8, &s, ids);
-    struct kv_mla_opts o = {48, 16, 2, 1, 0};
+    struct kv_mla_opts o = {48, 16, 2, 1, 0, NULL, 0, 0};
     struct kv_mla *mla;
     cr_assert_eq(kv_mla_convert(m, s, &o, &mla, NULL, &e), KV_OK, "%s", e.msg);
     double *want = naive_mla_forward(m, mla, ids, 48);
@@ -560,7 +729,7 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
     cr_assert_eq(kv_model_init_random(&c, 1, &m, &err), KV_OK, "%s", err.msg);
     struct kv_stats *s;
     cr_assert_eq(kv_stats_open(st, &s, &err), KV_OK, "%s", err.msg);
-    struct kv_mla_opts mo = {128 - 64, 64, 1, 1, 0};
+    struct kv_mla_opts mo = {128 - 64, 64, 1, 1, 0, NULL, 0, 0};
     cr_assert_eq(kv_mla_export_gguf(m, s, &mo, other, NULL, &err), KV_OK, "%s", err.msg);
     kv_stats_free(s);
     kv_model_close(m);
