@@ -7,6 +7,7 @@
  * made linear by scaling its input far below the norm's epsilon. */
 #include <cblas.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,8 +136,8 @@ struct fit {
     double *pd;          /* [H][2] */
     double *qp, *kp;     /* [T][H dh], [T][G dh] pre-RoPE queries, residual keys */
     double *cs, *sn;     /* [T][dh/2] cos, sin of ω Δ */
-    float *sc;           /* [H][T][T] scores */
-    double *pw;          /* [H][T] one query's weights */
+    float *sc;           /* [threads][T][T] one head's scores */
+    double *pw;          /* [threads][T] one query's weights */
 };
 
 /* x [n][nh][dh] (post-RoPE, position t in row t) turned back by R(−ω t)
@@ -180,9 +181,9 @@ static int fit_hook(void *ctx, int64_t l, const float *q, const float *k, int64_
     memset(F->pd, 0, (size_t)(H * 2) * sizeof *F->pd);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t h = 0; h < H; h++) {
-        int64_t g = h / gs;
-        float *sc = F->sc + h * T * T;
-        double *pw = F->pw + h * T, *part = F->part + h * half * FIT_N, *pd = F->pd + h * 2;
+        int64_t g = h / gs, th = omp_get_thread_num();
+        float *sc = F->sc + th * T * T;
+        double *pw = F->pw + th * T, *part = F->part + h * half * FIT_N, *pd = F->pd + h * 2;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)n, (int)dh,
                     kv_attn_scale(c), q + h * dh, (int)(H * dh), k + g * dh, (int)(G * dh), 0.0f,
                     sc, (int)n);
@@ -251,8 +252,9 @@ int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const st
     F.kp = malloc((size_t)(T * G * dh) * sizeof *F.kp);
     F.cs = malloc((size_t)(T * half) * sizeof *F.cs);
     F.sn = malloc((size_t)(T * half) * sizeof *F.sn);
-    F.sc = malloc((size_t)(H * T * T) * sizeof *F.sc);
-    F.pw = malloc((size_t)(H * T) * sizeof *F.pw);
+    int64_t nth = omp_get_max_threads();
+    F.sc = malloc((size_t)(nth * T * T) * sizeof *F.sc);
+    F.pw = malloc((size_t)(nth * T) * sizeof *F.pw);
     rc = !mix || !ckk || !cov || !eig || !vec || !F.sums || !F.dist || !F.part || !F.pd || !F.qp ||
                  !F.kp || !F.cs || !F.sn || !F.sc || !F.pw
              ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")

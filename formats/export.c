@@ -176,8 +176,7 @@ static int dir_has_entries(const char *path) {
     return any;
 }
 
-static int check_output(const char *model_path, const char *out, int is_dir,
-                        struct kv_err *err) {
+int kv_output_check(const char *model_path, const char *out, int is_dir, struct kv_err *err) {
     char eb[128];
     struct stat sm, so;
     if (stat(model_path, &sm) != 0)
@@ -918,7 +917,7 @@ int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
         return kv_fail(err, KV_EINVAL, model_path, KV_NO_OFFSET,
                        "is a %s but the model was loaded as %s", is_dir ? "directory" : "file",
                        kv_format_name(fmt));
-    if ((rc = check_output(model_path, out, is_dir, err))) return rc;
+    if ((rc = kv_output_check(model_path, out, is_dir, err))) return rc;
     if (lr->info.model_fingerprint[0]) {
         char fp[65];
         if ((rc = kv_model_fingerprint(m, fp, err))) return rc;

@@ -1,5 +1,6 @@
 #include "hfwrite.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -430,6 +431,14 @@ static int add_mla_weights(struct kv_stw *w, const struct kv_model *m, const str
 int kv_hf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *dir,
                     const char *const *files, int n_files, struct kv_err *err) {
     KV_ASSERT(m && mla && dir && mla->n_layers == m->cfg.n_layers);
+    DIR *d = opendir(dir); /* a new directory, or an empty one: nothing replaced */
+    for (struct dirent *e; d && (e = readdir(d));)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            closedir(d);
+            return kv_fail(err, KV_EINVAL, dir, KV_NO_OFFSET,
+                           "directory exists and is not empty; refusing to replace it");
+        }
+    if (d) closedir(d);
     char *config = NULL, eps[32];
     int rc = mla_config_text(&m->cfg, mla, &config, err);
     if (!rc) rc = make_dir(dir, err);

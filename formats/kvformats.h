@@ -71,11 +71,13 @@ int kv_hf_write(const struct kv_model *m, const char *dir, enum kv_dtype dtype,
 
 /* Write m with its attention replaced by mla as an HF directory of
  * transformers' DeepseekV2ForCausalLM (docs/formats.md, "MLA as an HF
- * directory"): config.json, model.safetensors (the attention in F32, the
- * model's other weights in their stored F16 or BF16, else F32; streamed,
- * so memory does not grow with the model) and the files files[0 ..
- * n_files) copied in under their own names (tokenizer files). Atomic per
- * file, config.json last. Errors: KV_EIO naming the file, KV_ENOMEM. */
+ * directory"): config.json, model.safetensors (the attention in F32; the
+ * model's other weights F32, or their stored F16 or BF16 when m is
+ * streamed from its file, read a piece at a time so memory does not grow
+ * with the model) and the files files[0 .. n_files) copied in under their
+ * own names (tokenizer files). dir must be new or empty. Atomic per file,
+ * config.json last. Errors: KV_EINVAL (dir not empty), KV_EIO naming the
+ * file, KV_ENOMEM. */
 struct kv_mla;
 int kv_hf_write_mla(const struct kv_model *m, const struct kv_mla *mla, const char *dir,
                     const char *const *files, int n_files, struct kv_err *err);
@@ -258,6 +260,12 @@ struct kv_export_report {
 int kv_lr_export_dense(const struct kv_model *m, const char *model_path,
                        const struct kv_lowrank *lr, const char *out,
                        struct kv_export_report *rep, struct kv_err *err);
+/* The rules every export's output obeys, checked before anything is
+ * written: out is not the model at model_path itself (same inode), and,
+ * when it exists, is an empty directory for a directory output (is_dir)
+ * or not a directory for a file. KV_EINVAL naming out, KV_EIO naming
+ * model_path (cannot stat it). */
+int kv_output_check(const char *model_path, const char *out, int is_dir, struct kv_err *err);
 
 
 

@@ -676,7 +676,7 @@ struct mla_case {
     enum kv_rope_layout layout;
     int64_t rank, rope_dim, rope_step; /* rank 0: full */
     double tol;                        /* max |Δ log p| allowed; 0: only measured */
-    int turned;                        /* what loses RoPE turned by its mean rotation */
+    int turned;                        /* what loses RoPE turned (kv_mla_fit_turn) */
 };
 
 static void run_mla(const struct mla_case *k) {
@@ -697,7 +697,7 @@ static void run_mla(const struct mla_case *k) {
     struct kv_mla_opts mo = {k->rank ? k->rank : 2 * k->kv_heads * 64, k->rope_dim, k->rope_step, 1, 0,
                              NULL, 0, 0};
     int32_t calib[2 * N_IDS];
-    if (k->turned) { /* the attention distances of two more random windows */
+    if (k->turned) { /* the turn fitted on two more random windows */
         for (int i = 0; i < 2 * N_IDS; i++) calib[i] = i % N_IDS == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
         mo.calib_tokens = calib, mo.calib_windows = 2, mo.seq_len = N_IDS;
     }
@@ -776,7 +776,7 @@ Test(llamacpp, mla_mqa_full_rank_half_is_exact) { run_mla(&mla_cases[0]); }
 Test(llamacpp, mla_mqa_full_rank_interleaved_is_exact) { run_mla(&mla_cases[1]); }
 Test(llamacpp, mla_gqa2_full_rank_exact_at_position_0) { run_mla(&mla_cases[2]); }
 Test(llamacpp, mla_gqa2_rank48_rope16_step2_as_the_oracle) { run_mla(&mla_cases[3]); }
-Test(llamacpp, mla_gqa2_turned_by_mean_rotation_as_the_oracle) { run_mla(&mla_cases[4]); }
+Test(llamacpp, mla_gqa2_turned_as_the_oracle) { run_mla(&mla_cases[4]); }
 
 /* "node SCRIPT A B C OPTS" from the repository root: its last stdout line
  * (the caller frees); asserts it exits 0. */

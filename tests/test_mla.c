@@ -93,7 +93,8 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
     } bad[] = {
         {"export --mla --dense x -m data/kjv-llama -o y", "kvcal export: give one of --dense DIR or --mla\n"},
         {"export --dense x -m data/kjv-llama --ratio 0.5 -o y",
-         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, --no-balance, --text and --latent-norm-eps go with --mla\n"},
+         "kvcal export: --stats, --kv-lora-rank, --ratio, --rope-dim, --rope-step, --no-balance, --text, "
+         "--parse-special and --latent-norm-eps go with --mla\n"},
         {"export --mla -m data/kjv-llama -o y", "kvcal export: --mla needs --stats FILE (kvcal collect of the model)\n"},
         {"export --mla -m data/kjv-llama -s S -o y",
          "kvcal export: --mla needs exactly one of --kv-lora-rank N or --ratio X\n"},
@@ -200,8 +201,10 @@ Test(mla, kjv_llama_exports_a_deepseek2_gguf, .timeout = 300) {
 /* A random Llama of 2 layers, dim 128, 4 heads of 64 over G KV heads, its
  * queries and keys scaled up for sharper attention than N(0, 0.02) gives,
  * and statistics of 4 random windows of 48 (the last in ids). */
-static struct kv_model *random_case(int64_t G, uint64_t seed, struct kv_stats **s, int32_t ids[48]) {
+static struct kv_model *random_case_layout(int64_t G, enum kv_rope_layout layout, uint64_t seed,
+                                          struct kv_stats **s, int32_t ids[48]) {
     struct kv_config c = llama_cfg();
+    c.rope_layout = layout;
     c.n_kv_heads = G, c.n_layers = 2, c.dim = 128, c.hidden_dim = 256, c.bos_id = 1;
     struct kv_model *m;
     struct kv_err e;
@@ -222,6 +225,10 @@ static struct kv_model *random_case(int64_t G, uint64_t seed, struct kv_stats **
     kv_accum_sync(a);
     kv_accum_free(a);
     return m;
+}
+
+static struct kv_model *random_case(int64_t G, uint64_t seed, struct kv_stats **s, int32_t ids[48]) {
+    return random_case_layout(G, KV_ROPE_HALF, seed, s, ids);
 }
 
 /* With one KV head and the latent at full rank, the MLA form computes the
@@ -440,93 +447,104 @@ Test(mla, hf_directory_is_the_gguf_through_llamacpps_converter) {
 }
 
 /* The turn (kv_mla_fit_turn) against a float64 oracle written from its
- * definition (docs/design.md, step 3'): one KV head, a rope key of 16 of
- * 64, so pairs 0..7 keep RoPE (nothing to turn: the identity) and pairs
- * 8..31 lose it whole (r = k). For each pair, the least squares of
- * q·R(−ωΔ)k ≈ c q·k + s (q_a k_b − q_b k_a), weighed by the attention
- * weights and centred per query, over two windows of 48, solved here in
- * closed form from the oracle's own queries, keys and softmax. */
+ * definition (docs/design.md, step 3'), with a rope key of 16 of 64: pairs
+ * 8..31 lose RoPE whole (the residual is the key itself), and for each
+ * the least squares of q·R(−ωΔ)k ≈ c q·k + s (q_a k_b − q_b k_a), weighed
+ * by the attention weights and centred per query, over two windows of 48,
+ * solved here in closed form from the oracle's own queries, keys and
+ * softmax. One KV head with rotate-half pairs, where pairs 0..7 keep RoPE
+ * whole (nothing to turn: the identity), and two KV heads (each query
+ * head against its own) with interleaved pairs. */
 static double *oracle_q[2], *oracle_k[2];
+static int64_t oracle_G;
 static void keep_qk(int64_t l, const double *q, const double *k, int64_t n) {
     free(oracle_q[l]), free(oracle_k[l]);
     oracle_q[l] = malloc((size_t)(n * 4 * 64) * sizeof(double));
-    oracle_k[l] = malloc((size_t)(n * 64) * sizeof(double));
+    oracle_k[l] = malloc((size_t)(n * oracle_G * 64) * sizeof(double));
     memcpy(oracle_q[l], q, (size_t)(n * 4 * 64) * sizeof(double));
-    memcpy(oracle_k[l], k, (size_t)(n * 64) * sizeof(double));
+    memcpy(oracle_k[l], k, (size_t)(n * oracle_G * 64) * sizeof(double));
 }
 
 Test(mla, the_turn_is_the_oracles_least_squares) {
-    struct kv_err e;
-    struct kv_stats *s;
-    int32_t ids[48], two[96];
-    struct kv_model *m = random_case(1, 3, &s, ids);
-    uint64_t st = 99;
-    for (int i = 0; i < 96; i++) two[i] = i % 48 == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
-    struct kv_mla_opts o = {64, 16, 1, 1, 0, two, 2, 48};
-    double turn[2 * 32 * 2], want[2 * 32 * 5] = {0};
-    cr_assert_eq(kv_mla_fit_turn(m, s, &o, turn, NULL, &e), KV_OK, "%s", e.msg);
-    naive_qk_pre = keep_qk;
-    for (int w = 0; w < 2; w++) {
-        free(naive_forward(m, two + 48 * w, 48));
-        for (int64_t l = 0; l < 2; l++)
-            for (int64_t h = 0; h < 4; h++)
-                for (int64_t t = 0; t < 48; t++) {
-                    /* the softmax of the roped scores, from scratch */
-                    double sc[48], mx = -INFINITY, z = 0;
-                    for (int64_t u = 0; u <= t; u++) {
-                        double dot = 0;
-                        for (int64_t f = 0; f < 32; f++) {
-                            double om = pow(10000.0, -2.0 * (double)f / 64.0), ang = om * (double)(t - u);
-                            const double *q = oracle_q[l] + (t * 4 + h) * 64, *k = oracle_k[l] + u * 64;
-                            dot += cos(ang) * (q[f] * k[f] + q[f + 32] * k[f + 32]) +
-                                   sin(ang) * (q[f] * k[f + 32] - q[f + 32] * k[f]);
-                        }
-                        sc[u] = dot / 8.0;
-                        mx = sc[u] > mx ? sc[u] : mx;
-                    }
-                    for (int64_t u = 0; u <= t; u++) z += sc[u] = exp(sc[u] - mx);
-                    for (int64_t f = 16 / 2; f < 32; f++) { /* the pairs that lose RoPE */
-                        double om = pow(10000.0, -2.0 * (double)f / 64.0), m1[3] = {0}, m2[5] = {0};
+    for (int64_t G = 1; G <= 2; G++) {
+        enum kv_rope_layout lay = G == 1 ? KV_ROPE_HALF : KV_ROPE_INTERLEAVED;
+        struct kv_err e;
+        struct kv_stats *s;
+        int32_t ids[48], two[96];
+        struct kv_model *m = random_case_layout(G, lay, 3, &s, ids);
+        uint64_t st = 99;
+        for (int i = 0; i < 96; i++) two[i] = i % 48 == 0 ? 1 : (int32_t)(rng_next(&st) % 300);
+        struct kv_mla_opts o = {64, 16, 1, 1, 0, two, 2, 48};
+        double turn[2 * 2 * 32 * 2], want[2 * 2 * 32 * 5] = {0};
+        cr_assert_eq(kv_mla_fit_turn(m, s, &o, turn, NULL, &e), KV_OK, "%s", e.msg);
+        oracle_G = G;
+        naive_qk_pre = keep_qk;
+        for (int w = 0; w < 2; w++) {
+            free(naive_forward(m, two + 48 * w, 48));
+            for (int64_t l = 0; l < 2; l++)
+                for (int64_t h = 0; h < 4; h++)
+                    for (int64_t t = 0; t < 48; t++) {
+                        int64_t g = h / (4 / G);
                         const double *q = oracle_q[l] + (t * 4 + h) * 64;
+                        /* the softmax of the roped scores, from scratch */
+                        double sc[48], mx = -INFINITY, z = 0;
                         for (int64_t u = 0; u <= t; u++) {
-                            const double *k = oracle_k[l] + u * 64;
-                            double p = sc[u] / z, A = q[f] * k[f] + q[f + 32] * k[f + 32];
-                            double B = q[f] * k[f + 32] - q[f + 32] * k[f];
-                            double y = cos(om * (double)(t - u)) * A + sin(om * (double)(t - u)) * B;
-                            m1[0] += p * A, m1[1] += p * B, m1[2] += p * y;
-                            m2[0] += p * A * A, m2[1] += p * A * B, m2[2] += p * B * B;
-                            m2[3] += p * y * A, m2[4] += p * y * B;
+                            const double *k = oracle_k[l] + (u * G + g) * 64;
+                            double dot = 0;
+                            for (int64_t f = 0; f < 32; f++) {
+                                int64_t a = lay == KV_ROPE_HALF ? f : 2 * f, b = lay == KV_ROPE_HALF ? f + 32 : 2 * f + 1;
+                                double ang = pow(10000.0, -2.0 * (double)f / 64.0) * (double)(t - u);
+                                dot += cos(ang) * (q[a] * k[a] + q[b] * k[b]) + sin(ang) * (q[a] * k[b] - q[b] * k[a]);
+                            }
+                            sc[u] = dot / 8.0;
+                            mx = sc[u] > mx ? sc[u] : mx;
                         }
-                        double *wv = want + (l * 32 + f) * 5;
-                        wv[0] += m2[0] - m1[0] * m1[0], wv[1] += m2[1] - m1[0] * m1[1];
-                        wv[2] += m2[2] - m1[1] * m1[1], wv[3] += m2[3] - m1[2] * m1[0];
-                        wv[4] += m2[4] - m1[2] * m1[1];
+                        for (int64_t u = 0; u <= t; u++) z += sc[u] = exp(sc[u] - mx);
+                        for (int64_t f = 8; f < 32; f++) { /* the pairs that lose RoPE */
+                            int64_t a = lay == KV_ROPE_HALF ? f : 2 * f, b = lay == KV_ROPE_HALF ? f + 32 : 2 * f + 1;
+                            double om = pow(10000.0, -2.0 * (double)f / 64.0), m1[3] = {0}, m2[5] = {0};
+                            for (int64_t u = 0; u <= t; u++) {
+                                const double *k = oracle_k[l] + (u * G + g) * 64;
+                                double p = sc[u] / z, A = q[a] * k[a] + q[b] * k[b], B = q[a] * k[b] - q[b] * k[a];
+                                double y = cos(om * (double)(t - u)) * A + sin(om * (double)(t - u)) * B;
+                                m1[0] += p * A, m1[1] += p * B, m1[2] += p * y;
+                                m2[0] += p * A * A, m2[1] += p * A * B, m2[2] += p * B * B;
+                                m2[3] += p * y * A, m2[4] += p * y * B;
+                            }
+                            double *wv = want + ((l * G + g) * 32 + f) * 5;
+                            wv[0] += m2[0] - m1[0] * m1[0], wv[1] += m2[1] - m1[0] * m1[1];
+                            wv[2] += m2[2] - m1[1] * m1[1], wv[3] += m2[3] - m1[2] * m1[0];
+                            wv[4] += m2[4] - m1[2] * m1[1];
+                        }
                     }
-                }
-    }
-    naive_qk_pre = NULL;
-    double worst = 0;
-    int64_t at = 0;
-    for (int64_t l = 0; l < 2; l++)
-        for (int64_t f = 0; f < 32; f++) {
-            const double *S = want + (l * 32 + f) * 5;
-            double det = S[0] * S[2] - S[1] * S[1];
-            double wc = f < 8 ? 1 : (S[3] * S[2] - S[4] * S[1]) / det;
-            double ws = f < 8 ? 0 : (S[4] * S[0] - S[3] * S[1]) / det;
-            const double *g = turn + (l * 32 + f) * 2;
-            double err = fmax(fabs(g[0] - wc), fabs(g[1] - ws)) / (1e-4 + 1e-4 * fmax(fabs(wc), fabs(ws)));
-            if (err > worst) worst = err, at = l * 32 + f;
         }
-    cr_log_info("worst |turn - oracle| / (1e-4 + 1e-4 |oracle|) %.3g at layer %lld pair %lld", worst,
-                (long long)(at / 32), (long long)(at % 32));
-    cr_assert_leq(worst, 1.0, "layer %lld pair %lld: (%.9g, %.9g)", (long long)(at / 32),
-                  (long long)(at % 32), turn[at * 2], turn[at * 2 + 1]);
-    for (int64_t f = 0; f < 8; f++) /* nothing loses RoPE there */
-        cr_assert(turn[f * 2] == 1 && turn[f * 2 + 1] == 0, "pair %lld: (%g, %g)", (long long)f,
-                  turn[f * 2], turn[f * 2 + 1]);
-    for (int l = 0; l < 2; l++) free(oracle_q[l]), free(oracle_k[l]), oracle_q[l] = oracle_k[l] = NULL;
-    kv_stats_free(s);
-    kv_model_close(m);
+        naive_qk_pre = NULL;
+        double worst = 0;
+        int64_t at = 0;
+        for (int64_t i = 0; i < 2 * G * 32; i++) {
+            if (i % 32 < 8) continue; /* kept pairs: below */
+            const double *S = want + i * 5;
+            double det = S[0] * S[2] - S[1] * S[1];
+            double wc = (S[3] * S[2] - S[4] * S[1]) / det, ws = (S[4] * S[0] - S[3] * S[1]) / det;
+            const double *gt = turn + i * 2;
+            double err = fmax(fabs(gt[0] - wc), fabs(gt[1] - ws)) / (1e-4 + 1e-4 * fmax(fabs(wc), fabs(ws)));
+            if (err > worst) worst = err, at = i;
+        }
+        cr_log_info("%lld kv heads: worst |turn - oracle| / (1e-4 + 1e-4 |oracle|) %.3g at layer %lld "
+                    "head %lld pair %lld", (long long)G, worst, (long long)(at / (32 * G)),
+                    (long long)(at / 32 % G), (long long)(at % 32));
+        cr_assert_leq(worst, 1.0, "%lld kv heads, layer %lld head %lld pair %lld: (%.9g, %.9g)",
+                      (long long)G, (long long)(at / (32 * G)), (long long)(at / 32 % G),
+                      (long long)(at % 32), turn[at * 2], turn[at * 2 + 1]);
+        for (int64_t l = 0; G == 1 && l < 2; l++) /* one kv head keeps pairs 0..7 whole */
+            for (int64_t f = 0; f < 8; f++)
+                cr_assert(turn[(l * 32 + f) * 2] == 1 && turn[(l * 32 + f) * 2 + 1] == 0,
+                          "layer %lld pair %lld: (%g, %g)", (long long)l, (long long)f,
+                          turn[(l * 32 + f) * 2], turn[(l * 32 + f) * 2 + 1]);
+        for (int l = 0; l < 2; l++) free(oracle_q[l]), free(oracle_k[l]), oracle_q[l] = oracle_k[l] = NULL;
+        kv_stats_free(s);
+        kv_model_close(m);
+    }
 }
 
 /* The fitted turn: nothing to turn with one KV head at full rank (the file
@@ -660,6 +678,30 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
                   json_number_value(json_object_get(jh, same[i])));
     json_decref(jg), json_decref(jh);
     free(o), free(e);
+    /* nothing is overwritten: not the model itself, not a directory in use */
+    static const struct {
+        const char *out, *err;
+    } over[] = {
+        {"data/kjv-llama", "kvcal: data/kjv-llama: is the source model itself; refusing to overwrite it\n"},
+        {NULL, "directory exists and is not empty; refusing to replace it\n"},
+    };
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 -o '%s'", st,
+                 over[i].out ? over[i].out : hf);
+        int rc = kvt_run_cli(args, &o, &e);
+        cr_assert_eq(rc, 1, "%s: exit %d\n%s", args, rc, e);
+        cr_assert(strstr(e, over[i].err) && !strchr(e, '\n')[1], "%s:\n%s", args, e);
+        free(o), free(e);
+    }
+    /* made for transformers' epsilon: the engines that read the config are told off */
+    char *hf6 = kvt_path(dir, "hf6");
+    snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 --latent-norm-eps 1e-6 "
+                                "-o '%s'", st, hf6);
+    cr_assert_eq(kvt_run_cli(args, &o, &e), 0, "%s", e);
+    cr_assert(strstr(o, "note      the latent norm is made for epsilon 1e-06 (transformers' "
+                        "kv_a_layernorm); vLLM, SGLang and llama.cpp's converter normalize it with "
+                        "config.json's rms_norm_eps 1e-05 and will not compute this model\n"), "%s", o);
+    free(o), free(e), free(hf6);
     /* a GGUF has one epsilon; an impossible one is a usage error */
     static const struct {
         const char *extra, *err;
@@ -668,6 +710,7 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
          "kvcal export: --latent-norm-eps is for an HF directory: llama.cpp's deepseek2 normalizes "
          "the latent with the model's rms_norm_eps\n"},
         {"--latent-norm-eps 2 -o xdir", "kvcal export: --latent-norm-eps must be in (0, 1), got 2\n"},
+        {"--latent-norm-eps 0 -o xdir", "kvcal export: --latent-norm-eps must be in (0, 1), got 0\n"},
     };
     for (size_t i = 0; i < sizeof eps_bad / sizeof eps_bad[0]; i++) {
         snprintf(args, sizeof args, "export --mla -m data/kjv-llama -s '%s' --ratio 0.5 %s", st,

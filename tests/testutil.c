@@ -26,6 +26,56 @@ static const char *tmp_root(void) {
     return t && *t ? t : "/tmp";
 }
 
+/* Remove path and, if it is a directory (not followed through a link),
+ * everything under it. */
+static void rm_tree(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return;
+    if (!S_ISDIR(st.st_mode)) {
+        unlink(path);
+        return;
+    }
+    DIR *d = opendir(path);
+    if (d) {
+        struct dirent *e;
+        char sub[4096];
+        while ((e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
+                rm_tree(sub);
+            }
+        closedir(d);
+    }
+    rmdir(path);
+}
+
+/* Every temporary file and directory this process made, removed when it
+ * exits (each test runs in its own process), so a test that leaves its
+ * own behind, or fails half-way, leaves nothing in the temporary
+ * directory. */
+static char **made;
+static int n_made, cap_made;
+
+static void remove_made(void) {
+    for (int i = 0; i < n_made; i++) {
+        rm_tree(made[i]);
+        free(made[i]);
+    }
+    free(made);
+    made = NULL, n_made = cap_made = 0;
+}
+
+static void remember(const char *path) {
+    if (n_made == cap_made) {
+        int cap = cap_made ? 2 * cap_made : 16;
+        char **m = realloc(made, (size_t)cap * sizeof *m);
+        if (!m) return;
+        if (!made) atexit(remove_made);
+        made = m, cap_made = cap;
+    }
+    if ((made[n_made] = strdup(path))) n_made++;
+}
+
 char *kvt_write_temp(const void *buf, size_t len, const char *suffix) {
     char tmpl[1024];
     snprintf(tmpl, sizeof tmpl, "%s/kvcal-test-XXXXXX%s", tmp_root(), suffix ? suffix : "");
@@ -38,6 +88,7 @@ char *kvt_write_temp(const void *buf, size_t len, const char *suffix) {
         off += (size_t)w;
     }
     close(fd);
+    remember(tmpl);
     return strdup(tmpl);
 }
 
@@ -45,6 +96,7 @@ char *kvt_temp_dir(void) {
     char tmpl[1024];
     snprintf(tmpl, sizeof tmpl, "%s/kvcal-test-dir-XXXXXX", tmp_root());
     cr_assert(mkdtemp(tmpl) != NULL, "mkdtemp failed");
+    remember(tmpl);
     return strdup(tmpl);
 }
 
@@ -176,18 +228,7 @@ double kvt_assert_close_oracle(const float *got, const double *ref, int64_t n, d
 }
 
 void kvt_rm_dir(char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
+    rm_tree(dir); /* whole: tests write directories (HF, compressed) inside theirs */
     free(dir);
 }
 

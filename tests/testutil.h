@@ -34,8 +34,8 @@ const char *kvt_shared(const char *rel);
 char *kvt_write_temp(const void *buf, size_t len, const char *suffix);
 /* Make a fresh temporary directory; returns its malloc'd path. */
 char *kvt_temp_dir(void);
-/* Remove the files of dir (not subdirectories), dir itself, and free the
- * malloc'd path. */
+/* Remove dir and everything under it (symbolic links removed, not
+ * followed), and free the malloc'd path. */
 void kvt_rm_dir(char *dir);
 /* dir + "/" + name, malloc'd. */
 char *kvt_path(const char *dir, const char *name);
