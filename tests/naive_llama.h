@@ -42,6 +42,29 @@ static inline void naive_head(const struct kv_model *m, const double *xn, int64_
 }
 
 /* Reference logits [n, vocab] of tokens at positions 0..n-1. */
+/* RMSNorm of the n rows of x [n][d] with gain w into xn. */
+static inline void naive_rmsnorm(const double *x, double *xn, const float *w, int64_t n, int64_t d,
+                                 double eps) {
+    for (int64_t t = 0; t < n; t++) {
+        double ss = 0;
+        for (int64_t j = 0; j < d; j++) ss += x[t * d + j] * x[t * d + j];
+        double r = 1.0 / sqrt(ss / d + eps);
+        for (int64_t j = 0; j < d; j++) xn[t * d + j] = x[t * d + j] * r * w[j];
+    }
+}
+
+/* x [n][d] += o [n][k] W_oᵀ (W_o [d][k]): the attention output added to the
+ * residual stream. */
+static inline void naive_out_add(const float *wo, const double *o, double *x, int64_t n, int64_t d,
+                                 int64_t k) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < d; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < k; j++) s += wo[r * k + j] * o[t * k + j];
+            x[t * d + r] += s;
+        }
+}
+
 /* When set, naive_forward hands it each layer's queries q [n][h][dh] and
  * keys k [n][g][dh] before RoPE (an oracle's inputs for kv_mla_fit_turn). */
 static void (*naive_qk_pre)(int64_t layer, const double *q, const double *k, int64_t n);
@@ -60,16 +83,9 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
     double *logits = calloc((size_t)(n * V), sizeof(double));
     for (int64_t t = 0; t < n; t++)
         for (int64_t j = 0; j < d; j++) x[t * d + j] = m->tok_emb[tok[t] * d + j];
-#define NORM(w)                                                                             \
-    for (int64_t t = 0; t < n; t++) {                                                        \
-        double ss = 0;                                                                       \
-        for (int64_t j = 0; j < d; j++) ss += x[t * d + j] * x[t * d + j];                   \
-        double r = 1.0 / sqrt(ss / d + c->norm_eps);                                         \
-        for (int64_t j = 0; j < d; j++) xn[t * d + j] = x[t * d + j] * r * (w)[j];           \
-    }
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = m->layers[l].w;
-        NORM(w[KV_W_ATTN_NORM]);
+        naive_rmsnorm(x, xn, w[KV_W_ATTN_NORM], n, d, c->norm_eps);
         /* projections: out[t][r] = sum_j W[r][j] xn[t][j] + b[r] */
         struct {
             double *out;
@@ -138,16 +154,11 @@ static inline double *naive_forward(const struct kv_model *m, const int32_t *tok
                 free(sc);
             }
         }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t r = 0; r < d; r++) {
-                double s = 0;
-                for (int64_t j = 0; j < h * dh; j++) s += w[KV_W_O][r * h * dh + j] * o[t * h * dh + j];
-                x[t * d + r] += s;
-            }
-        NORM(w[KV_W_FFN_NORM]);
+        naive_out_add(w[KV_W_O], o, x, n, d, h * dh);
+        naive_rmsnorm(x, xn, w[KV_W_FFN_NORM], n, d, c->norm_eps);
         naive_swiglu_add(w, x, xn, a, n, d, hid);
     }
-    NORM(m->out_norm);
+    naive_rmsnorm(x, xn, m->out_norm, n, d, c->norm_eps);
     naive_head(m, xn, n, logits);
     free(x), free(xn), free(q), free(k), free(v), free(o), free(a);
     return logits;

@@ -28,17 +28,10 @@ static inline double *naive_mla_forward(const struct kv_model *m, const struct k
     double *logits = calloc((size_t)(n * V), sizeof(double));
     for (int64_t t = 0; t < n; t++)
         for (int64_t j = 0; j < d; j++) x[t * d + j] = m->tok_emb[tok[t] * d + j];
-#define MLA_NORM(w)                                                                           \
-    for (int64_t t = 0; t < n; t++) {                                                        \
-        double ss = 0;                                                                       \
-        for (int64_t j = 0; j < d; j++) ss += x[t * d + j] * x[t * d + j];                   \
-        double r = 1.0 / sqrt(ss / d + c->norm_eps);                                         \
-        for (int64_t j = 0; j < d; j++) xn[t * d + j] = x[t * d + j] * r * (w)[j];           \
-    }
     for (int64_t l = 0; l < c->n_layers; l++) {
         const float *const *w = m->layers[l].w;
         const struct kv_mla_layer *y = &mla->layers[l];
-        MLA_NORM(w[KV_W_ATTN_NORM]);
+        naive_rmsnorm(x, xn, w[KV_W_ATTN_NORM], n, d, c->norm_eps);
         for (int64_t t = 0; t < n; t++) {
             for (int64_t r = 0; r < H * qw; r++) {
                 double s = 0;
@@ -100,17 +93,11 @@ static inline double *naive_mla_forward(const struct kv_model *m, const struct k
                 }
                 free(sc);
             }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t r = 0; r < d; r++) {
-                double s = 0;
-                for (int64_t j = 0; j < H * vd; j++) s += w[KV_W_O][r * H * vd + j] * o[t * H * vd + j];
-                x[t * d + r] += s;
-            }
-        MLA_NORM(w[KV_W_FFN_NORM]);
+        naive_out_add(w[KV_W_O], o, x, n, d, H * vd);
+        naive_rmsnorm(x, xn, w[KV_W_FFN_NORM], n, d, c->norm_eps);
         naive_swiglu_add(w, x, xn, a, n, d, hid);
     }
-    MLA_NORM(m->out_norm);
-#undef MLA_NORM
+    naive_rmsnorm(x, xn, m->out_norm, n, d, c->norm_eps);
     naive_head(m, xn, n, logits);
     free(x), free(xn), free(q), free(kv), free(knope), free(val), free(o), free(a);
     return logits;
