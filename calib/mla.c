@@ -75,11 +75,11 @@ static void pair_coords(enum kv_rope_layout layout, int64_t dh, int64_t f, int64
 
 /* Per layer scratch, float64. */
 struct work {
-    double *wq, *wk, *wv, *ckk, *kpe, *b, *cov, *t, *eig, *vec, *a, *aat, *aeig;
+    double *wq, *wk, *wv, *kpe, *b, *cov, *t, *eig, *vec, *a, *aat, *aeig;
 };
 
 static void work_free(struct work *w) {
-    free(w->wq), free(w->wk), free(w->wv), free(w->ckk), free(w->kpe), free(w->b), free(w->cov);
+    free(w->wq), free(w->wk), free(w->wv), free(w->kpe), free(w->b), free(w->cov);
     free(w->t), free(w->eig), free(w->vec), free(w->a), free(w->aat), free(w->aeig);
 }
 
@@ -112,6 +112,34 @@ static int pair_mixing(const struct kv_config *c, const struct kv_mla_opts *o, i
         for (int64_t h = 0; h < G; h++) e += gmix[g] * gmix[h] * cov[g * G + h];
     *e0 = e > 0 ? e : 0;
     return KV_OK;
+}
+
+/* Steps 1-2 for every layer: the mixing m_f of each kept slot into mix
+ * [L][R/2][G], and the share of the pre-RoPE key energy the kept
+ * components carry into share [L] (the statistics' K output covariance,
+ * one layer at a time). Computed once, read by the turn's fit and by the
+ * conversion. */
+static int all_mixing(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                      double *mix, double *share, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    int64_t L = c->n_layers, G = c->n_kv_heads, dh = c->head_dim, R2 = o->rope_dim / 2;
+    double *ckk = malloc((size_t)(G * dh * G * dh) * sizeof *ckk);
+    double *cov = malloc((size_t)(G * G) * sizeof *cov), *eig = malloc((size_t)G * sizeof *eig);
+    double *vec = malloc((size_t)(G * G) * sizeof *vec);
+    int rc = !ckk || !cov || !eig || !vec ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+                                          : KV_OK;
+    for (int64_t l = 0; l < L && !rc; l++) {
+        rc = kv_stats_out_cov(s, m, l, 0, 0, G, ckk, err); /* [G dh]² pre-RoPE keys */
+        double total = 0, kept = 0, e0 = 0;
+        for (int64_t i = 0; !rc && i < G * dh; i++) total += ckk[i * G * dh + i];
+        for (int64_t i = 0; i < R2 && !rc; i++) {
+            rc = pair_mixing(c, o, l, i, ckk, cov, eig, vec, mix + (l * R2 + i) * G, &e0, err);
+            kept += e0;
+        }
+        share[l] = total > 0 ? kept / total : 0;
+    }
+    free(ckk), free(cov), free(eig), free(vec);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- the turn */
@@ -226,24 +254,16 @@ static int fit_hook(void *ctx, int64_t l, const float *q, const float *k, int64_
     return KV_OK;
 }
 
-int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+/* The turn on o's windows, given the mixing of every layer (all_mixing). */
+static int fit_turn(const struct kv_model *m, const struct kv_mla_opts *o, const double *mix,
                     double *turn, double *mean_distance, struct kv_err *err) {
     const struct kv_config *c = kv_model_config(m);
-    int rc = kv_mla_check(c, o, err);
-    if (rc) return rc;
-    if (!o->calib_tokens || o->calib_windows < 1 || o->seq_len < 2)
-        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
-                       "no calibration windows to fit the turn on");
     int64_t L = c->n_layers, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, half = dh / 2;
-    int64_t R2 = o->rope_dim / 2, T = o->seq_len;
+    int64_t T = o->seq_len;
     double omega[KV_MAX_ROPE_FACTORS];
     kv_rope_freqs(c, T, omega);
-    struct fit F = {.c = c, .o = o, .omega = omega};
-    double *mix = calloc((size_t)(L * R2 * G), sizeof *mix);
-    double *ckk = malloc((size_t)(G * dh * G * dh) * sizeof *ckk);
-    double *cov = malloc((size_t)(G * G) * sizeof *cov), *eig = malloc((size_t)G * sizeof *eig);
-    double *vec = malloc((size_t)(G * G) * sizeof *vec);
-    F.mix = mix;
+    struct fit F = {.c = c, .o = o, .mix = mix, .omega = omega};
+    int rc;
     F.sums = calloc((size_t)(L * G * half * FIT_N), sizeof *F.sums);
     F.dist = calloc((size_t)(L * 2), sizeof *F.dist);
     F.part = malloc((size_t)(H * half * FIT_N) * sizeof *F.part);
@@ -255,8 +275,7 @@ int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const st
     int64_t nth = omp_get_max_threads();
     F.sc = malloc((size_t)(nth * T * T) * sizeof *F.sc);
     F.pw = malloc((size_t)(nth * T) * sizeof *F.pw);
-    rc = !mix || !ckk || !cov || !eig || !vec || !F.sums || !F.dist || !F.part || !F.pd || !F.qp ||
-                 !F.kp || !F.cs || !F.sn || !F.sc || !F.pw
+    rc = !F.sums || !F.dist || !F.part || !F.pd || !F.qp || !F.kp || !F.cs || !F.sn || !F.sc || !F.pw
              ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
              : KV_OK;
     for (int64_t d = 0; !rc && d < T; d++)
@@ -264,12 +283,6 @@ int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const st
             F.cs[d * half + f] = cos(omega[f] * (double)d);
             F.sn[d * half + f] = sin(omega[f] * (double)d);
         }
-    for (int64_t l = 0; l < L && !rc; l++) {
-        double e0;
-        rc = kv_stats_out_cov(s, m, l, 0, 0, G, ckk, err);
-        for (int64_t i = 0; i < R2 && !rc; i++)
-            rc = pair_mixing(c, o, l, i, ckk, cov, eig, vec, mix + (l * R2 + i) * G, &e0, err);
-    }
     struct kv_fwd *f = NULL;
     if (!rc) rc = kv_fwd_init(m, T, &f, err);
     if (!rc) {
@@ -294,35 +307,47 @@ int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const st
     }
     for (int64_t l = 0; !rc && mean_distance && l < L; l++)
         mean_distance[l] = F.dist[l * 2 + 1] > 0 ? F.dist[l * 2] / F.dist[l * 2 + 1] : 0;
-    free(mix), free(ckk), free(cov), free(eig), free(vec), free(F.sums), free(F.dist), free(F.part);
-    free(F.pd), free(F.qp), free(F.kp), free(F.cs), free(F.sn), free(F.sc), free(F.pw);
+    free(F.sums), free(F.dist), free(F.part), free(F.pd), free(F.qp), free(F.kp), free(F.cs);
+    free(F.sn), free(F.sc), free(F.pw);
+    return rc;
+}
+
+int kv_mla_fit_turn(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
+                    double *turn, double *mean_distance, struct kv_err *err) {
+    const struct kv_config *c = kv_model_config(m);
+    int rc = kv_mla_check(c, o, err);
+    if (rc) return rc;
+    if (!o->calib_tokens || o->calib_windows < 1 || o->seq_len < 2)
+        return kv_fail(err, KV_EINVAL, NULL, KV_NO_OFFSET,
+                       "no calibration windows to fit the turn on");
+    int64_t L = c->n_layers, G = c->n_kv_heads;
+    double *mix = calloc((size_t)(L * (o->rope_dim / 2) * G), sizeof *mix);
+    double *share = malloc((size_t)L * sizeof *share);
+    rc = !mix || !share ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+                        : all_mixing(m, s, o, mix, share, err);
+    if (!rc) rc = fit_turn(m, o, mix, turn, mean_distance, err);
+    free(mix), free(share);
     return rc;
 }
 
 /* ---------------------------------------------------------------- layers */
 
 static int convert_layer(const struct kv_model *m, const struct kv_stats *s, const struct kv_mla_opts *o,
-                         int64_t l, const double *turn, struct work *w, struct kv_mla_layer *y,
-                         struct kv_mla_layer_info *info, struct kv_err *err) {
+                         int64_t l, const double *mix, const double *turn, struct work *w,
+                         struct kv_mla_layer *y, struct kv_mla_layer_info *info, struct kv_err *err) {
     const struct kv_config *c = kv_model_config(m);
     int64_t d = c->dim, H = c->n_heads, G = c->n_kv_heads, dh = c->head_dim, gs = H / G;
     int64_t R = o->rope_dim, dc = o->kv_lora_rank, n = dh, ny = 2 * G * dh;
     widen(w->wq, kv_model_weight(m, KV_W_Q, l), H * dh * d);
     widen(w->wk, kv_model_weight(m, KV_W_K, l), G * dh * d);
     widen(w->wv, kv_model_weight(m, KV_W_V, l), G * dh * d);
-    int rc = kv_stats_out_cov(s, m, l, 0, 0, G, w->ckk, err); /* [G dh]² pre-RoPE keys */
-    if (rc) return rc;
-    /* 1-2: per kept pair f, the top eigenvector m_f of S_f across heads */
-    double gmix[64]; /* m_f[g], G <= 64 checked by the caller */
-    double total_k = 0, kept_k = 0;
-    for (int64_t i = 0; i < G * dh; i++) total_k += w->ckk[i * G * dh + i];
+    int rc;
+    /* 1-2: per kept pair f, its mixing m_f across heads (all_mixing) */
     memcpy(w->b, w->wk, (size_t)(G * dh * d) * sizeof *w->b); /* K_res starts as W_k */
     for (int64_t i = 0; i < R / 2; i++) {
         int64_t f = i * o->rope_step, pa, pb;
-        double e0;
+        const double *gmix = mix + i * G;
         pair_coords(c->rope_layout, dh, f, &pa, &pb);
-        if ((rc = pair_mixing(c, o, l, i, w->ckk, w->cov, w->eig, w->vec, gmix, &e0, err))) return rc;
-        kept_k += e0;
         /* k^pe rows 2i, 2i+1: Σ_g m_f[g] W_k rows (g, pa), (g, pb) */
         double *ka = w->kpe + (2 * i) * d, *kb = w->kpe + (2 * i + 1) * d;
         memset(ka, 0, (size_t)(2 * d) * sizeof *ka);
@@ -358,7 +383,6 @@ static int convert_layer(const struct kv_model *m, const struct kv_stats *s, con
                 ra[j] = cs * x + sn * z, rb[j] = -sn * x + cs * z;
             }
         }
-    info->rope_share = total_k > 0 ? kept_k / total_k : 0;
     /* q^nope: every head's query unrotated */
     for (int64_t h = 0; h < H; h++)
         for (int64_t r = 0; r < dh; r++)
@@ -446,24 +470,27 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
     mla->nope_dim = n, mla->v_dim = dh, mla->latent_eps = kv_mla_latent_eps(c, o);
     /* slot i is pair i*step: θ'^(-2i/R) = θ^(-2 i step / dh) */
     mla->rope_base = (float)pow((double)c->rope_theta, (double)(o->rope_step * R) / (double)dh);
+    /* steps 1-2 for every layer first: the turn (3') reads them too */
+    double *mix = calloc((size_t)(L * (R / 2) * G), sizeof *mix), *share = malloc((size_t)L * sizeof *share);
     double *turn = NULL, *mdist = NULL;
-    if (o->calib_tokens && o->calib_windows > 0) { /* step 3': the turn, fitted first */
+    rc = !mix || !share ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
+                        : all_mixing(m, s, o, mix, share, err);
+    if (!rc && o->calib_tokens && o->calib_windows > 0) {
         turn = malloc((size_t)(L * G * (dh / 2) * 2) * sizeof *turn);
         mdist = malloc((size_t)L * sizeof *mdist);
-        rc = turn && mdist ? kv_mla_fit_turn(m, s, o, turn, mdist, err)
+        rc = turn && mdist ? fit_turn(m, o, mix, turn, mdist, err)
                            : kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory");
-        if (rc) {
-            free(turn), free(mdist);
-            kv_mla_free(mla);
-            return rc;
-        }
+    }
+    if (rc) {
+        free(mix), free(share), free(turn), free(mdist);
+        kv_mla_free(mla);
+        return rc;
     }
     struct work w = {0};
     size_t big = (size_t)(ny > H * dh ? ny : H * dh) * (size_t)d;
     w.wq = malloc((size_t)(H * dh * d) * sizeof *w.wq);
     w.wk = malloc((size_t)(G * dh * d) * sizeof *w.wk);
     w.wv = malloc((size_t)(G * dh * d) * sizeof *w.wv);
-    w.ckk = malloc((size_t)(G * dh * G * dh) * sizeof *w.ckk);
     w.kpe = malloc((size_t)(R * d) * sizeof *w.kpe);
     w.b = malloc((size_t)(ny * d) * sizeof *w.b);
     w.cov = malloc((size_t)(ny * ny) * sizeof *w.cov);
@@ -473,7 +500,7 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
     w.a = malloc((size_t)(dc * d) * sizeof *w.a);
     w.aat = malloc((size_t)(dc * dc) * sizeof *w.aat);
     w.aeig = malloc((size_t)dc * sizeof *w.aeig);
-    rc = !w.wq || !w.wk || !w.wv || !w.ckk || !w.kpe || !w.b || !w.cov || !w.t || !w.eig || !w.vec ||
+    rc = !w.wq || !w.wk || !w.wv || !w.kpe || !w.b || !w.cov || !w.t || !w.eig || !w.vec ||
                  !w.a || !w.aat || !w.aeig
              ? kv_fail(err, KV_ENOMEM, NULL, KV_NO_OFFSET, "out of memory")
              : KV_OK;
@@ -489,12 +516,13 @@ int kv_mla_convert(const struct kv_model *m, const struct kv_stats *s, const str
             break;
         }
         struct kv_mla_layer_info li = {0};
-        rc = convert_layer(m, s, o, l, turn ? turn + l * G * (dh / 2) * 2 : NULL, &w, y, &li, err);
-        li.mean_distance = turn ? mdist[l] : 0;
+        rc = convert_layer(m, s, o, l, mix + l * (R / 2) * G, turn ? turn + l * G * (dh / 2) * 2 : NULL,
+                           &w, y, &li, err);
+        li.rope_share = share[l], li.mean_distance = turn ? mdist[l] : 0;
         if (info) info[l] = li;
     }
     work_free(&w);
-    free(turn), free(mdist);
+    free(mix), free(share), free(turn), free(mdist);
     if (rc) {
         kv_mla_free(mla);
         return rc;
