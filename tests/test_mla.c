@@ -761,6 +761,34 @@ Test(mla, verify_runs_the_export_and_refuses_other_files, .timeout = 300) {
                   fclose(fp) == 0);
         free(copy);
     }
+    /* weights cut short, and a NaN in the latent norm's gain: the file and
+     * the offset named */
+    struct kv_st_file *stf;
+    struct kv_err serr;
+    cr_assert_eq(kv_st_open(w_path, &stf, &serr), KV_OK, "%s", serr.msg);
+    const struct kv_tensor *gain = kv_st_find(stf, "model.layers.0.self_attn.kv_a_layernorm.weight");
+    cr_assert(gain);
+    uint64_t nan_off = gain->offset;
+    kv_st_close(stf);
+    for (int i = 0; i < 2; i++) {
+        char *copy = malloc(wlen);
+        memcpy(copy, w_bytes, wlen);
+        float nanv = NAN;
+        size_t n = i == 0 ? wlen / 2 : wlen;
+        if (i == 1) memcpy(copy + nan_off, &nanv, 4);
+        FILE *fp = fopen(w_path, "wb");
+        cr_assert(fp && fwrite(copy, 1, n, fp) == n && fclose(fp) == 0);
+        snprintf(args, sizeof args, "verify -m data/kjv-llama -t data/kjv/gospels.txt --mla '%s' -q", hf);
+        int rc = kvt_run_cli(args, &o, &e);
+        char want[1200];
+        snprintf(want, sizeof want, "kvcal: %s: offset ", w_path);
+        cr_assert_eq(rc, 1, "case %d: exit %d\n%s", i, rc, e);
+        cr_assert(!strncmp(e, want, strlen(want)) && !strchr(e, '\n')[1], "case %d:\n%s", i, e);
+        if (i == 1)
+            cr_assert(strstr(e, "tensor 'model.layers.0.self_attn.kv_a_layernorm.weight' holds nan at "
+                                "element 0\n"), "%s", e);
+        free(o), free(e), free(copy);
+    }
     free(cfg_text), free(w_bytes), free(cfg_path), free(w_path), free(hf);
     /* a plain llama file, and an export of another model (same shapes) */
     struct kv_model *m;
